@@ -1,0 +1,323 @@
+"""The ``mtkit`` command line: each command parses, calls one library function and renders.
+
+Data goes to stdout, chatter to stderr. A problem with the user's input (file, config, checkpoint)
+is one line on stderr and exit status 1; anything else is a bug and keeps its traceback.
+Torch is imported inside commands so that ``mtkit --help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from mtkit import __version__
+
+app = typer.Typer(
+    help="mtkit: train, run and score Transformer machine-translation models.",
+    no_args_is_help=True,
+    rich_markup_mode="rich",
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+tokenizer_app = typer.Typer(help="Train SentencePiece tokenizer models.", no_args_is_help=True)
+app.add_typer(tokenizer_app, name="tokenizer")
+
+stderr = Console(stderr=True)
+log = logging.getLogger("mtkit")
+
+
+def _user_error(err: Exception) -> bool:
+    """Errors caused by input (files, config, checkpoints) rather than by a bug in mtkit."""
+    from mtkit.config import ConfigError
+
+    known: tuple[type, ...] = (ConfigError,)
+    for module, names in (
+        ("mtkit.data", ("DataError",)),
+        ("mtkit.tokenizer", ("TokenizerError",)),
+        ("mtkit.checkpoint", ("CheckpointError",)),
+        ("mtkit.runtime", ("RuntimeSetupError",)),
+    ):
+        loaded = sys.modules.get(module)
+        if loaded is not None:
+            known += tuple(getattr(loaded, name) for name in names)
+    return isinstance(err, known)
+
+
+def user_errors(command):
+    """Turn input errors into one line on stderr and exit status 1."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except Exception as err:
+            if not _user_error(err):
+                raise
+            typer.echo(f"error: {err}", err=True)
+            raise typer.Exit(1) from None
+
+    return wrapper
+
+
+def _setup_logging(quiet: bool = False) -> None:
+    if log.handlers:
+        return
+    if stderr.is_terminal:
+        from rich.logging import RichHandler
+
+        handler: logging.Handler = RichHandler(console=stderr, show_path=False, show_time=False)
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
+    log.addHandler(handler)
+    log.setLevel(logging.WARNING if quiet else logging.INFO)
+    log.propagate = False
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"mtkit {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main_options(
+    version: Annotated[
+        Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = None,
+) -> None:
+    """mtkit: train, run and score Transformer machine-translation models."""
+
+
+# -- tokenizer ------------------------------------------------------------------------------
+
+
+@tokenizer_app.command("train")
+@user_errors
+def tokenizer_train(
+    src: Annotated[Path, typer.Option(help="Source-side training text (plain or .gz).")],
+    out_dir: Annotated[Path, typer.Option("--out-dir", "-o", help="Directory for spm.model (joint) or spm.src/tgt.model.")],
+    tgt: Annotated[Optional[Path], typer.Option(help="Target-side training text; omit for one monolingual model.")] = None,
+    joint: Annotated[bool, typer.Option("--joint/--separate", help="One model for both sides, or one per side.")] = True,
+    vocab_size: Annotated[int, typer.Option(help="Pieces per model.")] = 8000,
+    model_type: Annotated[str, typer.Option("--type", help="unigram or bpe.")] = "unigram",
+    character_coverage: Annotated[float, typer.Option(help="Share of characters covered (0.9995 for CJK).")] = 1.0,
+    input_sentence_size: Annotated[int, typer.Option(help="Sentences sampled for training; 0 uses all.")] = 2_000_000,
+    seed: Annotated[int, typer.Option(help="Seed for sentence sampling.")] = 1,
+) -> None:
+    """Train SentencePiece model(s) with mtkit's special ids (pad 0, unk 1, bos 2, eos 3)."""
+    from mtkit.config import TokenizerConfig
+    from mtkit.data import read_lines
+    from mtkit.tokenizer import SpmOptions, train_spm
+
+    TokenizerConfig(type=model_type, vocab_size=vocab_size, character_coverage=character_coverage,
+                    input_sentence_size=input_sentence_size)  # validates the values
+    _setup_logging()
+    options = SpmOptions(vocab_size, model_type, character_coverage, input_sentence_size, seed)
+    src_lines = read_lines(src)
+    tgt_lines = read_lines(tgt) if tgt else []
+    if tgt is None or joint:
+        written = [train_spm(src_lines + tgt_lines, out_dir / "spm", options)]
+    else:
+        written = [train_spm(src_lines, out_dir / "spm.src", options), train_spm(tgt_lines, out_dir / "spm.tgt", options)]
+    for path in written:
+        typer.echo(f"wrote {path} and {path.with_suffix('.vocab')}", err=True)
+
+
+# -- train ----------------------------------------------------------------------------------
+
+
+class RichReporter:
+    """Live progress on a terminal; a plain line every ``every`` updates when writing to a log."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self.progress = None
+
+    def start(self, total_steps: int, done_steps: int) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        self.total = total_steps
+        if stderr.is_terminal:
+            self.progress = Progress(
+                TextColumn("update"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[stats]}"),
+                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=stderr,
+            )
+            self.task = self.progress.add_task("train", total=total_steps, completed=done_steps, stats="")
+            self.progress.start()
+
+    def update(self, step: int, stats: dict) -> None:
+        text = f"loss {stats['loss']:.3f} lr {stats['lr']:.2e} {stats['tok_s']:,.0f} tok/s epoch {stats['epoch']}"
+        if self.progress is not None:
+            self.progress.update(self.task, completed=step, stats=text)
+        elif step % self.every == 0:
+            log.info("update %d/%d %s", step, self.total, text)
+
+    def finish(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+
+@app.command()
+@user_errors
+def train(
+    config: Annotated[Path, typer.Argument(help="YAML config with data, tokenizer, model, train and decode sections.")],
+    overrides: Annotated[list[str], typer.Option("--set", help="Override a key: --set train.lr=0.001 (repeatable).")] = [],
+    out: Annotated[Optional[Path], typer.Option("--out", help="Run directory (default: runs/<config name>).")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the resolved config, batch and LR schedule; do not train.")] = False,
+    restart: Annotated[bool, typer.Option("--restart", help="Start over even if the run directory holds a checkpoint.")] = False,
+) -> None:
+    """Train a Transformer; re-running on the same run directory resumes from its last checkpoint."""
+    from mtkit.config import dump, load
+
+    cfg = load(config, overrides)
+    out = out or Path("runs") / config.stem
+    if dry_run:
+        from mtkit.train import schedule_preview
+
+        tc = cfg.train
+        typer.echo(dump(cfg), nl=False)
+        typer.echo(f"# run directory: {out}")
+        typer.echo(f"# effective batch: {tc.batch_tokens * tc.accum} padded tokens per side per update "
+                   f"({tc.batch_tokens} x accum {tc.accum})")
+        typer.echo("# learning rate: " + ", ".join(f"update {s}: {lr:.3g}" for s, lr in schedule_preview(cfg)))
+        return
+    _setup_logging()
+    from mtkit.train import train as run_training
+
+    try:
+        result = run_training(cfg, out, RichReporter(cfg.train.log_every), restart=restart)
+    except KeyboardInterrupt:
+        typer.echo(f"interrupted: last checkpoint saved in {out}", err=True)
+        raise typer.Exit(130) from None
+    if "valid_bleu" in result:
+        typer.echo(f"final validation BLEU {result['valid_bleu']:.2f} ({result['bleu_signature']})", err=True)
+    typer.echo(f"run directory: {out}", err=True)
+
+
+# -- translate ------------------------------------------------------------------------------
+
+
+def _read_input(path: Optional[Path]) -> list[str]:
+    """Input lines; invalid UTF-8 is replaced (with a warning naming the line) so alignment holds."""
+    if path is not None:
+        from mtkit.data import DataError
+
+        if not path.is_file():
+            raise DataError(f"{path}: file not found")
+        raw = path.read_bytes()
+        if raw[:2] == b"\x1f\x8b":
+            import gzip
+
+            raw = gzip.decompress(raw)
+    else:
+        raw = sys.stdin.buffer.read()
+    name = str(path) if path else "<stdin>"
+    lines = []
+    for number, line in enumerate(raw.split(b"\n"), start=1):
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError:
+            log.warning("%s:%d: invalid UTF-8 replaced", name, number)
+            text = line.decode("utf-8", errors="replace")
+        lines.append(text.rstrip("\r"))
+    if lines and lines[-1] == "" and raw.endswith(b"\n"):
+        lines.pop()  # the final newline ends the last line; it does not start another
+    elif raw == b"":
+        lines = []
+    return lines
+
+
+@app.command()
+@user_errors
+def translate(
+    model: Annotated[Path, typer.Argument(help="Run directory (uses best.pt) or checkpoint file.")],
+    input: Annotated[Optional[Path], typer.Option("--input", "-i", help="Input text (default: stdin).")] = None,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output file, written atomically (default: stdout).")] = None,
+    beam: Annotated[int, typer.Option(help="Beam size; 1 is greedy.")] = 5,
+    batch_size: Annotated[int, typer.Option(help="Sentences per batch.")] = 128,
+    lenpen: Annotated[float, typer.Option(help="GNMT length penalty alpha.")] = 1.0,
+    max_len_a: Annotated[float, typer.Option(help="Output length cap: a * source length + b.")] = 1.5,
+    max_len_b: Annotated[int, typer.Option(help="Output length cap: a * source length + b.")] = 10,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    precision: Annotated[str, typer.Option(help="fp32, bf16 or fp16 (fp16 on GPU only).")] = "fp32",
+) -> None:
+    """Translate one sentence per line; exactly one output line for every input line, in order."""
+    from mtkit.checkpoint import atomic_write_text, load_for_inference
+    from mtkit.config import ConfigError, DecodeConfig
+    from mtkit.runtime import autocast, compute_dtype, pick_device
+    from mtkit.translate import translate_lines
+
+    _setup_logging()
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise ConfigError(f"--precision must be fp32, bf16 or fp16, got {precision!r}")
+    decode = DecodeConfig(beam=beam, lenpen=lenpen, max_len_a=max_len_a, max_len_b=max_len_b, batch_size=batch_size)
+    dev = pick_device(device)
+    dtype = compute_dtype(precision, dev)
+    bundle = load_for_inference(model, dev)
+    lines = _read_input(input)
+    with autocast(dev, dtype):
+        hyps = translate_lines(bundle.model, bundle.src_tok, bundle.tgt_tok, lines, decode, dev)
+    text = "".join(h.replace("\n", " ") + "\n" for h in hyps)
+    if output is not None:
+        atomic_write_text(output, text)
+    else:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+
+# -- eval -----------------------------------------------------------------------------------
+
+
+@app.command("eval")
+@user_errors
+def evaluate(
+    hyp: Annotated[Path, typer.Option(help="System output, one line per segment.")],
+    ref: Annotated[list[Path], typer.Option(help="Reference file; repeat for several references.")],
+    metrics: Annotated[list[str], typer.Option(help="bleu, chrf, ter: repeat or comma-separate.")] = ["bleu", "chrf"],
+    tokenize: Annotated[Optional[str], typer.Option(help="sacreBLEU BLEU tokenizer (default 13a).")] = None,
+    lowercase: Annotated[bool, typer.Option(help="Case-insensitive scores.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list of scores to stdout.")] = False,
+) -> None:
+    """Corpus BLEU, chrF and TER through sacreBLEU, each with its signature."""
+    from mtkit.config import ConfigError
+    from mtkit.data import DataError, read_lines
+    from mtkit.metrics import METRICS, score
+
+    names = tuple(m.strip().lower() for item in metrics for m in item.split(",") if m.strip())
+    unknown = [m for m in names if m not in METRICS]
+    if unknown or not names:
+        raise ConfigError(f"--metrics takes {', '.join(METRICS)}; got {', '.join(unknown) or 'nothing'}")
+    hyps = read_lines(hyp)
+    refs = []
+    for path in ref:
+        lines = read_lines(path)
+        if len(lines) != len(hyps):
+            raise DataError(f"{hyp} has {len(hyps)} lines but {path} has {len(lines)}")
+        refs.append(lines)
+    if tokenize is not None:
+        from sacrebleu.metrics.bleu import _TOKENIZERS
+
+        if tokenize not in _TOKENIZERS:
+            raise ConfigError(f"--tokenize must be one of {', '.join(_TOKENIZERS)}, got {tokenize!r}")
+    scores = score(hyps, refs, names, tokenize=tokenize, lowercase=lowercase)
+    if as_json:
+        typer.echo(json.dumps([s.to_dict() for s in scores], indent=1))
+    else:
+        for s in scores:
+            typer.echo(f"{s.details}\n  signature: {s.signature}")
+
+
+def main() -> None:
+    app(prog_name="mtkit")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,254 @@
+"""Typed configuration: the one home for defaults, loaded from YAML plus ``--set`` overrides.
+
+The YAML file mirrors the dataclass tree (``data``, ``tokenizer``, ``model``, ``train``, ``decode``);
+an unknown key or a value of the wrong type or range is a ``ConfigError`` naming the key.
+"""
+
+import dataclasses
+import typing
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad config file, key or value; the CLI prints it as one line."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train_src: str = ""  # source side; a .tsv(.gz) holding both sides when train_tgt is empty
+    train_tgt: str = ""
+    valid_src: str = ""
+    valid_tgt: str = ""
+    src_lang: str = "src"
+    tgt_lang: str = "tgt"
+    max_tokens: int = 200  # pairs with a longer side (in subword tokens) are dropped from training
+    max_ratio: float = 3.0  # ...and pairs whose longer side is more than this many times the shorter
+
+    def __post_init__(self) -> None:
+        _check(self.max_tokens >= 1, "data.max_tokens must be >= 1")
+        _check(self.max_ratio >= 1.0, "data.max_ratio must be >= 1")
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    type: str = "unigram"  # SentencePiece model type: unigram or bpe
+    vocab_size: int = 8000
+    joint: bool = True  # one model for both languages (needed for tied embeddings)
+    character_coverage: float = 1.0  # 0.9995 is usual for scripts with many characters (zh, ja)
+    input_sentence_size: int = 2_000_000  # sentences sampled to train on; 0 uses every sentence
+    seed: int = 1
+    model: str = ""  # an existing joint .model to use instead of training one
+    src_model: str = ""  # existing separate models (tokenizer.joint: false)
+    tgt_model: str = ""
+
+    def __post_init__(self) -> None:
+        _check(self.type in ("unigram", "bpe"), f"tokenizer.type must be unigram or bpe, got {self.type!r}")
+        _check(self.vocab_size >= 16, "tokenizer.vocab_size must be >= 16")
+        _check(0.0 < self.character_coverage <= 1.0, "tokenizer.character_coverage must be in (0, 1]")
+        _check(self.input_sentence_size >= 0, "tokenizer.input_sentence_size must be >= 0")
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Vaswani et al. (2017), Table 3: base 65M and big 213M parameters on a 37k joint vocabulary.
+    "transformer-base": dict(encoder_layers=6, decoder_layers=6, d_model=512, heads=8, ffn=2048, dropout=0.1),
+    "transformer-big": dict(encoder_layers=6, decoder_layers=6, d_model=1024, heads=16, ffn=4096, dropout=0.3),
+    # Small enough to train on a laptop CPU in an hour (Multi30k-sized corpora).
+    "transformer-small": dict(encoder_layers=3, decoder_layers=3, d_model=256, heads=4, ffn=1024, dropout=0.1),
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    preset: str = "transformer-small"  # sets the defaults below; explicit keys override it
+    encoder_layers: int = 3
+    decoder_layers: int = 3
+    d_model: int = 256
+    heads: int = 4
+    ffn: int = 1024
+    dropout: float = 0.1  # on embeddings and residual branches
+    attention_dropout: float = 0.0
+    activation_dropout: float = 0.0
+    norm: str = "post"  # post: LN(x + f(x)) as in the paper; pre: x + f(LN(x)), steadier when deep
+    tie_embeddings: bool = True  # share source, target and output embeddings (joint vocabulary)
+    positions: str = "sinusoidal"  # or learned
+    max_positions: int = 1024
+
+    def __post_init__(self) -> None:
+        _check(self.preset in PRESETS, f"model.preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
+        _check(self.encoder_layers >= 1 and self.decoder_layers >= 1, "model layers must be >= 1")
+        _check(self.d_model >= 1 and self.heads >= 1, "model.d_model and model.heads must be >= 1")
+        _check(self.d_model % self.heads == 0, f"model.d_model {self.d_model} must be divisible by model.heads {self.heads}")
+        _check(self.ffn >= 1, "model.ffn must be >= 1")
+        for name in ("dropout", "attention_dropout", "activation_dropout"):
+            _check(0.0 <= getattr(self, name) < 1.0, f"model.{name} must be in [0, 1)")
+        _check(self.norm in ("post", "pre"), f"model.norm must be post or pre, got {self.norm!r}")
+        _check(self.positions in ("sinusoidal", "learned"), f"model.positions must be sinusoidal or learned, got {self.positions!r}")
+        _check(self.max_positions >= 8, "model.max_positions must be >= 8")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    max_steps: int = 10_000  # optimizer updates
+    max_epochs: int = 0  # 0: no epoch limit
+    batch_tokens: int = 4096  # padded tokens per side per batch (per accumulation step)
+    accum: int = 1  # batches accumulated per update: effective batch = batch_tokens * accum
+    lr: float = 1e-3  # peak learning rate, reached at the end of warm-up
+    warmup: int = 4000  # linear warm-up steps, then inverse square-root decay
+    label_smoothing: float = 0.1
+    clip_norm: float = 1.0  # global gradient-norm bound; 0 disables clipping
+    weight_decay: float = 0.0
+    precision: str = "fp32"  # fp32, bf16 (autocast; CPU and GPU) or fp16 (GPU, loss scaling)
+    seed: int = 1
+    device: str = "auto"  # auto picks cuda when available
+    threads: int = 0  # CPU threads for torch; 0 keeps torch's default
+    valid_every: int = 1000  # validation (loss + BLEU) cadence in updates; 0 validates only at the end
+    save_every: int = 1000  # checkpoint cadence in updates; the last checkpoint is also saved at the end
+    log_every: int = 100
+    valid_beam: int = 5  # beam size for validation BLEU
+    valid_bleu: bool = True  # decode the validation set for BLEU (loss is always computed)
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "batch_tokens", "accum", "valid_beam", "log_every"):
+            _check(getattr(self, name) >= 1, f"train.{name} must be >= 1")
+        for name in ("max_epochs", "warmup", "valid_every", "save_every", "threads"):
+            _check(getattr(self, name) >= 0, f"train.{name} must be >= 0")
+        _check(self.lr > 0, "train.lr must be > 0")
+        _check(0.0 <= self.label_smoothing < 1.0, "train.label_smoothing must be in [0, 1)")
+        _check(self.clip_norm >= 0 and self.weight_decay >= 0, "train.clip_norm and train.weight_decay must be >= 0")
+        _check(self.precision in ("fp32", "bf16", "fp16"), f"train.precision must be fp32, bf16 or fp16, got {self.precision!r}")
+        _check(self.device in ("auto", "cpu", "cuda"), f"train.device must be auto, cpu or cuda, got {self.device!r}")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    beam: int = 5
+    lenpen: float = 1.0  # GNMT length penalty alpha: score / ((5 + len) / 6) ** alpha
+    max_len_a: float = 1.5  # hypotheses stop at max_len_a * source_length + max_len_b tokens
+    max_len_b: int = 10
+    batch_size: int = 128  # sentences per decoding batch
+
+    def __post_init__(self) -> None:
+        _check(self.beam >= 1, "decode.beam must be >= 1")
+        _check(self.lenpen >= 0, "decode.lenpen must be >= 0")
+        _check(self.max_len_a >= 0 and self.max_len_b >= 1, "decode.max_len_a must be >= 0 and max_len_b >= 1")
+        _check(self.batch_size >= 1, "decode.batch_size must be >= 1")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    """Check ``value`` against a field's type; ints are accepted where floats are expected."""
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+    name = getattr(hint, "__name__", str(hint))
+    raise ConfigError(f"{key} must be of type {name}, got {value!r}")
+
+
+def _build(cls: type, values: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in known:
+            raise ConfigError(f"unknown config key {prefix}{key} (known: {', '.join(sorted(known))})")
+        kwargs[key] = _coerce(prefix + key, value, hints[key])
+    return cls(**kwargs)
+
+
+SECTIONS: dict[str, type] = {
+    "data": DataConfig,
+    "tokenizer": TokenizerConfig,
+    "model": ModelConfig,
+    "train": TrainConfig,
+    "decode": DecodeConfig,
+}
+
+
+def from_dict(raw: dict[str, Any]) -> RunConfig:
+    """Build a RunConfig from nested dicts; the model preset fills model keys not given explicitly."""
+    if not isinstance(raw, dict):
+        raise ConfigError("a config must be a mapping of sections (data, tokenizer, model, train, decode)")
+    for section, values in raw.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown config section {section!r} (known: {', '.join(SECTIONS)})")
+        if values is not None and not isinstance(values, dict):
+            raise ConfigError(f"config section {section} must be a mapping, got {values!r}")
+    model_raw = dict(raw.get("model") or {})
+    preset = model_raw.get("preset", ModelConfig.preset)
+    if preset not in PRESETS:
+        raise ConfigError(f"model.preset must be one of {', '.join(PRESETS)}, got {preset!r}")
+    sections = {name: dict(raw.get(name) or {}) for name in SECTIONS}
+    sections["model"] = {**PRESETS[preset], **model_raw}
+    return RunConfig(**{name: _build(cls, sections[name], name + ".") for name, cls in SECTIONS.items()})
+
+
+def apply_override(raw: dict[str, Any], assignment: str) -> None:
+    """Apply one ``section.key=value`` override in place; the value is parsed as YAML."""
+    key, sep, text = assignment.partition("=")
+    parts = key.strip().split(".")
+    if not sep or len(parts) != 2 or not all(parts):
+        raise ConfigError(f"--set expects section.key=value, got {assignment!r}")
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        value = text
+    section = raw.setdefault(parts[0], {})
+    if not isinstance(section, dict):
+        raise ConfigError(f"config section {parts[0]} must be a mapping")
+    section[parts[1]] = value
+
+
+def load(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    """Read a YAML config (or start from defaults when ``path`` is None) and apply overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"{path}: config file not found")
+        try:
+            raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as err:
+            where = getattr(err, "problem_mark", None)
+            line = f" line {where.line + 1}" if where is not None else ""
+            raise ConfigError(f"{path}:{line} not valid YAML ({getattr(err, 'problem', err)})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: a config must be a mapping of sections")
+    for assignment in overrides:
+        apply_override(raw, assignment)
+    return from_dict(raw)
+
+
+def dump(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+

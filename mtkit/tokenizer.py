@@ -1,0 +1,96 @@
+"""SentencePiece training and a thin wrapper that knows the special ids.
+
+Every model mtkit trains uses the same special ids (pad 0, unk 1, bos 2, eos 3), so source and
+target models of a separate-vocabulary run agree on them and search needs no per-side ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import sentencepiece as spm
+
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+
+
+class TokenizerError(ValueError):
+    """A tokenizer model that cannot be trained or used."""
+
+
+@dataclass(frozen=True)
+class SpmOptions:
+    vocab_size: int = 8000
+    model_type: str = "unigram"  # or bpe
+    character_coverage: float = 1.0
+    input_sentence_size: int = 2_000_000  # sentences sampled for training; 0: all of them
+    seed: int = 1
+    threads: int = 2
+
+
+def train_spm(sentences: Iterable[str], out_prefix: Path, options: SpmOptions) -> Path:
+    """Train a SentencePiece model on ``sentences``; writes PREFIX.model and PREFIX.vocab."""
+    out_prefix.parent.mkdir(parents=True, exist_ok=True)
+    spm.set_random_generator_seed(options.seed)
+    sampling = {}
+    if options.input_sentence_size:
+        sampling = dict(input_sentence_size=options.input_sentence_size, shuffle_input_sentence=True)
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=(s for s in sentences if s.strip()),
+            model_prefix=str(out_prefix),
+            vocab_size=options.vocab_size,
+            model_type=options.model_type,
+            character_coverage=options.character_coverage,
+            pad_id=PAD_ID,
+            unk_id=UNK_ID,
+            bos_id=BOS_ID,
+            eos_id=EOS_ID,
+            num_threads=options.threads,
+            minloglevel=2,
+            **sampling,
+        )
+    except RuntimeError as err:
+        # e.g. "Vocabulary size too high (8000). Please set it to a value <= 1234."
+        raise TokenizerError(f"SentencePiece training failed: {str(err).strip().splitlines()[-1]}") from None
+    return out_prefix.with_suffix(".model")
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+class Tokenizer:
+    """A SentencePiece model: text <-> ids, with the shared special ids."""
+
+    def __init__(self, model_path: Path) -> None:
+        self.path = Path(model_path)
+        if not self.path.is_file():
+            raise TokenizerError(f"{self.path}: tokenizer model not found")
+        try:
+            self.sp = spm.SentencePieceProcessor(model_file=str(self.path))
+        except (RuntimeError, OSError):
+            raise TokenizerError(f"{self.path}: not a SentencePiece model") from None
+        ids = (self.sp.pad_id(), self.sp.unk_id(), self.sp.bos_id(), self.sp.eos_id())
+        if ids != (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
+            raise TokenizerError(
+                f"{self.path}: special ids pad/unk/bos/eos are {ids}, mtkit needs "
+                f"{(PAD_ID, UNK_ID, BOS_ID, EOS_ID)} (train it with `mtkit tokenizer train`)"
+            )
+        self.sha256 = file_sha256(self.path)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.sp.get_piece_size()
+
+    def encode(self, lines: list[str]) -> list[list[int]]:
+        """Ids without bos/eos (the data and search code add them)."""
+        return self.sp.encode(lines, out_type=int, num_threads=2)
+
+    def encode_pieces(self, line: str) -> list[str]:
+        return self.sp.encode(line, out_type=str)
+
+    def decode(self, ids: list[list[int]]) -> list[str]:
+        return self.sp.decode(ids)

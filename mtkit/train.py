@@ -1,0 +1,355 @@
+"""Training: data and tokenizer set-up, the optimisation loop, validation and checkpoints.
+
+Re-running on a run directory that holds ``last.pt`` resumes from it: model, optimizer, scaler,
+step, RNG state and position in the data, so the remaining updates see the same batches.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from mtkit import checkpoint
+from mtkit.config import RunConfig, dump, from_dict
+from mtkit.data import Batch, DataError, collate, filter_pairs, read_parallel, token_batches
+from mtkit.loss import linear_cross_entropy
+from mtkit.metrics import bleu
+from mtkit.model import Transformer, build_model, count_parameters
+from mtkit.runtime import autocast, compute_dtype, pick_device, seed_everything, set_threads
+from mtkit.tokenizer import PAD_ID, SpmOptions, Tokenizer, train_spm
+from mtkit.translate import translate_lines
+
+log = logging.getLogger("mtkit")
+
+
+def lr_at(step: int, peak: float, warmup: int) -> float:
+    """Linear warm-up to ``peak`` over ``warmup`` updates, then inverse square-root decay (step >= 1)."""
+    if warmup == 0:
+        return peak
+    return peak * min(step / warmup, math.sqrt(warmup / step))
+
+
+class Reporter(Protocol):
+    """Where progress goes; the CLI draws it with Rich, tests and scripts can log it."""
+
+    def start(self, total_steps: int, done_steps: int) -> None: ...
+    def update(self, step: int, stats: dict) -> None: ...
+    def finish(self) -> None: ...
+
+
+class LogReporter:
+    def start(self, total_steps: int, done_steps: int) -> None:
+        log.info("training from update %d to %d", done_steps, total_steps)
+
+    def update(self, step: int, stats: dict) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+@dataclass
+class Corpus:
+    src: list[list[int]]
+    tgt: list[list[int]]
+
+    def batches(self, batch_tokens: int, seed: int) -> list[Batch]:
+        indices = token_batches([len(s) for s in self.src], [len(t) for t in self.tgt], batch_tokens, seed)
+        return [collate([self.src[i] for i in idx], [self.tgt[i] for i in idx]) for idx in indices]
+
+
+@dataclass
+class Progress:
+    """The resumable position of a run."""
+
+    step: int = 0  # updates done
+    epoch: int = 1
+    batch_in_epoch: int = 0  # batches of this epoch already consumed
+    best: float | None = None  # best validation metric so far (higher is better)
+    history: list[dict] = field(default_factory=list)
+
+
+def prepare_tokenizers(cfg: RunConfig, out_dir: Path, src_lines: list[str], tgt_lines: list[str]) -> tuple[Tokenizer, Tokenizer]:
+    """The run's tokenizer(s): already in the run directory, copied from the config, or trained now."""
+    names = checkpoint.tokenizer_files(cfg)
+    tc = cfg.tokenizer
+    given = {"src": tc.model, "tgt": tc.model} if tc.joint else {"src": tc.src_model, "tgt": tc.tgt_model}
+    options = SpmOptions(tc.vocab_size, tc.type, tc.character_coverage, tc.input_sentence_size, tc.seed)
+    for side in ("src", "tgt"):
+        target = out_dir / names[side]
+        if target.is_file():
+            continue
+        if given[side]:
+            source = Path(given[side])
+            if not source.is_file():
+                raise DataError(f"{source}: tokenizer model not found")
+            shutil.copyfile(source, target)
+            vocab = source.with_suffix(".vocab")
+            if vocab.is_file():
+                shutil.copyfile(vocab, target.with_suffix(".vocab"))
+        else:
+            sentences = src_lines + tgt_lines if tc.joint else (src_lines if side == "src" else tgt_lines)
+            log.info("training %s SentencePiece %s model (%d pieces) on %d sentences", "joint" if tc.joint else side, tc.type, tc.vocab_size, len(sentences))
+            train_spm(sentences, target.with_suffix(""), options)
+    return Tokenizer(out_dir / names["src"]), Tokenizer(out_dir / names["tgt"])
+
+
+def encode_corpus(cfg: RunConfig, src_lines: list[str], tgt_lines: list[str], src_tok: Tokenizer, tgt_tok: Tokenizer) -> Corpus:
+    src, tgt, report = filter_pairs(src_tok.encode(src_lines), tgt_tok.encode(tgt_lines), cfg.data.max_tokens, cfg.data.max_ratio)
+    log.info("training data: %s", report.describe())
+    if not src:
+        raise DataError(f"{cfg.data.train_src}: no training pairs left after filtering")
+    return Corpus(src, tgt)
+
+
+class Trainer:
+    """Owns the model, optimizer and run directory for one training run."""
+
+    def __init__(self, cfg: RunConfig, out_dir: Path, reporter: Reporter | None = None) -> None:
+        self.cfg = cfg
+        self.out_dir = Path(out_dir)
+        self.reporter = reporter or LogReporter()
+        tc = cfg.train
+        set_threads(tc.threads)
+        self.device = pick_device(tc.device)
+        self.dtype = compute_dtype(tc.precision, self.device)
+        seed_everything(tc.seed)
+
+        src_lines, tgt_lines = read_parallel(cfg.data.train_src, cfg.data.train_tgt)
+        self.valid_src, self.valid_tgt = self._read_valid()
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.src_tok, self.tgt_tok = prepare_tokenizers(cfg, self.out_dir, src_lines, tgt_lines)
+        self.corpus = encode_corpus(cfg, src_lines, tgt_lines, self.src_tok, self.tgt_tok)
+        checkpoint.atomic_write_text(self.out_dir / "config.yaml", dump(cfg))
+
+        self.model = build_model(cfg.model, self.src_tok.vocab_size, self.tgt_tok.vocab_size, PAD_ID).to(self.device)
+        log.info("model: %s parameters", f"{count_parameters(self.model):,}")
+        self.optimizer = torch.optim.Adam(
+            self.model.parameters(), lr=tc.lr, betas=(0.9, 0.98), eps=1e-9, weight_decay=tc.weight_decay
+        )
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=tc.precision == "fp16")
+        self.progress = Progress()
+        self._resume()
+
+    def _read_valid(self) -> tuple[list[str], list[str]]:
+        data = self.cfg.data
+        if not data.valid_src:
+            return [], []
+        return read_parallel(data.valid_src, data.valid_tgt)
+
+    def _resume(self) -> None:
+        last = self.out_dir / checkpoint.LAST
+        if not last.is_file():
+            return
+        state = checkpoint.load(last)
+        if from_dict(state["config"]).model != self.cfg.model:
+            raise checkpoint.CheckpointError(f"{last}: model settings differ from this config; use a new --out or --restart")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+        torch.set_rng_state(state["rng"]["torch"])
+        p = state["progress"]
+        self.progress = Progress(p["step"], p["epoch"], p["batch_in_epoch"], p["best"])
+        log.info("resuming from %s at update %d (epoch %d)", last, self.progress.step, self.progress.epoch)
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def _tokenizer_record(self) -> dict:
+        names = checkpoint.tokenizer_files(self.cfg)
+        return {
+            "src": {"file": names["src"], "sha256": self.src_tok.sha256},
+            "tgt": {"file": names["tgt"], "sha256": self.tgt_tok.sha256},
+        }
+
+    def _weights_payload(self) -> dict:
+        return {
+            "config": self.cfg.to_dict(),
+            "tokenizer": self._tokenizer_record(),
+            "step": self.progress.step,
+            "model": self.model.state_dict(),
+        }
+
+    def save_last(self) -> None:
+        p = self.progress
+        state = {
+            **self._weights_payload(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "rng": {"torch": torch.get_rng_state()},
+            "progress": {"step": p.step, "epoch": p.epoch, "batch_in_epoch": p.batch_in_epoch, "best": p.best},
+        }
+        checkpoint.save(self.out_dir / checkpoint.LAST, state)
+
+    def _log_metrics(self, record: dict) -> None:
+        with open(self.out_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def _loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed smoothed loss and summed NLL over the batch's real target tokens."""
+        with autocast(self.device, self.dtype):
+            features = self.model.features(batch.src, batch.src_pad_mask, batch.tgt_in)
+        keep = batch.tgt_out != PAD_ID
+        return linear_cross_entropy(
+            features[keep], self.model.output.weight, batch.tgt_out[keep], self.cfg.train.label_smoothing, self.dtype
+        )
+
+    def train_step(self, batches: list[Batch]) -> dict:
+        """One update from ``accum`` batches; the loss is normalised by their total target tokens."""
+        tc = self.cfg.train
+        self.model.train()
+        lr = lr_at(self.progress.step + 1, tc.lr, tc.warmup)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        tokens = sum(b.target_tokens for b in batches)
+        loss_sum = nll_sum = 0.0
+        for batch in batches:
+            loss, nll = self._loss(batch.to(self.device))
+            self.scaler.scale(loss / tokens).backward()
+            loss_sum += loss.item()
+            nll_sum += nll.item()
+        self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
+        if tc.clip_norm > 0:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.clip_norm))
+        else:
+            grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None]))
+        self.scaler.step(self.optimizer)  # skipped by the scaler when fp16 gradients overflowed
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        if not math.isfinite(loss_sum):
+            raise FloatingPointError(f"non-finite loss at update {self.progress.step + 1}; lower train.lr or use fp32")
+        return {"loss": loss_sum / tokens, "nll": nll_sum / tokens, "lr": lr, "grad_norm": grad_norm, "tokens": tokens}
+
+    # -- validation -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def validate(self) -> dict:
+        self.model.eval()
+        result: dict = {}
+        if not self.valid_src:
+            return result
+        src_ids = self.src_tok.encode(self.valid_src)
+        tgt_ids = self.tgt_tok.encode(self.valid_tgt)
+        pairs = [(s, t) for s, t in zip(src_ids, tgt_ids) if s and t]
+        valid = Corpus([s for s, _ in pairs], [t for _, t in pairs])
+        loss_sum = nll_sum = tokens = 0.0
+        for batch in valid.batches(self.cfg.train.batch_tokens, seed=0):
+            loss, nll = self._loss(batch.to(self.device))
+            loss_sum, nll_sum, tokens = loss_sum + loss.item(), nll_sum + nll.item(), tokens + batch.target_tokens
+        result.update(valid_loss=loss_sum / tokens, valid_nll=nll_sum / tokens, valid_ppl=math.exp(min(nll_sum / tokens, 50)))
+        if self.cfg.train.valid_bleu:
+            decode = replace(self.cfg.decode, beam=self.cfg.train.valid_beam)
+            with autocast(self.device, self.dtype):
+                hyps = translate_lines(self.model, self.src_tok, self.tgt_tok, self.valid_src, decode, self.device)
+            score = bleu(hyps, self.valid_tgt)
+            result.update(valid_bleu=score.value, bleu_signature=score.signature)
+        return result
+
+    def _after_validation(self, result: dict) -> None:
+        metric = result.get("valid_bleu", -result.get("valid_loss", math.inf))
+        if self.progress.best is None or metric > self.progress.best:
+            self.progress.best = metric
+            checkpoint.save(self.out_dir / checkpoint.BEST, {**self._weights_payload(), "validation": result})
+            result["new_best"] = True
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def _epoch_batches(self) -> list[Batch]:
+        tc = self.cfg.train
+        return self.corpus.batches(tc.batch_tokens, seed=tc.seed * 100_003 + self.progress.epoch)
+
+    def _finished(self) -> bool:
+        tc = self.cfg.train
+        return self.progress.step >= tc.max_steps or (tc.max_epochs > 0 and self.progress.epoch > tc.max_epochs)
+
+    def run(self) -> dict:
+        """Train to the configured budget; returns the last validation result."""
+        tc = self.cfg.train
+        p = self.progress
+        self.reporter.start(tc.max_steps, p.step)
+        last_result: dict = {}
+        window = {"tokens": 0, "time": time.perf_counter(), "loss": 0.0, "nll": 0.0, "steps": 0}
+        try:
+            while not self._finished():
+                batches = self._epoch_batches()
+                while p.batch_in_epoch < len(batches) and not self._finished():
+                    group = batches[p.batch_in_epoch : p.batch_in_epoch + tc.accum]
+                    stats = self.train_step(group)
+                    p.step += 1
+                    p.batch_in_epoch += len(group)
+                    window["tokens"] += stats["tokens"]
+                    window["loss"] += stats["loss"]
+                    window["nll"] += stats["nll"]
+                    window["steps"] += 1
+                    elapsed = time.perf_counter() - window["time"]
+                    self.reporter.update(p.step, {**stats, "tok_s": window["tokens"] / max(elapsed, 1e-9), "epoch": p.epoch})
+                    if p.step % tc.log_every == 0:
+                        self._log_metrics({
+                            "event": "train", "step": p.step, "epoch": p.epoch, "lr": stats["lr"],
+                            "loss": window["loss"] / window["steps"], "nll": window["nll"] / window["steps"],
+                            "grad_norm": stats["grad_norm"], "tgt_tokens_per_s": window["tokens"] / elapsed,
+                        })
+                        window = {"tokens": 0, "time": time.perf_counter(), "loss": 0.0, "nll": 0.0, "steps": 0}
+                    if tc.valid_every and p.step % tc.valid_every == 0:
+                        last_result = self._validate_and_log()
+                        window["time"] = time.perf_counter()
+                    if tc.save_every and p.step % tc.save_every == 0:
+                        self.save_last()
+                if p.batch_in_epoch >= len(batches):
+                    p.epoch += 1
+                    p.batch_in_epoch = 0
+            if not tc.valid_every or p.step % tc.valid_every:
+                last_result = self._validate_and_log()
+            self.save_last()
+        except KeyboardInterrupt:
+            self.save_last()
+            raise
+        finally:
+            self.reporter.finish()
+        return last_result
+
+    def _validate_and_log(self) -> dict:
+        start = time.perf_counter()
+        result = self.validate()
+        if result:
+            self._after_validation(result)
+            result["valid_seconds"] = time.perf_counter() - start
+            self._log_metrics({"event": "valid", "step": self.progress.step, "epoch": self.progress.epoch, **result})
+            log.info("validation at update %d: %s", self.progress.step, _describe(result))
+        return result
+
+
+def _describe(result: dict) -> str:
+    parts = [f"loss {result['valid_loss']:.3f}", f"ppl {result['valid_ppl']:.2f}"]
+    if "valid_bleu" in result:
+        parts.append(f"BLEU {result['valid_bleu']:.2f}")
+    if result.get("new_best"):
+        parts.append("(new best)")
+    return ", ".join(parts)
+
+
+def schedule_preview(cfg: RunConfig) -> list[tuple[int, float]]:
+    """(update, learning rate) at a few telling points, for ``--dry-run``."""
+    tc = cfg.train
+    steps = sorted({1, max(tc.warmup // 2, 1), max(tc.warmup, 1), 2 * max(tc.warmup, 1), tc.max_steps})
+    return [(s, lr_at(s, tc.lr, tc.warmup)) for s in steps if s <= tc.max_steps]
+
+
+def train(cfg: RunConfig, out_dir: Path, reporter: Reporter | None = None, restart: bool = False) -> dict:
+    """Train ``cfg`` into ``out_dir`` (resuming when it holds a last checkpoint, unless ``restart``)."""
+    out_dir = Path(out_dir)
+    if restart and out_dir.exists():
+        for name in (checkpoint.LAST, checkpoint.BEST, "metrics.jsonl", "config.yaml", "spm.model", "spm.vocab",
+                     "spm.src.model", "spm.src.vocab", "spm.tgt.model", "spm.tgt.vocab"):
+            (out_dir / name).unlink(missing_ok=True)
+    return Trainer(cfg, out_dir, reporter).run()
+

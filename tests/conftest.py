@@ -1,0 +1,58 @@
+"""Shared fixtures: tiny models, slices of the real Multi30k corpus, a small SentencePiece model."""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+
+import pytest
+import torch
+
+from mtkit.config import ModelConfig
+from mtkit.model import Transformer, build_model
+from mtkit.tokenizer import PAD_ID, SpmOptions, Tokenizer, train_spm
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+MULTI30K = DATA / "multi30k"
+
+
+def read_gz(path: Path, n: int | None = None) -> list[str]:
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return lines[:n] if n is not None else lines
+
+
+def tiny_model_config(**overrides) -> ModelConfig:
+    values = dict(encoder_layers=2, decoder_layers=2, d_model=32, heads=4, ffn=64, dropout=0.0, max_positions=128)
+    values.update(overrides)
+    return ModelConfig(**values)
+
+
+def tiny_model(vocab: int = 40, seed: int = 0, **overrides) -> Transformer:
+    torch.manual_seed(seed)
+    return build_model(tiny_model_config(**overrides), vocab, vocab, PAD_ID).eval()
+
+
+@pytest.fixture(scope="session")
+def multi30k_slice(tmp_path_factory) -> dict[str, Path]:
+    """Train (400 pairs) and valid (40 pairs) en-de text files cut from the real corpus."""
+    if not MULTI30K.is_dir():
+        pytest.skip(f"{MULTI30K} not found (the shared data folder sits beside the repository)")
+    out = tmp_path_factory.mktemp("multi30k")
+    paths = {}
+    for split, n in (("train", 400), ("val", 40)):
+        for lang in ("en", "de"):
+            path = out / f"{split}.{lang}"
+            path.write_text("\n".join(read_gz(MULTI30K / f"{split}.{lang}.gz", n)) + "\n", encoding="utf-8")
+            paths[f"{split}.{lang}"] = path
+    return paths
+
+
+@pytest.fixture(scope="session")
+def spm_model(tmp_path_factory, multi30k_slice) -> Tokenizer:
+    """A joint 300-piece unigram model over the training slice."""
+    lines = multi30k_slice["train.en"].read_text().splitlines() + multi30k_slice["train.de"].read_text().splitlines()
+    path = train_spm(lines, tmp_path_factory.mktemp("spm") / "spm", SpmOptions(vocab_size=300))
+    return Tokenizer(path)

@@ -1,0 +1,184 @@
+"""The command line end to end on a slice of Multi30k, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from mtkit.cli import app
+
+runner = CliRunner()
+
+TINY_MODEL = {"encoder_layers": 1, "decoder_layers": 1, "d_model": 32, "heads": 2, "ffn": 64}
+
+
+def invoke(*args, input=None):
+    return runner.invoke(app, [str(a) for a in args], input=input)
+
+
+def write_config(path, slice_paths, **sections):
+    raw = {
+        "data": {
+            "train_src": str(slice_paths["train.en"]), "train_tgt": str(slice_paths["train.de"]),
+            "valid_src": str(slice_paths["val.en"]), "valid_tgt": str(slice_paths["val.de"]),
+            "src_lang": "en", "tgt_lang": "de",
+        },
+        "tokenizer": {"vocab_size": 300},
+        "model": dict(TINY_MODEL),
+        "train": {"max_steps": 20, "batch_tokens": 1024, "warmup": 5, "lr": 3e-3, "valid_every": 10,
+                  "save_every": 10, "log_every": 5, "valid_beam": 2},
+    }
+    for section, values in sections.items():
+        raw.setdefault(section, {}).update(values)
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, multi30k_slice):
+    """`mtkit train` from a config with no tokenizer model: it trains one first."""
+    root = tmp_path_factory.mktemp("cli")
+    config = write_config(root / "tiny.yaml", multi30k_slice)
+    result = invoke("train", config, "--out", root / "run")
+    assert result.exit_code == 0, result.output
+    return root / "run"
+
+
+@pytest.mark.parametrize("command", [[], ["train"], ["translate"], ["eval"], ["tokenizer"], ["tokenizer", "train"]])
+def test_every_command_has_help(command):
+    result = invoke(*command, "--help")
+    assert result.exit_code == 0 and "Usage" in result.output
+
+
+def test_version():
+    result = invoke("--version")
+    assert result.exit_code == 0 and result.output.startswith("mtkit ")
+
+
+def test_tokenizer_train_joint_and_separate(tmp_path, multi30k_slice):
+    s, t = multi30k_slice["train.en"], multi30k_slice["train.de"]
+    assert invoke("tokenizer", "train", "--src", s, "--tgt", t, "-o", tmp_path / "j", "--vocab-size", 300).exit_code == 0
+    assert (tmp_path / "j" / "spm.model").is_file() and (tmp_path / "j" / "spm.vocab").is_file()
+    result = invoke("tokenizer", "train", "--src", s, "--tgt", t, "--separate", "-o", tmp_path / "s",
+                    "--vocab-size", 250, "--type", "bpe")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "s" / "spm.src.model").is_file() and (tmp_path / "s" / "spm.tgt.model").is_file()
+
+
+def test_train_writes_a_complete_run_directory(trained_run):
+    for name in ("config.yaml", "spm.model", "spm.vocab", "last.pt", "best.pt", "metrics.jsonl"):
+        assert (trained_run / name).is_file(), name
+    events = [json.loads(line) for line in (trained_run / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "valid"] == [10, 20]
+    assert all("bleu_signature" in e for e in events if e["event"] == "valid")
+
+
+def test_dry_run_prints_config_batch_and_schedule(tmp_path, multi30k_slice):
+    config = write_config(tmp_path / "c.yaml", multi30k_slice)
+    result = invoke("train", config, "--set", "train.accum=2", "--dry-run", "--out", tmp_path / "run")
+    assert result.exit_code == 0, result.output
+    assert "d_model: 32" in result.output and "accum: 2" in result.output
+    assert "effective batch: 2048" in result.output and "update 5: 0.003" in result.output
+    assert not (tmp_path / "run").exists()
+
+
+def test_translate_keeps_one_line_per_input_line(trained_run, multi30k_slice, tmp_path):
+    lines = multi30k_slice["val.en"].read_text().splitlines()[:12]
+    lines[3] = ""
+    lines[7] = "   "
+    src = tmp_path / "in.en"
+    src.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.de"
+    result = invoke("translate", trained_run, "-i", src, "-o", out, "--beam", 3, "--batch-size", 4)
+    assert result.exit_code == 0, result.output
+    hyps = out.read_text().split("\n")[:-1]
+    assert len(hyps) == len(lines)
+    assert hyps[3] == "" and hyps[7] == ""
+    assert all(h for i, h in enumerate(hyps) if i not in (3, 7))
+
+    piped = invoke("translate", trained_run / "best.pt", "--beam", 3, input="\n".join(lines) + "\n")
+    assert piped.exit_code == 0
+    assert piped.stdout.split("\n")[:-1] == hyps  # file and stdin, batch size 4 and 128: same output
+
+
+def test_eval_prints_scores_with_signatures(trained_run, multi30k_slice, tmp_path):
+    hyp = tmp_path / "hyp.de"
+    assert invoke("translate", trained_run, "-i", multi30k_slice["val.en"], "-o", hyp).exit_code == 0
+    result = invoke("eval", "--hyp", hyp, "--ref", multi30k_slice["val.de"], "--metrics", "bleu,chrf",
+                    "--metrics", "ter", "--json")
+    assert result.exit_code == 0, result.output
+    scores = {s["name"]: s for s in json.loads(result.stdout)}
+    assert set(scores) == {"BLEU", "chrF2", "TER"}
+    assert all("version:" in s["signature"] for s in scores.values())
+    perfect = invoke("eval", "--hyp", multi30k_slice["val.de"], "--ref", multi30k_slice["val.de"],
+                     "--ref", hyp, "--metrics", "bleu")
+    assert perfect.exit_code == 0 and "BLEU = 100.00" in perfect.stdout and "nrefs:2" in perfect.stdout
+
+
+def test_translating_with_a_swapped_tokenizer_is_an_error(trained_run, tmp_path, multi30k_slice):
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    other = invoke("tokenizer", "train", "--src", multi30k_slice["val.en"], "-o", tmp_path / "tok", "--vocab-size", 100)
+    assert other.exit_code == 0, other.output
+    shutil.copyfile(tmp_path / "tok" / "spm.model", run / "spm.model")
+    result = invoke("translate", run, input="A dog runs.\n")
+    assert result.exit_code == 1
+    assert "does not match" in result.stderr
+
+
+def one_line_error(result, *fragments):
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+    assert "Traceback" not in result.output
+
+
+def test_bad_training_input_is_one_line_and_exit_1(tmp_path, multi30k_slice):
+    cases = tmp_path / "cases"
+    cases.mkdir()
+    short = cases / "short.de"
+    short.write_text("nur eine Zeile\n")
+    bad_utf8 = cases / "bad.en"
+    bad_utf8.write_bytes(multi30k_slice["train.en"].read_bytes().replace(b"\n", b"\xff\n", 5)[:2000])
+    empty_en, empty_de = cases / "empty.en", cases / "empty.de"
+    empty_en.write_text("")
+    empty_de.write_text("")
+    expectations = [
+        ({"data": {"train_src": str(cases / "missing.en")}}, ["missing.en", "file not found"]),
+        ({"data": {"train_tgt": str(short)}}, ["train.en has 400 lines", "short.de has 1"]),
+        ({"data": {"train_src": str(bad_utf8)}}, ["bad.en:1: invalid UTF-8"]),
+        ({"data": {"train_src": str(empty_en), "train_tgt": str(empty_de)}}, ["empty corpus"]),
+        ({"train": {"learning_rate": 1}}, ["unknown config key train.learning_rate"]),
+        ({"train": {"lr": "high"}}, ["train.lr must be of type float"]),
+    ]
+    for i, (sections, fragments) in enumerate(expectations):
+        config = write_config(tmp_path / f"c{i}.yaml", multi30k_slice, **sections)
+        one_line_error(invoke("train", config, "--out", tmp_path / f"run{i}"), *fragments)
+    one_line_error(invoke("train", tmp_path / "nope.yaml"), "config file not found")
+    config = write_config(tmp_path / "ok.yaml", multi30k_slice)
+    one_line_error(invoke("train", config, "--set", "model.heads=5"), "divisible")
+
+
+def test_bad_translate_and_eval_input_is_one_line_and_exit_1(tmp_path, multi30k_slice):
+    one_line_error(invoke("translate", tmp_path / "no-run"), "checkpoint not found")
+    hyp = tmp_path / "hyp"
+    hyp.write_text("a\nb\n")
+    one_line_error(invoke("eval", "--hyp", hyp, "--ref", multi30k_slice["val.de"]), "hyp has 2 lines", "has 40")
+    one_line_error(invoke("eval", "--hyp", hyp, "--ref", hyp, "--metrics", "meteor"), "--metrics")
+
+
+def test_real_process_exit_status_and_no_traceback(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "mtkit", "eval", "--hyp", str(tmp_path / "missing"), "--ref", str(tmp_path / "r")],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.strip().count("\n") == 0 and "file not found" in proc.stderr

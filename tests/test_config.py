@@ -1,0 +1,61 @@
+"""Config loading: presets, overrides, and loud failures for typos and bad values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mtkit.config import PRESETS, ConfigError, from_dict, load
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_recipe_loads(recipe):
+    cfg = load(recipe)
+    assert cfg.data.train_src and cfg.data.valid_src
+
+
+def test_preset_sets_defaults_and_explicit_keys_win():
+    cfg = from_dict({"model": {"preset": "transformer-big", "dropout": 0.2}})
+    assert (cfg.model.d_model, cfg.model.heads, cfg.model.ffn) == (1024, 16, 4096)
+    assert cfg.model.dropout == 0.2
+    assert from_dict({"model": {"preset": "transformer-base"}}).model.d_model == PRESETS["transformer-base"]["d_model"]
+
+
+def test_overrides_are_typed_and_apply_to_any_key(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  lr: 0.001\n")
+    cfg = load(path, ["train.lr=5e-4", "train.max_steps=20", "model.norm=pre", "tokenizer.joint=false"])
+    assert cfg.train.lr == 5e-4 and cfg.train.max_steps == 20
+    assert cfg.model.norm == "pre" and cfg.tokenizer.joint is False
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"train": {"lrr": 1}}, "unknown config key train.lrr"),
+        ({"trian": {}}, "unknown config section 'trian'"),
+        ({"train": {"lr": "fast"}}, "train.lr must be of type float"),
+        ({"train": {"max_steps": 1.5}}, "train.max_steps must be of type int"),
+        ({"train": {"lr": -1}}, "train.lr must be > 0"),
+        ({"model": {"d_model": 100, "heads": 3}}, "divisible"),
+        ({"model": {"preset": "huge"}}, "model.preset must be one of"),
+        ({"train": {"precision": "fp8"}}, "train.precision"),
+    ],
+)
+def test_bad_keys_and_values_are_named(raw, message):
+    with pytest.raises(ConfigError, match=message):
+        from_dict(raw)
+
+
+def test_bad_override_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="section.key=value"):
+        load(None, ["lr=3"])
+    with pytest.raises(ConfigError, match="config file not found"):
+        load(tmp_path / "none.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load(bad)

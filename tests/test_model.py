@@ -1,0 +1,155 @@
+"""Properties of the Transformer that a real bug would break."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mtkit.config import from_dict
+from mtkit.model import DecoderCache, MultiHeadAttention, _explicit_attention, build_model, count_parameters
+from mtkit.tokenizer import PAD_ID
+
+from conftest import tiny_model
+
+VOCAB = 40
+
+
+def random_batch(batch: int, src_len: int, tgt_len: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(4, VOCAB, (batch, src_len), generator=g)
+    tgt = torch.randint(4, VOCAB, (batch, tgt_len), generator=g)
+    return src, src == PAD_ID, tgt
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_decoder_is_causal(norm):
+    """Changing target tokens after position t changes no output at positions <= t."""
+    model = tiny_model(VOCAB, norm=norm)
+    src, mask, tgt = random_batch(3, 7, 9)
+    t = 4
+    changed = tgt.clone()
+    changed[:, t + 1 :] = torch.randint(4, VOCAB, changed[:, t + 1 :].shape)
+    out, out_changed = model(src, mask, tgt), model(src, mask, changed)
+    torch.testing.assert_close(out[:, : t + 1], out_changed[:, : t + 1])
+    assert not torch.allclose(out[:, t + 1 :], out_changed[:, t + 1 :])
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_padding_changes_no_real_output(norm):
+    """A sentence decoded alone equals the same sentence padded inside a batch (source and target)."""
+    model = tiny_model(VOCAB, norm=norm)
+    src, _, tgt = random_batch(1, 5, 6)
+    long_src, _, long_tgt = random_batch(1, 9, 11, seed=2)
+    alone = model(src, src == PAD_ID, tgt)
+
+    pad_src = torch.full((2, 9), PAD_ID)
+    pad_src[0, :5], pad_src[1] = src[0], long_src[0]
+    pad_tgt = torch.full((2, 11), PAD_ID)
+    pad_tgt[0, :6], pad_tgt[1] = tgt[0], long_tgt[0]
+    batched = model(pad_src, pad_src == PAD_ID, pad_tgt)
+    torch.testing.assert_close(batched[0, :6], alone[0], atol=1e-5, rtol=1e-5)
+
+
+def test_source_padding_is_masked_not_just_ignored():
+    """Without the mask the padded keys would change the output: the test above has teeth."""
+    model = tiny_model(VOCAB)
+    src, _, tgt = random_batch(1, 5, 6)
+    padded = torch.cat([src, torch.full((1, 4), PAD_ID)], dim=1)
+    unmasked = torch.zeros_like(padded, dtype=torch.bool)
+    assert not torch.allclose(model(padded, unmasked, tgt), model(src, src == PAD_ID, tgt), atol=1e-4)
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_cached_decoding_matches_full_decoding(norm):
+    """Feeding one token at a time through the KV cache gives the full-sequence log-probabilities."""
+    model = tiny_model(VOCAB, norm=norm)
+    src, _, tgt = random_batch(2, 6, 8)
+    src[1, 4:] = PAD_ID
+    mask = src == PAD_ID
+    full = F.log_softmax(model(src, mask, tgt), dim=-1)
+    memory = model.encode(src, mask)
+    cache = DecoderCache()
+    steps = [F.log_softmax(model.decode(tgt[:, i : i + 1], memory, mask, cache), dim=-1) for i in range(tgt.size(1))]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_cache_select_follows_reordered_rows():
+    model = tiny_model(VOCAB)
+    src, mask, tgt = random_batch(3, 5, 4)
+    memory = model.encode(src, mask)
+    cache = DecoderCache()
+    for i in range(3):
+        model.decode(tgt[:, i : i + 1], memory, mask, cache)
+    order = torch.tensor([2, 0])
+    cache.select(order)
+    step = model.decode(tgt[order, 3:4], memory[order], mask[order], cache)
+    torch.testing.assert_close(step[:, 0], model(src[order], mask[order], tgt[order])[:, 3], atol=1e-5, rtol=1e-5)
+
+
+def reference_attention(attn: MultiHeadAttention, query, key_value, allowed):
+    """Plain multi-head attention from the paper, scaled by 1/sqrt(d_head)."""
+    h, dh = attn.heads, attn.d_head
+    q = attn.q_proj(query).view(*query.shape[:2], h, dh).transpose(1, 2)
+    k = attn.k_proj(key_value).view(*key_value.shape[:2], h, dh).transpose(1, 2)
+    v = attn.v_proj(key_value).view(*key_value.shape[:2], h, dh).transpose(1, 2)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(dh)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ v
+    return attn.out_proj(out.transpose(1, 2).reshape(*query.shape[:2], h * dh))
+
+
+def test_attention_matches_plain_computation():
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(32, 4, dropout=0.0).eval()
+    query, key_value = torch.randn(2, 5, 32), torch.randn(2, 7, 32)
+    allowed = torch.ones(2, 1, 1, 7, dtype=torch.bool)
+    allowed[1, ..., 5:] = False
+    torch.testing.assert_close(attn(query, key_value, allowed), reference_attention(attn, query, key_value, allowed))
+
+
+def test_explicit_attention_path_matches_sdpa():
+    """The path used for bf16 on CPU computes what SDPA computes (checked here in fp32)."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 6, 8), torch.randn(2, 4, 6, 8), torch.randn(2, 4, 6, 8)
+    allowed = torch.ones(2, 1, 1, 6, dtype=torch.bool)
+    allowed[0, ..., 4:] = False
+    for causal, mask in ((False, allowed), (True, None)):
+        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        torch.testing.assert_close(_explicit_attention(q, k, v, mask, causal, 0.0), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_autocast_output_close_to_fp32():
+    model = tiny_model(VOCAB)
+    src, mask, tgt = random_batch(2, 6, 5)
+    full = model(src, mask, tgt)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = model(src, mask, tgt).float()
+    assert (low.softmax(-1) - full.softmax(-1)).abs().max() < 0.05
+
+
+def test_transformer_base_has_about_63m_parameters():
+    """Vaswani et al. report 65M for base on a 37k joint vocabulary with tied embeddings."""
+    cfg = from_dict({"model": {"preset": "transformer-base"}})
+    with torch.device("meta"):  # shapes only: no memory, no initialisation time
+        n = count_parameters(build_model(cfg.model, 37_000, 37_000, PAD_ID))
+    assert 62e6 < n < 64e6
+
+
+def test_tied_embeddings_share_one_tensor():
+    model = tiny_model(VOCAB)
+    weight = model.encoder.embed.tokens.weight
+    assert model.decoder.embed.tokens.weight is weight and model.output.weight is weight
+    untied = tiny_model(VOCAB, tie_embeddings=False)
+    assert untied.output.weight is not untied.decoder.embed.tokens.weight
+    assert untied.encoder.embed.tokens.weight is not untied.decoder.embed.tokens.weight
+
+
+def test_learned_positions_and_position_limit():
+    model = tiny_model(VOCAB, positions="learned", max_positions=8)
+    src, mask, tgt = random_batch(1, 8, 8)
+    assert model(src, mask, tgt).shape == (1, 8, VOCAB)
+    with pytest.raises(ValueError, match="max_positions"):
+        model(src, mask, torch.cat([tgt, tgt], dim=1))

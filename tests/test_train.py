@@ -1,0 +1,99 @@
+"""The training loop: schedule, checkpoints and exact resumption."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from mtkit import checkpoint
+from mtkit.config import from_dict
+from mtkit.train import Trainer, lr_at
+
+
+def test_lr_warms_up_linearly_then_decays_as_inverse_sqrt():
+    assert lr_at(1, 1e-3, 100) == pytest.approx(1e-5)
+    assert lr_at(50, 1e-3, 100) == pytest.approx(5e-4)
+    assert lr_at(100, 1e-3, 100) == pytest.approx(1e-3)
+    assert lr_at(400, 1e-3, 100) == pytest.approx(5e-4)
+    assert lr_at(7, 1e-3, 0) == 1e-3
+
+
+def small_config(slice_paths, spm_model, **train):
+    return from_dict({
+        "data": {
+            "train_src": str(slice_paths["train.en"]), "train_tgt": str(slice_paths["train.de"]),
+            "valid_src": str(slice_paths["val.en"]), "valid_tgt": str(slice_paths["val.de"]),
+        },
+        "tokenizer": {"model": str(spm_model.path)},
+        "model": {"encoder_layers": 1, "decoder_layers": 1, "d_model": 32, "heads": 2, "ffn": 64, "dropout": 0.1},
+        "train": {"batch_tokens": 512, "warmup": 4, "lr": 1e-3, "valid_every": 0, "save_every": 2,
+                  "valid_bleu": False, "log_every": 1, **train},
+        "decode": {"beam": 2},
+    })
+
+
+def test_loss_goes_down_and_checkpoints_are_written(tmp_path, multi30k_slice, spm_model):
+    cfg = small_config(multi30k_slice, spm_model, max_steps=30, lr=3e-3, valid_every=15, valid_bleu=True)
+    result = Trainer(cfg, tmp_path).run()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if r["event"] == "train"]
+    assert losses[-1] < losses[0] - 1.0
+    assert [r["step"] for r in records if r["event"] == "valid"] == [15, 30]
+    assert "valid_bleu" in result and "bleu_signature" in result
+    for name in ("last.pt", "best.pt", "config.yaml", "spm.model"):
+        assert (tmp_path / name).is_file()
+    assert checkpoint.load(tmp_path / "last.pt")["step"] == 30
+
+
+def test_resumed_training_equals_uninterrupted_training(tmp_path, multi30k_slice, spm_model):
+    straight = Trainer(small_config(multi30k_slice, spm_model, max_steps=6), tmp_path / "a")
+    straight.run()
+
+    Trainer(small_config(multi30k_slice, spm_model, max_steps=3), tmp_path / "b").run()
+    resumed = Trainer(small_config(multi30k_slice, spm_model, max_steps=6), tmp_path / "b")
+    assert resumed.progress.step == 3
+    resumed.run()
+    for (name, a), (_, b) in zip(straight.model.state_dict().items(), resumed.model.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_resume_with_a_different_model_is_refused(tmp_path, multi30k_slice, spm_model):
+    Trainer(small_config(multi30k_slice, spm_model, max_steps=1), tmp_path).run()
+    cfg = small_config(multi30k_slice, spm_model, max_steps=2)
+    bigger = from_dict({**cfg.to_dict(), "model": {**cfg.to_dict()["model"], "d_model": 64}})
+    with pytest.raises(checkpoint.CheckpointError, match="model settings differ"):
+        Trainer(bigger, tmp_path)
+
+
+def test_checkpoint_write_is_atomic(tmp_path):
+    target = tmp_path / "last.pt"
+    checkpoint.save(target, {"model": {"w": torch.ones(2)}, "step": 1})
+
+    def failing_write(f):
+        f.write(b"partial")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        checkpoint.atomic_write(target, failing_write)
+    assert checkpoint.load(target)["step"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]
+
+
+def test_optimizer_sees_gradients_clipped_to_clip_norm(tmp_path, multi30k_slice, spm_model, monkeypatch):
+    trainer = Trainer(small_config(multi30k_slice, spm_model, max_steps=1, clip_norm=1e-3), tmp_path)
+    batches = trainer.corpus.batches(512, seed=0)[:1]
+    seen = {}
+    original = torch.optim.Adam.step
+
+    def spy(self, *args, **kwargs):
+        grads = [p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None]
+        seen["norm"] = float(torch.linalg.vector_norm(torch.cat(grads)))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.Adam, "step", spy)
+    stats = trainer.train_step(batches)
+    assert stats["grad_norm"] > 1e-3  # the norm before clipping
+    assert math.isclose(seen["norm"], 1e-3, rel_tol=1e-3)
