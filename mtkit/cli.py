@@ -90,8 +90,8 @@ def _version(value: bool) -> None:
 @app.callback()
 def main_options(
     version: Annotated[
-        Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
-    ] = None,
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
 ) -> None:
     """mtkit: train, run and score Transformer machine-translation models."""
 

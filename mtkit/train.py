@@ -11,7 +11,7 @@ import logging
 import math
 import shutil
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -74,7 +74,6 @@ class Progress:
     epoch: int = 1
     batch_in_epoch: int = 0  # batches of this epoch already consumed
     best: float | None = None  # best validation metric so far (higher is better)
-    history: list[dict] = field(default_factory=list)
 
 
 def prepare_tokenizers(cfg: RunConfig, out_dir: Path, src_lines: list[str], tgt_lines: list[str]) -> tuple[Tokenizer, Tokenizer]:
@@ -348,8 +347,8 @@ def train(cfg: RunConfig, out_dir: Path, reporter: Reporter | None = None, resta
     """Train ``cfg`` into ``out_dir`` (resuming when it holds a last checkpoint, unless ``restart``)."""
     out_dir = Path(out_dir)
     if restart and out_dir.exists():
-        for name in (checkpoint.LAST, checkpoint.BEST, "metrics.jsonl", "config.yaml", "spm.model", "spm.vocab",
-                     "spm.src.model", "spm.src.vocab", "spm.tgt.model", "spm.tgt.vocab"):
-            (out_dir / name).unlink(missing_ok=True)
+        produced = [checkpoint.LAST, checkpoint.BEST, "metrics.jsonl", "config.yaml"]
+        for path in [*(out_dir / name for name in produced), *out_dir.glob("spm*.model"), *out_dir.glob("spm*.vocab")]:
+            path.unlink(missing_ok=True)
     return Trainer(cfg, out_dir, reporter).run()
 
