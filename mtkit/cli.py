@@ -281,17 +281,19 @@ def translate(
 def evaluate(
     hyp: Annotated[Path, typer.Option(help="System output, one line per segment.")],
     ref: Annotated[list[Path], typer.Option(help="Reference file; repeat for several references.")],
-    metrics: Annotated[list[str], typer.Option(help="bleu, chrf, ter: repeat or comma-separate.")] = ["bleu", "chrf"],
+    metrics: Annotated[list[str], typer.Option(help="bleu, chrf, ter: --metrics bleu chrf ter, or bleu,chrf.")] = ["bleu", "chrf"],
     tokenize: Annotated[Optional[str], typer.Option(help="sacreBLEU BLEU tokenizer (default 13a).")] = None,
     lowercase: Annotated[bool, typer.Option(help="Case-insensitive scores.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list of scores to stdout.")] = False,
+    more_metrics: Annotated[Optional[list[str]], typer.Argument(hidden=True)] = None,
 ) -> None:
     """Corpus BLEU, chrF and TER through sacreBLEU, each with its signature."""
     from mtkit.config import ConfigError
     from mtkit.data import DataError, read_lines
     from mtkit.metrics import METRICS, score
 
-    names = tuple(m.strip().lower() for item in metrics for m in item.split(",") if m.strip())
+    # eval takes no positional arguments, so bare words can only be the rest of `--metrics bleu chrf ter`.
+    names = tuple(m.strip().lower() for item in [*metrics, *(more_metrics or [])] for m in item.split(",") if m.strip())
     unknown = [m for m in names if m not in METRICS]
     if unknown or not names:
         raise ConfigError(f"--metrics takes {', '.join(METRICS)}; got {', '.join(unknown) or 'nothing'}")

@@ -129,7 +129,7 @@ def beam_search(
         rows = (torch.arange(n, device=device)[:, None] * k + cand_beam.gather(1, pick)).view(-1)
         next_tok = cand_tok.gather(1, pick).view(-1, 1)
 
-        done = must_end | torch.tensor([len(finished[int(s)]) >= k for s in active], device=device)
+        done = must_end | torch.tensor([len(finished[s]) >= k for s in active.tolist()], device=device)
         if done.all():
             break
         if done.any():

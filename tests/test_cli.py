@@ -113,12 +113,14 @@ def test_translate_keeps_one_line_per_input_line(trained_run, multi30k_slice, tm
 def test_eval_prints_scores_with_signatures(trained_run, multi30k_slice, tmp_path):
     hyp = tmp_path / "hyp.de"
     assert invoke("translate", trained_run, "-i", multi30k_slice["val.en"], "-o", hyp).exit_code == 0
-    result = invoke("eval", "--hyp", hyp, "--ref", multi30k_slice["val.de"], "--metrics", "bleu,chrf",
-                    "--metrics", "ter", "--json")
+    result = invoke("eval", "--hyp", hyp, "--ref", multi30k_slice["val.de"], "--metrics", "bleu", "chrf", "ter", "--json")
     assert result.exit_code == 0, result.output
     scores = {s["name"]: s for s in json.loads(result.stdout)}
     assert set(scores) == {"BLEU", "chrF2", "TER"}
     assert all("version:" in s["signature"] for s in scores.values())
+    for spelling in (["bleu,chrf,ter"], ["bleu", "--metrics", "chrf,ter"]):
+        again = invoke("eval", "--hyp", hyp, "--ref", multi30k_slice["val.de"], "--json", "--metrics", *spelling)
+        assert json.loads(again.stdout) == json.loads(result.stdout)
     perfect = invoke("eval", "--hyp", multi30k_slice["val.de"], "--ref", multi30k_slice["val.de"],
                      "--ref", hyp, "--metrics", "bleu")
     assert perfect.exit_code == 0 and "BLEU = 100.00" in perfect.stdout and "nrefs:2" in perfect.stdout
@@ -176,6 +178,7 @@ def test_bad_translate_and_eval_input_is_one_line_and_exit_1(tmp_path, multi30k_
     hyp.write_text("a\nb\n")
     one_line_error(invoke("eval", "--hyp", hyp, "--ref", multi30k_slice["val.de"]), "hyp has 2 lines", "has 40")
     one_line_error(invoke("eval", "--hyp", hyp, "--ref", hyp, "--metrics", "meteor"), "--metrics")
+    one_line_error(invoke("eval", "--hyp", hyp, "--ref", hyp, "--metrics", "bleu", "stray"), "--metrics", "stray")
 
 
 def test_real_process_exit_status_and_no_traceback(tmp_path):
