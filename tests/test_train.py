@@ -10,7 +10,7 @@ import torch
 
 from mtkit import checkpoint
 from mtkit.config import from_dict
-from mtkit.train import Trainer, lr_at
+from mtkit.train import Trainer, lr_at, train
 
 
 def test_lr_warms_up_linearly_then_decays_as_inverse_sqrt():
@@ -97,3 +97,13 @@ def test_optimizer_sees_gradients_clipped_to_clip_norm(tmp_path, multi30k_slice,
     stats = trainer.train_step(batches)
     assert stats["grad_norm"] > 1e-3  # the norm before clipping
     assert math.isclose(seen["norm"], 1e-3, rel_tol=1e-3)
+
+
+def test_restart_starts_over_instead_of_resuming(tmp_path, multi30k_slice, spm_model):
+    cfg = small_config(multi30k_slice, spm_model, max_steps=2)
+    train(cfg, tmp_path)
+    assert checkpoint.load(tmp_path / "last.pt")["step"] == 2
+    assert Trainer(cfg, tmp_path).progress.step == 2  # would resume
+    train(cfg, tmp_path, restart=True)
+    events = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert events[0] == 1  # the old log went with the old checkpoints
