@@ -84,8 +84,11 @@ def train_flops(batch: Batch, model: ModelConfig, vocab: int) -> int:
     ffn_src, ffn_tgt = 2 * src_rows * d * ffn * 2, 2 * tgt_rows * d * ffn * 2  # up and down
     encoder_layer = 4 * 2 * src_rows * d * d + attention(s, s) + ffn_src
     decoder_layer = (
-        4 * 2 * tgt_rows * d * d + attention(t, t)  # self-attention: q, k, v, out projections
-        + 2 * 2 * tgt_rows * d * d + 2 * 2 * src_rows * d * d + attention(t, s)  # cross: q, out; k, v
+        4 * 2 * tgt_rows * d * d
+        + attention(t, t)  # self-attention: q, k, v, out projections
+        + 2 * 2 * tgt_rows * d * d
+        + 2 * 2 * src_rows * d * d
+        + attention(t, s)  # cross: q, out; k, v
         + ffn_tgt
     )
     output = 2 * batch.target_tokens * d * vocab
@@ -94,18 +97,21 @@ def train_flops(batch: Batch, model: ModelConfig, vocab: int) -> int:
 
 def bench_config(data_dir: Path, tokenizer: Path | str, precision: str, threads: int) -> RunConfig:
     """The recipe as it trains, pointed at ``data_dir``, with no validation or checkpoints."""
-    return config.load(RECIPE, [
-        f"data.train_src={data_dir / 'train.en.gz'}",
-        f"data.train_tgt={data_dir / 'train.de.gz'}",
-        "data.valid_src=",
-        "data.valid_tgt=",
-        f"tokenizer.model={tokenizer}",
-        f"train.precision={precision}",
-        "train.device=cpu",
-        f"train.threads={threads}",
-        "train.valid_every=0",
-        "train.save_every=0",
-    ])
+    return config.load(
+        RECIPE,
+        [
+            f"data.train_src={data_dir / 'train.en.gz'}",
+            f"data.train_tgt={data_dir / 'train.de.gz'}",
+            "data.valid_src=",
+            "data.valid_tgt=",
+            f"tokenizer.model={tokenizer}",
+            f"train.precision={precision}",
+            "train.device=cpu",
+            f"train.threads={threads}",
+            "train.valid_every=0",
+            "train.save_every=0",
+        ],
+    )
 
 
 def measure_training(cfg: RunConfig, work: Path, steps: int) -> dict:
@@ -186,9 +192,22 @@ def run_child(args: argparse.Namespace, phase: str, precision: str, tokenizer: P
     """Run one phase in a fresh process, so its peak RSS is its own."""
     print(f"{phase} {precision} ...", file=sys.stderr, flush=True)
     cmd = [
-        sys.executable, str(Path(__file__).resolve()), "--phase", phase, "--precisions", precision,
-        "--data-dir", str(args.data_dir), "--steps", str(args.steps), "--threads", str(args.threads),
-        "--tokenizer", str(tokenizer), "--work", str(work),
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--phase",
+        phase,
+        "--precisions",
+        precision,
+        "--data-dir",
+        str(args.data_dir),
+        "--steps",
+        str(args.steps),
+        "--threads",
+        str(args.threads),
+        "--tokenizer",
+        str(tokenizer),
+        "--work",
+        str(work),
     ]
     cmd += ["--run", str(args.run)] if args.run else []
     cmd += ["--lines", str(args.lines)] if args.lines else []
@@ -255,12 +274,17 @@ def render(figures: dict) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--run", type=Path, help="trained run directory (spm.model, best.pt); needed for translation")
-    p.add_argument("--data-dir", type=Path, default=REPO.parent / "shared" / "data" / "multi30k",
-                   help="folder with train.{en,de}.gz and test_2016_flickr.{en,de}.gz")
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=REPO.parent / "shared" / "data" / "multi30k",
+        help="folder with train.{en,de}.gz and test_2016_flickr.{en,de}.gz",
+    )
     p.add_argument("--steps", type=int, default=20, help="timed training updates per precision")
     p.add_argument("--lines", type=int, help="translate only the first N test lines (default: all 1000)")
-    p.add_argument("--precisions", type=lambda s: s.split(","), default=list(PRECISIONS),
-                   help="comma-separated: fp32,bf16")
+    p.add_argument(
+        "--precisions", type=lambda s: s.split(","), default=list(PRECISIONS), help="comma-separated: fp32,bf16"
+    )
     p.add_argument("--threads", type=int, default=0, help="torch threads; 0 keeps torch's default")
     p.add_argument("--json", type=Path, help="also write all figures to this JSON file")
     # Internal: how the parent starts a child for one phase.

@@ -12,7 +12,7 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -103,9 +103,15 @@ def main_options(
 @user_errors
 def tokenizer_train(
     src: Annotated[Path, typer.Option(help="Source-side training text (plain or .gz).")],
-    out_dir: Annotated[Path, typer.Option("--out-dir", "-o", help="Directory for spm.model (joint) or spm.src/tgt.model.")],
-    tgt: Annotated[Optional[Path], typer.Option(help="Target-side training text; omit for one monolingual model.")] = None,
-    joint: Annotated[bool, typer.Option("--joint/--separate", help="One model for both sides, or one per side.")] = True,
+    out_dir: Annotated[
+        Path, typer.Option("--out-dir", "-o", help="Directory for spm.model (joint) or spm.src/tgt.model.")
+    ],
+    tgt: Annotated[
+        Path | None, typer.Option(help="Target-side training text; omit for one monolingual model.")
+    ] = None,
+    joint: Annotated[
+        bool, typer.Option("--joint/--separate", help="One model for both sides, or one per side.")
+    ] = True,
     vocab_size: Annotated[int, typer.Option(help="Pieces per model.")] = 8000,
     model_type: Annotated[str, typer.Option("--type", help="unigram or bpe.")] = "unigram",
     character_coverage: Annotated[float, typer.Option(help="Share of characters covered (0.9995 for CJK).")] = 1.0,
@@ -117,8 +123,12 @@ def tokenizer_train(
     from mtkit.data import read_lines
     from mtkit.tokenizer import SpmOptions, train_spm
 
-    TokenizerConfig(type=model_type, vocab_size=vocab_size, character_coverage=character_coverage,
-                    input_sentence_size=input_sentence_size)  # validates the values
+    TokenizerConfig(
+        type=model_type,
+        vocab_size=vocab_size,
+        character_coverage=character_coverage,
+        input_sentence_size=input_sentence_size,
+    )  # validates the values
     _setup_logging()
     options = SpmOptions(vocab_size, model_type, character_coverage, input_sentence_size, seed)
     src_lines = read_lines(src)
@@ -126,7 +136,10 @@ def tokenizer_train(
     if tgt is None or joint:
         written = [train_spm(src_lines + tgt_lines, out_dir / "spm", options)]
     else:
-        written = [train_spm(src_lines, out_dir / "spm.src", options), train_spm(tgt_lines, out_dir / "spm.tgt", options)]
+        written = [
+            train_spm(src_lines, out_dir / "spm.src", options),
+            train_spm(tgt_lines, out_dir / "spm.tgt", options),
+        ]
     for path in written:
         typer.echo(f"wrote {path} and {path.with_suffix('.vocab')}", err=True)
 
@@ -142,13 +155,26 @@ class RichReporter:
         self.progress = None
 
     def start(self, total_steps: int, done_steps: int) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
         self.total = total_steps
         if stderr.is_terminal:
             self.progress = Progress(
-                TextColumn("update"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[stats]}"),
-                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=stderr,
+                TextColumn("update"),
+                MofNCompleteColumn(),
+                BarColumn(),
+                TextColumn("{task.fields[stats]}"),
+                TimeElapsedColumn(),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+                console=stderr,
             )
             self.task = self.progress.add_task("train", total=total_steps, completed=done_steps, stats="")
             self.progress.start()
@@ -169,10 +195,16 @@ class RichReporter:
 @user_errors
 def train(
     config: Annotated[Path, typer.Argument(help="YAML config with data, tokenizer, model, train and decode sections.")],
-    overrides: Annotated[list[str], typer.Option("--set", help="Override a key: --set train.lr=0.001 (repeatable).")] = [],
-    out: Annotated[Optional[Path], typer.Option("--out", help="Run directory (default: runs/<config name>).")] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the resolved config, batch and LR schedule; do not train.")] = False,
-    restart: Annotated[bool, typer.Option("--restart", help="Start over even if the run directory holds a checkpoint.")] = False,
+    overrides: Annotated[
+        list[str], typer.Option("--set", help="Override a key: --set train.lr=0.001 (repeatable).")
+    ] = [],
+    out: Annotated[Path | None, typer.Option("--out", help="Run directory (default: runs/<config name>).")] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the resolved config, batch and LR schedule; do not train.")
+    ] = False,
+    restart: Annotated[
+        bool, typer.Option("--restart", help="Start over even if the run directory holds a checkpoint.")
+    ] = False,
 ) -> None:
     """Train a Transformer; re-running on the same run directory resumes from its last checkpoint."""
     from mtkit.config import dump, load
@@ -185,8 +217,10 @@ def train(
         tc = cfg.train
         typer.echo(dump(cfg), nl=False)
         typer.echo(f"# run directory: {out}")
-        typer.echo(f"# effective batch: {tc.batch_tokens * tc.accum} padded tokens per side per update "
-                   f"({tc.batch_tokens} x accum {tc.accum})")
+        typer.echo(
+            f"# effective batch: {tc.batch_tokens * tc.accum} padded tokens per side per update "
+            f"({tc.batch_tokens} x accum {tc.accum})"
+        )
         typer.echo("# learning rate: " + ", ".join(f"update {s}: {lr:.3g}" for s, lr in schedule_preview(cfg)))
         return
     _setup_logging()
@@ -205,7 +239,7 @@ def train(
 # -- translate ------------------------------------------------------------------------------
 
 
-def _read_input(path: Optional[Path]) -> list[str]:
+def _read_input(path: Path | None) -> list[str]:
     """Input lines; invalid UTF-8 is replaced (with a warning naming the line) so alignment holds."""
     if path is not None:
         from mtkit.data import DataError
@@ -239,8 +273,10 @@ def _read_input(path: Optional[Path]) -> list[str]:
 @user_errors
 def translate(
     model: Annotated[Path, typer.Argument(help="Run directory (uses best.pt) or checkpoint file.")],
-    input: Annotated[Optional[Path], typer.Option("--input", "-i", help="Input text (default: stdin).")] = None,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output file, written atomically (default: stdout).")] = None,
+    input: Annotated[Path | None, typer.Option("--input", "-i", help="Input text (default: stdin).")] = None,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Output file, written atomically (default: stdout).")
+    ] = None,
     beam: Annotated[int, typer.Option(help="Beam size; 1 is greedy.")] = 5,
     batch_size: Annotated[int, typer.Option(help="Sentences per batch.")] = 128,
     lenpen: Annotated[float, typer.Option(help="GNMT length penalty alpha.")] = 1.0,
@@ -281,11 +317,14 @@ def translate(
 def evaluate(
     hyp: Annotated[Path, typer.Option(help="System output, one line per segment.")],
     ref: Annotated[list[Path], typer.Option(help="Reference file; repeat for several references.")],
-    metrics: Annotated[list[str], typer.Option(help="bleu, chrf, ter: --metrics bleu chrf ter, or bleu,chrf.")] = ["bleu", "chrf"],
-    tokenize: Annotated[Optional[str], typer.Option(help="sacreBLEU BLEU tokenizer (default 13a).")] = None,
+    metrics: Annotated[list[str], typer.Option(help="bleu, chrf, ter: --metrics bleu chrf ter, or bleu,chrf.")] = [
+        "bleu",
+        "chrf",
+    ],
+    tokenize: Annotated[str | None, typer.Option(help="sacreBLEU BLEU tokenizer (default 13a).")] = None,
     lowercase: Annotated[bool, typer.Option(help="Case-insensitive scores.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list of scores to stdout.")] = False,
-    more_metrics: Annotated[Optional[list[str]], typer.Argument(hidden=True)] = None,
+    more_metrics: Annotated[list[str] | None, typer.Argument(hidden=True)] = None,
 ) -> None:
     """Corpus BLEU, chrF and TER through sacreBLEU, each with its signature."""
     from mtkit.config import ConfigError

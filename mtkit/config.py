@@ -81,12 +81,18 @@ class ModelConfig:
         _check(self.preset in PRESETS, f"model.preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
         _check(self.encoder_layers >= 1 and self.decoder_layers >= 1, "model layers must be >= 1")
         _check(self.d_model >= 1 and self.heads >= 1, "model.d_model and model.heads must be >= 1")
-        _check(self.d_model % self.heads == 0, f"model.d_model {self.d_model} must be divisible by model.heads {self.heads}")
+        _check(
+            self.d_model % self.heads == 0,
+            f"model.d_model {self.d_model} must be divisible by model.heads {self.heads}",
+        )
         _check(self.ffn >= 1, "model.ffn must be >= 1")
         for name in ("dropout", "attention_dropout", "activation_dropout"):
             _check(0.0 <= getattr(self, name) < 1.0, f"model.{name} must be in [0, 1)")
         _check(self.norm in ("post", "pre"), f"model.norm must be post or pre, got {self.norm!r}")
-        _check(self.positions in ("sinusoidal", "learned"), f"model.positions must be sinusoidal or learned, got {self.positions!r}")
+        _check(
+            self.positions in ("sinusoidal", "learned"),
+            f"model.positions must be sinusoidal or learned, got {self.positions!r}",
+        )
         _check(self.max_positions >= 8, "model.max_positions must be >= 8")
 
 
@@ -119,7 +125,10 @@ class TrainConfig:
         _check(self.lr > 0, "train.lr must be > 0")
         _check(0.0 <= self.label_smoothing < 1.0, "train.label_smoothing must be in [0, 1)")
         _check(self.clip_norm >= 0 and self.weight_decay >= 0, "train.clip_norm and train.weight_decay must be >= 0")
-        _check(self.precision in ("fp32", "bf16", "fp16"), f"train.precision must be fp32, bf16 or fp16, got {self.precision!r}")
+        _check(
+            self.precision in ("fp32", "bf16", "fp16"),
+            f"train.precision must be fp32, bf16 or fp16, got {self.precision!r}",
+        )
         _check(self.device in ("auto", "cpu", "cuda"), f"train.device must be auto, cpu or cuda, got {self.device!r}")
 
 
@@ -256,4 +265,3 @@ def load(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
 
 def dump(cfg: RunConfig) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-

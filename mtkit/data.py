@@ -121,7 +121,9 @@ class Batch:
         return int((self.tgt_out != PAD_ID).sum())
 
     def to(self, device: torch.device) -> Batch:
-        return Batch(*(t.to(device, non_blocking=True) for t in (self.src, self.src_pad_mask, self.tgt_in, self.tgt_out)))
+        return Batch(
+            *(t.to(device, non_blocking=True) for t in (self.src, self.src_pad_mask, self.tgt_in, self.tgt_out))
+        )
 
 
 def pad(seqs: list[list[int]], prefix: list[int] = (), suffix: list[int] = ()) -> Tensor:
@@ -144,9 +146,7 @@ def collate(src: list[list[int]], tgt: list[list[int]]) -> Batch:
     return Batch(src_ids, src_pad_mask, pad(tgt, prefix=[BOS_ID]), pad(tgt, suffix=[EOS_ID]))
 
 
-def token_batches(
-    src_lens: list[int], tgt_lens: list[int], batch_tokens: int, seed: int
-) -> list[list[int]]:
+def token_batches(src_lens: list[int], tgt_lens: list[int], batch_tokens: int, seed: int) -> list[list[int]]:
     """Indices grouped into batches of at most ``batch_tokens`` padded tokens per side, shuffled.
 
     Examples are ordered by length (ties broken at random, so batches differ between epochs), cut

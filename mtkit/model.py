@@ -85,9 +85,7 @@ class MultiHeadAttention(nn.Module):
     def project_kv(self, x: Tensor) -> tuple[Tensor, Tensor]:
         return self.split_heads(self.k_proj(x)), self.split_heads(self.v_proj(x))
 
-    def attend(
-        self, q: Tensor, k: Tensor, v: Tensor, attn_allowed: Tensor | None, causal: bool
-    ) -> Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, attn_allowed: Tensor | None, causal: bool) -> Tensor:
         """q (B, H, Tq, Dh), k/v (B, H, Tk, Dh) -> (B, Tq, D)."""
         dropout = self.dropout if self.training else 0.0
         if q.is_cuda or q.dtype == torch.float32:
@@ -162,9 +160,7 @@ class DecoderLayer(nn.Module):
         self.res_cross = Residual(cfg.d_model, cfg.dropout, pre)
         self.res_ffn = Residual(cfg.d_model, cfg.dropout, pre)
 
-    def forward(
-        self, x: Tensor, memory: Tensor, src_allowed: Tensor, cache: LayerCache | None
-    ) -> Tensor:
+    def forward(self, x: Tensor, memory: Tensor, src_allowed: Tensor, cache: LayerCache | None) -> Tensor:
         """x (B, T, D); with a cache, x holds only the new positions and keys/values accumulate."""
         x = self.res_self(x, lambda h: self._self_attend(h, cache))
         x = self.res_cross(x, lambda h: self._cross_attend(h, memory, src_allowed, cache))
@@ -185,9 +181,7 @@ class DecoderLayer(nn.Module):
             raise ValueError("a cached decoder step takes one new position at a time")
         return attn.attend(attn.split_heads(attn.q_proj(h)), k, v, None, causal)
 
-    def _cross_attend(
-        self, h: Tensor, memory: Tensor, src_allowed: Tensor, cache: LayerCache | None
-    ) -> Tensor:
+    def _cross_attend(self, h: Tensor, memory: Tensor, src_allowed: Tensor, cache: LayerCache | None) -> Tensor:
         attn = self.cross_attn
         if cache is None:
             return attn(h, memory, src_allowed)
@@ -227,7 +221,9 @@ class Embedder(nn.Module):
         """ids (B, L) at positions offset..offset+L-1 -> (B, L, D)."""
         length = ids.size(1)
         if offset + length > self.max_positions:
-            raise ValueError(f"sequence of {offset + length} positions exceeds model.max_positions {self.max_positions}")
+            raise ValueError(
+                f"sequence of {offset + length} positions exceeds model.max_positions {self.max_positions}"
+            )
         positions = (
             self.learned.weight[offset : offset + length]
             if self.learned is not None
@@ -288,9 +284,7 @@ class Transformer(nn.Module):
     def encode(self, src: Tensor, src_pad_mask: Tensor) -> Tensor:
         return self.encoder(src, src_pad_mask)
 
-    def decode(
-        self, tgt_in: Tensor, memory: Tensor, src_pad_mask: Tensor, cache: DecoderCache | None = None
-    ) -> Tensor:
+    def decode(self, tgt_in: Tensor, memory: Tensor, src_pad_mask: Tensor, cache: DecoderCache | None = None) -> Tensor:
         """Logits (B, T, V) for tgt_in (B, T) given the encoder memory."""
         return self.output(self.decoder(tgt_in, memory, src_pad_mask, cache))
 

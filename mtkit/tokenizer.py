@@ -7,9 +7,9 @@ target models of a separate-vocabulary run agree on them and search needs no per
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 import sentencepiece as spm
 
@@ -88,9 +88,6 @@ class Tokenizer:
     def encode(self, lines: list[str]) -> list[list[int]]:
         """Ids without bos/eos (the data and search code add them)."""
         return self.sp.encode(lines, out_type=int, num_threads=2)
-
-    def encode_pieces(self, line: str) -> list[str]:
-        return self.sp.encode(line, out_type=str)
 
     def decode(self, ids: list[list[int]]) -> list[str]:
         return self.sp.decode(ids)

@@ -22,7 +22,7 @@ from mtkit.config import RunConfig, dump, from_dict
 from mtkit.data import Batch, DataError, collate, filter_pairs, read_parallel, token_batches
 from mtkit.loss import linear_cross_entropy
 from mtkit.metrics import bleu
-from mtkit.model import Transformer, build_model, count_parameters
+from mtkit.model import build_model, count_parameters
 from mtkit.runtime import autocast, compute_dtype, pick_device, seed_everything, set_threads
 from mtkit.tokenizer import PAD_ID, SpmOptions, Tokenizer, train_spm
 from mtkit.translate import translate_lines
@@ -76,7 +76,9 @@ class Progress:
     best: float | None = None  # best validation metric so far (higher is better)
 
 
-def prepare_tokenizers(cfg: RunConfig, out_dir: Path, src_lines: list[str], tgt_lines: list[str]) -> tuple[Tokenizer, Tokenizer]:
+def prepare_tokenizers(
+    cfg: RunConfig, out_dir: Path, src_lines: list[str], tgt_lines: list[str]
+) -> tuple[Tokenizer, Tokenizer]:
     """The run's tokenizer(s): already in the run directory, copied from the config, or trained now."""
     names = checkpoint.tokenizer_files(cfg)
     tc = cfg.tokenizer
@@ -96,13 +98,23 @@ def prepare_tokenizers(cfg: RunConfig, out_dir: Path, src_lines: list[str], tgt_
                 shutil.copyfile(vocab, target.with_suffix(".vocab"))
         else:
             sentences = src_lines + tgt_lines if tc.joint else (src_lines if side == "src" else tgt_lines)
-            log.info("training %s SentencePiece %s model (%d pieces) on %d sentences", "joint" if tc.joint else side, tc.type, tc.vocab_size, len(sentences))
+            log.info(
+                "training %s SentencePiece %s model (%d pieces) on %d sentences",
+                "joint" if tc.joint else side,
+                tc.type,
+                tc.vocab_size,
+                len(sentences),
+            )
             train_spm(sentences, target.with_suffix(""), options)
     return Tokenizer(out_dir / names["src"]), Tokenizer(out_dir / names["tgt"])
 
 
-def encode_corpus(cfg: RunConfig, src_lines: list[str], tgt_lines: list[str], src_tok: Tokenizer, tgt_tok: Tokenizer) -> Corpus:
-    src, tgt, report = filter_pairs(src_tok.encode(src_lines), tgt_tok.encode(tgt_lines), cfg.data.max_tokens, cfg.data.max_ratio)
+def encode_corpus(
+    cfg: RunConfig, src_lines: list[str], tgt_lines: list[str], src_tok: Tokenizer, tgt_tok: Tokenizer
+) -> Corpus:
+    src, tgt, report = filter_pairs(
+        src_tok.encode(src_lines), tgt_tok.encode(tgt_lines), cfg.data.max_tokens, cfg.data.max_ratio
+    )
     log.info("training data: %s", report.describe())
     if not src:
         raise DataError(f"{cfg.data.train_src}: no training pairs left after filtering")
@@ -150,7 +162,9 @@ class Trainer:
             return
         state = checkpoint.load(last)
         if from_dict(state["config"]).model != self.cfg.model:
-            raise checkpoint.CheckpointError(f"{last}: model settings differ from this config; use a new --out or --restart")
+            raise checkpoint.CheckpointError(
+                f"{last}: model settings differ from this config; use a new --out or --restart"
+            )
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
@@ -220,7 +234,9 @@ class Trainer:
         if tc.clip_norm > 0:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.clip_norm))
         else:
-            grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None]))
+            grad_norm = float(
+                torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+            )
         self.scaler.step(self.optimizer)  # skipped by the scaler when fp16 gradients overflowed
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -244,7 +260,9 @@ class Trainer:
         for batch in valid.batches(self.cfg.train.batch_tokens, seed=0):
             loss, nll = self._loss(batch.to(self.device))
             loss_sum, nll_sum, tokens = loss_sum + loss.item(), nll_sum + nll.item(), tokens + batch.target_tokens
-        result.update(valid_loss=loss_sum / tokens, valid_nll=nll_sum / tokens, valid_ppl=math.exp(min(nll_sum / tokens, 50)))
+        result.update(
+            valid_loss=loss_sum / tokens, valid_nll=nll_sum / tokens, valid_ppl=math.exp(min(nll_sum / tokens, 50))
+        )
         if self.cfg.train.valid_bleu:
             decode = replace(self.cfg.decode, beam=self.cfg.train.valid_beam)
             with autocast(self.device, self.dtype):
@@ -290,13 +308,22 @@ class Trainer:
                     window["nll"] += stats["nll"]
                     window["steps"] += 1
                     elapsed = time.perf_counter() - window["time"]
-                    self.reporter.update(p.step, {**stats, "tok_s": window["tokens"] / max(elapsed, 1e-9), "epoch": p.epoch})
+                    self.reporter.update(
+                        p.step, {**stats, "tok_s": window["tokens"] / max(elapsed, 1e-9), "epoch": p.epoch}
+                    )
                     if p.step % tc.log_every == 0:
-                        self._log_metrics({
-                            "event": "train", "step": p.step, "epoch": p.epoch, "lr": stats["lr"],
-                            "loss": window["loss"] / window["steps"], "nll": window["nll"] / window["steps"],
-                            "grad_norm": stats["grad_norm"], "tgt_tokens_per_s": window["tokens"] / elapsed,
-                        })
+                        self._log_metrics(
+                            {
+                                "event": "train",
+                                "step": p.step,
+                                "epoch": p.epoch,
+                                "lr": stats["lr"],
+                                "loss": window["loss"] / window["steps"],
+                                "nll": window["nll"] / window["steps"],
+                                "grad_norm": stats["grad_norm"],
+                                "tgt_tokens_per_s": window["tokens"] / elapsed,
+                            }
+                        )
                         window = {"tokens": 0, "time": time.perf_counter(), "loss": 0.0, "nll": 0.0, "steps": 0}
                     if tc.valid_every and p.step % tc.valid_every == 0:
                         last_result = self._validate_and_log()
@@ -351,4 +378,3 @@ def train(cfg: RunConfig, out_dir: Path, reporter: Reporter | None = None, resta
         for path in [*(out_dir / name for name in produced), *out_dir.glob("spm*.model"), *out_dir.glob("spm*.vocab")]:
             path.unlink(missing_ok=True)
     return Trainer(cfg, out_dir, reporter).run()
-

@@ -25,14 +25,25 @@ def invoke(*args, input=None):
 def write_config(path, slice_paths, **sections):
     raw = {
         "data": {
-            "train_src": str(slice_paths["train.en"]), "train_tgt": str(slice_paths["train.de"]),
-            "valid_src": str(slice_paths["val.en"]), "valid_tgt": str(slice_paths["val.de"]),
-            "src_lang": "en", "tgt_lang": "de",
+            "train_src": str(slice_paths["train.en"]),
+            "train_tgt": str(slice_paths["train.de"]),
+            "valid_src": str(slice_paths["val.en"]),
+            "valid_tgt": str(slice_paths["val.de"]),
+            "src_lang": "en",
+            "tgt_lang": "de",
         },
         "tokenizer": {"vocab_size": 300},
         "model": dict(TINY_MODEL),
-        "train": {"max_steps": 20, "batch_tokens": 1024, "warmup": 5, "lr": 3e-3, "valid_every": 10,
-                  "save_every": 10, "log_every": 5, "valid_beam": 2},
+        "train": {
+            "max_steps": 20,
+            "batch_tokens": 1024,
+            "warmup": 5,
+            "lr": 3e-3,
+            "valid_every": 10,
+            "save_every": 10,
+            "log_every": 5,
+            "valid_beam": 2,
+        },
     }
     for section, values in sections.items():
         raw.setdefault(section, {}).update(values)
@@ -63,10 +74,25 @@ def test_version():
 
 def test_tokenizer_train_joint_and_separate(tmp_path, multi30k_slice):
     s, t = multi30k_slice["train.en"], multi30k_slice["train.de"]
-    assert invoke("tokenizer", "train", "--src", s, "--tgt", t, "-o", tmp_path / "j", "--vocab-size", 300).exit_code == 0
+    assert (
+        invoke("tokenizer", "train", "--src", s, "--tgt", t, "-o", tmp_path / "j", "--vocab-size", 300).exit_code == 0
+    )
     assert (tmp_path / "j" / "spm.model").is_file() and (tmp_path / "j" / "spm.vocab").is_file()
-    result = invoke("tokenizer", "train", "--src", s, "--tgt", t, "--separate", "-o", tmp_path / "s",
-                    "--vocab-size", 250, "--type", "bpe")
+    result = invoke(
+        "tokenizer",
+        "train",
+        "--src",
+        s,
+        "--tgt",
+        t,
+        "--separate",
+        "-o",
+        tmp_path / "s",
+        "--vocab-size",
+        250,
+        "--type",
+        "bpe",
+    )
     assert result.exit_code == 0, result.output
     assert (tmp_path / "s" / "spm.src.model").is_file() and (tmp_path / "s" / "spm.tgt.model").is_file()
 
@@ -113,7 +139,9 @@ def test_translate_keeps_one_line_per_input_line(trained_run, multi30k_slice, tm
 def test_eval_prints_scores_with_signatures(trained_run, multi30k_slice, tmp_path):
     hyp = tmp_path / "hyp.de"
     assert invoke("translate", trained_run, "-i", multi30k_slice["val.en"], "-o", hyp).exit_code == 0
-    result = invoke("eval", "--hyp", hyp, "--ref", multi30k_slice["val.de"], "--metrics", "bleu", "chrf", "ter", "--json")
+    result = invoke(
+        "eval", "--hyp", hyp, "--ref", multi30k_slice["val.de"], "--metrics", "bleu", "chrf", "ter", "--json"
+    )
     assert result.exit_code == 0, result.output
     scores = {s["name"]: s for s in json.loads(result.stdout)}
     assert set(scores) == {"BLEU", "chrF2", "TER"}
@@ -121,8 +149,9 @@ def test_eval_prints_scores_with_signatures(trained_run, multi30k_slice, tmp_pat
     for spelling in (["bleu,chrf,ter"], ["bleu", "--metrics", "chrf,ter"]):
         again = invoke("eval", "--hyp", hyp, "--ref", multi30k_slice["val.de"], "--json", "--metrics", *spelling)
         assert json.loads(again.stdout) == json.loads(result.stdout)
-    perfect = invoke("eval", "--hyp", multi30k_slice["val.de"], "--ref", multi30k_slice["val.de"],
-                     "--ref", hyp, "--metrics", "bleu")
+    perfect = invoke(
+        "eval", "--hyp", multi30k_slice["val.de"], "--ref", multi30k_slice["val.de"], "--ref", hyp, "--metrics", "bleu"
+    )
     assert perfect.exit_code == 0 and "BLEU = 100.00" in perfect.stdout and "nrefs:2" in perfect.stdout
 
 
@@ -184,7 +213,8 @@ def test_bad_translate_and_eval_input_is_one_line_and_exit_1(tmp_path, multi30k_
 def test_real_process_exit_status_and_no_traceback(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "mtkit", "eval", "--hyp", str(tmp_path / "missing"), "--ref", str(tmp_path / "r")],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 1
     assert proc.stderr.strip().count("\n") == 0 and "file not found" in proc.stderr

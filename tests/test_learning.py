@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import torch
+from conftest import tiny_model
 
 from mtkit.data import collate, source_tensor
 from mtkit.loss import linear_cross_entropy
 from mtkit.search import beam_search, greedy_search
 from mtkit.tokenizer import PAD_ID
 from mtkit.train import lr_at
-
-from conftest import tiny_model
 
 VOCAB = 16  # 4 special ids + 12 symbols
 

@@ -7,12 +7,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_model
 
 from mtkit.config import from_dict
 from mtkit.model import DecoderCache, MultiHeadAttention, _explicit_attention, build_model, count_parameters
 from mtkit.tokenizer import PAD_ID
-
-from conftest import tiny_model
 
 VOCAB = 40
 

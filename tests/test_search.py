@@ -5,13 +5,12 @@ from __future__ import annotations
 import math
 
 import torch
+from conftest import tiny_model
 
 from mtkit.data import source_tensor
 from mtkit.model import DecoderCache
 from mtkit.search import beam_search, greedy_search, length_penalty
 from mtkit.tokenizer import EOS_ID
-
-from conftest import tiny_model
 
 A, B, C = 4, 5, 6
 VOCAB = 7
@@ -87,7 +86,9 @@ def test_output_length_is_capped_and_nbest_sorted_distinct():
 
 def random_sources(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(4, vocab, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+    return [
+        torch.randint(4, vocab, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
+    ]
 
 
 def test_beam_one_equals_greedy():

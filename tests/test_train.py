@@ -22,17 +22,29 @@ def test_lr_warms_up_linearly_then_decays_as_inverse_sqrt():
 
 
 def small_config(slice_paths, spm_model, **train):
-    return from_dict({
-        "data": {
-            "train_src": str(slice_paths["train.en"]), "train_tgt": str(slice_paths["train.de"]),
-            "valid_src": str(slice_paths["val.en"]), "valid_tgt": str(slice_paths["val.de"]),
-        },
-        "tokenizer": {"model": str(spm_model.path)},
-        "model": {"encoder_layers": 1, "decoder_layers": 1, "d_model": 32, "heads": 2, "ffn": 64, "dropout": 0.1},
-        "train": {"batch_tokens": 512, "warmup": 4, "lr": 1e-3, "valid_every": 0, "save_every": 2,
-                  "valid_bleu": False, "log_every": 1, **train},
-        "decode": {"beam": 2},
-    })
+    return from_dict(
+        {
+            "data": {
+                "train_src": str(slice_paths["train.en"]),
+                "train_tgt": str(slice_paths["train.de"]),
+                "valid_src": str(slice_paths["val.en"]),
+                "valid_tgt": str(slice_paths["val.de"]),
+            },
+            "tokenizer": {"model": str(spm_model.path)},
+            "model": {"encoder_layers": 1, "decoder_layers": 1, "d_model": 32, "heads": 2, "ffn": 64, "dropout": 0.1},
+            "train": {
+                "batch_tokens": 512,
+                "warmup": 4,
+                "lr": 1e-3,
+                "valid_every": 0,
+                "save_every": 2,
+                "valid_bleu": False,
+                "log_every": 1,
+                **train,
+            },
+            "decode": {"beam": 2},
+        }
+    )
 
 
 def test_loss_goes_down_and_checkpoints_are_written(tmp_path, multi30k_slice, spm_model):
