@@ -106,9 +106,7 @@ def tokenizer_train(
     out_dir: Annotated[
         Path, typer.Option("--out-dir", "-o", help="Directory for spm.model (joint) or spm.src/tgt.model.")
     ],
-    tgt: Annotated[
-        Path | None, typer.Option(help="Target-side training text; omit for one monolingual model.")
-    ] = None,
+    tgt: Annotated[Path | None, typer.Option(help="Target-side training text; omit for one monolingual model.")] = None,
     joint: Annotated[
         bool, typer.Option("--joint/--separate", help="One model for both sides, or one per side.")
     ] = True,
