@@ -155,6 +155,12 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
 
+    def __post_init__(self) -> None:
+        _check(
+            self.tokenizer.joint or not self.model.tie_embeddings,
+            "model.tie_embeddings needs a joint vocabulary: set tokenizer.joint: true or model.tie_embeddings: false",
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

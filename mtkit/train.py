@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 
 from mtkit import checkpoint
-from mtkit.config import RunConfig, dump, from_dict
+from mtkit.config import ConfigError, RunConfig, dump, from_dict
 from mtkit.data import Batch, DataError, collate, filter_pairs, read_parallel, token_batches
 from mtkit.loss import linear_cross_entropy
 from mtkit.metrics import bleu
@@ -134,6 +134,8 @@ class Trainer:
         self.dtype = compute_dtype(tc.precision, self.device)
         seed_everything(tc.seed)
 
+        if not cfg.data.train_src:
+            raise ConfigError("data.train_src is not set: training needs a parallel corpus")
         src_lines, tgt_lines = read_parallel(cfg.data.train_src, cfg.data.train_tgt)
         self.valid_src, self.valid_tgt = self._read_valid()
         self.out_dir.mkdir(parents=True, exist_ok=True)

@@ -192,6 +192,7 @@ def test_bad_training_input_is_one_line_and_exit_1(tmp_path, multi30k_slice):
         ({"data": {"train_src": str(empty_en), "train_tgt": str(empty_de)}}, ["empty corpus"]),
         ({"train": {"learning_rate": 1}}, ["unknown config key train.learning_rate"]),
         ({"train": {"lr": "high"}}, ["train.lr must be of type float"]),
+        ({"data": {"train_src": ""}}, ["data.train_src is not set"]),
     ]
     for i, (sections, fragments) in enumerate(expectations):
         config = write_config(tmp_path / f"c{i}.yaml", multi30k_slice, **sections)
@@ -218,3 +219,17 @@ def test_real_process_exit_status_and_no_traceback(tmp_path):
     )
     assert proc.returncode == 1
     assert proc.stderr.strip().count("\n") == 0 and "file not found" in proc.stderr
+
+
+def test_separate_vocabularies_train_and_translate(tmp_path, multi30k_slice):
+    config = write_config(
+        tmp_path / "sep.yaml",
+        multi30k_slice,
+        tokenizer={"joint": False, "vocab_size": 250},
+        model={"tie_embeddings": False},
+        train={"max_steps": 2, "valid_every": 0},
+    )
+    assert invoke("train", config, "--out", tmp_path / "run").exit_code == 0
+    assert (tmp_path / "run" / "spm.src.model").is_file() and (tmp_path / "run" / "spm.tgt.model").is_file()
+    result = invoke("translate", tmp_path / "run", "--beam", 2, input="A dog.\n\nTwo cats.\n")
+    assert result.exit_code == 0 and len(result.stdout.split("\n")) == 4

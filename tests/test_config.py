@@ -27,7 +27,16 @@ def test_preset_sets_defaults_and_explicit_keys_win():
 def test_overrides_are_typed_and_apply_to_any_key(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("train:\n  lr: 0.001\n")
-    cfg = load(path, ["train.lr=5e-4", "train.max_steps=20", "model.norm=pre", "tokenizer.joint=false"])
+    cfg = load(
+        path,
+        [
+            "train.lr=5e-4",
+            "train.max_steps=20",
+            "model.norm=pre",
+            "tokenizer.joint=false",
+            "model.tie_embeddings=false",
+        ],
+    )
     assert cfg.train.lr == 5e-4 and cfg.train.max_steps == 20
     assert cfg.model.norm == "pre" and cfg.tokenizer.joint is False
 
@@ -43,6 +52,7 @@ def test_overrides_are_typed_and_apply_to_any_key(tmp_path):
         ({"model": {"d_model": 100, "heads": 3}}, "divisible"),
         ({"model": {"preset": "huge"}}, "model.preset must be one of"),
         ({"train": {"precision": "fp8"}}, "train.precision"),
+        ({"tokenizer": {"joint": False}}, "tie_embeddings needs a joint vocabulary"),
     ],
 )
 def test_bad_keys_and_values_are_named(raw, message):
