@@ -222,13 +222,14 @@ def train(
         typer.echo("# learning rate: " + ", ".join(f"update {s}: {lr:.3g}" for s, lr in schedule_preview(cfg)))
         return
     _setup_logging()
+    from mtkit.train import TrainingStopped
     from mtkit.train import train as run_training
 
     try:
         result = run_training(cfg, out, RichReporter(cfg.train.log_every), restart=restart)
-    except KeyboardInterrupt:
-        typer.echo(f"interrupted: last checkpoint saved in {out}", err=True)
-        raise typer.Exit(130) from None
+    except TrainingStopped as stop:
+        typer.echo(f"{stop}: last checkpoint saved in {out}; run the same command to resume", err=True)
+        raise typer.Exit(128 + stop.signum) from None
     if "valid_bleu" in result:
         typer.echo(f"final validation BLEU {result['valid_bleu']:.2f} ({result['bleu_signature']})", err=True)
     typer.echo(f"run directory: {out}", err=True)

@@ -10,6 +10,8 @@ import json
 import logging
 import math
 import shutil
+import signal
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -35,6 +37,44 @@ def lr_at(step: int, peak: float, warmup: int) -> float:
     if warmup == 0:
         return peak
     return peak * min(step / warmup, math.sqrt(warmup / step))
+
+
+class TrainingStopped(Exception):
+    """Training ended early on SIGINT/SIGTERM, after saving the last checkpoint."""
+
+    def __init__(self, signum: int, step: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name} at update {step}")
+        self.signum = signum
+
+
+class StopSignals:
+    """SIGINT and SIGTERM become a request that the loop honours between updates.
+
+    So the checkpoint written on the way out always holds a whole number of updates (an interrupt
+    in the middle of a step could otherwise save updated weights with the old step count).
+    A second signal aborts at once.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.received is not None:
+            raise KeyboardInterrupt
+        self.received = signum
+        log.warning("%s received: saving a checkpoint after this update", signal.Signals(signum).name)
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
 
 
 class Reporter(Protocol):
@@ -298,49 +338,50 @@ class Trainer:
         last_result: dict = {}
         window = {"tokens": 0, "time": time.perf_counter(), "loss": 0.0, "nll": 0.0, "steps": 0}
         try:
-            while not self._finished():
-                batches = self._epoch_batches()
-                while p.batch_in_epoch < len(batches) and not self._finished():
-                    group = batches[p.batch_in_epoch : p.batch_in_epoch + tc.accum]
-                    stats = self.train_step(group)
-                    p.step += 1
-                    p.batch_in_epoch += len(group)
-                    window["tokens"] += stats["tokens"]
-                    window["loss"] += stats["loss"]
-                    window["nll"] += stats["nll"]
-                    window["steps"] += 1
-                    elapsed = time.perf_counter() - window["time"]
-                    self.reporter.update(
-                        p.step, {**stats, "tok_s": window["tokens"] / max(elapsed, 1e-9), "epoch": p.epoch}
-                    )
-                    if p.step % tc.log_every == 0:
-                        self._log_metrics(
-                            {
-                                "event": "train",
-                                "step": p.step,
-                                "epoch": p.epoch,
-                                "lr": stats["lr"],
-                                "loss": window["loss"] / window["steps"],
-                                "nll": window["nll"] / window["steps"],
-                                "grad_norm": stats["grad_norm"],
-                                "tgt_tokens_per_s": window["tokens"] / elapsed,
-                            }
+            with StopSignals() as stop:
+                while not self._finished():
+                    batches = self._epoch_batches()
+                    while p.batch_in_epoch < len(batches) and not self._finished():
+                        group = batches[p.batch_in_epoch : p.batch_in_epoch + tc.accum]
+                        stats = self.train_step(group)
+                        p.step += 1
+                        p.batch_in_epoch += len(group)
+                        window["tokens"] += stats["tokens"]
+                        window["loss"] += stats["loss"]
+                        window["nll"] += stats["nll"]
+                        window["steps"] += 1
+                        elapsed = time.perf_counter() - window["time"]
+                        self.reporter.update(
+                            p.step, {**stats, "tok_s": window["tokens"] / max(elapsed, 1e-9), "epoch": p.epoch}
                         )
-                        window = {"tokens": 0, "time": time.perf_counter(), "loss": 0.0, "nll": 0.0, "steps": 0}
-                    if tc.valid_every and p.step % tc.valid_every == 0:
-                        last_result = self._validate_and_log()
-                        window["time"] = time.perf_counter()
-                    if tc.save_every and p.step % tc.save_every == 0:
-                        self.save_last()
-                if p.batch_in_epoch >= len(batches):
-                    p.epoch += 1
-                    p.batch_in_epoch = 0
-            if not tc.valid_every or p.step % tc.valid_every:
-                last_result = self._validate_and_log()
-            self.save_last()
-        except KeyboardInterrupt:
-            self.save_last()
-            raise
+                        if p.step % tc.log_every == 0:
+                            self._log_metrics(
+                                {
+                                    "event": "train",
+                                    "step": p.step,
+                                    "epoch": p.epoch,
+                                    "lr": stats["lr"],
+                                    "loss": window["loss"] / window["steps"],
+                                    "nll": window["nll"] / window["steps"],
+                                    "grad_norm": stats["grad_norm"],
+                                    "tgt_tokens_per_s": window["tokens"] / elapsed,
+                                }
+                            )
+                            window = {"tokens": 0, "time": time.perf_counter(), "loss": 0.0, "nll": 0.0, "steps": 0}
+                        if tc.valid_every and p.step % tc.valid_every == 0:
+                            last_result = self._validate_and_log()
+                            window["time"] = time.perf_counter()
+                        if tc.save_every and p.step % tc.save_every == 0:
+                            self.save_last()
+                        if stop.received is not None:
+                            self.save_last()
+                            raise TrainingStopped(stop.received, p.step)
+                    if p.batch_in_epoch >= len(batches):
+                        p.epoch += 1
+                        p.batch_in_epoch = 0
+                if not tc.valid_every or p.step % tc.valid_every:
+                    last_result = self._validate_and_log()
+                self.save_last()
         finally:
             self.reporter.finish()
         return last_result

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
 from typer.testing import CliRunner
 
+from mtkit import checkpoint
 from mtkit.cli import app
 
 runner = CliRunner()
@@ -233,3 +236,32 @@ def test_separate_vocabularies_train_and_translate(tmp_path, multi30k_slice):
     assert (tmp_path / "run" / "spm.src.model").is_file() and (tmp_path / "run" / "spm.tgt.model").is_file()
     result = invoke("translate", tmp_path / "run", "--beam", 2, input="A dog.\n\nTwo cats.\n")
     assert result.exit_code == 0 and len(result.stdout.split("\n")) == 4
+
+
+def test_sigterm_saves_a_whole_update_and_the_same_command_resumes(tmp_path, multi30k_slice):
+    config = write_config(
+        tmp_path / "long.yaml",
+        multi30k_slice,
+        train={"max_steps": 100_000, "valid_every": 0, "save_every": 0, "log_every": 1},
+    )
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "mtkit", "train", str(config), "--out", str(run)]
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 3):
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() < deadline, "training never logged three updates"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "stopped by SIGTERM" in err and "Traceback" not in err
+
+    saved = checkpoint.load(run / "last.pt")["step"]
+    logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert saved == logged[-1]  # the checkpoint holds exactly the updates that were logged
+    resumed = subprocess.run(command + ["--set", f"train.max_steps={saved + 2}"], capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming from {run / 'last.pt'} at update {saved}" in resumed.stderr
+    assert checkpoint.load(run / "last.pt")["step"] == saved + 2
