@@ -45,3 +45,67 @@ def autocast(device: torch.device, dtype: torch.dtype):
     if dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (what a new process can use without swapping), if readable."""
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def environment_report(path: str = ".") -> dict:
+    """What a run on this machine will use: torch, devices, precisions, threads, memory, disk at ``path``."""
+    import shutil
+
+    import torch.distributed as dist
+
+    flags = _cpu_flags()
+    report = {
+        "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_bf16_instructions": "avx512_bf16" in flags or "amx_bf16" in flags,
+        "threads": torch.get_num_threads(),
+        "cuda_available": torch.cuda.is_available(),
+        "cuda_version": torch.version.cuda,
+        "gpus": [],
+        "distributed_backends": {"gloo": dist.is_gloo_available(), "nccl": dist.is_nccl_available()},
+        "memory_available_gib": None,
+        "disk_free_gib": round(shutil.disk_usage(path).free / 2**30, 1),
+    }
+    available = _available_memory_bytes()
+    if available is not None:
+        report["memory_available_gib"] = round(available / 2**30, 1)
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        report["gpus"].append(
+            {
+                "name": props.name,
+                "memory_gib": round(props.total_memory / 2**30, 1),
+                "bf16": torch.cuda.is_bf16_supported(),
+                "fp16": True,
+            }
+        )
+    report["precisions"] = {
+        "cpu": ["fp32", "bf16"],
+        "cuda": (["fp32", "bf16", "fp16"] if torch.cuda.is_bf16_supported() else ["fp32", "fp16"])
+        if torch.cuda.is_available()
+        else [],
+    }
+    return report

@@ -64,7 +64,9 @@ def trained_run(tmp_path_factory, multi30k_slice):
     return root / "run"
 
 
-@pytest.mark.parametrize("command", [[], ["train"], ["translate"], ["eval"], ["tokenizer"], ["tokenizer", "train"]])
+@pytest.mark.parametrize(
+    "command", [[], ["train"], ["translate"], ["eval"], ["doctor"], ["tokenizer"], ["tokenizer", "train"]]
+)
 def test_every_command_has_help(command):
     result = invoke(*command, "--help")
     assert result.exit_code == 0 and "Usage" in result.output
@@ -265,3 +267,17 @@ def test_sigterm_saves_a_whole_update_and_the_same_command_resumes(tmp_path, mul
     assert resumed.returncode == 0, resumed.stderr
     assert f"resuming from {run / 'last.pt'} at update {saved}" in resumed.stderr
     assert checkpoint.load(run / "last.pt")["step"] == saved + 2
+
+
+def test_doctor_reports_the_machine(tmp_path):
+    import torch
+
+    result = invoke("doctor", "--json", "--path", tmp_path)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["torch"] == torch.__version__
+    assert report["threads"] == torch.get_num_threads()
+    assert report["distributed_backends"]["gloo"] is True
+    assert report["disk_free_gib"] > 0 and "fp32" in report["precisions"]["cpu"]
+    text = invoke("doctor")
+    assert text.exit_code == 0 and "distributed backends" in text.stdout
