@@ -116,13 +116,24 @@ class TrainConfig:
     log_every: int = 100
     valid_beam: int = 5  # beam size for validation BLEU
     valid_bleu: bool = True  # decode the validation set for BLEU (loss is always computed)
+    best_metric: str = "bleu"  # what best.pt and early stopping follow: bleu or loss
+    patience: int = 0  # stop after this many validations without a new best; 0 never stops early
+    max_time: float = 0.0  # wall-clock budget in minutes, summed over resumed runs; 0 is no limit
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "batch_tokens", "accum", "valid_beam", "log_every"):
             _check(getattr(self, name) >= 1, f"train.{name} must be >= 1")
-        for name in ("max_epochs", "warmup", "valid_every", "save_every", "threads"):
+        for name in ("max_epochs", "warmup", "valid_every", "save_every", "threads", "patience"):
             _check(getattr(self, name) >= 0, f"train.{name} must be >= 0")
         _check(self.lr > 0, "train.lr must be > 0")
+        _check(self.max_time >= 0, "train.max_time must be >= 0")
+        _check(
+            self.best_metric in ("bleu", "loss"), f"train.best_metric must be bleu or loss, got {self.best_metric!r}"
+        )
+        _check(
+            self.best_metric == "loss" or self.valid_bleu,
+            "train.best_metric bleu needs train.valid_bleu: true (or use best_metric: loss)",
+        )
         _check(0.0 <= self.label_smoothing < 1.0, "train.label_smoothing must be in [0, 1)")
         _check(self.clip_norm >= 0 and self.weight_decay >= 0, "train.clip_norm and train.weight_decay must be >= 0")
         _check(

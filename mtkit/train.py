@@ -13,7 +13,7 @@ import shutil
 import signal
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -114,6 +114,8 @@ class Progress:
     epoch: int = 1
     batch_in_epoch: int = 0  # batches of this epoch already consumed
     best: float | None = None  # best validation metric so far (higher is better)
+    stale: int = 0  # validations since the best one
+    seconds: float = 0.0  # training wall clock so far, across resumed runs
 
 
 def prepare_tokenizers(
@@ -211,8 +213,7 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
         torch.set_rng_state(state["rng"]["torch"])
-        p = state["progress"]
-        self.progress = Progress(p["step"], p["epoch"], p["batch_in_epoch"], p["best"])
+        self.progress = Progress(**state["progress"])
         log.info("resuming from %s at update %d (epoch %d)", last, self.progress.step, self.progress.epoch)
 
     # -- checkpoints ------------------------------------------------------------------------
@@ -233,13 +234,12 @@ class Trainer:
         }
 
     def save_last(self) -> None:
-        p = self.progress
         state = {
             **self._weights_payload(),
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
             "rng": {"torch": torch.get_rng_state()},
-            "progress": {"step": p.step, "epoch": p.epoch, "batch_in_epoch": p.batch_in_epoch, "best": p.best},
+            "progress": asdict(self.progress),
         }
         checkpoint.save(self.out_dir / checkpoint.LAST, state)
 
@@ -314,11 +314,14 @@ class Trainer:
         return result
 
     def _after_validation(self, result: dict) -> None:
-        metric = result.get("valid_bleu", -result.get("valid_loss", math.inf))
-        if self.progress.best is None or metric > self.progress.best:
-            self.progress.best = metric
+        p = self.progress
+        metric = result["valid_bleu"] if self.cfg.train.best_metric == "bleu" else -result["valid_loss"]
+        if p.best is None or metric > p.best:
+            p.best, p.stale = metric, 0
             checkpoint.save(self.out_dir / checkpoint.BEST, {**self._weights_payload(), "validation": result})
             result["new_best"] = True
+        else:
+            p.stale += 1
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -326,9 +329,21 @@ class Trainer:
         tc = self.cfg.train
         return self.corpus.batches(tc.batch_tokens, seed=tc.seed * 100_003 + self.progress.epoch)
 
+    def stop_reason(self) -> str | None:
+        """Why training is over, or None while any budget is left."""
+        tc, p = self.cfg.train, self.progress
+        if p.step >= tc.max_steps:
+            return f"reached train.max_steps {tc.max_steps}"
+        if tc.max_epochs and p.epoch > tc.max_epochs:
+            return f"reached train.max_epochs {tc.max_epochs}"
+        if tc.max_time and p.seconds >= tc.max_time * 60:
+            return f"reached train.max_time {tc.max_time:g} min"
+        if tc.patience and p.stale >= tc.patience:
+            return f"no better validation {tc.best_metric} in {tc.patience} validations (train.patience)"
+        return None
+
     def _finished(self) -> bool:
-        tc = self.cfg.train
-        return self.progress.step >= tc.max_steps or (tc.max_epochs > 0 and self.progress.epoch > tc.max_epochs)
+        return self.stop_reason() is not None
 
     def run(self) -> dict:
         """Train to the configured budget; returns the last validation result."""
@@ -337,6 +352,7 @@ class Trainer:
         self.reporter.start(tc.max_steps, p.step)
         last_result: dict = {}
         window = {"tokens": 0, "time": time.perf_counter(), "loss": 0.0, "nll": 0.0, "steps": 0}
+        clock = time.perf_counter()
         try:
             with StopSignals() as stop:
                 while not self._finished():
@@ -373,12 +389,15 @@ class Trainer:
                             window["time"] = time.perf_counter()
                         if tc.save_every and p.step % tc.save_every == 0:
                             self.save_last()
+                        now = time.perf_counter()
+                        p.seconds, clock = p.seconds + now - clock, now
                         if stop.received is not None:
                             self.save_last()
                             raise TrainingStopped(stop.received, p.step)
                     if p.batch_in_epoch >= len(batches):
                         p.epoch += 1
                         p.batch_in_epoch = 0
+                log.info("training done: %s", self.stop_reason())
                 if not tc.valid_every or p.step % tc.valid_every:
                     last_result = self._validate_and_log()
                 self.save_last()

@@ -53,6 +53,8 @@ def test_overrides_are_typed_and_apply_to_any_key(tmp_path):
         ({"model": {"preset": "huge"}}, "model.preset must be one of"),
         ({"train": {"precision": "fp8"}}, "train.precision"),
         ({"tokenizer": {"joint": False}}, "tie_embeddings needs a joint vocabulary"),
+        ({"train": {"valid_bleu": False}}, "best_metric bleu needs train.valid_bleu"),
+        ({"train": {"best_metric": "chrf"}}, "train.best_metric must be bleu or loss"),
     ],
 )
 def test_bad_keys_and_values_are_named(raw, message):

@@ -39,6 +39,7 @@ def small_config(slice_paths, spm_model, **train):
                 "valid_every": 0,
                 "save_every": 2,
                 "valid_bleu": False,
+                "best_metric": "loss",
                 "log_every": 1,
                 **train,
             },
@@ -119,3 +120,20 @@ def test_restart_starts_over_instead_of_resuming(tmp_path, multi30k_slice, spm_m
     train(cfg, tmp_path, restart=True)
     events = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert events[0] == 1  # the old log went with the old checkpoints
+
+
+def test_wall_clock_budget_stops_training(tmp_path, multi30k_slice, spm_model):
+    trainer = Trainer(small_config(multi30k_slice, spm_model, max_steps=1000, max_time=1e-6), tmp_path)
+    trainer.run()
+    assert trainer.progress.step == 1
+    assert "train.max_time" in trainer.stop_reason()
+    assert checkpoint.load(tmp_path / "last.pt")["progress"]["seconds"] > 0
+
+
+def test_patience_stops_after_validations_without_a_new_best(tmp_path, multi30k_slice, spm_model, monkeypatch):
+    trainer = Trainer(small_config(multi30k_slice, spm_model, max_steps=1000, valid_every=2, patience=2), tmp_path)
+    monkeypatch.setattr(trainer, "validate", lambda: {"valid_loss": 2.0, "valid_nll": 2.0, "valid_ppl": 7.4})
+    trainer.run()
+    assert trainer.progress.step == 6  # best at update 2, no better at 4 and 6
+    assert "train.patience" in trainer.stop_reason()
+    assert checkpoint.load(tmp_path / "best.pt")["step"] == 2
