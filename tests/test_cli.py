@@ -241,6 +241,15 @@ def test_separate_vocabularies_train_and_translate(tmp_path, multi30k_slice):
     assert result.exit_code == 0 and len(result.stdout.split("\n")) == 4
 
 
+def wait_for_logged_updates(proc: subprocess.Popen, metrics, count: int) -> None:
+    """Block until a training subprocess has logged ``count`` updates (it must still be running)."""
+    deadline = time.monotonic() + 120
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= count):
+        assert proc.poll() is None, "training ended before it was interrupted"
+        assert time.monotonic() < deadline, f"training never logged {count} updates"
+        time.sleep(0.02)
+
+
 def test_sigterm_saves_a_whole_update_and_the_same_command_resumes(tmp_path, multi30k_slice):
     config = write_config(
         tmp_path / "long.yaml",
@@ -251,11 +260,7 @@ def test_sigterm_saves_a_whole_update_and_the_same_command_resumes(tmp_path, mul
     command = [sys.executable, "-m", "mtkit", "train", str(config), "--out", str(run)]
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     metrics = run / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not (metrics.is_file() and metrics.read_text().count("\n") >= 3):
-        assert proc.poll() is None, proc.stderr.read()
-        assert time.monotonic() < deadline, "training never logged three updates"
-        time.sleep(0.05)
+    wait_for_logged_updates(proc, metrics, 3)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, err
@@ -299,10 +304,7 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tmp_path, multi30k
     killed = tmp_path / "killed"
     command = [sys.executable, "-m", "mtkit", "train", str(config)]
     proc = subprocess.Popen(command + ["--out", str(killed)], stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while not ((killed / "metrics.jsonl").is_file() and (killed / "metrics.jsonl").read_text().count("\n") >= 5):
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.02)
+    wait_for_logged_updates(proc, killed / "metrics.jsonl", 5)
     proc.kill()
     proc.wait()
     saved = checkpoint.load(killed / "last.pt")["step"]
