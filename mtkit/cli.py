@@ -366,7 +366,7 @@ def doctor(
     """What a run will use here: torch, CUDA/NCCL, GPUs, bf16/fp16 support, threads, memory, disk."""
     from mtkit.runtime import environment_report
 
-    report = environment_report(str(path))
+    report = environment_report(path)
     if as_json:
         typer.echo(json.dumps(report, indent=1))
         return

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+from pathlib import Path
 
 import torch
 
@@ -47,65 +48,64 @@ def autocast(device: torch.device, dtype: torch.dtype):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+def supported_precisions(device: torch.device) -> list[str]:
+    """The train/translate precisions that ``compute_dtype`` accepts on ``device``."""
+    supported = []
+    for name in ("fp32", "bf16", "fp16"):
+        try:
+            compute_dtype(name, device)
+        except RuntimeSetupError:
+            continue
+        supported.append(name)
+    return supported
 
 
-def _available_memory_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (what a new process can use without swapping), if readable."""
+def _proc_field(path: str, key: str) -> str | None:
+    """The value after ``key:`` on the first matching line of a /proc file, if the file is readable."""
     try:
-        with open("/proc/meminfo", encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                name, _, value = line.partition(":")
+                if name.strip() == key:
+                    return value.strip()
     except OSError:
         pass
     return None
 
 
-def environment_report(path: str = ".") -> dict:
+def _existing_ancestor(path: Path) -> Path:
+    """``path`` or its nearest existing parent: where a not-yet-created run directory will live."""
+    path = path.resolve()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def environment_report(path: Path = Path(".")) -> dict:
     """What a run on this machine will use: torch, devices, precisions, threads, memory, disk at ``path``."""
     import shutil
 
     import torch.distributed as dist
 
-    flags = _cpu_flags()
-    report = {
+    flags = set((_proc_field("/proc/cpuinfo", "flags") or "").split())
+    mem_kib = _proc_field("/proc/meminfo", "MemAvailable")  # what a new process can use without swapping
+    cuda = torch.cuda.is_available()
+    return {
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "cpu_bf16_instructions": "avx512_bf16" in flags or "amx_bf16" in flags,
+        "cpu_bf16_instructions": bool(flags & {"avx512_bf16", "amx_bf16"}),
         "threads": torch.get_num_threads(),
-        "cuda_available": torch.cuda.is_available(),
+        "cuda_available": cuda,
         "cuda_version": torch.version.cuda,
-        "gpus": [],
+        "gpus": [
+            {"name": props.name, "memory_gib": round(props.total_memory / 2**30, 1)}
+            for props in map(torch.cuda.get_device_properties, range(torch.cuda.device_count()))
+        ],
         "distributed_backends": {"gloo": dist.is_gloo_available(), "nccl": dist.is_nccl_available()},
-        "memory_available_gib": None,
-        "disk_free_gib": round(shutil.disk_usage(path).free / 2**30, 1),
+        "precisions": {
+            "cpu": supported_precisions(torch.device("cpu")),
+            "cuda": supported_precisions(torch.device("cuda")) if cuda else [],
+        },
+        "memory_available_gib": round(int(mem_kib.split()[0]) / 2**20, 1) if mem_kib else None,
+        "disk_free_gib": round(shutil.disk_usage(_existing_ancestor(path)).free / 2**30, 1),
     }
-    available = _available_memory_bytes()
-    if available is not None:
-        report["memory_available_gib"] = round(available / 2**30, 1)
-    for i in range(torch.cuda.device_count()):
-        props = torch.cuda.get_device_properties(i)
-        report["gpus"].append(
-            {
-                "name": props.name,
-                "memory_gib": round(props.total_memory / 2**30, 1),
-                "bf16": torch.cuda.is_bf16_supported(),
-                "fp16": True,
-            }
-        )
-    report["precisions"] = {
-        "cpu": ["fp32", "bf16"],
-        "cuda": (["fp32", "bf16", "fp16"] if torch.cuda.is_bf16_supported() else ["fp32", "fp16"])
-        if torch.cuda.is_available()
-        else [],
-    }
-    return report

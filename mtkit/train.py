@@ -13,7 +13,8 @@ import shutil
 import signal
 import threading
 import time
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -107,6 +108,36 @@ class Corpus:
 
 
 @dataclass
+class LogWindow:
+    """Training statistics accumulated since the last metrics-log line."""
+
+    tokens: int = 0
+    loss: float = 0.0
+    nll: float = 0.0
+    updates: int = 0
+    start: float = field(default_factory=time.perf_counter)
+
+    def add(self, stats: dict) -> None:
+        self.tokens += stats["tokens"]
+        self.loss += stats["loss"]
+        self.nll += stats["nll"]
+        self.updates += 1
+
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(time.perf_counter() - self.start, 1e-9)
+
+    def summary(self, last: dict) -> dict:
+        """Mean loss over the window, the last update's lr and gradient norm, and throughput."""
+        return {
+            "lr": last["lr"],
+            "loss": self.loss / self.updates,
+            "nll": self.nll / self.updates,
+            "grad_norm": last["grad_norm"],
+            "tgt_tokens_per_s": self.tokens_per_s(),
+        }
+
+
+@dataclass
 class Progress:
     """The resumable position of a run."""
 
@@ -183,6 +214,7 @@ class Trainer:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.src_tok, self.tgt_tok = prepare_tokenizers(cfg, self.out_dir, src_lines, tgt_lines)
         self.corpus = encode_corpus(cfg, src_lines, tgt_lines, self.src_tok, self.tgt_tok)
+        self.valid_batches = self._valid_loss_batches()
         checkpoint.atomic_write_text(self.out_dir / "config.yaml", dump(cfg))
 
         self.model = build_model(cfg.model, self.src_tok.vocab_size, self.tgt_tok.vocab_size, PAD_ID).to(self.device)
@@ -199,6 +231,14 @@ class Trainer:
         if not data.valid_src:
             return [], []
         return read_parallel(data.valid_src, data.valid_tgt)
+
+    def _valid_loss_batches(self) -> list[Batch]:
+        """Validation pairs with both sides non-empty, encoded and batched once for the whole run."""
+        pairs = [
+            (s, t) for s, t in zip(self.src_tok.encode(self.valid_src), self.tgt_tok.encode(self.valid_tgt)) if s and t
+        ]
+        valid = Corpus([s for s, _ in pairs], [t for _, t in pairs])
+        return valid.batches(self.cfg.train.batch_tokens, seed=0) if pairs else []
 
     def _resume(self) -> None:
         last = self.out_dir / checkpoint.LAST
@@ -294,12 +334,8 @@ class Trainer:
         result: dict = {}
         if not self.valid_src:
             return result
-        src_ids = self.src_tok.encode(self.valid_src)
-        tgt_ids = self.tgt_tok.encode(self.valid_tgt)
-        pairs = [(s, t) for s, t in zip(src_ids, tgt_ids) if s and t]
-        valid = Corpus([s for s, _ in pairs], [t for _, t in pairs])
         loss_sum = nll_sum = tokens = 0.0
-        for batch in valid.batches(self.cfg.train.batch_tokens, seed=0):
+        for batch in self.valid_batches:
             loss, nll = self._loss(batch.to(self.device))
             loss_sum, nll_sum, tokens = loss_sum + loss.item(), nll_sum + nll.item(), tokens + batch.target_tokens
         result.update(
@@ -345,58 +381,45 @@ class Trainer:
     def _finished(self) -> bool:
         return self.stop_reason() is not None
 
+    def _update_groups(self) -> Iterator[list[Batch]]:
+        """The batches of each remaining update, advancing the data position as each is handed out."""
+        tc, p = self.cfg.train, self.progress
+        while not self._finished():
+            batches = self._epoch_batches()
+            while p.batch_in_epoch < len(batches) and not self._finished():
+                group = batches[p.batch_in_epoch : p.batch_in_epoch + tc.accum]
+                p.batch_in_epoch += len(group)
+                yield group
+            if p.batch_in_epoch >= len(batches):
+                p.epoch, p.batch_in_epoch = p.epoch + 1, 0
+
     def run(self) -> dict:
         """Train to the configured budget; returns the last validation result."""
-        tc = self.cfg.train
-        p = self.progress
+        tc, p = self.cfg.train, self.progress
         self.reporter.start(tc.max_steps, p.step)
         last_result: dict = {}
-        window = {"tokens": 0, "time": time.perf_counter(), "loss": 0.0, "nll": 0.0, "steps": 0}
+        window = LogWindow()
         clock = time.perf_counter()
         try:
             with StopSignals() as stop:
-                while not self._finished():
-                    batches = self._epoch_batches()
-                    while p.batch_in_epoch < len(batches) and not self._finished():
-                        group = batches[p.batch_in_epoch : p.batch_in_epoch + tc.accum]
-                        stats = self.train_step(group)
-                        p.step += 1
-                        p.batch_in_epoch += len(group)
-                        window["tokens"] += stats["tokens"]
-                        window["loss"] += stats["loss"]
-                        window["nll"] += stats["nll"]
-                        window["steps"] += 1
-                        elapsed = time.perf_counter() - window["time"]
-                        self.reporter.update(
-                            p.step, {**stats, "tok_s": window["tokens"] / max(elapsed, 1e-9), "epoch": p.epoch}
-                        )
-                        if p.step % tc.log_every == 0:
-                            self._log_metrics(
-                                {
-                                    "event": "train",
-                                    "step": p.step,
-                                    "epoch": p.epoch,
-                                    "lr": stats["lr"],
-                                    "loss": window["loss"] / window["steps"],
-                                    "nll": window["nll"] / window["steps"],
-                                    "grad_norm": stats["grad_norm"],
-                                    "tgt_tokens_per_s": window["tokens"] / elapsed,
-                                }
-                            )
-                            window = {"tokens": 0, "time": time.perf_counter(), "loss": 0.0, "nll": 0.0, "steps": 0}
-                        if tc.valid_every and p.step % tc.valid_every == 0:
-                            last_result = self._validate_and_log()
-                            window["time"] = time.perf_counter()
-                        if tc.save_every and p.step % tc.save_every == 0:
-                            self.save_last()
-                        now = time.perf_counter()
-                        p.seconds, clock = p.seconds + now - clock, now
-                        if stop.received is not None:
-                            self.save_last()
-                            raise TrainingStopped(stop.received, p.step)
-                    if p.batch_in_epoch >= len(batches):
-                        p.epoch += 1
-                        p.batch_in_epoch = 0
+                for group in self._update_groups():
+                    stats = self.train_step(group)
+                    p.step += 1
+                    window.add(stats)
+                    self.reporter.update(p.step, {**stats, "tok_s": window.tokens_per_s(), "epoch": p.epoch})
+                    if p.step % tc.log_every == 0:
+                        self._log_metrics({"event": "train", "step": p.step, "epoch": p.epoch, **window.summary(stats)})
+                        window = LogWindow()
+                    if tc.valid_every and p.step % tc.valid_every == 0:
+                        last_result = self._validate_and_log()
+                        window.start = time.perf_counter()  # throughput counts training time only
+                    if tc.save_every and p.step % tc.save_every == 0:
+                        self.save_last()
+                    now = time.perf_counter()
+                    p.seconds, clock = p.seconds + now - clock, now
+                    if stop.received is not None:
+                        self.save_last()
+                        raise TrainingStopped(stop.received, p.step)
                 log.info("training done: %s", self.stop_reason())
                 if not tc.valid_every or p.step % tc.valid_every:
                     last_result = self._validate_and_log()
