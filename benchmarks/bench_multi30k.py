@@ -122,11 +122,11 @@ def measure_training(cfg: RunConfig, work: Path, steps: int) -> dict:
     batches = trainer.corpus.batches(cfg.train.batch_tokens, seed=cfg.train.seed)
     batches = list(islice(cycle(batches), WARMUP_UPDATES + steps))
     for batch in batches[:WARMUP_UPDATES]:
-        trainer.train_step([batch])
+        trainer.train_step([batch], batch.target_tokens)
     timed = batches[WARMUP_UPDATES:]
     start = time.perf_counter()
     for batch in timed:
-        trainer.train_step([batch])
+        trainer.train_step([batch], batch.target_tokens)
     seconds = time.perf_counter() - start
     tokens = sum(b.target_tokens for b in timed)
     flops = sum(train_flops(b, cfg.model, trainer.tgt_tok.vocab_size) for b in timed)
@@ -273,7 +273,7 @@ def render(figures: dict) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--run", type=Path, help="trained run directory (spm.model, best.pt); needed for translation")
+    p.add_argument("--run", type=Path, help="trained run directory (tokenizer and best/); needed for translation")
     p.add_argument(
         "--data-dir",
         type=Path,

@@ -1,39 +1,68 @@
-"""Checkpoint files: atomic writes, safe loading, and the one loader ``translate`` uses.
+"""Checkpoints: atomic saves, safe loading, averaging, and the one loader ``translate`` uses.
 
-A checkpoint is a dict of tensors and plain values (no pickled code): it loads with
-``torch.load(weights_only=True)``. It carries the resolved config and the SHA-256 of each
-tokenizer model, so a run directory is all ``translate`` needs and a swapped tokenizer is caught.
+A checkpoint (format 2) is a directory. ``model.safetensors`` holds the weights, with the metadata as
+JSON in its header: the resolved config, the SHA-256 of each tokenizer model (so a swapped tokenizer is
+caught), the update step and extras such as the validation result. ``state.pt`` holds what resuming
+needs (optimizer, scaler, RNG, progress); it is tensors and plain values only and loads with
+``torch.load(weights_only=True)``. Nothing in a checkpoint is pickled code.
 
 Run directory layout::
 
-    RUN_DIR/config.yaml                 resolved config
-    RUN_DIR/spm.model (+ .vocab)        joint tokenizer, or spm.src.model and spm.tgt.model
-    RUN_DIR/last.pt                     full training state, for resuming
-    RUN_DIR/best.pt                     weights of the best validation result, for translating
-    RUN_DIR/metrics.jsonl               one JSON object per log or validation event
+    RUN_DIR/config.yaml                              resolved config
+    RUN_DIR/spm.model (+ .vocab)                     joint tokenizer, or spm.src.model and spm.tgt.model
+    RUN_DIR/checkpoints/update-00001000/             one directory per save, the newest train.keep_last kept
+        model.safetensors                            weights + metadata
+        state.pt                                     training state, for resuming
+    RUN_DIR/best/model.safetensors                   weights of the best validation result, for translating
+    RUN_DIR/metrics.jsonl                            one JSON object per log or validation event
+
+Format 1 run directories (``last.pt``, ``best.pt``: one ``torch.save``'d dict each) still load; they
+are converted in memory. A checkpoint directory appears whole or not at all: it is built under a
+temporary name beside its final one and renamed into place. One writer per run directory.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import safetensors.torch
 import torch
 
 from mtkit import __version__
 from mtkit.config import RunConfig, from_dict
 from mtkit.model import Transformer, build_model
-from mtkit.tokenizer import PAD_ID, Tokenizer
+from mtkit.tokenizer import PAD_ID, Tokenizer, file_sha256
 
-FORMAT_VERSION = 1
-LAST, BEST = "last.pt", "best.pt"
+FORMAT_VERSION = 2
+WEIGHTS_FILE, STATE_FILE = "model.safetensors", "state.pt"
+CHECKPOINTS_DIR, BEST_DIR = "checkpoints", "best"
+LEGACY_LAST, LEGACY_BEST = "last.pt", "best.pt"  # format 1 files
+
+LEGACY_STATE_KEYS = ("optimizer", "scaler", "rng", "progress")
+_META_KEY, _ALIASES_KEY = "mtkit", "mtkit.aliases"  # safetensors header entries
+_UPDATE_DIR = re.compile(r"update-(\d+)")
 
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, unreadable or inconsistent with its run directory."""
+
+
+@dataclass
+class Checkpoint:
+    path: Path  # the checkpoint directory, or the single file it came from
+    meta: dict[str, Any]  # format, mtkit_version, config, tokenizer, step, and extras
+    weights: dict[str, torch.Tensor]
+    state: dict[str, Any] | None  # None when the checkpoint holds weights only, or when not asked for
+
+
+# -- atomic files ---------------------------------------------------------------------------
 
 
 def atomic_write(path: Path, write) -> None:
@@ -75,27 +104,302 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write(path, lambda f: f.write(text.encode("utf-8")))
 
 
-def save(path: Path, payload: dict[str, Any]) -> None:
-    payload = {"format": FORMAT_VERSION, "mtkit_version": __version__, **payload}
-    atomic_write(path, lambda f: torch.save(payload, f))
+def _write_synced(path: Path, write) -> None:
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
-def load(path: Path) -> dict[str, Any]:
+# -- saving ---------------------------------------------------------------------------------
+
+
+def _aliases(weights: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Keys whose tensor is the very same view as an earlier key's (tied embeddings), mapped to that key.
+
+    safetensors refuses tensors that share memory, so each is stored once and the others are restored on load.
+    """
+    seen: dict[tuple, str] = {}
+    aliases = {}
+    for key, t in weights.items():
+        view = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        if view in seen:
+            aliases[key] = seen[view]
+        else:
+            seen[view] = key
+    return aliases
+
+
+def _encode(weights: dict[str, torch.Tensor], meta: dict[str, Any]) -> bytes:
+    """The safetensors bytes of ``weights``, with ``meta`` (stamped with the format) in the header."""
+    aliases = _aliases(weights)
+    tensors = {k: t.detach().to("cpu").contiguous() for k, t in weights.items() if k not in aliases}
+    meta = {**meta, "format": FORMAT_VERSION, "mtkit_version": __version__}
+    header = {_META_KEY: json.dumps(meta), _ALIASES_KEY: json.dumps(aliases)}
+    return safetensors.torch.save(tensors, metadata=header)
+
+
+def save(
+    directory: Path, weights: dict[str, torch.Tensor], meta: dict[str, Any], state: dict[str, Any] | None = None
+) -> None:
+    """Write a checkpoint directory as a whole: a crash leaves the old one or the new one, never a mix.
+
+    ``state`` must hold only tensors and plain values, as it is read back with ``weights_only=True``.
+    """
+    directory = Path(directory)
+    data = _encode(weights, meta)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(directory)
+    tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.", suffix=".tmp"))
+    try:
+        _write_synced(tmp / WEIGHTS_FILE, lambda f: f.write(data))
+        if state is not None:
+            _write_synced(tmp / STATE_FILE, lambda f: torch.save(state, f))
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700
+        _fsync_directory(tmp)
+        _swap_in(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _remove_leftovers(directory: Path) -> None:
+    """Delete temporary and set-aside copies of ``directory`` that an earlier crash left behind."""
+    for path in directory.parent.iterdir():
+        if path.name.startswith(f".{directory.name}.") and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _swap_in(tmp: Path, directory: Path) -> None:
+    """Rename the finished ``tmp`` to ``directory``; an existing one is set aside first and deleted last."""
+    if not directory.exists():
+        os.rename(tmp, directory)
+        _fsync_directory(directory.parent)
+        return
+    old = directory.with_name(f".{directory.name}.old")
+    os.rename(directory, old)
+    try:
+        os.rename(tmp, directory)
+    except BaseException:
+        os.rename(old, directory)
+        raise
+    _fsync_directory(directory.parent)
+    shutil.rmtree(old)
+
+
+def save_in_run(
+    run_dir: Path,
+    step: int,
+    weights: dict[str, torch.Tensor],
+    meta: dict[str, Any],
+    state: dict[str, Any] | None,
+    keep_last: int,
+) -> Path:
+    """Save ``RUN/checkpoints/update-STEP/``, then delete all but the newest ``keep_last`` (0 keeps all)."""
+    directory = Path(run_dir) / CHECKPOINTS_DIR / f"update-{step:08d}"
+    save(directory, weights, {**meta, "step": step}, state)
+    if keep_last > 0:
+        for old in run_checkpoints(run_dir)[:-keep_last]:
+            if old != directory:  # never the one just written, even if stale later ones exist
+                shutil.rmtree(old)
+    return directory
+
+
+def save_best(run_dir: Path, weights: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    save(Path(run_dir) / BEST_DIR, weights, meta)
+
+
+def export(path: Path, weights: dict[str, torch.Tensor], meta: dict[str, Any], source: Path) -> None:
+    """Write weights to one .safetensors file with the tokenizer model(s) of ``source`` beside it.
+
+    ``translate PATH`` then works wherever the file and its tokenizers are copied together.
+    """
     path = Path(path)
+    if path.suffix != ".safetensors":
+        raise CheckpointError(f"{path}: the output must be a .safetensors file")
+    source = Path(source)
+    where = source if source.is_dir() else source.parent
+    for record in {r["file"]: r for r in meta["tokenizer"].values()}.values():
+        found = _find_tokenizer(record, where, source.name)
+        target = path.parent / record["file"]
+        _copy_unless_identical(found, target)
+        if found.with_suffix(".vocab").is_file():
+            _copy_unless_identical(found.with_suffix(".vocab"), target.with_suffix(".vocab"))
+    atomic_write(path, lambda f: f.write(_encode(weights, meta)))
+
+
+def _copy_unless_identical(source: Path, target: Path) -> None:
+    if target.exists():
+        if file_sha256(target) != file_sha256(source):
+            raise CheckpointError(f"{target}: already exists and differs from {source}; choose another output folder")
+        return
+    data = source.read_bytes()
+    atomic_write(target, lambda f: f.write(data))
+
+
+# -- finding --------------------------------------------------------------------------------
+
+
+def run_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoint directories of a run, oldest first; temporary and partial ones are skipped."""
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return []
+    found = [
+        (int(match[1]), path)
+        for path in root.iterdir()
+        if (match := _UPDATE_DIR.fullmatch(path.name)) and (path / WEIGHTS_FILE).is_file()
+    ]
+    return [path for _, path in sorted(found)]
+
+
+def latest(run_dir: Path) -> Path | None:
+    """Where training resumes from: the newest checkpoint, or a format 1 ``last.pt``."""
+    found = run_checkpoints(run_dir)
+    if found:
+        return found[-1]
+    legacy = Path(run_dir) / LEGACY_LAST
+    return legacy if legacy.is_file() else None
+
+
+def resolve(model_path: Path) -> Path:
+    """A run directory means its best checkpoint (or the latest, before any validation); other paths as given."""
+    model_path = Path(model_path)
+    if not model_path.is_dir() or (model_path / WEIGHTS_FILE).is_file():
+        return model_path
+    if (model_path / BEST_DIR / WEIGHTS_FILE).is_file():
+        return model_path / BEST_DIR
+    if (model_path / LEGACY_BEST).is_file():
+        return model_path / LEGACY_BEST
+    found = latest(model_path)
+    if found is None:
+        raise CheckpointError(
+            f"{model_path}: no checkpoint in this run directory "
+            f"(no {BEST_DIR}/, {CHECKPOINTS_DIR}/update-*/, {LEGACY_BEST} or {LEGACY_LAST})"
+        )
+    return found
+
+
+# -- loading --------------------------------------------------------------------------------
+
+
+def load(path: Path, with_state: bool = True) -> Checkpoint:
+    """Read a checkpoint directory, a .safetensors file written by mtkit, or a format 1 .pt file."""
+    path = Path(path)
+    if path.is_dir():
+        return _load_directory(path, with_state)
+    if path.suffix == ".safetensors":
+        if path.name == WEIGHTS_FILE and path.is_file():
+            return _load_directory(path.parent, with_state)
+        meta, weights = _read_weights(path)
+        return Checkpoint(path, meta, weights, None)
+    return _load_legacy(path, with_state)
+
+
+def _load_directory(directory: Path, with_state: bool) -> Checkpoint:
+    meta, weights = _read_weights(directory / WEIGHTS_FILE)
+    state_path = directory / STATE_FILE
+    state = _torch_load(state_path) if with_state and state_path.is_file() else None
+    return Checkpoint(directory, meta, weights, state)
+
+
+def _read_weights(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     if not path.is_file():
         raise CheckpointError(f"{path}: checkpoint not found")
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # torch raises several types for truncated or foreign files
-        raise CheckpointError(f"{path}: not a readable mtkit checkpoint ({type(err).__name__})") from None
+        with safetensors.safe_open(path, framework="pt") as f:
+            header = f.metadata() or {}
+            if _META_KEY not in header:
+                raise CheckpointError(f"{path}: not an mtkit checkpoint (no {_META_KEY!r} entry in its header)")
+            meta = json.loads(header[_META_KEY])
+            _check_format(path, meta.get("format"), FORMAT_VERSION)
+            weights = {key: f.get_tensor(key) for key in f.keys()}
+        for alias, key in json.loads(header.get(_ALIASES_KEY, "{}")).items():
+            weights[alias] = weights[key]
+    except CheckpointError:
+        raise
+    except Exception as err:  # safetensors, json and odd metadata raise different types
+        raise _unreadable(path, err) from None
+    return meta, weights
+
+
+def _load_legacy(path: Path, with_state: bool) -> Checkpoint:
+    """A format 1 file, converted: ``model`` becomes the weights, the training state is split off."""
+    payload = _torch_load(path)
     if not isinstance(payload, dict) or "model" not in payload:
         raise CheckpointError(f"{path}: not an mtkit checkpoint")
-    if payload.get("format") != FORMAT_VERSION:
+    _check_format(path, payload.get("format"), 1)
+    state = {k: payload[k] for k in LEGACY_STATE_KEYS if k in payload} or None
+    meta = {k: v for k, v in payload.items() if k != "model" and k not in LEGACY_STATE_KEYS}
+    return Checkpoint(path, meta, payload["model"], state if with_state else None)
+
+
+def _torch_load(path: Path) -> Any:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: checkpoint not found")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises several types for truncated or foreign files
+        raise _unreadable(path, err) from None
+
+
+def _unreadable(path: Path, err: Exception) -> CheckpointError:
+    lines = str(err).strip().splitlines()
+    reason = type(err).__name__ + (f": {lines[0]}" if lines else "")
+    return CheckpointError(f"{path}: not a readable mtkit checkpoint ({reason})")
+
+
+def _check_format(path: Path, found: Any, expected: int) -> None:
+    if found != expected:
         raise CheckpointError(
-            f"{path}: checkpoint format {payload.get('format')} is not supported by mtkit {__version__} "
-            f"(format {FORMAT_VERSION})"
+            f"{path}: checkpoint format {found} is not supported by mtkit {__version__} "
+            f"(it reads formats 1-{FORMAT_VERSION})"
         )
-    return payload
+
+
+# -- averaging ------------------------------------------------------------------------------
+
+
+def average(paths: list[Path]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Element-wise mean of the weights of checkpoints of one model and tokenizer.
+
+    Sums are kept in float64, one checkpoint in memory at a time. The metadata is the newest checkpoint's,
+    less its validation result (which does not describe the average), plus the list of ``averaged`` paths.
+    """
+    if not paths:
+        raise CheckpointError("no checkpoints to average")
+    ckpt = load(paths[0], with_state=False)
+    reference, names, aliases = ckpt.meta, set(ckpt.weights), _aliases(ckpt.weights)
+    dtypes = {k: t.dtype for k, t in ckpt.weights.items() if k not in aliases}
+    sums = {k: t.double() if t.is_floating_point() else t for k, t in ckpt.weights.items() if k not in aliases}
+    newest = reference
+    for path in paths[1:]:
+        ckpt = load(path, with_state=False)
+        _check_compatible(ckpt, paths[0], reference, names)
+        for key, total in sums.items():
+            if total.is_floating_point():
+                total.add_(ckpt.weights[key])
+            elif not torch.equal(total, ckpt.weights[key]):
+                raise CheckpointError(f"{path}: {key} differs from {paths[0]}, and integer tensors cannot be averaged")
+        if ckpt.meta["step"] > newest["step"]:
+            newest = ckpt.meta
+    weights = {k: (t / len(paths)).to(dtypes[k]) if t.is_floating_point() else t for k, t in sums.items()}
+    weights.update({alias: weights[key] for alias, key in aliases.items()})
+    meta = {k: v for k, v in newest.items() if k != "validation"}
+    return weights, {**meta, "averaged": [str(p) for p in paths]}
+
+
+def _check_compatible(ckpt: Checkpoint, first: Path, meta: dict[str, Any], names: set[str]) -> None:
+    """``ckpt`` must be of the model (settings, tokenizer, weight names) of ``first``, whose meta is given."""
+    if from_dict(ckpt.meta["config"]).model != from_dict(meta["config"]).model:
+        raise CheckpointError(f"{ckpt.path}: model settings differ from those of {first}; cannot average them")
+    if ckpt.meta["tokenizer"] != meta["tokenizer"]:
+        raise CheckpointError(f"{ckpt.path}: tokenizer differs from that of {first}; cannot average them")
+    if set(ckpt.weights) != names:
+        raise CheckpointError(f"{ckpt.path}: weight names differ from those of {first}; cannot average them")
+
+
+# -- inference ------------------------------------------------------------------------------
 
 
 def tokenizer_files(cfg: RunConfig) -> dict[str, str]:
@@ -103,6 +407,24 @@ def tokenizer_files(cfg: RunConfig) -> dict[str, str]:
     if cfg.tokenizer.joint:
         return {"src": "spm.model", "tgt": "spm.model"}
     return {"src": "spm.src.model", "tgt": "spm.tgt.model"}
+
+
+def _find_tokenizer(record: dict[str, str], where: Path, name: str) -> Path:
+    """The tokenizer file ``record`` names, in ``where`` or up to two folders above (RUN/best/ -> RUN).
+
+    The nearest one found must be the very file checkpoint ``name`` was trained with.
+    """
+    for folder in (where, where.parent, where.parent.parent):
+        path = folder / record["file"]
+        if path.is_file():
+            digest = file_sha256(path)
+            if digest != record["sha256"]:
+                raise CheckpointError(
+                    f"{path}: tokenizer does not match the one {name} was trained with "
+                    f"(sha256 {digest[:12]}, expected {record['sha256'][:12]})"
+                )
+            return path
+    raise CheckpointError(f"{where / record['file']}: tokenizer model not found (nor in the two folders above)")
 
 
 @dataclass
@@ -114,33 +436,16 @@ class InferenceBundle:
     step: int
 
 
-def resolve(model_path: Path) -> Path:
-    """A run directory means its best checkpoint (or last, before any validation)."""
-    model_path = Path(model_path)
-    if model_path.is_dir():
-        for name in (BEST, LAST):
-            if (model_path / name).is_file():
-                return model_path / name
-        raise CheckpointError(f"{model_path}: no {BEST} or {LAST} in this run directory")
-    return model_path
-
-
 def load_for_inference(model_path: Path, device: torch.device) -> InferenceBundle:
     """Model in eval mode plus the tokenizers it was trained with, checked by hash."""
-    path = resolve(model_path)
-    payload = load(path)
-    cfg = from_dict(payload["config"])
-    toks = {}
-    for side, record in payload["tokenizer"].items():
-        tok_path = path.parent / record["file"]
-        tok = Tokenizer(tok_path)
-        if tok.sha256 != record["sha256"]:
-            raise CheckpointError(
-                f"{tok_path}: tokenizer does not match the one {path.name} was trained with "
-                f"(sha256 {tok.sha256[:12]}, expected {record['sha256'][:12]})"
-            )
-        toks[side] = tok
+    ckpt = load(resolve(model_path), with_state=False)
+    cfg = from_dict(ckpt.meta["config"])
+    where = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
+    toks = {
+        side: Tokenizer(_find_tokenizer(record, where, ckpt.path.name))
+        for side, record in ckpt.meta["tokenizer"].items()
+    }
     model = build_model(cfg.model, toks["src"].vocab_size, toks["tgt"].vocab_size, PAD_ID)
-    model.load_state_dict(payload["model"])
+    model.load_state_dict(ckpt.weights)
     model.to(device).eval()
-    return InferenceBundle(model, toks["src"], toks["tgt"], cfg, int(payload["step"]))
+    return InferenceBundle(model, toks["src"], toks["tgt"], cfg, int(ckpt.meta["step"]))

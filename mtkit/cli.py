@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -197,6 +198,25 @@ def train(
         list[str], typer.Option("--set", help="Override a key: --set train.lr=0.001 (repeatable).")
     ] = [],
     out: Annotated[Path | None, typer.Option("--out", help="Run directory (default: runs/<config name>).")] = None,
+    precision: Annotated[str | None, typer.Option(help="fp32, bf16 or fp16 (sets train.precision).")] = None,
+    save_every: Annotated[int | None, typer.Option(help="Checkpoint every N updates (sets train.save_every).")] = None,
+    keep_last: Annotated[
+        int | None, typer.Option(help="Checkpoints kept for resuming and averaging; 0 keeps all (train.keep_last).")
+    ] = None,
+    compile_model: Annotated[
+        bool, typer.Option("--compile", help="torch.compile the encoder-decoder (sets train.compile).")
+    ] = False,
+    tensorboard: Annotated[
+        bool, typer.Option("--tensorboard", help="Also write TensorBoard events to RUN_DIR/tensorboard.")
+    ] = False,
+    nproc_per_node: Annotated[
+        int,
+        typer.Option(
+            "--nproc-per-node",
+            help="Start this many training processes on this machine through torch.distributed.run "
+            "(one per GPU; gloo on CPU). For several machines call torchrun yourself.",
+        ),
+    ] = 1,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the resolved config, batch and LR schedule; do not train.")
     ] = False,
@@ -204,9 +224,22 @@ def train(
         bool, typer.Option("--restart", help="Start over even if the run directory holds a checkpoint.")
     ] = False,
 ) -> None:
-    """Train a Transformer; re-running on the same run directory resumes from its last checkpoint."""
-    from mtkit.config import dump, load
+    """Train a Transformer; re-running on the same run directory resumes from its newest checkpoint.
 
+    Under torchrun (torchrun --nproc-per-node N -m mtkit train CONFIG) every process trains on its
+    share of each update's batches with DistributedDataParallel; rank 0 validates and writes.
+    """
+    from mtkit.config import ConfigError, dump, load
+    from mtkit.distributed import launched_by_torchrun
+
+    flags = {
+        "precision": precision,
+        "save_every": save_every,
+        "keep_last": keep_last,
+        "compile": compile_model or None,
+        "tensorboard": tensorboard or None,
+    }
+    overrides = [*overrides, *(f"train.{key}={value}" for key, value in flags.items() if value is not None)]
     cfg = load(config, overrides)
     out = out or Path("runs") / config.stem
     if dry_run:
@@ -216,23 +249,58 @@ def train(
         typer.echo(dump(cfg), nl=False)
         typer.echo(f"# run directory: {out}")
         typer.echo(
-            f"# effective batch: {tc.batch_tokens * tc.accum} padded tokens per side per update "
-            f"({tc.batch_tokens} x accum {tc.accum})"
+            f"# effective batch: {tc.batch_tokens * tc.accum * nproc_per_node} padded tokens per side per update "
+            f"({tc.batch_tokens} x accum {tc.accum} x {nproc_per_node} process(es))"
         )
         typer.echo("# learning rate: " + ", ".join(f"update {s}: {lr:.3g}" for s, lr in schedule_preview(cfg)))
         return
-    _setup_logging()
-    from mtkit.train import TrainingStopped
+    if nproc_per_node < 1:
+        raise ConfigError(f"--nproc-per-node must be >= 1, got {nproc_per_node}")
+    if nproc_per_node > 1 and not launched_by_torchrun():
+        command = ["train", str(config), "--out", str(out), *(a for o in overrides for a in ("--set", o))]
+        _hand_over_to_torchrun(nproc_per_node, [*command, *(["--restart"] if restart else [])])
+        return
+    _setup_logging(quiet=int(os.environ.get("RANK", "0")) != 0)
+    _run_training(cfg, out, restart)
+
+
+def _run_training(cfg, out: Path, restart: bool) -> None:
+    from mtkit.distributed import DistributedError, from_environment
+    from mtkit.train import TrainingFailed, TrainingStopped
     from mtkit.train import train as run_training
 
+    dist = from_environment(cfg.train.device, cfg.train.ddp_timeout)
     try:
-        result = run_training(cfg, out, RichReporter(cfg.train.log_every), restart=restart)
+        result = run_training(cfg, out, RichReporter(cfg.train.log_every), restart=restart, dist=dist)
     except TrainingStopped as stop:
-        typer.echo(f"{stop}: last checkpoint saved in {out}; run the same command to resume", err=True)
+        if dist.is_main:
+            typer.echo(f"{stop}: last checkpoint saved in {out}; run the same command to resume", err=True)
         raise typer.Exit(128 + stop.signum) from None
-    if "valid_bleu" in result:
-        typer.echo(f"final validation BLEU {result['valid_bleu']:.2f} ({result['bleu_signature']})", err=True)
-    typer.echo(f"run directory: {out}", err=True)
+    except (TrainingFailed, DistributedError) as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(1) from None
+    finally:
+        dist.close()
+    if dist.is_main:
+        if "valid_bleu" in result:
+            typer.echo(f"final validation BLEU {result['valid_bleu']:.2f} ({result['bleu_signature']})", err=True)
+        typer.echo(f"run directory: {out}", err=True)
+
+
+def _hand_over_to_torchrun(nproc_per_node: int, command: list[str]) -> None:
+    """Run ``mtkit COMMAND`` in ``nproc_per_node`` processes under torch.distributed.run; exit as they did."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    from mtkit.distributed import torchrun_arguments
+
+    args = get_args_parser().parse_args(torchrun_arguments(nproc_per_node, command))
+    try:
+        run(args)
+    except ChildFailedError as err:
+        codes = sorted({failure.exitcode for failure in err.failures.values()})
+        typer.echo(f"error: training processes failed (exit status {', '.join(map(str, codes))})", err=True)
+        raise typer.Exit(1 if codes != [codes[0]] or codes[0] < 0 else codes[0]) from None
 
 
 # -- translate ------------------------------------------------------------------------------
@@ -353,6 +421,39 @@ def evaluate(
     else:
         for s in scores:
             typer.echo(f"{s.details}\n  signature: {s.signature}")
+
+
+@app.command()
+@user_errors
+def average(
+    inputs: Annotated[list[Path], typer.Argument(help="One run directory, or two or more checkpoints.")],
+    output: Annotated[
+        Path, typer.Option("--output", "-o", help="The averaged .safetensors file; tokenizers are copied beside it.")
+    ],
+    last: Annotated[
+        int | None,
+        typer.Option("--last", min=1, help="With a run directory: average its newest K checkpoints (default 5)."),
+    ] = None,
+) -> None:
+    """Average the weights of checkpoints of one model; often scores better than the last one alone."""
+    from mtkit.checkpoint import CHECKPOINTS_DIR, WEIGHTS_FILE, CheckpointError, export, run_checkpoints
+    from mtkit.checkpoint import average as average_checkpoints
+
+    if len(inputs) == 1 and inputs[0].is_dir() and not (inputs[0] / WEIGHTS_FILE).is_file():
+        paths = run_checkpoints(inputs[0])[-(last or 5) :]
+        if not paths:
+            raise CheckpointError(f"{inputs[0]}: no checkpoints to average in {inputs[0] / CHECKPOINTS_DIR}")
+    elif last is not None:
+        raise CheckpointError("--last applies to a run directory; give it alone, without checkpoint paths")
+    elif len(inputs) < 2:
+        raise CheckpointError("give one run directory, or two or more checkpoints to average")
+    else:
+        paths = inputs
+    weights, meta = average_checkpoints(paths)
+    export(output, weights, meta, paths[0])
+    for path in paths:
+        typer.echo(f"averaged {path}", err=True)
+    typer.echo(f"wrote {output} (the average of {len(paths)} checkpoints, newest update {meta['step']})", err=True)
 
 
 # -- doctor ---------------------------------------------------------------------------------

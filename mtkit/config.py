@@ -119,12 +119,26 @@ class TrainConfig:
     best_metric: str = "bleu"  # what best.pt and early stopping follow: bleu or loss
     patience: int = 0  # stop after this many validations without a new best; 0 never stops early
     max_time: float = 0.0  # wall-clock budget in minutes, summed over resumed runs; 0 is no limit
+    keep_last: int = 5  # periodic checkpoints kept in RUN_DIR/checkpoints (for resuming and averaging); 0 keeps all
+    nonfinite: str = "rollback"  # fp32/bf16 non-finite loss or gradient: rollback (to the last checkpoint), skip, stop
+    max_rollbacks: int = 3  # rollbacks allowed before training stops
+    rollback_lr_factor: float = 0.5  # each rollback multiplies the learning rate by this
+    ddp_timeout: float = 1800.0  # seconds a collective may wait for the other ranks (incl. rank 0's validation)
+    compile: bool = False  # torch.compile the encoder-decoder for training
+    tensorboard: bool = False  # also write TensorBoard event files to RUN_DIR/tensorboard
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "batch_tokens", "accum", "valid_beam", "log_every"):
             _check(getattr(self, name) >= 1, f"train.{name} must be >= 1")
-        for name in ("max_epochs", "warmup", "valid_every", "save_every", "threads", "patience"):
+        for name in ("max_epochs", "warmup", "valid_every", "save_every", "threads", "patience", "keep_last"):
             _check(getattr(self, name) >= 0, f"train.{name} must be >= 0")
+        _check(
+            self.nonfinite in ("rollback", "skip", "stop"),
+            f"train.nonfinite must be rollback, skip or stop, got {self.nonfinite!r}",
+        )
+        _check(self.max_rollbacks >= 0, "train.max_rollbacks must be >= 0")
+        _check(0.0 < self.rollback_lr_factor <= 1.0, "train.rollback_lr_factor must be in (0, 1]")
+        _check(self.ddp_timeout > 0, "train.ddp_timeout must be > 0")
         _check(self.lr > 0, "train.lr must be > 0")
         _check(self.max_time >= 0, "train.max_time must be >= 0")
         _check(

@@ -12,8 +12,14 @@ uniformly over all V classes:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+
+from mtkit.model import Transformer
+from mtkit.runtime import autocast
+from mtkit.tokenizer import PAD_ID
 
 CHUNK_ROWS = 1024
 
@@ -65,3 +71,32 @@ def linear_cross_entropy(
     mixed precision); softmax and sums are always fp32. Only the first result carries a gradient.
     """
     return _LinearSmoothedCrossEntropy.apply(features, weight, target, eps, dtype)
+
+
+class TrainingObjective(nn.Module):
+    """A model's summed training loss on a batch, as one module: the unit DistributedDataParallel wraps.
+
+    DDP synchronises the parameters a wrapped ``forward`` uses, and the loss uses the output
+    projection outside ``Transformer.forward``; wrapping model and loss together covers both.
+    ``compile`` swaps in a torch.compile'd encoder-decoder for training only, so beam search keeps
+    running the eager model on its ever-changing shapes.
+    """
+
+    def __init__(self, model: Transformer, label_smoothing: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.model = model
+        self.label_smoothing = label_smoothing
+        self.dtype = dtype
+        self._features: Callable[..., Tensor] = model.features
+
+    def compile_features(self) -> None:
+        self._features = torch.compile(self.model.features, dynamic=True)
+
+    def forward(self, src: Tensor, src_pad_mask: Tensor, tgt_in: Tensor, tgt_out: Tensor) -> tuple[Tensor, Tensor]:
+        """Summed smoothed loss and summed NLL over the real (non-pad) target tokens."""
+        with autocast(src.device, self.dtype):
+            features = self._features(src, src_pad_mask, tgt_in)
+        keep = tgt_out != PAD_ID
+        return linear_cross_entropy(
+            features[keep], self.model.output.weight, tgt_out[keep], self.label_smoothing, self.dtype
+        )

@@ -1,11 +1,15 @@
 """Training: data and tokenizer set-up, the optimisation loop, validation and checkpoints.
 
-Re-running on a run directory that holds ``last.pt`` resumes from it: model, optimizer, scaler,
-step, RNG state and position in the data, so the remaining updates see the same batches.
+Re-running on a run directory that holds a checkpoint resumes from the newest one: model, optimizer,
+scaler, progress, every rank's RNG state and the position in the data, so the remaining updates see
+the same batches. Under torchrun each rank trains on its share of every update's batches and rank 0
+alone validates and writes files; ranks agree after each update on anything that could make them
+part ways (a rank out of memory, a stop signal, a non-finite loss).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -23,14 +27,18 @@ import torch
 from mtkit import checkpoint
 from mtkit.config import ConfigError, RunConfig, dump, from_dict
 from mtkit.data import Batch, DataError, collate, filter_pairs, read_parallel, token_batches
-from mtkit.loss import linear_cross_entropy
+from mtkit.distributed import Distributed
+from mtkit.loss import TrainingObjective
 from mtkit.metrics import bleu
 from mtkit.model import build_model, count_parameters
 from mtkit.runtime import autocast, compute_dtype, pick_device, seed_everything, set_threads
-from mtkit.tokenizer import PAD_ID, SpmOptions, Tokenizer, train_spm
+from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID, SpmOptions, Tokenizer, train_spm
 from mtkit.translate import translate_lines
 
 log = logging.getLogger("mtkit")
+
+MAX_CONSECUTIVE_OOMS = 5  # out-of-memory skips in a row before training stops with advice
+MAX_CONSECUTIVE_SKIPS = 25  # skipped updates of any kind in a row that mean training has diverged
 
 
 def lr_at(step: int, peak: float, warmup: int) -> float:
@@ -46,6 +54,10 @@ class TrainingStopped(Exception):
     def __init__(self, signum: int, step: int) -> None:
         super().__init__(f"stopped by {signal.Signals(signum).name} at update {step}")
         self.signum = signum
+
+
+class TrainingFailed(RuntimeError):
+    """Training cannot go on (divergence, repeated out-of-memory); the last good checkpoint is kept."""
 
 
 class StopSignals:
@@ -102,9 +114,18 @@ class Corpus:
     src: list[list[int]]
     tgt: list[list[int]]
 
+    def batch_indices(self, batch_tokens: int, seed: int) -> list[list[int]]:
+        return token_batches([len(s) for s in self.src], [len(t) for t in self.tgt], batch_tokens, seed)
+
+    def collate(self, indices: list[int]) -> Batch:
+        return collate([self.src[i] for i in indices], [self.tgt[i] for i in indices])
+
+    def target_tokens(self, indices: list[int]) -> int:
+        """Real target tokens of a batch (each sentence plus eos), known without collating it."""
+        return sum(len(self.tgt[i]) + 1 for i in indices)
+
     def batches(self, batch_tokens: int, seed: int) -> list[Batch]:
-        indices = token_batches([len(s) for s in self.src], [len(t) for t in self.tgt], batch_tokens, seed)
-        return [collate([self.src[i] for i in idx], [self.tgt[i] for i in idx]) for idx in indices]
+        return [self.collate(idx) for idx in self.batch_indices(batch_tokens, seed)]
 
 
 @dataclass
@@ -141,12 +162,25 @@ class LogWindow:
 class Progress:
     """The resumable position of a run."""
 
-    step: int = 0  # updates done
+    step: int = 0  # updates applied
     epoch: int = 1
-    batch_in_epoch: int = 0  # batches of this epoch already consumed
+    batch_in_epoch: int = 0  # batches of this epoch already consumed, by all ranks together
     best: float | None = None  # best validation metric so far (higher is better)
     stale: int = 0  # validations since the best one
     seconds: float = 0.0  # training wall clock so far, across resumed runs
+    lr_scale: float = 1.0  # lowered by each rollback after a non-finite loss
+    rollbacks: int = 0
+    oom_skips: int = 0  # updates skipped because a rank ran out of memory
+    overflow_skips: int = 0  # fp16 updates the loss scaler skipped (gradient overflow)
+    nonfinite_skips: int = 0  # fp32/bf16 updates skipped under train.nonfinite: skip
+
+    def counters(self) -> dict:
+        return {
+            "oom_skips": self.oom_skips,
+            "overflow_skips": self.overflow_skips,
+            "nonfinite_skips": self.nonfinite_skips,
+            "rollbacks": self.rollbacks,
+        }
 
 
 def prepare_tokenizers(
@@ -195,36 +229,57 @@ def encode_corpus(
 
 
 class Trainer:
-    """Owns the model, optimizer and run directory for one training run."""
+    """Owns the model, optimizer and run directory for one training run (one rank's share of it)."""
 
-    def __init__(self, cfg: RunConfig, out_dir: Path, reporter: Reporter | None = None) -> None:
+    def __init__(
+        self, cfg: RunConfig, out_dir: Path, reporter: Reporter | None = None, dist: Distributed | None = None
+    ) -> None:
         self.cfg = cfg
         self.out_dir = Path(out_dir)
-        self.reporter = reporter or LogReporter()
         tc = cfg.train
+        self.dist = dist or Distributed(timeout_s=tc.ddp_timeout)
+        self.is_main = self.dist.is_main
+        self.reporter = (reporter if self.is_main else None) or LogReporter()
         set_threads(tc.threads)
-        self.device = pick_device(tc.device)
+        self.device = self.dist.device(tc.device) or pick_device(tc.device)
         self.dtype = compute_dtype(tc.precision, self.device)
-        seed_everything(tc.seed)
+        seed_everything(tc.seed)  # the same initial weights on every rank
 
         if not cfg.data.train_src:
             raise ConfigError("data.train_src is not set: training needs a parallel corpus")
         src_lines, tgt_lines = read_parallel(cfg.data.train_src, cfg.data.train_tgt)
         self.valid_src, self.valid_tgt = self._read_valid()
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        if self.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            prepare_tokenizers(cfg, self.out_dir, src_lines, tgt_lines)
+            checkpoint.atomic_write_text(self.out_dir / "config.yaml", dump(cfg))
+        self.dist.barrier()  # the other ranks read the tokenizer rank 0 trained or copied
         self.src_tok, self.tgt_tok = prepare_tokenizers(cfg, self.out_dir, src_lines, tgt_lines)
         self.corpus = encode_corpus(cfg, src_lines, tgt_lines, self.src_tok, self.tgt_tok)
-        self.valid_batches = self._valid_loss_batches()
-        checkpoint.atomic_write_text(self.out_dir / "config.yaml", dump(cfg))
+        self.valid_batches = self._valid_loss_batches() if self.is_main else []
+        self._epoch_indices: tuple[int, list[list[int]]] = (0, [])
 
         self.model = build_model(cfg.model, self.src_tok.vocab_size, self.tgt_tok.vocab_size, PAD_ID).to(self.device)
         log.info("model: %s parameters", f"{count_parameters(self.model):,}")
+        self.objective = TrainingObjective(self.model, tc.label_smoothing, self.dtype)
         self.optimizer = torch.optim.Adam(
             self.model.parameters(), lr=tc.lr, betas=(0.9, 0.98), eps=1e-9, weight_decay=tc.weight_decay
         )
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=tc.precision == "fp16")
         self.progress = Progress()
-        self._resume()
+        if self.dist.enabled:
+            torch.manual_seed(tc.seed + 1_000_003 * self.dist.rank)  # dropout masks differ between ranks
+        latest = checkpoint.latest(self.out_dir)
+        if latest is not None:
+            self._load(latest)
+            log.info("resuming from %s at update %d (epoch %d)", latest, self.progress.step, self.progress.epoch)
+        self.forward = self._data_parallel() if self.dist.enabled else self.objective
+        if tc.compile:
+            self.objective.compile_features()
+        self._tensorboard = self._open_tensorboard() if tc.tensorboard and self.is_main else None
+        self._signals: StopSignals | None = None
+        self._clock = time.perf_counter()
+        self._consecutive_skips = 0
 
     def _read_valid(self) -> tuple[list[str], list[str]]:
         data = self.cfg.data
@@ -240,91 +295,232 @@ class Trainer:
         valid = Corpus([s for s, _ in pairs], [t for _, t in pairs])
         return valid.batches(self.cfg.train.batch_tokens, seed=0) if pairs else []
 
-    def _resume(self) -> None:
-        last = self.out_dir / checkpoint.LAST
-        if not last.is_file():
-            return
-        state = checkpoint.load(last)
-        if from_dict(state["config"]).model != self.cfg.model:
-            raise checkpoint.CheckpointError(
-                f"{last}: model settings differ from this config; use a new --out or --restart"
-            )
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scaler.load_state_dict(state["scaler"])
-        torch.set_rng_state(state["rng"]["torch"])
-        self.progress = Progress(**state["progress"])
-        log.info("resuming from %s at update %d (epoch %d)", last, self.progress.step, self.progress.epoch)
+    def _data_parallel(self) -> torch.nn.Module:
+        from torch.nn.parallel import DistributedDataParallel
+
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        # Buffers (the sinusoidal table) never change, so there is nothing to broadcast before each forward.
+        return DistributedDataParallel(self.objective, device_ids=device_ids, broadcast_buffers=False)
+
+    def _open_tensorboard(self):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise ConfigError("train.tensorboard needs the tensorboard package: pip install tensorboard") from None
+        return SummaryWriter(str(self.out_dir / "tensorboard"))
 
     # -- checkpoints ------------------------------------------------------------------------
 
-    def _tokenizer_record(self) -> dict:
+    def _load(self, path: Path) -> None:
+        saved = checkpoint.load(path)
+        if from_dict(saved.meta["config"]).model != self.cfg.model:
+            raise checkpoint.CheckpointError(
+                f"{path}: model settings differ from this config; use a new --out or --restart"
+            )
+        if saved.state is None:
+            raise checkpoint.CheckpointError(f"{path}: holds weights only, not the training state to resume from")
+        self.model.load_state_dict(saved.weights)
+        self.optimizer.load_state_dict(saved.state["optimizer"])
+        self.scaler.load_state_dict(saved.state["scaler"])
+        self._set_rng_state(saved.state["rng"])
+        self.progress = Progress(**saved.state["progress"])
+
+    def _rng_state(self) -> dict:
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return {"torch": torch.get_rng_state(), "cuda": cuda}
+
+    def _set_rng_state(self, saved: list[dict] | dict) -> None:
+        per_rank = saved if isinstance(saved, list) else [saved]  # format 1 held rank 0's state alone
+        if len(per_rank) != self.dist.world_size:
+            log.warning(
+                "checkpoint saved by %d rank(s), resuming on %d: dropout draws differ from an uninterrupted run",
+                len(per_rank),
+                self.dist.world_size,
+            )
+            torch.manual_seed(self.cfg.train.seed + 1_000_003 * self.dist.rank + self.progress.step)
+            return
+        state = per_rank[self.dist.rank]
+        torch.set_rng_state(state["torch"])
+        if state.get("cuda") is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda"], self.device)
+
+    def _meta(self) -> dict:
         names = checkpoint.tokenizer_files(self.cfg)
-        return {
+        tokenizer = {
             "src": {"file": names["src"], "sha256": self.src_tok.sha256},
             "tgt": {"file": names["tgt"], "sha256": self.tgt_tok.sha256},
         }
-
-    def _weights_payload(self) -> dict:
-        return {
-            "config": self.cfg.to_dict(),
-            "tokenizer": self._tokenizer_record(),
-            "step": self.progress.step,
-            "model": self.model.state_dict(),
-        }
+        return {"config": self.cfg.to_dict(), "tokenizer": tokenizer, "step": self.progress.step}
 
     def save_last(self) -> None:
+        """Write the full training state; every rank calls this, since rank 0 stores all ranks' RNG states."""
+        rng = self.dist.gather(self._rng_state())
+        if not self.is_main:
+            return
         state = {
-            **self._weights_payload(),
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
-            "rng": {"torch": torch.get_rng_state()},
+            "rng": rng,
             "progress": asdict(self.progress),
         }
-        checkpoint.save(self.out_dir / checkpoint.LAST, state)
+        checkpoint.save_in_run(
+            self.out_dir, self.progress.step, self.model.state_dict(), self._meta(), state, self.cfg.train.keep_last
+        )
 
     def _log_metrics(self, record: dict) -> None:
+        if not self.is_main:
+            return
         with open(self.out_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
+        if self._tensorboard is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("step", "epoch"):
+                    self._tensorboard.add_scalar(f"{record['event']}/{key}", value, record["step"])
+            self._tensorboard.flush()
 
     # -- the step ---------------------------------------------------------------------------
 
-    def _loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Summed smoothed loss and summed NLL over the batch's real target tokens."""
-        with autocast(self.device, self.dtype):
-            features = self.model.features(batch.src, batch.src_pad_mask, batch.tgt_in)
-        keep = batch.tgt_out != PAD_ID
-        return linear_cross_entropy(
-            features[keep], self.model.output.weight, batch.tgt_out[keep], self.cfg.train.label_smoothing, self.dtype
-        )
+    def train_step(self, batches: list[Batch], group_tokens: int) -> dict:
+        """One update from this rank's ``batches``, part of a group holding ``group_tokens`` target tokens.
 
-    def train_step(self, batches: list[Batch]) -> dict:
-        """One update from ``accum`` batches; the loss is normalised by their total target tokens."""
-        tc = self.cfg.train
+        The loss is normalised by the whole group's tokens, so N ranks with one batch each make the
+        same update as one process accumulating the N batches. ``stats["skipped"]`` says why an
+        update was not applied (oom, overflow, nonfinite); ``stats["stop"]`` that some rank got a
+        stop signal. Both are agreed by all ranks.
+        """
+        tc, p = self.cfg.train, self.progress
         self.model.train()
-        lr = lr_at(self.progress.step + 1, tc.lr, tc.warmup)
+        lr = lr_at(p.step + 1, tc.lr, tc.warmup) * p.lr_scale
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        tokens = sum(b.target_tokens for b in batches)
-        loss_sum = nll_sum = 0.0
-        for batch in batches:
-            loss, nll = self._loss(batch.to(self.device))
-            self.scaler.scale(loss / tokens).backward()
-            loss_sum += loss.item()
-            nll_sum += nll.item()
+        loss_sum, nll_sum, oom = self._accumulate_gradients(batches, group_tokens)
+        now = time.perf_counter()
+        stop = self._signals is not None and self._signals.received is not None
+        loss_sum, nll_sum, ooms, stops, seconds = self.dist.sum(
+            [loss_sum, nll_sum, float(oom), float(stop), now - self._clock]
+        )
+        self._clock = now
+        p.seconds += seconds / self.dist.world_size
+        stats = {"loss": loss_sum / group_tokens, "nll": nll_sum / group_tokens, "lr": lr, "tokens": group_tokens}
+        stats.update(grad_norm=math.nan, stop=stops > 0, skipped=None)
+        if ooms:
+            self.optimizer.zero_grad(set_to_none=True)
+            return {**stats, "skipped": "oom", "oom_ranks": int(ooms)}
+        if self.dist.enabled:
+            self._synchronise_gradients()
         self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
+        parameters = [p for p in self.model.parameters() if p.grad is not None]
         if tc.clip_norm > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.clip_norm))
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, tc.clip_norm))
         else:
-            grad_norm = float(
-                torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
-            )
-        self.scaler.step(self.optimizer)  # skipped by the scaler when fp16 gradients overflowed
-        self.scaler.update()
+            grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in parameters]))
+        stats["grad_norm"] = grad_norm
+        if self.scaler.is_enabled():
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)  # skipped by the scaler when fp16 gradients overflowed
+            self.scaler.update()
+            if self.scaler.get_scale() < scale:
+                stats["skipped"] = "overflow"
+        elif math.isfinite(loss_sum) and math.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            stats["skipped"] = "nonfinite"
         self.optimizer.zero_grad(set_to_none=True)
-        if not math.isfinite(loss_sum):
-            raise FloatingPointError(f"non-finite loss at update {self.progress.step + 1}; lower train.lr or use fp32")
-        return {"loss": loss_sum / tokens, "nll": nll_sum / tokens, "lr": lr, "grad_norm": grad_norm, "tokens": tokens}
+        return stats
+
+    def _accumulate_gradients(self, batches: list[Batch], group_tokens: int) -> tuple[float, float, bool]:
+        """Forward and backward over this rank's batches with gradients kept local: (loss, nll, out of memory)."""
+        scale = self.dist.world_size  # DDP averages over ranks; this makes the update a sum over the group
+        loss_sum = nll_sum = 0.0
+        local = self.forward.no_sync() if self.dist.enabled else contextlib.nullcontext()
+        try:
+            with local:
+                for batch in batches:
+                    b = batch.to(self.device)
+                    loss, nll = self.forward(b.src, b.src_pad_mask, b.tgt_in, b.tgt_out)
+                    self.scaler.scale(loss * scale / group_tokens).backward()
+                    loss_sum += loss.item()
+                    nll_sum += nll.item()
+        except torch.OutOfMemoryError:
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return 0.0, 0.0, True
+        return loss_sum, nll_sum, False
+
+    def _synchronise_gradients(self) -> None:
+        """DDP's bucketed all-reduce of the gradients accumulated so far, run by a backward that adds nothing.
+
+        Micro-batches run under ``no_sync`` so that a rank out of memory can drop out of an update
+        before any communication (peers would otherwise wait for it in the all-reduce). Once all
+        ranks agree the update is good, a one-token batch weighted by zero drives DDP's all-reduce.
+        The price is that communication no longer overlaps the last backward pass.
+        """
+        one = torch.ones(1, 1, dtype=torch.long, device=self.device)
+        loss, _ = self.forward(one * EOS_ID, one == PAD_ID, one * BOS_ID, one * EOS_ID)
+        (loss * 0.0).backward()
+
+    # -- skipped updates --------------------------------------------------------------------
+
+    def _after_skip(self, stats: dict) -> None:
+        """Count a skipped update; roll back or stop when skips say training cannot go on."""
+        kind, p, tc = stats["skipped"], self.progress, self.cfg.train
+        self._consecutive_skips += 1
+        if kind == "oom":
+            p.oom_skips += 1
+            log.warning(
+                "update %d: out of memory on %d rank(s); its batches are skipped (%d so far)",
+                p.step + 1,
+                stats["oom_ranks"],
+                p.oom_skips,
+            )
+            if self._consecutive_skips >= MAX_CONSECUTIVE_OOMS:
+                raise TrainingFailed(
+                    f"out of memory in {self._consecutive_skips} updates in a row: lower train.batch_tokens "
+                    f"(now {tc.batch_tokens}) and raise train.accum to keep the effective batch"
+                )
+        elif kind == "overflow":
+            p.overflow_skips += 1
+        elif tc.nonfinite == "skip":
+            p.nonfinite_skips += 1
+            log.warning("update %d: non-finite loss or gradient; update skipped (train.nonfinite: skip)", p.step + 1)
+        else:
+            self._roll_back()
+            return
+        if self._consecutive_skips >= MAX_CONSECUTIVE_SKIPS:
+            raise TrainingFailed(
+                f"{self._consecutive_skips} updates in a row skipped ({kind}) at update {p.step + 1}: "
+                "training has diverged; lower train.lr or use precision fp32"
+            )
+
+    def _roll_back(self) -> None:
+        """Return to the newest checkpoint with a lower learning rate, or stop if that is not allowed."""
+        tc, p = self.cfg.train, self.progress
+        what = f"non-finite loss or gradient at update {p.step + 1} (precision {tc.precision})"
+        latest = checkpoint.latest(self.out_dir)
+        if tc.nonfinite == "stop" or latest is None or p.rollbacks >= tc.max_rollbacks:
+            if tc.nonfinite == "stop":
+                why = "train.nonfinite is stop"
+            elif latest is None:
+                why = "no checkpoint to roll back to yet"
+            else:
+                why = f"already rolled back {p.rollbacks} times (train.max_rollbacks)"
+            kept = f"; last good checkpoint: {latest}" if latest is not None else ""
+            raise TrainingFailed(f"{what}; {why}{kept}; lower train.lr or use precision fp32")
+        carried = {**p.counters(), "seconds": p.seconds}
+        lr_scale = p.lr_scale * tc.rollback_lr_factor
+        self._load(latest)
+        self.progress = replace(self.progress, **carried, rollbacks=p.rollbacks + 1, lr_scale=lr_scale)
+        self._consecutive_skips = 0
+        log.warning(
+            "%s: rolled back to update %d, learning rate x%g (rollback %d of %d)",
+            what,
+            self.progress.step,
+            lr_scale,
+            self.progress.rollbacks,
+            tc.max_rollbacks,
+        )
+        self._log_metrics({"event": "rollback", "step": self.progress.step, "lr_scale": lr_scale})
 
     # -- validation -------------------------------------------------------------------------
 
@@ -336,7 +532,8 @@ class Trainer:
             return result
         loss_sum = nll_sum = tokens = 0.0
         for batch in self.valid_batches:
-            loss, nll = self._loss(batch.to(self.device))
+            b = batch.to(self.device)
+            loss, nll = self.objective(b.src, b.src_pad_mask, b.tgt_in, b.tgt_out)
             loss_sum, nll_sum, tokens = loss_sum + loss.item(), nll_sum + nll.item(), tokens + batch.target_tokens
         result.update(
             valid_loss=loss_sum / tokens, valid_nll=nll_sum / tokens, valid_ppl=math.exp(min(nll_sum / tokens, 50))
@@ -349,21 +546,36 @@ class Trainer:
             result.update(valid_bleu=score.value, bleu_signature=score.signature)
         return result
 
+    def _validate_and_log(self) -> dict:
+        """Rank 0 validates and tells the others, so best-checkpoint and patience decisions agree."""
+        start = time.perf_counter()
+        result = self.dist.broadcast(self.validate() if self.is_main else None)
+        if result:
+            self._after_validation(result)
+            result["valid_seconds"] = time.perf_counter() - start
+            self._log_metrics({"event": "valid", "step": self.progress.step, "epoch": self.progress.epoch, **result})
+            log.info("validation at update %d: %s", self.progress.step, _describe(result))
+        return result
+
     def _after_validation(self, result: dict) -> None:
         p = self.progress
         metric = result["valid_bleu"] if self.cfg.train.best_metric == "bleu" else -result["valid_loss"]
         if p.best is None or metric > p.best:
             p.best, p.stale = metric, 0
-            checkpoint.save(self.out_dir / checkpoint.BEST, {**self._weights_payload(), "validation": result})
+            if self.is_main:
+                checkpoint.save_best(self.out_dir, self.model.state_dict(), {**self._meta(), "validation": result})
             result["new_best"] = True
         else:
             p.stale += 1
 
     # -- the loop ---------------------------------------------------------------------------
 
-    def _epoch_batches(self) -> list[Batch]:
-        tc = self.cfg.train
-        return self.corpus.batches(tc.batch_tokens, seed=tc.seed * 100_003 + self.progress.epoch)
+    def _epoch_batches(self, epoch: int) -> list[list[int]]:
+        """The epoch's batches as corpus indices, identical on every rank (the shuffle is seeded by epoch)."""
+        if self._epoch_indices[0] != epoch:
+            tc = self.cfg.train
+            self._epoch_indices = (epoch, self.corpus.batch_indices(tc.batch_tokens, seed=tc.seed * 100_003 + epoch))
+        return self._epoch_indices[1]
 
     def stop_reason(self) -> str | None:
         """Why training is over, or None while any budget is left."""
@@ -378,65 +590,71 @@ class Trainer:
             return f"no better validation {tc.best_metric} in {tc.patience} validations (train.patience)"
         return None
 
-    def _finished(self) -> bool:
-        return self.stop_reason() is not None
+    def _update_groups(self) -> Iterator[tuple[list[Batch], int]]:
+        """This rank's batches of each remaining update and the target tokens of the whole group.
 
-    def _update_groups(self) -> Iterator[list[Batch]]:
-        """The batches of each remaining update, advancing the data position as each is handed out."""
-        tc, p = self.cfg.train, self.progress
-        while not self._finished():
-            batches = self._epoch_batches()
-            while p.batch_in_epoch < len(batches) and not self._finished():
-                group = batches[p.batch_in_epoch : p.batch_in_epoch + tc.accum]
-                p.batch_in_epoch += len(group)
-                yield group
-            if p.batch_in_epoch >= len(batches):
+        An update takes ``accum`` batches per rank; rank r gets every N-th batch of the group. A
+        tail of an epoch too short to give every rank a batch is left out. The position is re-read
+        each time, since a rollback may have moved it.
+        """
+        tc, world = self.cfg.train, self.dist.world_size
+        while self.stop_reason() is None:
+            p = self.progress
+            batches = self._epoch_batches(p.epoch)
+            if len(batches) - p.batch_in_epoch < world:
                 p.epoch, p.batch_in_epoch = p.epoch + 1, 0
+                continue
+            group = batches[p.batch_in_epoch : p.batch_in_epoch + tc.accum * world]
+            p.batch_in_epoch += len(group)
+            mine = [self.corpus.collate(indices) for indices in group[self.dist.rank :: world]]
+            yield mine, sum(map(self.corpus.target_tokens, group))
 
     def run(self) -> dict:
         """Train to the configured budget; returns the last validation result."""
-        tc, p = self.cfg.train, self.progress
-        self.reporter.start(tc.max_steps, p.step)
+        tc = self.cfg.train
+        self.reporter.start(tc.max_steps, self.progress.step)
         last_result: dict = {}
         window = LogWindow()
-        clock = time.perf_counter()
+        self._clock = time.perf_counter()
         try:
-            with StopSignals() as stop:
-                for group in self._update_groups():
-                    stats = self.train_step(group)
-                    p.step += 1
-                    window.add(stats)
-                    self.reporter.update(p.step, {**stats, "tok_s": window.tokens_per_s(), "epoch": p.epoch})
-                    if p.step % tc.log_every == 0:
-                        self._log_metrics({"event": "train", "step": p.step, "epoch": p.epoch, **window.summary(stats)})
-                        window = LogWindow()
-                    if tc.valid_every and p.step % tc.valid_every == 0:
-                        last_result = self._validate_and_log()
-                        window.start = time.perf_counter()  # throughput counts training time only
-                    if tc.save_every and p.step % tc.save_every == 0:
+            with StopSignals() as signals:
+                self._signals = signals
+                for batches, group_tokens in self._update_groups():
+                    stats = self.train_step(batches, group_tokens)
+                    if stats["skipped"]:
+                        self._after_skip(stats)
+                    else:
+                        self._consecutive_skips = 0
+                        window = self._after_update(stats, window)
+                        if tc.valid_every and self.progress.step % tc.valid_every == 0:
+                            last_result = self._validate_and_log()
+                            window.start = time.perf_counter()  # throughput counts training time only
+                        if tc.save_every and self.progress.step % tc.save_every == 0:
+                            self.save_last()
+                    if stats["stop"]:
                         self.save_last()
-                    now = time.perf_counter()
-                    p.seconds, clock = p.seconds + now - clock, now
-                    if stop.received is not None:
-                        self.save_last()
-                        raise TrainingStopped(stop.received, p.step)
+                        raise TrainingStopped(signals.received or signal.SIGTERM, self.progress.step)
                 log.info("training done: %s", self.stop_reason())
-                if not tc.valid_every or p.step % tc.valid_every:
+                if not tc.valid_every or self.progress.step % tc.valid_every:
                     last_result = self._validate_and_log()
                 self.save_last()
         finally:
+            self._signals = None
             self.reporter.finish()
+            if self._tensorboard is not None:
+                self._tensorboard.close()
         return last_result
 
-    def _validate_and_log(self) -> dict:
-        start = time.perf_counter()
-        result = self.validate()
-        if result:
-            self._after_validation(result)
-            result["valid_seconds"] = time.perf_counter() - start
-            self._log_metrics({"event": "valid", "step": self.progress.step, "epoch": self.progress.epoch, **result})
-            log.info("validation at update %d: %s", self.progress.step, _describe(result))
-        return result
+    def _after_update(self, stats: dict, window: LogWindow) -> LogWindow:
+        """Count an applied update, report it, and write a metrics line every ``log_every`` updates."""
+        p = self.progress
+        p.step += 1
+        window.add(stats)
+        self.reporter.update(p.step, {**stats, "tok_s": window.tokens_per_s(), "epoch": p.epoch})
+        if p.step % self.cfg.train.log_every:
+            return window
+        self._log_metrics({"event": "train", "step": p.step, "epoch": p.epoch, **window.summary(stats), **p.counters()})
+        return LogWindow()
 
 
 def _describe(result: dict) -> str:
@@ -455,11 +673,24 @@ def schedule_preview(cfg: RunConfig) -> list[tuple[int, float]]:
     return [(s, lr_at(s, tc.lr, tc.warmup)) for s in steps if s <= tc.max_steps]
 
 
-def train(cfg: RunConfig, out_dir: Path, reporter: Reporter | None = None, restart: bool = False) -> dict:
-    """Train ``cfg`` into ``out_dir`` (resuming when it holds a last checkpoint, unless ``restart``)."""
+def remove_run_outputs(out_dir: Path) -> None:
+    """Delete what training wrote into ``out_dir`` (for ``--restart``), leaving anything else alone."""
+    for name in (checkpoint.CHECKPOINTS_DIR, checkpoint.BEST_DIR, "tensorboard"):
+        shutil.rmtree(out_dir / name, ignore_errors=True)
+    files = [checkpoint.LEGACY_LAST, checkpoint.LEGACY_BEST, "metrics.jsonl", "config.yaml"]
+    for path in [*(out_dir / name for name in files), *out_dir.glob("spm*.model"), *out_dir.glob("spm*.vocab")]:
+        path.unlink(missing_ok=True)
+
+
+def train(
+    cfg: RunConfig,
+    out_dir: Path,
+    reporter: Reporter | None = None,
+    restart: bool = False,
+    dist: Distributed | None = None,
+) -> dict:
+    """Train ``cfg`` into ``out_dir`` (resuming from its newest checkpoint, unless ``restart``)."""
     out_dir = Path(out_dir)
-    if restart and out_dir.exists():
-        produced = [checkpoint.LAST, checkpoint.BEST, "metrics.jsonl", "config.yaml"]
-        for path in [*(out_dir / name for name in produced), *out_dir.glob("spm*.model"), *out_dir.glob("spm*.vocab")]:
-            path.unlink(missing_ok=True)
-    return Trainer(cfg, out_dir, reporter).run()
+    if restart and out_dir.exists() and (dist is None or dist.is_main):
+        remove_run_outputs(out_dir)
+    return Trainer(cfg, out_dir, reporter, dist).run()

@@ -104,8 +104,9 @@ def test_tokenizer_train_joint_and_separate(tmp_path, multi30k_slice):
 
 
 def test_train_writes_a_complete_run_directory(trained_run):
-    for name in ("config.yaml", "spm.model", "spm.vocab", "last.pt", "best.pt", "metrics.jsonl"):
+    for name in ("config.yaml", "spm.model", "spm.vocab", "metrics.jsonl", "best/model.safetensors"):
         assert (trained_run / name).is_file(), name
+    assert [path.name for path in checkpoint.run_checkpoints(trained_run)] == ["update-00000010", "update-00000020"]
     events = [json.loads(line) for line in (trained_run / "metrics.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e["event"] == "valid"] == [10, 20]
     assert all("bleu_signature" in e for e in events if e["event"] == "valid")
@@ -137,7 +138,7 @@ def test_translate_keeps_one_line_per_input_line(trained_run, multi30k_slice, tm
     alone = invoke("translate", trained_run, "--beam", 3, input="\n".join(kept) + "\n")
     assert alone.stdout.split("\n")[:-1] == [h for i, h in enumerate(hyps) if i not in (3, 7)]
 
-    piped = invoke("translate", trained_run / "best.pt", "--beam", 3, input="\n".join(lines) + "\n")
+    piped = invoke("translate", trained_run / "best", "--beam", 3, input="\n".join(lines) + "\n")
     assert piped.exit_code == 0
     assert piped.stdout.split("\n")[:-1] == hyps  # file and stdin, batch size 4 and 128: same output
 
@@ -266,13 +267,13 @@ def test_sigterm_saves_a_whole_update_and_the_same_command_resumes(tmp_path, mul
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "stopped by SIGTERM" in err and "Traceback" not in err
 
-    saved = checkpoint.load(run / "last.pt")["step"]
+    saved = checkpoint.load(checkpoint.latest(run)).meta["step"]
     logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert saved == logged[-1]  # the checkpoint holds exactly the updates that were logged
     resumed = subprocess.run(command + ["--set", f"train.max_steps={saved + 2}"], capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
-    assert f"resuming from {run / 'last.pt'} at update {saved}" in resumed.stderr
-    assert checkpoint.load(run / "last.pt")["step"] == saved + 2
+    assert f"resuming from {checkpoint.run_checkpoints(run)[-2]} at update {saved}" in resumed.stderr
+    assert checkpoint.load(checkpoint.latest(run)).meta["step"] == saved + 2
 
 
 def test_doctor_reports_the_machine(tmp_path):
@@ -307,13 +308,13 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tmp_path, multi30k
     wait_for_logged_updates(proc, killed / "metrics.jsonl", 5)
     proc.kill()
     proc.wait()
-    saved = checkpoint.load(killed / "last.pt")["step"]
+    saved = checkpoint.load(checkpoint.latest(killed)).meta["step"]
     assert saved >= 2 and saved % 2 == 0
     target = f"train.max_steps={saved + 4}"
     for out in (killed, tmp_path / "straight"):
         done = subprocess.run(command + ["--out", str(out), "--set", target], capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
     assert per_step_losses(killed / "metrics.jsonl") == per_step_losses(tmp_path / "straight" / "metrics.jsonl")
-    a = checkpoint.load(killed / "last.pt")["model"]
-    b = checkpoint.load(tmp_path / "straight" / "last.pt")["model"]
+    a = checkpoint.load(checkpoint.latest(killed)).weights
+    b = checkpoint.load(checkpoint.latest(tmp_path / "straight")).weights
     assert all(torch.equal(a[name], b[name]) for name in a)

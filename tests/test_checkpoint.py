@@ -1,0 +1,299 @@
+"""Checkpoint format 2: round trips, crash safety, pruning, format 1 migration, averaging, `mtkit average`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import safetensors
+import safetensors.torch
+import torch
+from conftest import tiny_model, tiny_model_config
+from typer.testing import CliRunner
+
+from mtkit import checkpoint
+from mtkit.checkpoint import CheckpointError
+from mtkit.cli import app
+from mtkit.config import RunConfig
+
+runner = CliRunner()
+
+
+def meta_for(model_overrides: dict | None = None, step: int = 1, sha: str = "0" * 64) -> dict:
+    cfg = RunConfig(model=tiny_model_config(**(model_overrides or {})))
+    record = {"file": "spm.model", "sha256": sha}
+    return {"config": cfg.to_dict(), "tokenizer": {"src": record, "tgt": dict(record)}, "step": step}
+
+
+def weights_of(seed: int = 0, **overrides) -> dict[str, torch.Tensor]:
+    return tiny_model(seed=seed, **overrides).state_dict()
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_round_trip_restores_every_key_and_stores_tied_weights_once(tmp_path, tie):
+    weights = weights_of(tie_embeddings=tie)
+    checkpoint.save(tmp_path / "ck", weights, meta_for({"tie_embeddings": tie}))
+
+    loaded = checkpoint.load(tmp_path / "ck")
+    fresh = tiny_model(seed=1, tie_embeddings=tie)
+    fresh.load_state_dict(loaded.weights, strict=True)
+    assert_same_weights(fresh.state_dict(), weights)
+    with safetensors.safe_open(tmp_path / "ck" / checkpoint.WEIGHTS_FILE, framework="pt") as f:
+        stored = len(f.keys())
+    assert stored == len(weights) - (2 if tie else 0)  # decoder embedding and output projection share the source's
+
+
+def test_state_loads_with_plain_torch_load_and_meta_survives(tmp_path):
+    model = tiny_model()
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.tensor([[2, 5, 3]]), torch.tensor([[False] * 3]), torch.tensor([[2, 6]])).sum().backward()
+    optimizer.step()
+    state = {
+        "optimizer": optimizer.state_dict(),
+        "rng": {"torch": torch.get_rng_state()},
+        "progress": {"step": 7, "best": None, "seconds": 1.5},
+    }
+    meta = {**meta_for(step=7), "validation": {"valid_bleu": 12.5, "bleu_signature": "nrefs:1|tok:13a"}}
+    checkpoint.save(tmp_path / "ck", model.state_dict(), meta, state)
+
+    plain = torch.load(tmp_path / "ck" / checkpoint.STATE_FILE, weights_only=True)
+    assert plain["progress"] == state["progress"] and torch.equal(plain["rng"]["torch"], state["rng"]["torch"])
+    loaded = checkpoint.load(tmp_path / "ck" / checkpoint.WEIGHTS_FILE)
+    assert loaded.path == tmp_path / "ck"
+    assert loaded.meta == {**meta, "format": checkpoint.FORMAT_VERSION, "mtkit_version": loaded.meta["mtkit_version"]}
+    torch.optim.Adam(model.parameters()).load_state_dict(loaded.state["optimizer"])
+    assert checkpoint.load(tmp_path / "ck", with_state=False).state is None
+
+
+def test_failed_save_keeps_the_previous_checkpoint_and_leaves_nothing_behind(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    first = checkpoint.save_in_run(run, 10, weights_of(0), meta_for(), {"progress": {"step": 10}}, keep_last=0)
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", crash)  # fails after model.safetensors is written
+    with pytest.raises(OSError, match="disk full"):
+        checkpoint.save_in_run(run, 10, weights_of(1), meta_for(), {"progress": {"step": 10}}, keep_last=0)
+    with pytest.raises(OSError, match="disk full"):
+        checkpoint.save_in_run(run, 20, weights_of(1), meta_for(), {"progress": {"step": 20}}, keep_last=0)
+
+    assert [p.name for p in (run / checkpoint.CHECKPOINTS_DIR).iterdir()] == [first.name]
+    assert checkpoint.latest(run) == first
+    assert_same_weights(checkpoint.load(first).weights, weights_of(0))
+
+
+def test_failed_swap_puts_the_old_checkpoint_back(tmp_path, monkeypatch):
+    target = tmp_path / "best"
+    checkpoint.save(target, weights_of(0), meta_for(step=1))
+    real_rename = checkpoint.os.rename
+
+    def rename(src, dst):
+        if str(src).endswith(".tmp"):  # the old one is already set aside; the new one fails to move in
+            raise OSError("rename failed")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "rename", rename)
+    with pytest.raises(OSError, match="rename failed"):
+        checkpoint.save(target, weights_of(1), meta_for(step=2))
+    assert checkpoint.load(target).meta["step"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best"]
+
+
+def test_directories_left_by_a_killed_save_are_ignored_then_cleaned(tmp_path):
+    run = tmp_path / "run"
+    done = checkpoint.save_in_run(run, 10, weights_of(0), meta_for(step=10), None, keep_last=0)
+    stray = done.with_name(".update-00000020.abc.tmp")  # what SIGKILL mid-save leaves: complete weights, odd name
+    shutil.copytree(done, stray)
+    (run / checkpoint.CHECKPOINTS_DIR / "update-00000030").mkdir()  # partial: no weights file yet
+
+    assert checkpoint.run_checkpoints(run) == [done]
+    assert checkpoint.latest(run) == done
+    checkpoint.save_in_run(run, 20, weights_of(1), meta_for(step=20), None, keep_last=0)
+    assert not stray.exists()
+
+
+@pytest.mark.parametrize("keep_last, kept", [(2, [4, 5]), (1, [5]), (0, [1, 2, 3, 4, 5])])
+def test_keep_last_keeps_exactly_the_newest(tmp_path, keep_last, kept):
+    weights = weights_of()
+    for step in range(1, 6):
+        checkpoint.save_in_run(tmp_path, step, weights, meta_for(), {"progress": {"step": step}}, keep_last)
+    found = checkpoint.run_checkpoints(tmp_path)
+    assert [checkpoint.load(p).meta["step"] for p in found] == kept
+
+
+def test_pruning_never_deletes_the_checkpoint_just_written(tmp_path):
+    stale = checkpoint.save_in_run(tmp_path, 30, weights_of(), meta_for(), None, keep_last=0)  # e.g. before a restart
+    fresh = checkpoint.save_in_run(tmp_path, 10, weights_of(), meta_for(), None, keep_last=1)
+    assert checkpoint.run_checkpoints(tmp_path) == [fresh, stale]
+
+
+def test_steps_are_ordered_by_number_not_name(tmp_path):
+    for step in (99_999_999, 100_000_000, 5):
+        checkpoint.save_in_run(tmp_path, step, weights_of(), meta_for(), None, keep_last=0)
+    assert [checkpoint.load(p).meta["step"] for p in checkpoint.run_checkpoints(tmp_path)] == [
+        5,
+        99_999_999,
+        100_000_000,
+    ]
+
+
+def write_format_1(path, step: int, **extra) -> dict[str, torch.Tensor]:
+    """A checkpoint exactly as mtkit format 1 wrote it: one torch.save'd dict."""
+    weights = weights_of(seed=step)
+    payload = {"format": 1, "mtkit_version": "0.1.0", **meta_for(step=step), "model": weights, **extra}
+    torch.save(payload, path)
+    return weights
+
+
+def test_format_1_run_directory_is_migrated_in_memory(tmp_path):
+    state = {
+        "optimizer": {"state": {}, "param_groups": []},
+        "scaler": {},
+        "rng": {"torch": torch.get_rng_state()},
+        "progress": {"step": 30},
+    }
+    last = write_format_1(tmp_path / "last.pt", 30, **state)
+    best = write_format_1(tmp_path / "best.pt", 20, validation={"valid_bleu": 3.0})
+
+    assert checkpoint.latest(tmp_path) == tmp_path / "last.pt"
+    resumed = checkpoint.load(checkpoint.latest(tmp_path))
+    assert_same_weights(resumed.weights, last)
+    assert resumed.state.keys() == state.keys() and resumed.meta["step"] == 30
+    assert "model" not in resumed.meta and "optimizer" not in resumed.meta
+
+    assert checkpoint.resolve(tmp_path) == tmp_path / "best.pt"
+    kept = checkpoint.load(tmp_path / "best.pt")
+    assert kept.state is None and kept.meta["validation"] == {"valid_bleu": 3.0}
+    tiny_model(seed=1).load_state_dict(kept.weights)
+    assert_same_weights(kept.weights, best)
+
+
+def test_newer_format_names_both_versions(tmp_path):
+    torch.save({"format": 99, "model": {}}, tmp_path / "old-style.pt")
+    header = {"mtkit": json.dumps({"format": 3})}
+    (tmp_path / "new.safetensors").write_bytes(safetensors.torch.save({"w": torch.ones(1)}, metadata=header))
+
+    with pytest.raises(CheckpointError, match=r"format 99 is not supported by mtkit \S+ \(it reads formats 1-2\)"):
+        checkpoint.load(tmp_path / "old-style.pt")
+    with pytest.raises(CheckpointError, match=r"new.safetensors: checkpoint format 3 is not supported"):
+        checkpoint.load(tmp_path / "new.safetensors")
+
+
+def test_missing_and_truncated_checkpoints_are_clear_errors(tmp_path):
+    checkpoint.save(tmp_path / "ck", weights_of(), meta_for())
+    weights_file = tmp_path / "ck" / checkpoint.WEIGHTS_FILE
+    weights_file.write_bytes(weights_file.read_bytes()[:-100])
+
+    with pytest.raises(CheckpointError, match="not a readable mtkit checkpoint"):
+        checkpoint.load(tmp_path / "ck")
+    with pytest.raises(CheckpointError, match="checkpoint not found"):
+        checkpoint.load(tmp_path / "nothing-here")
+    with pytest.raises(CheckpointError, match="no checkpoint in this run directory"):
+        checkpoint.resolve(tmp_path)
+
+
+def test_average_is_the_mean_and_keeps_tied_weights_shared(tmp_path):
+    a, b = weights_of(0), weights_of(1)
+    checkpoint.save(tmp_path / "a", a, {**meta_for(step=20), "validation": {"valid_bleu": 1.0}})
+    checkpoint.save(tmp_path / "b", b, meta_for(step=10))
+
+    weights, meta = checkpoint.average([tmp_path / "a", tmp_path / "b"])
+    for key in a:
+        torch.testing.assert_close(weights[key], (a[key] + b[key]) / 2)
+    assert weights["output.weight"] is weights["encoder.embed.tokens.weight"]
+    assert meta["step"] == 20 and "validation" not in meta  # the newest's, less a score that is not the average's
+    assert meta["averaged"] == [str(tmp_path / "a"), str(tmp_path / "b")]
+
+
+def test_average_refuses_a_different_model(tmp_path):
+    checkpoint.save(tmp_path / "a", weights_of(), meta_for())
+    checkpoint.save(tmp_path / "b", weights_of(ffn=128), meta_for({"ffn": 128}))
+    checkpoint.save(tmp_path / "c", weights_of(), meta_for(sha="1" * 64))
+
+    with pytest.raises(CheckpointError, match=r"b: model settings differ"):
+        checkpoint.average([tmp_path / "a", tmp_path / "b"])
+    with pytest.raises(CheckpointError, match=r"c: tokenizer differs"):
+        checkpoint.average([tmp_path / "a", tmp_path / "c"])
+
+
+# -- mtkit average ---------------------------------------------------------------------------
+
+
+def invoke(*args, input=None):
+    return runner.invoke(app, [str(a) for a in args], input=input)
+
+
+@pytest.fixture
+def fake_run(tmp_path, spm_model):
+    """A run directory with two checkpoints of a tiny model over the real tokenizer, no training needed."""
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copyfile(spm_model.path, run / "spm.model")
+    model_section = {"encoder_layers": 1, "decoder_layers": 1, "d_model": 32, "heads": 2, "ffn": 64}
+    meta = meta_for(model_section, sha=spm_model.sha256)
+    for step in (10, 20):
+        weights = tiny_model(spm_model.vocab_size, seed=step, **model_section).state_dict()
+        checkpoint.save_in_run(run, step, weights, meta, {"progress": {"step": step}}, keep_last=0)
+    return run
+
+
+def test_average_command_writes_a_model_translate_can_use(fake_run, tmp_path):
+    out = tmp_path / "out" / "avg.safetensors"
+    result = invoke("average", fake_run, "--last", 2, "-o", out)
+    assert result.exit_code == 0, result.output
+    assert "update-00000010" in result.stderr and str(out) in result.stderr
+    assert (out.parent / "spm.model").read_bytes() == (fake_run / "spm.model").read_bytes()
+
+    for model in (out, fake_run):  # the average; the run's latest checkpoint, with the tokenizer two levels up
+        translated = invoke("translate", model, "--beam", 2, input="A dog runs.\n\nTwo men sit.\n")
+        assert translated.exit_code == 0, translated.output
+        assert len(translated.stdout.split("\n")) == 4
+
+    again = invoke(
+        "average", fake_run / "checkpoints" / "update-00000010", fake_run / "checkpoints" / "update-00000020", "-o", out
+    )
+    assert again.exit_code == 0, again.output  # checkpoint paths; an identical tokenizer already there is fine
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--last", 2, "{run}/checkpoints/update-00000010", "{run}/checkpoints/update-00000020"], "--last applies"),
+        (["{run}/checkpoints/update-00000010"], "two or more checkpoints"),
+        (["{tmp}"], "no checkpoints to average"),
+        (["{run}", "-o", "{tmp}/avg.pt"], "must be a .safetensors file"),
+        (["{run}", "-o", "{tmp}/clash/avg.safetensors"], "already exists and differs"),
+    ],
+)
+def test_average_command_errors_are_one_line(fake_run, tmp_path, args, message):
+    (tmp_path / "clash").mkdir()
+    (tmp_path / "clash" / "spm.model").write_text("another tokenizer")
+    args = [str(a).format(run=fake_run, tmp=tmp_path) for a in args]
+    if "-o" not in args:
+        args += ["-o", str(tmp_path / "avg.safetensors")]
+    result = invoke("average", *args)
+    assert result.exit_code == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+
+
+def test_a_failed_file_write_leaves_the_old_file_and_no_temporary(tmp_path):
+    target = tmp_path / "out.txt"
+    checkpoint.atomic_write_text(target, "old\n")
+
+    def failing_write(f):
+        f.write(b"partial")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        checkpoint.atomic_write(target, failing_write)
+    assert target.read_text() == "old\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["out.txt"]
