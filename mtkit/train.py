@@ -10,6 +10,7 @@ part ways (a rank out of memory, a stop signal, a non-finite loss).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import logging
 import math
@@ -300,7 +301,9 @@ class Trainer:
 
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         # Buffers (the sinusoidal table) never change, so there is nothing to broadcast before each forward.
-        return DistributedDataParallel(self.objective, device_ids=device_ids, broadcast_buffers=False)
+        newer = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+        no_buffer_sync = {"forward_sync_buffers": False} if newer else {"broadcast_buffers": False}
+        return DistributedDataParallel(self.objective, device_ids=device_ids, **no_buffer_sync)
 
     def _open_tensorboard(self):
         try:

@@ -1,0 +1,390 @@
+"""Training under faults (non-finite losses, out of memory) and the optional features around the loop.
+
+Faults are injected by patching ``TrainingObjective.forward``, the module the trainer calls once per
+micro-batch. Only calls with gradients enabled are counted (numbered from 1), so the validation
+forwards at the end of a run never shift the count.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+
+import pytest
+import torch
+import yaml
+from test_train import small_config
+from typer.testing import CliRunner
+
+from mtkit import checkpoint
+from mtkit.cli import app
+from mtkit.config import from_dict
+from mtkit.loss import TrainingObjective
+from mtkit.train import MAX_CONSECUTIVE_OOMS, Trainer, TrainingFailed, lr_at
+
+
+class Faults:
+    """Patches ``TrainingObjective.forward``; ``when(call)`` says which training calls fail and how.
+
+    ``kind`` is "nan" (the summed loss becomes NaN, so its gradients do too) or "oom" (the call
+    raises ``torch.OutOfMemoryError`` before any computation). ``on_call(call, objective)`` runs
+    before each training call, e.g. to snapshot the weights the call is about to use.
+    """
+
+    def __init__(self, monkeypatch, when, kind="nan", on_call=None) -> None:
+        self.when, self.kind, self.on_call = when, kind, on_call
+        self.calls = 0
+        self.failed: list[int] = []
+        original = TrainingObjective.forward
+        faults = self
+
+        def forward(objective, src, src_pad_mask, tgt_in, tgt_out):
+            if not torch.is_grad_enabled():  # validation
+                return original(objective, src, src_pad_mask, tgt_in, tgt_out)
+            faults.calls += 1
+            if faults.on_call is not None:
+                faults.on_call(faults.calls, objective)
+            fail = faults.when(faults.calls)
+            if fail:
+                faults.failed.append(faults.calls)
+                if faults.kind == "oom":
+                    raise torch.OutOfMemoryError(f"injected out of memory at call {faults.calls}")
+            loss, nll = original(objective, src, src_pad_mask, tgt_in, tgt_out)
+            return (loss * math.nan, nll) if fail else (loss, nll)
+
+        monkeypatch.setattr(TrainingObjective, "forward", forward)
+
+
+def at(*calls):
+    return lambda call: call in calls
+
+
+def events(run_dir, kind=None) -> list[dict]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if kind is None or r["event"] == kind]
+
+
+def without_dropout(cfg):
+    raw = cfg.to_dict()
+    return from_dict({**raw, "model": {**raw["model"], "dropout": 0.0}})
+
+
+def weights(model) -> dict[str, torch.Tensor]:
+    return {name: t.detach().clone() for name, t in model.state_dict().items()}
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def checkpoint_bytes(run_dir) -> dict[str, bytes]:
+    return {
+        f"{d.name}/{f.name}": f.read_bytes() for d in checkpoint.run_checkpoints(run_dir) for f in sorted(d.iterdir())
+    }
+
+
+# -- non-finite loss ------------------------------------------------------------------------
+
+
+def test_nonfinite_loss_rolls_back_to_the_checkpoint_with_a_lower_learning_rate(
+    tmp_path, multi30k_slice, spm_model, monkeypatch
+):
+    cfg = small_config(multi30k_slice, spm_model, max_steps=6, save_every=2, rollback_lr_factor=0.25)
+    faults = Faults(monkeypatch, at(4))  # update 4; the newest checkpoint then is update 2
+    trainer = Trainer(cfg, tmp_path)
+    trainer.run()
+
+    p = trainer.progress
+    assert (p.step, p.rollbacks, p.lr_scale, p.nonfinite_skips) == (6, 1, 0.25, 0)
+    assert faults.calls == 7  # six applied updates, one thrown away
+    records = events(tmp_path)
+    assert [(r["event"], r["step"]) for r in records[:5]] == [
+        ("train", 1),
+        ("train", 2),
+        ("train", 3),
+        ("rollback", 2),
+        ("train", 3),
+    ]
+    assert records[3]["lr_scale"] == 0.25
+    train = events(tmp_path, "train")
+    assert [r["step"] for r in train] == [1, 2, 3, 3, 4, 5, 6]
+    first, again = train[2], train[3]
+    assert first["lr"] == pytest.approx(lr_at(3, cfg.train.lr, cfg.train.warmup))
+    assert again["lr"] == pytest.approx(0.25 * first["lr"])
+    assert train[-1]["lr"] == pytest.approx(0.25 * lr_at(6, cfg.train.lr, cfg.train.warmup))
+    # Update 3 again starts from the restored weights, RNG and data position: the same loss as before.
+    assert again["loss"] == pytest.approx(first["loss"], rel=1e-6)
+    assert (first["rollbacks"], again["rollbacks"], train[-1]["rollbacks"]) == (0, 1, 1)
+
+    saved = checkpoint.load(checkpoint.latest(tmp_path))
+    assert saved.meta["step"] == 6
+    assert saved.state["progress"]["lr_scale"] == 0.25 and saved.state["progress"]["rollbacks"] == 1
+    resumed = Trainer(small_config(multi30k_slice, spm_model, max_steps=8), tmp_path)
+    assert (resumed.progress.lr_scale, resumed.progress.rollbacks) == (0.25, 1)
+
+
+def test_no_rollbacks_left_fails_and_keeps_the_checkpoint(tmp_path, multi30k_slice, spm_model, monkeypatch):
+    cfg = small_config(multi30k_slice, spm_model, max_steps=6, save_every=2, max_rollbacks=0)
+    on_disk = {}
+
+    def snapshot(call, objective):
+        if call == 4:
+            on_disk.update(checkpoint_bytes(tmp_path))
+
+    Faults(monkeypatch, at(4), on_call=snapshot)
+    trainer = Trainer(cfg, tmp_path)
+    with pytest.raises(TrainingFailed, match=r"update 4\b.*train\.max_rollbacks") as failure:
+        trainer.run()
+    assert "update-00000002" in str(failure.value)  # names the last good checkpoint
+    assert [d.name for d in checkpoint.run_checkpoints(tmp_path)] == ["update-00000002"]
+    assert checkpoint_bytes(tmp_path) == on_disk
+    saved = checkpoint.load(checkpoint.latest(tmp_path))
+    assert saved.meta["step"] == 2 and saved.state["progress"]["step"] == 2
+    assert not events(tmp_path, "rollback")
+
+
+def test_nan_on_every_update_uses_up_the_rollbacks_then_fails(tmp_path, multi30k_slice, spm_model, monkeypatch):
+    cfg = small_config(multi30k_slice, spm_model, max_steps=6, save_every=2, max_rollbacks=2)
+    Faults(monkeypatch, lambda call: call >= 3)
+    trainer = Trainer(cfg, tmp_path)
+    with pytest.raises(TrainingFailed, match=r"update 3\b.*rolled back 2 times \(train\.max_rollbacks\)"):
+        trainer.run()
+    assert (trainer.progress.step, trainer.progress.rollbacks, trainer.progress.lr_scale) == (2, 2, 0.25)
+    assert [r["lr_scale"] for r in events(tmp_path, "rollback")] == [0.5, 0.25]
+    assert [d.name for d in checkpoint.run_checkpoints(tmp_path)] == ["update-00000002"]
+    saved = checkpoint.load(checkpoint.latest(tmp_path))
+    assert saved.meta["step"] == 2 and saved.state["progress"]["rollbacks"] == 0
+
+
+def test_nan_before_any_checkpoint_fails_without_writing_one(tmp_path, multi30k_slice, spm_model, monkeypatch):
+    Faults(monkeypatch, at(1))
+    with pytest.raises(TrainingFailed, match="update 1.*no checkpoint to roll back to yet"):
+        Trainer(small_config(multi30k_slice, spm_model, max_steps=4), tmp_path).run()
+    assert checkpoint.latest(tmp_path) is None
+
+
+def test_nonfinite_skip_drops_the_update_and_counts_it(tmp_path, multi30k_slice, spm_model, monkeypatch):
+    cfg = small_config(multi30k_slice, spm_model, max_steps=4, nonfinite="skip")
+    seen = {}
+    faults = Faults(monkeypatch, at(3), on_call=lambda call, objective: seen.update({call: weights(objective.model)}))
+    trainer = Trainer(cfg, tmp_path)
+    trainer.run()
+
+    assert (trainer.progress.step, trainer.progress.nonfinite_skips, trainer.progress.rollbacks) == (4, 1, 0)
+    assert faults.calls == 5
+    assert_same_weights(seen[3], seen[4])  # the bad update changed nothing
+    assert all(torch.isfinite(t).all() for t in trainer.model.state_dict().values())
+    assert all(state["step"] == 4 for state in trainer.optimizer.state.values())  # Adam did not count it
+    train = events(tmp_path, "train")
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    assert all(math.isfinite(r["loss"]) for r in train)
+    assert [r["nonfinite_skips"] for r in train] == [0, 0, 1, 1]
+    assert checkpoint.load(checkpoint.latest(tmp_path)).state["progress"]["nonfinite_skips"] == 1
+
+
+def test_nonfinite_stop_fails_at_once(tmp_path, multi30k_slice, spm_model, monkeypatch):
+    cfg = small_config(multi30k_slice, spm_model, max_steps=6, save_every=2, nonfinite="stop")
+    faults = Faults(monkeypatch, at(3))
+    trainer = Trainer(cfg, tmp_path)
+    with pytest.raises(TrainingFailed, match=r"update 3\b.*train\.nonfinite is stop"):
+        trainer.run()
+    assert faults.calls == 3 and trainer.progress.step == 2 and trainer.progress.rollbacks == 0
+    assert not events(tmp_path, "rollback")
+
+
+# -- out of memory --------------------------------------------------------------------------
+
+
+def test_out_of_memory_skips_one_update_and_training_goes_on(tmp_path, multi30k_slice, spm_model, monkeypatch):
+    cfg = small_config(multi30k_slice, spm_model, max_steps=4)
+    seen = {}
+    faults = Faults(
+        monkeypatch, at(3), "oom", on_call=lambda call, objective: seen.update({call: weights(objective.model)})
+    )
+    trainer = Trainer(cfg, tmp_path)
+    trainer.run()
+
+    assert (trainer.progress.step, trainer.progress.oom_skips) == (4, 1)
+    assert faults.calls == 5 and faults.failed == [3]
+    assert_same_weights(seen[3], seen[4])
+    assert all(state["step"] == 4 for state in trainer.optimizer.state.values())
+    assert [r["oom_skips"] for r in events(tmp_path, "train")] == [0, 0, 1, 1]
+
+
+def test_gradients_of_a_batch_lost_to_out_of_memory_do_not_leak(tmp_path, multi30k_slice, spm_model, monkeypatch):
+    cfg = without_dropout(small_config(multi30k_slice, spm_model, max_steps=4, accum=2))
+    hit, fresh = Trainer(cfg, tmp_path / "hit"), Trainer(cfg, tmp_path / "fresh")
+    assert_same_weights(weights(hit.model), weights(fresh.model))
+    corpus = hit.corpus
+    idx = corpus.batch_indices(cfg.train.batch_tokens, seed=0)[:4]
+    groups = [[idx[0], idx[1]], [idx[2], idx[3]]]
+
+    def update(trainer, group):
+        return trainer.train_step([corpus.collate(i) for i in group], sum(map(corpus.target_tokens, group)))
+
+    Faults(monkeypatch, at(2), "oom")  # the second micro-batch, after the first one's backward
+    before = weights(hit.model)
+    stats = update(hit, groups[0])
+    assert stats["skipped"] == "oom" and stats["oom_ranks"] == 1
+    assert all(p.grad is None for p in hit.model.parameters())
+    assert_same_weights(before, weights(hit.model))
+    assert update(hit, groups[1])["skipped"] is None
+    assert update(fresh, groups[1])["skipped"] is None
+    assert_same_weights(weights(hit.model), weights(fresh.model))
+
+
+def test_out_of_memory_in_every_update_stops_with_advice(tmp_path, multi30k_slice, spm_model, monkeypatch):
+    faults = Faults(monkeypatch, lambda call: True, "oom")
+    trainer = Trainer(small_config(multi30k_slice, spm_model, max_steps=20), tmp_path)
+    with pytest.raises(TrainingFailed, match=r"train\.batch_tokens \(now 512\).*train\.accum"):
+        trainer.run()
+    assert faults.calls == MAX_CONSECUTIVE_OOMS
+    assert (trainer.progress.step, trainer.progress.oom_skips) == (0, MAX_CONSECUTIVE_OOMS)
+
+
+def test_out_of_memory_count_restarts_after_a_good_update(tmp_path, multi30k_slice, spm_model, monkeypatch):
+    run_of_ooms = MAX_CONSECUTIVE_OOMS - 1
+    Faults(monkeypatch, lambda call: call % MAX_CONSECUTIVE_OOMS != 0, "oom")  # 4 out of memory, 1 good, ...
+    trainer = Trainer(small_config(multi30k_slice, spm_model, max_steps=3), tmp_path)
+    trainer.run()
+    assert (trainer.progress.step, trainer.progress.oom_skips) == (3, 3 * run_of_ooms)
+
+
+# -- gradient accumulation ------------------------------------------------------------------
+
+
+def test_accumulated_gradients_equal_those_of_one_batch_holding_both(tmp_path, multi30k_slice, spm_model):
+    cfg = without_dropout(small_config(multi30k_slice, spm_model, max_steps=1, batch_tokens=256))
+    trainer = Trainer(cfg, tmp_path)
+    corpus = trainer.corpus
+    i1, i2 = corpus.batch_indices(256, seed=0)[:2]
+    b1, b2, both = corpus.collate(i1), corpus.collate(i2), corpus.collate(i1 + i2)
+    tokens = corpus.target_tokens(i1) + corpus.target_tokens(i2)
+    assert tokens == b1.target_tokens + b2.target_tokens == both.target_tokens
+    assert b1.tgt_out.shape[1] != b2.tgt_out.shape[1] or b1.src.shape[1] != b2.src.shape[1]  # padding differs
+
+    def gradients(batches):
+        trainer.optimizer.zero_grad(set_to_none=True)
+        loss, nll, oom = trainer._accumulate_gradients(batches, tokens)
+        assert not oom
+        grads = {name: p.grad.clone() for name, p in trainer.model.named_parameters()}
+        trainer.optimizer.zero_grad(set_to_none=True)
+        return loss, nll, grads
+
+    loss_a, nll_a, accumulated = gradients([b1, b2])
+    loss_b, nll_b, combined = gradients([both])
+    assert loss_a == pytest.approx(loss_b, rel=1e-5) and nll_a == pytest.approx(nll_b, rel=1e-5)
+    for name in combined:
+        torch.testing.assert_close(accumulated[name], combined[name], rtol=1e-4, atol=1e-6, msg=name)
+
+    # ...and they are the gradients of the group's mean loss per target token.
+    trainer.model.zero_grad(set_to_none=True)
+    (trainer.objective(both.src, both.src_pad_mask, both.tgt_in, both.tgt_out)[0] / tokens).backward()
+    for name, p in trainer.model.named_parameters():
+        torch.testing.assert_close(combined[name], p.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_an_update_accumulating_two_batches_equals_one_on_both(tmp_path, multi30k_slice, spm_model):
+    cfg = without_dropout(small_config(multi30k_slice, spm_model, max_steps=2, accum=2))
+    split, joined = Trainer(cfg, tmp_path / "a"), Trainer(cfg, tmp_path / "b")
+    batches, group_tokens = next(split._update_groups())  # the first update's group
+    first = split._epoch_batches(1)[:2]
+    assert split.progress.batch_in_epoch == 2
+    assert len(batches) == 2 and all(
+        torch.equal(b.tgt_out, split.corpus.collate(i).tgt_out) for b, i in zip(batches, first)
+    )
+    assert group_tokens == sum(map(split.corpus.target_tokens, first))
+
+    a = split.train_step(batches, group_tokens)
+    b = joined.train_step([joined.corpus.collate(first[0] + first[1])], group_tokens)
+    assert a["skipped"] is None and b["skipped"] is None
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    for name, t in split.model.state_dict().items():
+        torch.testing.assert_close(t, joined.model.state_dict()[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+# -- torch.compile, TensorBoard, keep_last --------------------------------------------------
+
+
+def test_compiled_training_matches_eager_training(tmp_path, multi30k_slice, spm_model):
+    losses = {}
+    for compiled in (False, True):
+        cfg = without_dropout(small_config(multi30k_slice, spm_model, max_steps=3, save_every=0, compile=compiled))
+        run = tmp_path / ("compiled" if compiled else "eager")
+        start = time.perf_counter()
+        trainer = Trainer(cfg, run)
+        trainer.run()
+        logging.getLogger("mtkit").info("compile=%s: %.1f s", compiled, time.perf_counter() - start)
+        losses[compiled] = [r["loss"] for r in events(run, "train")]
+        if compiled:
+            assert trainer.objective._features is not trainer.model.features  # really compiled
+    assert len(losses[True]) == 3
+    assert losses[True] == pytest.approx(losses[False], rel=1e-4)
+
+
+def test_tensorboard_receives_the_training_loss(tmp_path, multi30k_slice, spm_model):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    Trainer(small_config(multi30k_slice, spm_model, max_steps=3, tensorboard=True), tmp_path).run()
+    files = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(files) == 1
+    acc = EventAccumulator(str(files[0]))
+    acc.Reload()
+    assert "train/loss" in acc.Tags()["scalars"]
+    scalars = acc.Scalars("train/loss")
+    logged = events(tmp_path, "train")
+    assert [s.step for s in scalars] == [r["step"] for r in logged] == [1, 2, 3]
+    assert [s.value for s in scalars] == pytest.approx([r["loss"] for r in logged], rel=1e-6)
+
+
+def test_keep_last_keeps_the_newest_checkpoints_and_the_newest_resumes(tmp_path, multi30k_slice, spm_model):
+    Trainer(small_config(multi30k_slice, spm_model, max_steps=5, save_every=1, keep_last=2), tmp_path).run()
+    assert [d.name for d in checkpoint.run_checkpoints(tmp_path)] == ["update-00000004", "update-00000005"]
+    assert [p.name for p in (tmp_path / checkpoint.CHECKPOINTS_DIR).iterdir() if p.name.startswith(".")] == []
+    resumed = Trainer(small_config(multi30k_slice, spm_model, max_steps=6, save_every=1, keep_last=2), tmp_path)
+    assert resumed.progress.step == 5
+    resumed.run()
+    assert [d.name for d in checkpoint.run_checkpoints(tmp_path)] == ["update-00000005", "update-00000006"]
+
+
+# -- command line ---------------------------------------------------------------------------
+
+
+def write_config(path, cfg):
+    path.write_text(yaml.safe_dump(cfg.to_dict()))
+    return path
+
+
+def test_cli_nonfinite_failure_is_one_error_line_and_exit_1(tmp_path, multi30k_slice, spm_model, monkeypatch):
+    monkeypatch.setattr(logging.getLogger("mtkit"), "handlers", [])  # a handler left by an earlier invocation
+    config = write_config(tmp_path / "c.yaml", small_config(multi30k_slice, spm_model, max_steps=6))
+    Faults(monkeypatch, at(3))
+    args = ["train", str(config), "--out", str(tmp_path / "run"), "--set", "train.nonfinite=stop"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 1, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and result.stderr.strip().splitlines()[-1] == errors[0], result.stderr
+    assert "update 3" in errors[0] and "train.nonfinite is stop" in errors[0]
+    assert "Traceback" not in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_cli_dry_run_shows_the_training_flags(tmp_path, multi30k_slice, spm_model):
+    config = write_config(tmp_path / "c.yaml", small_config(multi30k_slice, spm_model, max_steps=6))
+    flags = ["--save-every", "7", "--keep-last", "3", "--precision", "bf16", "--compile", "--tensorboard"]
+    result = CliRunner().invoke(app, ["train", str(config), "--out", str(tmp_path / "run"), "--dry-run", *flags])
+    assert result.exit_code == 0, result.output
+    shown = yaml.safe_load(result.stdout)["train"]  # the printed config is YAML (the rest are comments)
+    assert {k: shown[k] for k in ("save_every", "keep_last", "precision", "compile", "tensorboard")} == {
+        "save_every": 7,
+        "keep_last": 3,
+        "precision": "bf16",
+        "compile": True,
+        "tensorboard": True,
+    }
+    assert not (tmp_path / "run").exists()
