@@ -15,14 +15,17 @@ Run directory layout::
         state.pt                                     training state, for resuming
     RUN_DIR/best/model.safetensors                   weights of the best validation result, for translating
     RUN_DIR/metrics.jsonl                            one JSON object per log or validation event
+    RUN_DIR/.lock                                    held while a training process writes here
 
 Format 1 run directories (``last.pt``, ``best.pt``: one ``torch.save``'d dict each) still load; they
 are converted in memory. A checkpoint directory appears whole or not at all: it is built under a
-temporary name beside its final one and renamed into place. One writer per run directory.
+temporary name beside its final one and renamed into place. One writer per run directory: training
+holds a lock on ``RUN_DIR/.lock`` (released by the kernel even if the process is killed).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -109,6 +112,35 @@ def _write_synced(path: Path, write) -> None:
         write(f)
         f.flush()
         os.fsync(f.fileno())
+
+
+# -- run directory ownership ----------------------------------------------------------------
+
+
+class RunLock:
+    """An exclusive lock on a run directory, so two trainings never write checkpoints over each other."""
+
+    def __init__(self, run_dir: Path) -> None:
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._file = open(run_dir / ".lock", "a+")
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.seek(0)
+            holder = self._file.read().strip() or "unknown"
+            self._file.close()
+            raise CheckpointError(
+                f"{run_dir}: in use by another training process (pid {holder}); stop it or choose another --out"
+            ) from None
+        self._file.truncate(0)
+        self._file.write(f"{os.getpid()}\n")
+        self._file.flush()
+
+    def release(self) -> None:
+        if not self._file.closed:
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+            self._file.close()
 
 
 # -- saving ---------------------------------------------------------------------------------

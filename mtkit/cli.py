@@ -68,8 +68,9 @@ def user_errors(command):
 
 
 def _setup_logging(quiet: bool = False) -> None:
-    if log.handlers:
-        return
+    """One handler on the current stderr (an earlier in-process call may have left one on a closed stream)."""
+    for handler in list(log.handlers):
+        log.removeHandler(handler)
     if stderr.is_terminal:
         from rich.logging import RichHandler
 
@@ -339,7 +340,7 @@ def _read_input(path: Path | None) -> list[str]:
 @app.command()
 @user_errors
 def translate(
-    model: Annotated[Path, typer.Argument(help="Run directory (uses best.pt) or checkpoint file.")],
+    model: Annotated[Path, typer.Argument(help="Run directory (uses best/), checkpoint directory or .safetensors.")],
     input: Annotated[Path | None, typer.Option("--input", "-i", help="Input text (default: stdin).")] = None,
     output: Annotated[
         Path | None, typer.Option("--output", "-o", help="Output file, written atomically (default: stdout).")

@@ -9,9 +9,12 @@ second gloo group, kept only for diagnosis, finds out which rank stopped answeri
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import re
+import signal
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -115,6 +118,7 @@ def from_environment(device: str, timeout_s: float) -> Distributed:
     if not launched_by_torchrun() or int(os.environ["WORLD_SIZE"]) == 1:
         return Distributed(timeout_s=timeout_s)
     rank, world, local = (int(os.environ[name]) for name in LAUNCH_VARIABLES)
+    _stop_with_launcher()
     use_cuda = device in ("auto", "cuda") and torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(local)
@@ -124,6 +128,20 @@ def from_environment(device: str, timeout_s: float) -> Distributed:
     health = dist.new_group(backend="gloo", timeout=timeout)
     log.info("rank %d of %d joined (%s)", rank, world, "nccl" if use_cuda else "gloo")
     return Distributed(rank, world, local, timeout_s, agreement, health)
+
+
+def _stop_with_launcher() -> None:
+    """Ask Linux to send this rank SIGTERM when its launcher dies, so no orphan rank trains on.
+
+    torchrun starts each rank in a session of its own; if torchrun itself is killed, the ranks
+    would otherwise keep running. SIGTERM makes them save a checkpoint and exit like Ctrl-C does.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() == 1:  # the launcher was already gone before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def torchrun_arguments(nproc_per_node: int, command: list[str]) -> list[str]:

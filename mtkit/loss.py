@@ -78,8 +78,8 @@ class TrainingObjective(nn.Module):
 
     DDP synchronises the parameters a wrapped ``forward`` uses, and the loss uses the output
     projection outside ``Transformer.forward``; wrapping model and loss together covers both.
-    ``compile`` swaps in a torch.compile'd encoder-decoder for training only, so beam search keeps
-    running the eager model on its ever-changing shapes.
+    ``compile_features`` swaps in a torch.compile'd encoder-decoder for training only (gradients
+    on); validation and beam search keep the eager model and need no second compilation.
     """
 
     def __init__(self, model: Transformer, label_smoothing: float, dtype: torch.dtype) -> None:
@@ -94,8 +94,9 @@ class TrainingObjective(nn.Module):
 
     def forward(self, src: Tensor, src_pad_mask: Tensor, tgt_in: Tensor, tgt_out: Tensor) -> tuple[Tensor, Tensor]:
         """Summed smoothed loss and summed NLL over the real (non-pad) target tokens."""
+        features_of = self._features if torch.is_grad_enabled() else self.model.features  # validation: eager
         with autocast(src.device, self.dtype):
-            features = self._features(src, src_pad_mask, tgt_in)
+            features = features_of(src, src_pad_mask, tgt_in)
         keep = tgt_out != PAD_ID
         return linear_cross_entropy(
             features[keep], self.model.output.weight, tgt_out[keep], self.label_smoothing, self.dtype

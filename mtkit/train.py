@@ -233,8 +233,14 @@ class Trainer:
     """Owns the model, optimizer and run directory for one training run (one rank's share of it)."""
 
     def __init__(
-        self, cfg: RunConfig, out_dir: Path, reporter: Reporter | None = None, dist: Distributed | None = None
+        self,
+        cfg: RunConfig,
+        out_dir: Path,
+        reporter: Reporter | None = None,
+        dist: Distributed | None = None,
+        restart: bool = False,
     ) -> None:
+        """Set up data, tokenizer, model and optimizer; resume from the newest checkpoint unless ``restart``."""
         self.cfg = cfg
         self.out_dir = Path(out_dir)
         tc = cfg.train
@@ -250,8 +256,10 @@ class Trainer:
             raise ConfigError("data.train_src is not set: training needs a parallel corpus")
         src_lines, tgt_lines = read_parallel(cfg.data.train_src, cfg.data.train_tgt)
         self.valid_src, self.valid_tgt = self._read_valid()
+        self._lock = checkpoint.RunLock(self.out_dir) if self.is_main else None
         if self.is_main:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
+            if restart:
+                remove_run_outputs(self.out_dir)
             prepare_tokenizers(cfg, self.out_dir, src_lines, tgt_lines)
             checkpoint.atomic_write_text(self.out_dir / "config.yaml", dump(cfg))
         self.dist.barrier()  # the other ranks read the tokenizer rank 0 trained or copied
@@ -510,10 +518,10 @@ class Trainer:
                 why = f"already rolled back {p.rollbacks} times (train.max_rollbacks)"
             kept = f"; last good checkpoint: {latest}" if latest is not None else ""
             raise TrainingFailed(f"{what}; {why}{kept}; lower train.lr or use precision fp32")
-        carried = {**p.counters(), "seconds": p.seconds}
         lr_scale = p.lr_scale * tc.rollback_lr_factor
+        carried = {**p.counters(), "seconds": p.seconds, "rollbacks": p.rollbacks + 1, "lr_scale": lr_scale}
         self._load(latest)
-        self.progress = replace(self.progress, **carried, rollbacks=p.rollbacks + 1, lr_scale=lr_scale)
+        self.progress = replace(self.progress, **carried)
         self._consecutive_skips = 0
         log.warning(
             "%s: rolled back to update %d, learning rate x%g (rollback %d of %d)",
@@ -643,6 +651,8 @@ class Trainer:
                 self.save_last()
         finally:
             self._signals = None
+            if self._lock is not None:
+                self._lock.release()
             self.reporter.finish()
             if self._tensorboard is not None:
                 self._tensorboard.close()
@@ -656,7 +666,10 @@ class Trainer:
         self.reporter.update(p.step, {**stats, "tok_s": window.tokens_per_s(), "epoch": p.epoch})
         if p.step % self.cfg.train.log_every:
             return window
-        self._log_metrics({"event": "train", "step": p.step, "epoch": p.epoch, **window.summary(stats), **p.counters()})
+        record = {"event": "train", "step": p.step, "epoch": p.epoch, **window.summary(stats), **p.counters()}
+        if self.device.type == "cuda":
+            record["peak_gpu_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        self._log_metrics(record)
         return LogWindow()
 
 
@@ -678,7 +691,7 @@ def schedule_preview(cfg: RunConfig) -> list[tuple[int, float]]:
 
 def remove_run_outputs(out_dir: Path) -> None:
     """Delete what training wrote into ``out_dir`` (for ``--restart``), leaving anything else alone."""
-    for name in (checkpoint.CHECKPOINTS_DIR, checkpoint.BEST_DIR, "tensorboard"):
+    for name in (checkpoint.CHECKPOINTS_DIR, checkpoint.BEST_DIR, "tensorboard"):  # not .lock: it is held
         shutil.rmtree(out_dir / name, ignore_errors=True)
     files = [checkpoint.LEGACY_LAST, checkpoint.LEGACY_BEST, "metrics.jsonl", "config.yaml"]
     for path in [*(out_dir / name for name in files), *out_dir.glob("spm*.model"), *out_dir.glob("spm*.vocab")]:
@@ -693,7 +706,4 @@ def train(
     dist: Distributed | None = None,
 ) -> dict:
     """Train ``cfg`` into ``out_dir`` (resuming from its newest checkpoint, unless ``restart``)."""
-    out_dir = Path(out_dir)
-    if restart and out_dir.exists() and (dist is None or dist.is_main):
-        remove_run_outputs(out_dir)
-    return Trainer(cfg, out_dir, reporter, dist).run()
+    return Trainer(cfg, Path(out_dir), reporter, dist, restart).run()

@@ -162,3 +162,38 @@ def test_nproc_per_node_trains_validates_and_resumes_through_torchrun(tmp_path, 
     assert more.returncode == 0, more.stderr
     assert "at update 4" in more.stderr
     assert checkpoint.load(checkpoint.latest(run)).meta["step"] == 6
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """PIDs of live processes whose command line contains ``text``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and text in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(entry.name))
+        except OSError:
+            pass
+    return found
+
+
+def test_killing_the_launcher_makes_the_ranks_save_and_exit(tmp_path, multi30k_slice):
+    config = write_config(
+        tmp_path / "c.yaml", multi30k_slice, train={"max_steps": 100_000, "valid_every": 0, "log_every": 1}
+    )
+    run = tmp_path / "orphans"
+    command = [sys.executable, "-m", "mtkit", "train", str(config), "--out", str(run), "--nproc-per-node", "2"]
+    launcher = subprocess.Popen(command, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 120
+    while not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().count("\n") >= 3):
+        assert launcher.poll() is None and time.monotonic() < deadline, "training never got going"
+        time.sleep(0.05)
+    ranks = [pid for pid in processes_mentioning(str(run)) if pid != launcher.pid]
+    assert len(ranks) == 2
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 60
+    while any(Path(f"/proc/{pid}").exists() for pid in ranks):
+        assert time.monotonic() < deadline, "ranks kept running after their launcher was killed"
+        time.sleep(0.1)
+    logged = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert checkpoint.load(checkpoint.latest(run)).meta["step"] == logged[-1]

@@ -8,9 +8,7 @@ forwards at the end of a run never shift the count.
 from __future__ import annotations
 
 import json
-import logging
 import math
-import time
 
 import pytest
 import torch
@@ -100,7 +98,7 @@ def test_nonfinite_loss_rolls_back_to_the_checkpoint_with_a_lower_learning_rate(
 
     p = trainer.progress
     assert (p.step, p.rollbacks, p.lr_scale, p.nonfinite_skips) == (6, 1, 0.25, 0)
-    assert faults.calls == 7  # six applied updates, one thrown away
+    assert faults.calls == 8  # updates 1-3, the bad 4th, then 3-6 again from the checkpoint
     records = events(tmp_path)
     assert [(r["event"], r["step"]) for r in records[:5]] == [
         ("train", 1),
@@ -294,35 +292,51 @@ def test_an_update_accumulating_two_batches_equals_one_on_both(tmp_path, multi30
     batches, group_tokens = next(split._update_groups())  # the first update's group
     first = split._epoch_batches(1)[:2]
     assert split.progress.batch_in_epoch == 2
-    assert len(batches) == 2 and all(
-        torch.equal(b.tgt_out, split.corpus.collate(i).tgt_out) for b, i in zip(batches, first)
-    )
+    assert len(batches) == 2
+    assert all(torch.equal(b.tgt_out, split.corpus.collate(i).tgt_out) for b, i in zip(batches, first))
     assert group_tokens == sum(map(split.corpus.target_tokens, first))
 
+    stepped = {}
+    for name, trainer in (("split", split), ("joined", joined)):
+        step = trainer.optimizer.step
+
+        def spy(*args, trainer=trainer, name=name, step=step, **kwargs):
+            stepped[name] = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}  # clipped
+            return step(*args, **kwargs)
+
+        trainer.optimizer.step = spy  # on this optimizer only
     a = split.train_step(batches, group_tokens)
     b = joined.train_step([joined.corpus.collate(first[0] + first[1])], group_tokens)
     assert a["skipped"] is None and b["skipped"] is None
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
-    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
-    for name, t in split.model.state_dict().items():
-        torch.testing.assert_close(t, joined.model.state_dict()[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    for name, grad in stepped["joined"].items():
+        torch.testing.assert_close(stepped["split"][name], grad, rtol=1e-4, atol=1e-7, msg=name)
+    for name, t in joined.model.state_dict().items():
+        # Key biases get no gradient in theory (softmax ignores a shift shared by all keys): what they get is
+        # rounding noise, which Adam's first step (about lr * sign(grad)) turns into a full-size update.
+        if not name.endswith("k_proj.bias"):
+            torch.testing.assert_close(split.model.state_dict()[name], t, rtol=1e-5, atol=1e-7, msg=name)
 
 
 # -- torch.compile, TensorBoard, keep_last --------------------------------------------------
 
 
+@pytest.mark.slow  # about 50 s with a cold inductor cache on 2 cores, 10 s warm
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_compiled_training_matches_eager_training(tmp_path, multi30k_slice, spm_model):
     losses = {}
     for compiled in (False, True):
-        cfg = without_dropout(small_config(multi30k_slice, spm_model, max_steps=3, save_every=0, compile=compiled))
-        run = tmp_path / ("compiled" if compiled else "eager")
-        start = time.perf_counter()
-        trainer = Trainer(cfg, run)
-        trainer.run()
-        logging.getLogger("mtkit").info("compile=%s: %.1f s", compiled, time.perf_counter() - start)
-        losses[compiled] = [r["loss"] for r in events(run, "train")]
-        if compiled:
-            assert trainer.objective._features is not trainer.model.features  # really compiled
+        cfg = without_dropout(small_config(multi30k_slice, spm_model, max_steps=3, compile=compiled))
+        trainer = Trainer(cfg, tmp_path / str(compiled))
+        assert (trainer.objective._features != trainer.model.features) == compiled
+        # The loop of run() without its final validation, whose no_grad forward would compile a second graph.
+        losses[compiled] = []
+        for batches, group_tokens in trainer._update_groups():
+            stats = trainer.train_step(batches, group_tokens)
+            assert stats["skipped"] is None
+            losses[compiled].append(stats["loss"])
+            trainer.progress.step += 1
     assert len(losses[True]) == 3
     assert losses[True] == pytest.approx(losses[False], rel=1e-4)
 
@@ -360,8 +374,22 @@ def write_config(path, cfg):
     return path
 
 
+def test_fp16_overflow_steps_are_skipped_and_counted(tmp_path, multi30k_slice, spm_model, monkeypatch):
+    """fp16 itself needs a GPU; the skip-and-count path is the scaler's, so a CPU scaler exercises it."""
+    trainer = Trainer(small_config(multi30k_slice, spm_model, max_steps=4, log_every=4), tmp_path)
+    trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    before = {}
+    Faults(monkeypatch, at(2), on_call=lambda call, objective: call == 2 and before.update(weights(objective)))
+    trainer.run()
+    assert trainer.progress.step == 4 and trainer.progress.overflow_skips == 1
+    assert trainer.progress.nonfinite_skips == 0 and trainer.progress.rollbacks == 0  # not treated as divergence
+    assert trainer.scaler.get_scale() == 2.0**15  # halved once by the overflow
+    assert events(tmp_path, "train")[-1]["overflow_skips"] == 1
+    after_skip = checkpoint.load(checkpoint.latest(tmp_path)).state["optimizer"]["state"][0]["step"]
+    assert int(after_skip) == 4  # Adam stepped 4 times in 5 micro-batches
+
+
 def test_cli_nonfinite_failure_is_one_error_line_and_exit_1(tmp_path, multi30k_slice, spm_model, monkeypatch):
-    monkeypatch.setattr(logging.getLogger("mtkit"), "handlers", [])  # a handler left by an earlier invocation
     config = write_config(tmp_path / "c.yaml", small_config(multi30k_slice, spm_model, max_steps=6))
     Faults(monkeypatch, at(3))
     args = ["train", str(config), "--out", str(tmp_path / "run"), "--set", "train.nonfinite=stop"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -123,3 +124,11 @@ def test_patience_stops_after_validations_without_a_new_best(tmp_path, multi30k_
     assert trainer.progress.step == 6  # best at update 2, no better at 4 and 6
     assert "train.patience" in trainer.stop_reason()
     assert checkpoint.load(tmp_path / "best").meta["step"] == 2
+
+
+def test_a_second_training_on_the_same_run_directory_is_refused(tmp_path, multi30k_slice, spm_model):
+    first = Trainer(small_config(multi30k_slice, spm_model, max_steps=2), tmp_path)
+    with pytest.raises(checkpoint.CheckpointError, match=f"in use by another training process \\(pid {os.getpid()}\\)"):
+        Trainer(small_config(multi30k_slice, spm_model, max_steps=2), tmp_path)
+    first.run()
+    assert Trainer(small_config(multi30k_slice, spm_model, max_steps=4), tmp_path).progress.step == 2
