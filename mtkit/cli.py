@@ -11,6 +11,7 @@ import functools
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -290,6 +291,7 @@ def _run_training(cfg, out: Path, restart: bool) -> None:
 
 def _hand_over_to_torchrun(nproc_per_node: int, command: list[str]) -> None:
     """Run ``mtkit COMMAND`` in ``nproc_per_node`` processes under torch.distributed.run; exit as they did."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -298,6 +300,10 @@ def _hand_over_to_torchrun(nproc_per_node: int, command: list[str]) -> None:
     args = get_args_parser().parse_args(torchrun_arguments(nproc_per_node, command))
     try:
         run(args)
+    except SignalException as stop:  # torchrun has passed the signal on; the ranks save and exit
+        name = signal.Signals(stop.sigval).name
+        typer.echo(f"stopped by {name}: the ranks saved a checkpoint; run the same command to resume", err=True)
+        raise typer.Exit(128 + stop.sigval) from None
     except ChildFailedError as err:
         codes = sorted({failure.exitcode for failure in err.failures.values()})
         typer.echo(f"error: training processes failed (exit status {', '.join(map(str, codes))})", err=True)

@@ -66,7 +66,8 @@ class StopSignals:
 
     So the checkpoint written on the way out always holds a whole number of updates (an interrupt
     in the middle of a step could otherwise save updated weights with the old step count).
-    A second signal aborts at once.
+    A second Ctrl-C (SIGINT) aborts at once. Repeated SIGTERMs do not: a scheduler and torchrun
+    may both pass one on, and the checkpoint must still be written.
     """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -82,7 +83,10 @@ class StopSignals:
 
     def _handle(self, signum: int, frame) -> None:
         if self.received is not None:
-            raise KeyboardInterrupt
+            log.warning("%s received again", signal.Signals(signum).name)
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            return
         self.received = signum
         log.warning("%s received: saving a checkpoint after this update", signal.Signals(signum).name)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -176,24 +177,31 @@ def processes_mentioning(text: str) -> list[int]:
     return found
 
 
-def test_killing_the_launcher_makes_the_ranks_save_and_exit(tmp_path, multi30k_slice):
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
+def test_stopping_the_launcher_makes_the_ranks_save_and_exit(tmp_path, multi30k_slice, how):
+    """SIGTERM is passed on by torchrun; after SIGKILL the ranks learn of their launcher's death from Linux."""
     config = write_config(
         tmp_path / "c.yaml", multi30k_slice, train={"max_steps": 100_000, "valid_every": 0, "log_every": 1}
     )
     run = tmp_path / "orphans"
     command = [sys.executable, "-m", "mtkit", "train", str(config), "--out", str(run), "--nproc-per-node", "2"]
-    launcher = subprocess.Popen(command, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launcher = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 120
     while not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().count("\n") >= 3):
         assert launcher.poll() is None and time.monotonic() < deadline, "training never got going"
         time.sleep(0.05)
     ranks = [pid for pid in processes_mentioning(str(run)) if pid != launcher.pid]
     assert len(ranks) == 2
-    launcher.kill()
-    launcher.wait()
+    launcher.send_signal(how)
+    _, err = launcher.communicate(timeout=60)
+    if how == signal.SIGTERM:
+        assert launcher.returncode == 128 + signal.SIGTERM, err
+        assert "stopped by SIGTERM" in err.splitlines()[-1] and "Traceback" not in err
     deadline = time.monotonic() + 60
     while any(Path(f"/proc/{pid}").exists() for pid in ranks):
         assert time.monotonic() < deadline, "ranks kept running after their launcher was killed"
         time.sleep(0.1)
     logged = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert checkpoint.latest(run) is not None, err
     assert checkpoint.load(checkpoint.latest(run)).meta["step"] == logged[-1]

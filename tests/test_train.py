@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 
 import pytest
 import torch
 
 from mtkit import checkpoint
 from mtkit.config import from_dict
-from mtkit.train import Trainer, lr_at, train
+from mtkit.train import StopSignals, Trainer, lr_at, train
 
 
 def test_lr_warms_up_linearly_then_decays_as_inverse_sqrt():
@@ -132,3 +133,13 @@ def test_a_second_training_on_the_same_run_directory_is_refused(tmp_path, multi3
         Trainer(small_config(multi30k_slice, spm_model, max_steps=2), tmp_path)
     first.run()
     assert Trainer(small_config(multi30k_slice, spm_model, max_steps=4), tmp_path).progress.step == 2
+
+
+def test_repeated_sigterm_still_ends_in_a_save_but_a_second_ctrl_c_aborts():
+    with StopSignals() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)  # e.g. from the scheduler and again from torchrun
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.received == signal.SIGTERM
+    with pytest.raises(KeyboardInterrupt), StopSignals():
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
