@@ -13,6 +13,8 @@ import logging
 import os
 import signal
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -313,74 +315,204 @@ def _hand_over_to_torchrun(nproc_per_node: int, command: list[str]) -> None:
 # -- translate ------------------------------------------------------------------------------
 
 
-def _read_input(path: Path | None) -> list[str]:
-    """Input lines; invalid UTF-8 is replaced (with a warning naming the line) so alignment holds."""
-    if path is not None:
-        from mtkit.data import DataError
+def _input_chunks(path: Path | None, chunk_lines: int) -> Iterator[list[str]]:
+    """Input lines in chunks of up to ``chunk_lines``; invalid UTF-8 is replaced, with a warning.
 
-        if not path.is_file():
-            raise DataError(f"{path}: file not found")
-        raw = path.read_bytes()
-        if raw[:2] == b"\x1f\x8b":
-            import gzip
-
-            raw = gzip.decompress(raw)
-    else:
-        raw = sys.stdin.buffer.read()
+    Lines end at ``\\n`` only, never at other characters Python would split on (form feed, U+2028),
+    so the output keeps one line per input line as ``wc -l`` counts them. On a pipe or terminal a
+    chunk also ends whenever no more input is waiting, so an interactive producer gets its answers.
+    """
     name = str(path) if path else "<stdin>"
-    lines = []
-    for number, line in enumerate(raw.split(b"\n"), start=1):
+    number = 0
+
+    def decoded(raw_lines: list[bytes]) -> list[str]:
+        nonlocal number
+        out = []
+        for raw in raw_lines:
+            number += 1
+            raw = raw.removesuffix(b"\r")
+            try:
+                out.append(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                log.warning("%s:%d: invalid UTF-8 replaced", name, number)
+                out.append(raw.decode("utf-8", errors="replace"))
+        return out
+
+    for raw_chunk in _raw_chunks(path, chunk_lines):
+        yield decoded(raw_chunk)
+
+
+def _raw_chunks(path: Path | None, chunk_lines: int) -> Iterator[list[bytes]]:
+    if path is None:
         try:
-            text = line.decode("utf-8")
-        except UnicodeDecodeError:
-            log.warning("%s:%d: invalid UTF-8 replaced", name, number)
-            text = line.decode("utf-8", errors="replace")
-        lines.append(text.rstrip("\r"))
-    if lines and lines[-1] == "" and raw.endswith(b"\n"):
-        lines.pop()  # the final newline ends the last line; it does not start another
-    elif raw == b"":
-        lines = []
-    return lines
+            fd = sys.stdin.fileno()
+        except (AttributeError, OSError, ValueError):  # a stand-in stdin, as in tests
+            fd = None
+        if fd is not None and not os.path.isfile(f"/proc/self/fd/{fd}"):
+            yield from _ready_chunks(fd, chunk_lines)
+            return
+        stream = sys.stdin.buffer
+        yield from _file_chunks(stream, chunk_lines)
+        return
+    from mtkit.data import DataError
+
+    if not path.is_file():
+        raise DataError(f"{path}: file not found")
+    with open(path, "rb") as f:
+        gzipped = f.read(2) == b"\x1f\x8b"
+    import gzip
+
+    with gzip.open(path, "rb") if gzipped else open(path, "rb") as f:
+        yield from _file_chunks(f, chunk_lines)
+
+
+def _file_chunks(stream, chunk_lines: int) -> Iterator[list[bytes]]:
+    chunk: list[bytes] = []
+    for raw in stream:
+        chunk.append(raw.removesuffix(b"\n"))
+        if len(chunk) == chunk_lines:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _ready_chunks(fd: int, chunk_lines: int) -> Iterator[list[bytes]]:
+    """Lines from a pipe or terminal, cut into a chunk when it is full or nothing more is waiting."""
+    import select
+
+    pending, lines = b"", []
+    while True:
+        if lines and (len(lines) >= chunk_lines or not select.select([fd], [], [], 0)[0]):
+            yield lines[:chunk_lines]
+            lines = lines[chunk_lines:]
+            continue
+        data = os.read(fd, 1 << 16)
+        if not data:
+            break
+        *complete, pending = (pending + data).split(b"\n")
+        lines.extend(complete)
+    if pending:
+        lines.append(pending)
+    for start in range(0, len(lines), chunk_lines):
+        yield lines[start : start + chunk_lines]
+
+
+def _format(index: int, translations, nbest: int, scores: bool) -> str:
+    """The output line(s) of one input line; translations never contain a newline."""
+    if nbest > 1:
+        return "".join(
+            f"{index} ||| {t.text.replace(chr(10), ' ')} ||| {t.score:.4f} ||| {t.logprob:.4f}\n" for t in translations
+        )
+    best = translations[0]
+    text = best.text.replace("\n", " ")
+    return f"{best.logprob:.4f}\t{text}\n" if scores else text + "\n"
+
+
+class _LineProgress:
+    """Lines done and lines/s on a terminal's stderr; nothing when stderr is a file or pipe."""
+
+    def __init__(self) -> None:
+        self.progress = None
+        if stderr.is_terminal:
+            from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+            self.progress = Progress(
+                SpinnerColumn(),
+                TextColumn("{task.completed:,} lines  {task.fields[rate]}"),
+                TimeElapsedColumn(),
+                console=stderr,
+                transient=True,
+            )
+            self.task = self.progress.add_task("translate", total=None, rate="")
+            self.start = time.perf_counter()
+
+    def __enter__(self) -> _LineProgress:
+        if self.progress is not None:
+            self.progress.start()
+        return self
+
+    def advance(self) -> None:
+        if self.progress is not None:
+            done = self.progress.tasks[0].completed + 1
+            rate = f"{done / max(time.perf_counter() - self.start, 1e-9):,.1f} lines/s"
+            self.progress.update(self.task, completed=done, rate=rate)
+
+    def __exit__(self, *exc) -> None:
+        if self.progress is not None:
+            self.progress.stop()
 
 
 @app.command()
 @user_errors
 def translate(
     model: Annotated[Path, typer.Argument(help="Run directory (uses best/), checkpoint directory or .safetensors.")],
-    input: Annotated[Path | None, typer.Option("--input", "-i", help="Input text (default: stdin).")] = None,
+    input: Annotated[Path | None, typer.Option("--input", "-i", help="Input text or .gz (default: stdin).")] = None,
     output: Annotated[
         Path | None, typer.Option("--output", "-o", help="Output file, written atomically (default: stdout).")
     ] = None,
     beam: Annotated[int, typer.Option(help="Beam size; 1 is greedy.")] = 5,
-    batch_size: Annotated[int, typer.Option(help="Sentences per batch.")] = 128,
     lenpen: Annotated[float, typer.Option(help="GNMT length penalty alpha.")] = 1.0,
     max_len_a: Annotated[float, typer.Option(help="Output length cap: a * source length + b.")] = 1.5,
     max_len_b: Annotated[int, typer.Option(help="Output length cap: a * source length + b.")] = 10,
+    min_len: Annotated[int, typer.Option(help="No end of sentence before this many output tokens.")] = 0,
+    nbest: Annotated[
+        int,
+        typer.Option(
+            help="Print the N best per input line as 'LINE ||| TRANSLATION ||| SCORE ||| LOGPROB' "
+            "(LINE from 0; SCORE length-normalised; an empty input line gives one empty entry)."
+        ),
+    ] = 1,
+    scores: Annotated[
+        bool, typer.Option("--scores", help="Print 'LOGPROB<tab>TRANSLATION': the output's log-probability.")
+    ] = False,
+    batch_size: Annotated[int, typer.Option(help="At most this many sentences per batch.")] = 128,
+    batch_tokens: Annotated[int, typer.Option(help="At most this many padded source tokens per batch.")] = 8192,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     precision: Annotated[str, typer.Option(help="fp32, bf16 or fp16 (fp16 on GPU only).")] = "fp32",
 ) -> None:
-    """Translate one sentence per line; exactly one output line for every input line, in order."""
-    from mtkit.checkpoint import atomic_write_text, load_for_inference
+    """Translate one sentence per line, streaming: one output line for every input line, in order.
+
+    Input is read and translated in chunks of 10,000 lines, so memory stays bounded and output
+    appears as each chunk is done. Lines longer than the model's positions are truncated (with a
+    warning), never split.
+    """
+    from mtkit.checkpoint import atomic_write, load_for_inference
     from mtkit.config import ConfigError, DecodeConfig
     from mtkit.runtime import autocast, compute_dtype, pick_device
-    from mtkit.translate import translate_lines
+    from mtkit.translate import CHUNK_LINES, Translator
 
     _setup_logging()
     if precision not in ("fp32", "bf16", "fp16"):
         raise ConfigError(f"--precision must be fp32, bf16 or fp16, got {precision!r}")
-    decode = DecodeConfig(beam=beam, lenpen=lenpen, max_len_a=max_len_a, max_len_b=max_len_b, batch_size=batch_size)
+    if not 1 <= nbest <= beam:
+        raise ConfigError(f"--nbest must be between 1 and --beam ({beam}), got {nbest}")
+    decode = DecodeConfig(
+        beam=beam,
+        lenpen=lenpen,
+        max_len_a=max_len_a,
+        max_len_b=max_len_b,
+        min_len=min_len,
+        batch_size=batch_size,
+        batch_tokens=batch_tokens,
+    )
     dev = pick_device(device)
     dtype = compute_dtype(precision, dev)
     bundle = load_for_inference(model, dev)
-    lines = _read_input(input)
-    with autocast(dev, dtype):
-        hyps = translate_lines(bundle.model, bundle.src_tok, bundle.tgt_tok, lines, decode, dev)
-    text = "".join(h.replace("\n", " ") + "\n" for h in hyps)
+    translator = Translator(bundle.model, bundle.src_tok, bundle.tgt_tok, decode, dev, nbest)
+
+    def write_all(out) -> None:
+        with autocast(dev, dtype), _LineProgress() as progress:
+            for index, translations in enumerate(translator.stream(_input_chunks(input, CHUNK_LINES))):
+                out.write(_format(index, translations, nbest, scores).encode("utf-8"))
+                if output is None:
+                    out.flush()  # a pipeline downstream sees each line as soon as it is done
+                progress.advance()
+
     if output is not None:
-        atomic_write_text(output, text)
+        atomic_write(output, write_all)
     else:
-        sys.stdout.write(text)
-        sys.stdout.flush()
+        write_all(sys.stdout.buffer)
 
 
 # -- eval -----------------------------------------------------------------------------------

@@ -163,10 +163,14 @@ class DecodeConfig:
     lenpen: float = 1.0  # GNMT length penalty alpha: score / ((5 + len) / 6) ** alpha
     max_len_a: float = 1.5  # hypotheses stop at max_len_a * source_length + max_len_b tokens
     max_len_b: int = 10
-    batch_size: int = 128  # sentences per decoding batch
+    min_len: int = 0  # no eos before this many output tokens (unless max_len forces one)
+    batch_size: int = 128  # at most this many sentences per decoding batch...
+    batch_tokens: int = 8192  # ...and at most this many padded source tokens (x beam rows in the search)
 
     def __post_init__(self) -> None:
         _check(self.beam >= 1, "decode.beam must be >= 1")
+        _check(self.min_len >= 0, "decode.min_len must be >= 0")
+        _check(self.batch_tokens >= 1, "decode.batch_tokens must be >= 1")
         _check(self.lenpen >= 0, "decode.lenpen must be >= 0")
         _check(self.max_len_a >= 0 and self.max_len_b >= 1, "decode.max_len_a must be >= 0 and max_len_b >= 1")
         _check(self.batch_size >= 1, "decode.batch_size must be >= 1")

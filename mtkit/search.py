@@ -48,7 +48,12 @@ def _step_log_probs(model: Transformer, tokens: Tensor, memory: Tensor, mask: Te
 
 @torch.inference_mode()
 def greedy_search(
-    model: Transformer, src: Tensor, src_pad_mask: Tensor, max_len_a: float = 1.5, max_len_b: int = 10
+    model: Transformer,
+    src: Tensor,
+    src_pad_mask: Tensor,
+    max_len_a: float = 1.5,
+    max_len_b: int = 10,
+    min_len: int = 0,
 ) -> list[list[int]]:
     """Most probable next token at every step; returns ids without bos/eos."""
     limit = model.decoder.embed.max_positions
@@ -58,7 +63,10 @@ def greedy_search(
     tokens = torch.full((src.size(0), 1), BOS_ID, dtype=torch.long, device=src.device)
     ended = torch.zeros(src.size(0), dtype=torch.bool, device=src.device)
     for step in range(int(max_lens.max())):
-        next_tok = _step_log_probs(model, tokens, memory, src_pad_mask, cache).argmax(dim=-1)
+        lprobs = _step_log_probs(model, tokens, memory, src_pad_mask, cache)
+        if step < min_len:
+            lprobs[:, EOS_ID] = float("-inf")
+        next_tok = lprobs.argmax(dim=-1)
         next_tok[step + 1 >= max_lens] = EOS_ID
         next_tok[ended] = PAD_ID
         tokens = torch.cat([tokens, next_tok[:, None]], dim=1)
@@ -78,8 +86,12 @@ def beam_search(
     max_len_a: float = 1.5,
     max_len_b: int = 10,
     nbest: int = 1,
+    min_len: int = 0,
 ) -> list[list[Hypothesis]]:
-    """The ``nbest`` best finished hypotheses per sentence, best first."""
+    """The ``nbest`` best finished hypotheses per sentence, best first.
+
+    ``min_len`` forbids eos before that many tokens, except where the length cap forces an end.
+    """
     k = beam
     n_sent = src.size(0)
     device = src.device
@@ -101,11 +113,13 @@ def beam_search(
         lprobs = _step_log_probs(model, tokens, memory, mask, cache)  # (n*k, V)
         vocab = lprobs.size(1)
         must_end = step + 1 >= max_lens[active]  # (n,)
-        if must_end.any():
+        eos = lprobs[:, EOS_ID].clone()
+        if step < min_len:
+            lprobs[:, EOS_ID] = float("-inf")
+        if must_end.any():  # the length cap outranks min_len: these rows can only end
             rows = must_end.repeat_interleave(k)
-            eos = lprobs[rows, EOS_ID].clone()
             lprobs[rows] = float("-inf")
-            lprobs[rows, EOS_ID] = eos
+            lprobs[rows, EOS_ID] = eos[rows]
 
         cand = (scores[:, :, None] + lprobs.view(n, k, vocab)).view(n, k * vocab)
         cand_scores, cand_idx = cand.topk(2 * k, dim=1)  # (n, 2k), best first

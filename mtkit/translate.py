@@ -1,12 +1,21 @@
 """Lines in, lines out: tokenize, batch by length, search, detokenize, restore input order.
 
-Exactly one output line per input line: empty and whitespace-only lines give empty lines without
-touching the model, and over-long lines are truncated to the model's positions (with a warning).
+Input is taken in chunks (up to ``CHUNK_LINES`` at a time), so memory stays bounded on inputs of
+any length while each chunk is still sorted by length into batches that waste little padding.
+Results come back in input order as each chunk finishes, which makes ``translate`` usable in a
+pipeline.
+
+Exactly one result per input line: empty and whitespace-only lines give an empty translation
+without touching the model, and lines longer than the model's positions are truncated to fit
+(with a warning naming the line), never split, so line alignment holds.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from itertools import islice
 
 import torch
 
@@ -18,6 +27,98 @@ from mtkit.tokenizer import Tokenizer
 
 log = logging.getLogger("mtkit")
 
+CHUNK_LINES = 10_000
+
+
+@dataclass(frozen=True)
+class Translation:
+    """One hypothesis for one input line."""
+
+    text: str
+    score: float  # length-normalised log-probability, what the beam ranks by
+    logprob: float  # log-probability of the whole output, eos included
+
+
+EMPTY = Translation("", 0.0, 0.0)
+
+
+def length_batches(lengths: list[int], batch_size: int, batch_tokens: int) -> list[list[int]]:
+    """Indices sorted by length (longest first), cut into batches of at most ``batch_size`` sentences
+    and ``batch_tokens`` padded source tokens (a longer sentence still forms a batch of one)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    for i in order:
+        current = batches[-1] if batches else None
+        # The first sentence of a batch is its longest, so the padded size is count x that length.
+        if current and len(current) < batch_size and (len(current) + 1) * lengths[current[0]] <= batch_tokens:
+            current.append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+class Translator:
+    """A model, its tokenizers and decoding settings: translates lines, streaming or all at once."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        src_tok: Tokenizer,
+        tgt_tok: Tokenizer,
+        decode: DecodeConfig,
+        device: torch.device,
+        nbest: int = 1,
+    ) -> None:
+        if nbest > decode.beam:
+            raise ValueError(f"nbest {nbest} needs a beam of at least {nbest} (beam is {decode.beam})")
+        self.model, self.src_tok, self.tgt_tok = model, src_tok, tgt_tok
+        self.decode, self.device, self.nbest = decode, device, nbest
+
+    def stream(self, chunks: Iterable[list[str]]) -> Iterator[list[Translation]]:
+        """The ``nbest`` translations of each line, best first, in input order, chunk by chunk.
+
+        Each chunk is sorted into batches by length; all its results come out before the next
+        chunk is read, so the caller decides how much input is held at once.
+        """
+        first_line = 1
+        for chunk in chunks:
+            yield from self._translate_chunk(chunk, first_line)
+            first_line += len(chunk)
+
+    def _translate_chunk(self, lines: list[str], first_line: int) -> list[list[Translation]]:
+        results: list[list[Translation]] = [[EMPTY] for _ in lines]
+        todo = [i for i, line in enumerate(lines) if line.strip()]
+        ids = dict(zip(todo, self.src_tok.encode([lines[i] for i in todo])))
+        limit = self.model.encoder.embed.max_positions - 1  # room for the source eos
+        for i in todo:
+            if len(ids[i]) > limit:
+                log.warning(
+                    "line %d: %d source tokens truncated to %d (model.max_positions)",
+                    first_line + i,
+                    len(ids[i]),
+                    limit,
+                )
+                ids[i] = ids[i][:limit]
+        d = self.decode
+        for batch in length_batches([len(ids[i]) + 1 for i in todo], d.batch_size, d.batch_tokens):
+            chunk = [todo[b] for b in batch]
+            src, src_pad_mask = source_tensor([ids[i] for i in chunk])
+            hyps = beam_search(
+                self.model,
+                src.to(self.device),
+                src_pad_mask.to(self.device),
+                beam=d.beam,
+                lenpen=d.lenpen,
+                max_len_a=d.max_len_a,
+                max_len_b=d.max_len_b,
+                nbest=self.nbest,
+                min_len=d.min_len,
+            )
+            for i, sentence in zip(chunk, hyps):
+                texts = self.tgt_tok.decode([h.tokens for h in sentence])
+                results[i] = [Translation(t, h.score, h.logprob) for t, h in zip(texts, sentence)]
+        return results
+
 
 def translate_lines(
     model: Transformer,
@@ -27,28 +128,13 @@ def translate_lines(
     decode: DecodeConfig,
     device: torch.device,
 ) -> list[str]:
-    """Translations of ``lines`` in the same order; one string per line."""
-    outputs = [""] * len(lines)
-    todo = [i for i, line in enumerate(lines) if line.strip()]
-    ids = dict(zip(todo, src_tok.encode([lines[i] for i in todo])))
-    limit = model.encoder.embed.max_positions - 1  # room for the source eos
-    for i in todo:
-        if len(ids[i]) > limit:
-            log.warning("line %d: %d source tokens truncated to %d (model.max_positions)", i + 1, len(ids[i]), limit)
-            ids[i] = ids[i][:limit]
-    todo.sort(key=lambda i: len(ids[i]), reverse=True)  # similar lengths share a batch
-    for start in range(0, len(todo), decode.batch_size):
-        chunk = todo[start : start + decode.batch_size]
-        src, src_pad_mask = source_tensor([ids[i] for i in chunk])
-        hyps = beam_search(
-            model,
-            src.to(device),
-            src_pad_mask.to(device),
-            beam=decode.beam,
-            lenpen=decode.lenpen,
-            max_len_a=decode.max_len_a,
-            max_len_b=decode.max_len_b,
-        )
-        for i, text in zip(chunk, tgt_tok.decode([h[0].tokens for h in hyps])):
-            outputs[i] = text
-    return outputs
+    """The best translation of each of ``lines``, in the same order."""
+    translator = Translator(model, src_tok, tgt_tok, decode, device)
+    return [best[0].text for best in translator.stream([lines])]
+
+
+def chunked(lines: Iterable[str], size: int = CHUNK_LINES) -> Iterator[list[str]]:
+    """Consecutive lists of up to ``size`` lines."""
+    it = iter(lines)
+    while chunk := list(islice(it, size)):
+        yield chunk

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
+import pytest
 import torch
+import torch.nn.functional as F
 from conftest import tiny_model
 
 from mtkit.data import source_tensor
 from mtkit.model import DecoderCache
 from mtkit.search import beam_search, greedy_search, length_penalty
-from mtkit.tokenizer import EOS_ID
+from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 A, B, C = 4, 5, 6
 VOCAB = 7
@@ -109,3 +112,159 @@ def test_batched_search_equals_one_sentence_at_a_time():
         assert [h.tokens for h in hyps] == [h.tokens for h in alone]
         for h, a in zip(hyps, alone):
             assert math.isclose(h.score, a.score, rel_tol=1e-4, abs_tol=1e-5)
+
+
+# --- exhaustive search on a 7-id vocabulary -------------------------------------------------------
+
+CAP = 4  # max_len_a=0, max_len_b=CAP: at most CAP - 1 tokens, then the forced eos
+WORDS = [t for t in range(VOCAB) if t not in (PAD_ID, BOS_ID, EOS_ID)]  # unk, A, B, C
+
+
+@torch.no_grad()
+def exhaustive(model, source: list[int]) -> dict[tuple[int, ...], float]:
+    """log p(tokens + eos | source) for every hypothesis under the cap, from full-prefix decodes (no cache)."""
+    src, mask = source_tensor([source])
+    memory = model.encode(src, mask)
+    logprobs = {}
+    for length in range(CAP):
+        hyps = list(itertools.product(WORDS, repeat=length))
+        tgt_in = torch.tensor([[BOS_ID, *h] for h in hyps], dtype=torch.long).view(len(hyps), length + 1)
+        n = len(hyps)
+        logits = model.decode(tgt_in, memory.expand(n, -1, -1), mask.expand(n, -1))
+        lprobs = F.log_softmax(logits.float(), dim=-1)
+        target = torch.tensor([[*h, EOS_ID] for h in hyps], dtype=torch.long).view(n, length + 1)
+        per_token = lprobs.gather(2, target[:, :, None]).squeeze(2).double().sum(dim=1)
+        logprobs.update(zip(hyps, per_token.tolist()))
+    return logprobs
+
+
+def close(a: float, b: float) -> bool:
+    """Equal up to float32 rounding: cached vs full-prefix decoding, summed step by step vs at once."""
+    return math.isclose(a, b, rel_tol=2e-6, abs_tol=1e-5)
+
+
+def normalised(logprob: float, tokens, lenpen: float) -> float:
+    return logprob / length_penalty(len(tokens) + 1, lenpen)
+
+
+EXHAUSTIVE_SOURCES = [[4, 5], [6, 6, 4, 5, 1], [5]]
+EXHAUSTIVE_SEEDS = [0, 2, 3]
+
+
+def sharp_tiny_model(seed: int):
+    """A 7-id tiny model with sharpened logits (x4), so that hypotheses of every length compete for the top:
+    at the plain init the empty hypothesis nearly always wins."""
+    model = tiny_model(VOCAB, seed=seed)
+    with torch.no_grad():
+        model.output.weight.mul_(4.0)
+    return model
+
+
+def test_exhaustive_cases_are_not_trivial():
+    # Guards the choice of seeds and sources below: optima of several lengths, and narrow beams that miss them.
+    optimum_lengths, misses = set(), 0
+    for seed in EXHAUSTIVE_SEEDS:
+        model = sharp_tiny_model(seed)
+        for source in EXHAUSTIVE_SOURCES:
+            logprobs = exhaustive(model, source)
+            for lenpen in (0.0, 1.0):
+                best = max(logprobs, key=lambda t: normalised(logprobs[t], t, lenpen))
+                optimum_lengths.add(len(best))
+                found = beam_search(model, *source_tensor([source]), beam=2, lenpen=lenpen, max_len_a=0, max_len_b=CAP)
+                misses += tuple(found[0][0].tokens) != best
+    assert {0, CAP - 1} <= optimum_lengths and len(optimum_lengths) >= 3
+    assert misses > 0
+
+
+@pytest.mark.parametrize("lenpen", [0.0, 1.0])
+@pytest.mark.parametrize("seed", EXHAUSTIVE_SEEDS)
+def test_beam_search_against_exhaustive_enumeration(seed, lenpen):
+    model = sharp_tiny_model(seed)
+    src, mask = source_tensor(EXHAUSTIVE_SOURCES)
+    space = [exhaustive(model, source) for source in EXHAUSTIVE_SOURCES]
+    n_prefixes = sum(len(WORDS) ** m for m in range(CAP))  # one live prefix per hypothesis: 1 + 4 + 16 + 64
+    assert all(len(s) == n_prefixes for s in space)
+    kwargs = dict(lenpen=lenpen, max_len_a=0.0, max_len_b=CAP)
+
+    # Narrow beams: what beam search returns is real, scored exactly, sorted, and never beats the optimum.
+    for beam in (1, 2, 3):
+        results = beam_search(model, src, mask, beam=beam, nbest=beam, **kwargs)
+        for hyps, logprobs in zip(results, space):
+            assert 1 <= len(hyps) <= beam
+            assert len({tuple(h.tokens) for h in hyps}) == len(hyps)
+            scores = [h.score for h in hyps]
+            assert scores == sorted(scores, reverse=True)
+            assert hyps[0].score == max(scores)  # the best of its own finished set
+            for h in hyps:
+                assert tuple(h.tokens) in logprobs  # under the cap, no pad/bos/eos inside
+                assert close(h.logprob, logprobs[tuple(h.tokens)])
+                assert math.isclose(h.score, normalised(h.logprob, h.tokens, lenpen), rel_tol=1e-6, abs_tol=1e-6)
+            best = max(normalised(lp, t, lenpen) for t, lp in logprobs.items())
+            assert hyps[0].score <= best + 1e-5
+
+    # A beam as wide as the space of prefixes keeps every prefix alive: beam search becomes exhaustive.
+    results = beam_search(model, src, mask, beam=n_prefixes, nbest=n_prefixes, **kwargs)
+    for hyps, logprobs in zip(results, space):
+        ranked = sorted(logprobs, key=lambda t: -normalised(logprobs[t], t, lenpen))
+        top, runner_up = (normalised(logprobs[t], t, lenpen) for t in ranked[:2])
+        assert top - runner_up > 1e-4  # no near tie, so the argmax is well defined
+        assert len(hyps) == n_prefixes  # every hypothesis finished
+        assert tuple(hyps[0].tokens) == ranked[0]
+        assert close(hyps[0].score, top)
+        assert close(hyps[0].logprob, logprobs[ranked[0]])
+        for h in hyps:
+            assert close(h.logprob, logprobs[tuple(h.tokens)])
+
+
+# --- min_len --------------------------------------------------------------------------------------
+
+
+def eager_to_stop(step, last):
+    return {EOS_ID: 0.9, A: 0.06, B: 0.04}
+
+
+@pytest.mark.parametrize("min_len", [1, 3])
+def test_min_len_delays_eos(min_len):
+    model = ScriptedModel(eager_to_stop)
+    src, mask = one_source()
+    assert beam_search(model, src, mask, beam=2, lenpen=0.0)[0][0].tokens == []  # without it: stop at once
+    assert greedy_search(model, src, mask) == [[]]
+    hyps = beam_search(model, src, mask, beam=3, lenpen=0.0, nbest=3, min_len=min_len)[0]
+    assert len(hyps) == 3
+    assert all(len(h.tokens) >= min_len for h in hyps)
+    assert hyps[0].tokens == [A] * min_len  # eos as soon as it is allowed
+    assert math.isclose(hyps[0].logprob, min_len * math.log(0.06) + math.log(0.9), rel_tol=1e-4)
+    assert greedy_search(model, src, mask, min_len=min_len) == [[A] * min_len]
+
+
+@pytest.mark.parametrize("cap", [1, 2])
+def test_length_cap_outranks_min_len(cap):
+    model = ScriptedModel(eager_to_stop)
+    src, mask = one_source()
+    kwargs = dict(max_len_a=0.0, max_len_b=cap, min_len=5)
+    hyps = beam_search(model, src, mask, beam=2, lenpen=1.0, nbest=2, **kwargs)[0]
+    assert hyps, "the cap must still end a hypothesis"
+    assert all(len(h.tokens) == cap - 1 for h in hyps)  # cap - 1 tokens, then the forced eos
+    expected = [[A], [B]][: len(hyps)] if cap == 2 else [[]]
+    assert [h.tokens for h in hyps] == expected
+    assert math.isclose(hyps[0].logprob, (cap - 1) * math.log(0.06) + math.log(0.9), rel_tol=1e-4)
+    assert greedy_search(model, src, mask, **kwargs) == [[A] * (cap - 1)]
+
+
+# --- n-best ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lenpen", [0.0, 0.6, 1.0])
+def test_nbest_is_the_whole_beam_sorted_distinct_and_scored(lenpen):
+    model = tiny_model(30, seed=5)
+    src, mask = source_tensor(random_sources(6, 30, seed=2))
+    beam = 4
+    for hyps in beam_search(model, src, mask, beam=beam, lenpen=lenpen, nbest=beam):
+        assert len(hyps) == beam
+        scores = [h.score for h in hyps]
+        assert scores == sorted(scores, reverse=True)
+        assert len({tuple(h.tokens) for h in hyps}) == beam
+        for h in hyps:
+            assert EOS_ID not in h.tokens and PAD_ID not in h.tokens and BOS_ID not in h.tokens
+            assert math.isfinite(h.logprob) and h.logprob < 0
+            assert h.score == pytest.approx(h.logprob / length_penalty(len(h.tokens) + 1, lenpen), rel=1e-6)

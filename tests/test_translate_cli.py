@@ -1,0 +1,87 @@
+"""`mtkit translate` output modes and streaming, on the tiny model `test_cli` trains."""
+
+from __future__ import annotations
+
+import select
+import subprocess
+import sys
+
+import pytest
+from test_cli import invoke, trained_run  # noqa: F401  (trained_run is a fixture)
+
+import mtkit.translate
+
+
+@pytest.fixture(scope="module")
+def lines(multi30k_slice) -> list[str]:
+    chosen = multi30k_slice["val.en"].read_text().splitlines()[:6]
+    chosen.insert(2, "")
+    return chosen
+
+
+def stdin_of(lines: list[str]) -> str:
+    return "".join(line + "\n" for line in lines)
+
+
+def test_nbest_lists_are_sorted_distinct_and_headed_by_the_best(trained_run, lines):  # noqa: F811
+    best = invoke("translate", trained_run, "--beam", 4, input=stdin_of(lines)).stdout.splitlines()
+    result = invoke("translate", trained_run, "--beam", 4, "--nbest", 3, input=stdin_of(lines))
+    assert result.exit_code == 0, result.output
+    entries: dict[int, list[tuple[str, float, float]]] = {}
+    for row in result.stdout.splitlines():
+        index, text, score, logprob = row.split(" ||| ")
+        entries.setdefault(int(index), []).append((text, float(score), float(logprob)))
+    assert sorted(entries) == list(range(len(lines)))
+    assert entries[2] == [("", 0.0, 0.0)]  # the empty input line
+    for index, hyps in entries.items():
+        assert hyps[0][0] == best[index]
+        if index != 2:  # (distinct token sequences may still detokenize alike: search tests check those)
+            assert len(hyps) == 3
+            assert [h[1] for h in hyps] == sorted((h[1] for h in hyps), reverse=True)
+            assert all(h[2] < 0 for h in hyps)
+
+
+def test_scores_put_the_log_probability_before_each_translation(trained_run, lines):  # noqa: F811
+    best = invoke("translate", trained_run, "--beam", 3, input=stdin_of(lines)).stdout.splitlines()
+    result = invoke("translate", trained_run, "--beam", 3, "--scores", input=stdin_of(lines))
+    assert result.exit_code == 0, result.output
+    rows = [row.split("\t") for row in result.stdout.splitlines()]
+    assert [text for _, text in rows] == best
+    assert [float(logprob) < 0 for logprob, _ in rows] == [bool(line) for line in lines]  # empty input: 0
+
+
+def test_nbest_larger_than_the_beam_is_a_one_line_error(trained_run):  # noqa: F811
+    result = invoke("translate", trained_run, "--beam", 2, "--nbest", 3, input="A dog.\n")
+    assert result.exit_code == 1
+    assert result.stderr.strip() == "error: --nbest must be between 1 and --beam (2), got 3"
+
+
+def test_small_chunks_give_the_same_output_as_one_chunk(trained_run, lines, monkeypatch):  # noqa: F811
+    def nbest_rows() -> list[tuple[str, str, float, float]]:
+        out = invoke("translate", trained_run, "--beam", 3, "--nbest", 2, input=stdin_of(lines)).stdout
+        rows = (row.split(" ||| ") for row in out.splitlines())
+        return [(i, text, float(score), float(logprob)) for i, text, score, logprob in rows]
+
+    whole = nbest_rows()
+    monkeypatch.setattr(mtkit.translate, "CHUNK_LINES", 2)
+    chunked = nbest_rows()
+    assert [row[:2] for row in chunked] == [row[:2] for row in whole]
+    # Other batch-mates mean other padding, which moves scores only by float rounding.
+    assert [v for row in chunked for v in row[2:]] == pytest.approx([v for row in whole for v in row[2:]], abs=1e-3)
+
+
+def test_a_pipeline_gets_each_translation_before_the_input_ends(trained_run, lines):  # noqa: F811
+    command = [sys.executable, "-m", "mtkit", "translate", str(trained_run), "--beam", "2", "--scores"]
+    proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        for line in (lines[0], "", lines[1]):
+            proc.stdin.write((line + "\n").encode())
+            proc.stdin.flush()
+            ready, _, _ = select.select([proc.stdout], [], [], 120)
+            assert ready, "no translation came back while the input stayed open"
+            answer = proc.stdout.readline()
+            assert answer.endswith(b"\n") and answer.startswith(b"0.0000\t") == (line == "")
+        proc.stdin.close()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
