@@ -466,6 +466,17 @@ def translate(
     scores: Annotated[
         bool, typer.Option("--scores", help="Print 'LOGPROB<tab>TRANSLATION': the output's log-probability.")
     ] = False,
+    prefix: Annotated[
+        Path | None,
+        typer.Option(help="Target prefixes, one per input line ('' for none): each translation starts with its own."),
+    ] = None,
+    sample: Annotated[
+        bool, typer.Option("--sample", help="Draw each token at random instead of searching (back-translation).")
+    ] = False,
+    temperature: Annotated[float, typer.Option(help="With --sample: < 1 sharpens, > 1 flattens.")] = 1.0,
+    top_k: Annotated[int, typer.Option(help="With --sample: only the k most probable tokens; 0 for all.")] = 0,
+    top_p: Annotated[float, typer.Option(help="With --sample: the smallest set holding this probability.")] = 1.0,
+    seed: Annotated[int, typer.Option(help="With --sample: random seed.")] = 1,
     batch_size: Annotated[int, typer.Option(help="At most this many sentences per batch.")] = 128,
     batch_tokens: Annotated[int, typer.Option(help="At most this many padded source tokens per batch.")] = 8192,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
@@ -479,14 +490,23 @@ def translate(
     """
     from mtkit.checkpoint import atomic_write, load_for_inference
     from mtkit.config import ConfigError, DecodeConfig
+    from mtkit.data import DataError
     from mtkit.runtime import autocast, compute_dtype, pick_device
-    from mtkit.translate import CHUNK_LINES, Translator
+    from mtkit.search import Sampling
+    from mtkit.translate import CHUNK_LINES, PrefixMismatch, Translator
 
     _setup_logging()
     if precision not in ("fp32", "bf16", "fp16"):
         raise ConfigError(f"--precision must be fp32, bf16 or fp16, got {precision!r}")
     if not 1 <= nbest <= beam:
         raise ConfigError(f"--nbest must be between 1 and --beam ({beam}), got {nbest}")
+    sampling = None
+    if sample:
+        if nbest > 1:
+            raise ConfigError("--sample draws one translation per line; it cannot be combined with --nbest")
+        if temperature <= 0 or top_k < 0 or not 0 < top_p <= 1:
+            raise ConfigError("--temperature must be > 0, --top-k >= 0 and --top-p in (0, 1]")
+        sampling = Sampling(temperature, top_k, top_p)
     decode = DecodeConfig(
         beam=beam,
         lenpen=lenpen,
@@ -499,20 +519,25 @@ def translate(
     dev = pick_device(device)
     dtype = compute_dtype(precision, dev)
     bundle = load_for_inference(model, dev)
-    translator = Translator(bundle.model, bundle.src_tok, bundle.tgt_tok, decode, dev, nbest)
+    translator = Translator(bundle.model, bundle.src_tok, bundle.tgt_tok, decode, dev, nbest, sampling, seed)
+    chunks = _input_chunks(input, CHUNK_LINES)
+    prefixes = (line for chunk in _input_chunks(prefix, CHUNK_LINES) for line in chunk) if prefix else None
 
     def write_all(out) -> None:
         with autocast(dev, dtype), _LineProgress() as progress:
-            for index, translations in enumerate(translator.stream(_input_chunks(input, CHUNK_LINES))):
+            for index, translations in enumerate(translator.stream(chunks, prefixes)):
                 out.write(_format(index, translations, nbest, scores).encode("utf-8"))
                 if output is None:
                     out.flush()  # a pipeline downstream sees each line as soon as it is done
                 progress.advance()
 
-    if output is not None:
-        atomic_write(output, write_all)
-    else:
-        write_all(sys.stdout.buffer)
+    try:
+        if output is not None:
+            atomic_write(output, write_all)
+        else:
+            write_all(sys.stdout.buffer)
+    except PrefixMismatch as err:
+        raise DataError(f"{prefix}: {err}") from None
 
 
 # -- eval -----------------------------------------------------------------------------------

@@ -43,13 +43,10 @@ class DecoderCache:
                     setattr(layer, name, value.index_select(0, index))
 
 
-def _explicit_attention(
-    q: Tensor, k: Tensor, v: Tensor, attn_allowed: Tensor | None, causal: bool, dropout: float
-) -> Tensor:
-    """softmax(q k^T / sqrt(Dh)) v written out, softmax in fp32.
+def attention_weights(q: Tensor, k: Tensor, attn_allowed: Tensor | None, causal: bool) -> Tensor:
+    """softmax(q k^T / sqrt(Dh)) in fp32, (B, H, Tq, Tk), masked as SDPA masks it (causal: top-left aligned).
 
-    Used for bf16/fp16 on CPU, where PyTorch's fused SDPA kernel is about 10x slower than this on
-    the short sequences of sentence-level MT (measured: 61 ms vs 5.6 ms forward+backward, B 375, T 16).
+    Shared by the explicit attention below and by mtkit.attention, which records these weights.
     """
     scores = (q @ k.transpose(-2, -1)).float() * q.size(-1) ** -0.5  # (B, H, Tq, Tk)
     if causal:
@@ -58,8 +55,19 @@ def _explicit_attention(
         scores = scores.masked_fill(future, float("-inf"))
     if attn_allowed is not None:
         scores = scores.masked_fill(~attn_allowed, float("-inf"))
-    weights = F.dropout(torch.softmax(scores, dim=-1), dropout, training=dropout > 0).to(v.dtype)
-    return weights @ v
+    return torch.softmax(scores, dim=-1)
+
+
+def _explicit_attention(
+    q: Tensor, k: Tensor, v: Tensor, attn_allowed: Tensor | None, causal: bool, dropout: float
+) -> Tensor:
+    """softmax(q k^T / sqrt(Dh)) v written out, softmax in fp32.
+
+    Used for bf16/fp16 on CPU, where PyTorch's fused SDPA kernel is about 10x slower than this on
+    the short sequences of sentence-level MT (measured: 61 ms vs 5.6 ms forward+backward, B 375, T 16).
+    """
+    weights = attention_weights(q, k, attn_allowed, causal)
+    return F.dropout(weights, dropout, training=dropout > 0).to(v.dtype) @ v
 
 
 class MultiHeadAttention(nn.Module):

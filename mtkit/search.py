@@ -46,7 +46,92 @@ def _step_log_probs(model: Transformer, tokens: Tensor, memory: Tensor, mask: Te
     return lprobs
 
 
+def prefix_tensor(prefixes: list[list[int]] | None, n: int, device: torch.device) -> Tensor:
+    """(n, longest prefix) ids that the first outputs must be, padded with -1 (free choice)."""
+    width = max((len(p) for p in prefixes or []), default=0)
+    out = torch.full((n, width), -1, dtype=torch.long)
+    for i, prefix in enumerate(prefixes or []):
+        out[i, : len(prefix)] = torch.tensor(prefix, dtype=torch.long)
+    return out.to(device)
+
+
+def _force(lprobs: Tensor, forced: Tensor) -> None:
+    """Rows whose ``forced`` id is >= 0 may only continue with that token (forced target prefixes)."""
+    rows = (forced >= 0).nonzero().squeeze(1)
+    if rows.numel():
+        token = forced[rows]
+        kept = lprobs[rows, token]
+        lprobs[rows] = float("-inf")
+        lprobs[rows, token] = kept
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Random choice of each next token, for back-translation and diverse outputs."""
+
+    temperature: float = 1.0  # < 1 sharpens the distribution, > 1 flattens it
+    top_k: int = 0  # sample among the k most probable tokens; 0: all
+    top_p: float = 1.0  # nucleus: the smallest set of tokens holding this much probability
+
+    def choose(self, lprobs: Tensor, generator: torch.Generator | None) -> Tensor:
+        logits = lprobs / self.temperature
+        if self.top_k:
+            kth = logits.topk(min(self.top_k, logits.size(1)), dim=1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if self.top_p < 1.0:
+            ordered, order = logits.sort(dim=1, descending=True)
+            probs = ordered.softmax(dim=1)
+            outside = probs.cumsum(dim=1) - probs >= self.top_p  # the mass before them already reaches p
+            logits = logits.scatter(1, order, ordered.masked_fill(outside, float("-inf")))
+        return torch.multinomial(logits.softmax(dim=1), 1, generator=generator).squeeze(1)
+
+
 @torch.inference_mode()
+def sample_search(
+    model: Transformer,
+    src: Tensor,
+    src_pad_mask: Tensor,
+    sampling: Sampling | None = None,
+    max_len_a: float = 1.5,
+    max_len_b: int = 10,
+    min_len: int = 0,
+    prefixes: list[list[int]] | None = None,
+    generator: torch.Generator | None = None,
+) -> list[Hypothesis]:
+    """One output per sentence, token by token: the most probable (``sampling`` None, greedy) or drawn.
+
+    Each Hypothesis carries the model's own log-probability of the output (not the sampling
+    distribution's), so sampled back-translations can be filtered by it.
+    """
+    n, device = src.size(0), src.device
+    max_lens = max_lengths(src_pad_mask, max_len_a, max_len_b, model.decoder.embed.max_positions)
+    forced = prefix_tensor(prefixes, n, device)
+    memory = model.encode(src, src_pad_mask)
+    cache = DecoderCache()
+    tokens = torch.full((n, 1), BOS_ID, dtype=torch.long, device=device)
+    logprob = torch.zeros(n, device=device)
+    ended = torch.zeros(n, dtype=torch.bool, device=device)
+    for step in range(int(max_lens.max())):
+        lprobs = _step_log_probs(model, tokens, memory, src_pad_mask, cache)
+        eos = lprobs[:, EOS_ID].clone()
+        if step < min_len:
+            lprobs[:, EOS_ID] = float("-inf")
+        if step < forced.size(1):
+            _force(lprobs, forced[:, step])
+        next_tok = lprobs.argmax(dim=1) if sampling is None else sampling.choose(lprobs, generator)
+        chosen = lprobs.gather(1, next_tok[:, None]).squeeze(1)
+        at_cap = step + 1 >= max_lens
+        next_tok[at_cap], chosen[at_cap] = EOS_ID, eos[at_cap]
+        next_tok[ended], chosen[ended] = PAD_ID, 0.0
+        logprob += chosen
+        tokens = torch.cat([tokens, next_tok[:, None]], dim=1)
+        ended |= next_tok == EOS_ID
+        if ended.all():
+            break
+    outputs = [[t for t in row[1:] if t not in (EOS_ID, PAD_ID)] for row in tokens.tolist()]
+    return [Hypothesis(out, lp / length_penalty(len(out) + 1, 1.0), lp) for out, lp in zip(outputs, logprob.tolist())]
+
+
 def greedy_search(
     model: Transformer,
     src: Tensor,
@@ -54,26 +139,11 @@ def greedy_search(
     max_len_a: float = 1.5,
     max_len_b: int = 10,
     min_len: int = 0,
+    prefixes: list[list[int]] | None = None,
 ) -> list[list[int]]:
     """Most probable next token at every step; returns ids without bos/eos."""
-    limit = model.decoder.embed.max_positions
-    max_lens = max_lengths(src_pad_mask, max_len_a, max_len_b, limit)
-    memory = model.encode(src, src_pad_mask)
-    cache = DecoderCache()
-    tokens = torch.full((src.size(0), 1), BOS_ID, dtype=torch.long, device=src.device)
-    ended = torch.zeros(src.size(0), dtype=torch.bool, device=src.device)
-    for step in range(int(max_lens.max())):
-        lprobs = _step_log_probs(model, tokens, memory, src_pad_mask, cache)
-        if step < min_len:
-            lprobs[:, EOS_ID] = float("-inf")
-        next_tok = lprobs.argmax(dim=-1)
-        next_tok[step + 1 >= max_lens] = EOS_ID
-        next_tok[ended] = PAD_ID
-        tokens = torch.cat([tokens, next_tok[:, None]], dim=1)
-        ended |= next_tok == EOS_ID
-        if ended.all():
-            break
-    return [[t for t in row[1:] if t not in (EOS_ID, PAD_ID)] for row in tokens.tolist()]
+    hyps = sample_search(model, src, src_pad_mask, None, max_len_a, max_len_b, min_len, prefixes)
+    return [h.tokens for h in hyps]
 
 
 @torch.inference_mode()
@@ -87,16 +157,19 @@ def beam_search(
     max_len_b: int = 10,
     nbest: int = 1,
     min_len: int = 0,
+    prefixes: list[list[int]] | None = None,
 ) -> list[list[Hypothesis]]:
     """The ``nbest`` best finished hypotheses per sentence, best first.
 
     ``min_len`` forbids eos before that many tokens, except where the length cap forces an end.
+    ``prefixes`` (one id list per sentence, possibly empty) fixes the first output tokens.
     """
     k = beam
     n_sent = src.size(0)
     device = src.device
     limit = model.decoder.embed.max_positions
     max_lens = max_lengths(src_pad_mask, max_len_a, max_len_b, limit)
+    forced = prefix_tensor(prefixes, n_sent, device)
 
     memory = model.encode(src, src_pad_mask).repeat_interleave(k, dim=0)  # (n*k, S, D)
     mask = src_pad_mask.repeat_interleave(k, dim=0)
@@ -116,7 +189,9 @@ def beam_search(
         eos = lprobs[:, EOS_ID].clone()
         if step < min_len:
             lprobs[:, EOS_ID] = float("-inf")
-        if must_end.any():  # the length cap outranks min_len: these rows can only end
+        if step < forced.size(1):
+            _force(lprobs, forced[active, step].repeat_interleave(k))
+        if must_end.any():  # the length cap outranks min_len and prefixes: these rows can only end
             rows = must_end.repeat_interleave(k)
             lprobs[rows] = float("-inf")
             lprobs[rows, EOS_ID] = eos[rows]

@@ -22,7 +22,7 @@ import torch
 from mtkit.config import DecodeConfig
 from mtkit.data import source_tensor
 from mtkit.model import Transformer
-from mtkit.search import beam_search
+from mtkit.search import Sampling, beam_search, sample_search
 from mtkit.tokenizer import Tokenizer
 
 log = logging.getLogger("mtkit")
@@ -40,6 +40,10 @@ class Translation:
 
 
 EMPTY = Translation("", 0.0, 0.0)
+
+
+class PrefixMismatch(ValueError):
+    """Target prefixes that are not line-aligned with the input."""
 
 
 def length_batches(lengths: list[int], batch_size: int, batch_tokens: int) -> list[list[int]]:
@@ -68,25 +72,43 @@ class Translator:
         decode: DecodeConfig,
         device: torch.device,
         nbest: int = 1,
+        sampling: Sampling | None = None,
+        seed: int = 1,
     ) -> None:
         if nbest > decode.beam:
             raise ValueError(f"nbest {nbest} needs a beam of at least {nbest} (beam is {decode.beam})")
+        if sampling is not None and nbest > 1:
+            raise ValueError("sampling draws one translation per line; nbest must be 1")
         self.model, self.src_tok, self.tgt_tok = model, src_tok, tgt_tok
         self.decode, self.device, self.nbest = decode, device, nbest
+        self.sampling = sampling
+        self.generator = torch.Generator(device).manual_seed(seed) if sampling is not None else None
 
-    def stream(self, chunks: Iterable[list[str]]) -> Iterator[list[Translation]]:
+    def stream(self, chunks: Iterable[list[str]], prefixes: Iterable[str] | None = None) -> Iterator[list[Translation]]:
         """The ``nbest`` translations of each line, best first, in input order, chunk by chunk.
 
         Each chunk is sorted into batches by length; all its results come out before the next
-        chunk is read, so the caller decides how much input is held at once.
+        chunk is read, so the caller decides how much input is held at once. ``prefixes``,
+        line-aligned with the input, gives the start each translation must have ("" for none).
         """
         first_line = 1
+        prefix_lines = iter(prefixes) if prefixes is not None else None
         for chunk in chunks:
-            yield from self._translate_chunk(chunk, first_line)
+            chunk_prefixes = None
+            if prefix_lines is not None:
+                chunk_prefixes = list(islice(prefix_lines, len(chunk)))
+                if len(chunk_prefixes) < len(chunk):
+                    raise PrefixMismatch(f"no prefix for input line {first_line + len(chunk_prefixes)}")
+            yield from self._translate_chunk(chunk, first_line, chunk_prefixes)
             first_line += len(chunk)
+        if prefix_lines is not None and next(prefix_lines, None) is not None:
+            raise PrefixMismatch(f"more prefixes than the {first_line - 1} input lines")
 
-    def _translate_chunk(self, lines: list[str], first_line: int) -> list[list[Translation]]:
+    def _translate_chunk(
+        self, lines: list[str], first_line: int, prefixes: list[str] | None
+    ) -> list[list[Translation]]:
         results: list[list[Translation]] = [[EMPTY] for _ in lines]
+        forced = self.tgt_tok.encode(prefixes) if prefixes is not None else None
         todo = [i for i, line in enumerate(lines) if line.strip()]
         ids = dict(zip(todo, self.src_tok.encode([lines[i] for i in todo])))
         limit = self.model.encoder.embed.max_positions - 1  # room for the source eos
@@ -103,17 +125,27 @@ class Translator:
         for batch in length_batches([len(ids[i]) + 1 for i in todo], d.batch_size, d.batch_tokens):
             chunk = [todo[b] for b in batch]
             src, src_pad_mask = source_tensor([ids[i] for i in chunk])
-            hyps = beam_search(
-                self.model,
-                src.to(self.device),
-                src_pad_mask.to(self.device),
-                beam=d.beam,
-                lenpen=d.lenpen,
-                max_len_a=d.max_len_a,
-                max_len_b=d.max_len_b,
-                nbest=self.nbest,
-                min_len=d.min_len,
-            )
+            src, src_pad_mask = src.to(self.device), src_pad_mask.to(self.device)
+            batch_prefixes = [forced[i] for i in chunk] if forced is not None else None
+            if self.sampling is not None:
+                drawn = sample_search(
+                    self.model, src, src_pad_mask, self.sampling, d.max_len_a, d.max_len_b, d.min_len,
+                    batch_prefixes, self.generator,
+                )  # fmt: skip
+                hyps = [[h] for h in drawn]
+            else:
+                hyps = beam_search(
+                    self.model,
+                    src,
+                    src_pad_mask,
+                    beam=d.beam,
+                    lenpen=d.lenpen,
+                    max_len_a=d.max_len_a,
+                    max_len_b=d.max_len_b,
+                    nbest=self.nbest,
+                    min_len=d.min_len,
+                    prefixes=batch_prefixes,
+                )
             for i, sentence in zip(chunk, hyps):
                 texts = self.tgt_tok.decode([h.tokens for h in sentence])
                 results[i] = [Translation(t, h.score, h.logprob) for t, h in zip(texts, sentence)]

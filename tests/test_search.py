@@ -12,7 +12,7 @@ from conftest import tiny_model
 
 from mtkit.data import source_tensor
 from mtkit.model import DecoderCache
-from mtkit.search import beam_search, greedy_search, length_penalty
+from mtkit.search import Sampling, beam_search, greedy_search, length_penalty, sample_search
 from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 A, B, C = 4, 5, 6
@@ -268,3 +268,53 @@ def test_nbest_is_the_whole_beam_sorted_distinct_and_scored(lenpen):
             assert EOS_ID not in h.tokens and PAD_ID not in h.tokens and BOS_ID not in h.tokens
             assert math.isfinite(h.logprob) and h.logprob < 0
             assert h.score == pytest.approx(h.logprob / length_penalty(len(h.tokens) + 1, lenpen), rel=1e-6)
+
+
+# -- sampling and forced prefixes ------------------------------------------------------------
+
+
+def test_sampling_follows_the_model_and_its_filters():
+    def script(step, last):  # one token, then stop
+        return {A: 0.6, B: 0.3, C: 0.1} if step == 0 else {EOS_ID: 1.0}
+
+    model = ScriptedModel(script)
+    src, mask = source_tensor([[A] * 3] * 3000)
+    g = torch.Generator().manual_seed(0)
+
+    def first_tokens(sampling):
+        return [h.tokens[0] for h in sample_search(model, src, mask, sampling, generator=g)]
+
+    drawn = first_tokens(Sampling())
+    assert abs(drawn.count(A) / len(drawn) - 0.6) < 0.03 and abs(drawn.count(C) / len(drawn) - 0.1) < 0.02
+    assert set(first_tokens(Sampling(top_k=2))) == {A, B}
+    assert set(first_tokens(Sampling(top_p=0.5))) == {A}  # A alone holds 0.6 >= 0.5
+    assert set(first_tokens(Sampling(top_p=0.7))) == {A, B}
+    assert set(first_tokens(Sampling(temperature=0.05))) == {A}
+    hyp = sample_search(model, *one_source(), Sampling(top_k=1), generator=g)[0]
+    assert hyp.tokens == [A] and math.isclose(hyp.logprob, math.log(0.6), rel_tol=1e-4)  # the model's own
+
+
+def test_top_k_one_sampling_is_greedy():
+    model = tiny_model(30, seed=5)
+    src, mask = source_tensor(random_sources(6, 30, seed=2))
+    drawn = sample_search(model, src, mask, Sampling(top_k=1), generator=torch.Generator().manual_seed(1))
+    assert [h.tokens for h in drawn] == greedy_search(model, src, mask)
+
+
+def test_prefixes_start_the_output_and_leave_other_sentences_alone():
+    model = tiny_model(30, seed=6)
+    sources = random_sources(4, 30, seed=3)
+    prefixes = [[7, 8], [], [9], [10, 11, 12]]
+    src, mask = source_tensor(sources)
+    for outputs in (
+        greedy_search(model, src, mask, prefixes=prefixes),
+        [h[0].tokens for h in beam_search(model, src, mask, beam=3, prefixes=prefixes)],
+    ):
+        for out, prefix in zip(outputs, prefixes):
+            assert out[: len(prefix)] == prefix
+    batched = beam_search(model, src, mask, beam=3, prefixes=prefixes)
+    for sentence, prefix, hyps in zip(sources, prefixes, batched):
+        alone = beam_search(model, *source_tensor([sentence]), beam=3, prefixes=[prefix])[0]
+        assert hyps[0].tokens == alone[0].tokens
+    unforced = [h[0].tokens for h in beam_search(model, src, mask, beam=3)]
+    assert [h[0].tokens for h in batched][1] == unforced[1]  # an empty prefix changes nothing

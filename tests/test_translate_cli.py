@@ -85,3 +85,31 @@ def test_a_pipeline_gets_each_translation_before_the_input_ends(trained_run, lin
         assert proc.wait(timeout=60) == 0
     finally:
         proc.kill()
+
+
+def test_prefixes_come_from_a_line_aligned_file(trained_run, lines, tmp_path):  # noqa: F811
+    prefixes = ["Ein Mann" if i % 2 == 0 else "" for i in range(len(lines))]
+    prefix_file = tmp_path / "prefix.de"
+    prefix_file.write_text(stdin_of(prefixes))
+    result = invoke("translate", trained_run, "--beam", 2, "--prefix", prefix_file, input=stdin_of(lines))
+    assert result.exit_code == 0, result.output
+    outputs = result.stdout.splitlines()
+    assert len(outputs) == len(lines)
+    for line, prefix, out in zip(lines, prefixes, outputs):
+        assert out.startswith(prefix) if line else out == ""
+    prefix_file.write_text(stdin_of(prefixes[:3]))
+    short = invoke("translate", trained_run, "--prefix", prefix_file, input=stdin_of(lines))
+    assert short.exit_code == 1 and short.stderr.strip() == f"error: {prefix_file}: no prefix for input line 4"
+
+
+def test_sampling_is_reproducible_with_a_seed_and_varies_without(trained_run, lines):  # noqa: F811
+    def sampled(seed: int) -> list[str]:
+        args = ["--sample", "--temperature", 1.5, "--seed", seed, "--scores"]
+        result = invoke("translate", trained_run, *args, input=stdin_of(lines))
+        assert result.exit_code == 0, result.output
+        return result.stdout.splitlines()
+
+    assert sampled(1) == sampled(1)
+    assert sampled(1) != sampled(2)
+    refused = invoke("translate", trained_run, "--sample", "--nbest", 2, input="A dog.\n")
+    assert refused.exit_code == 1 and "cannot be combined with --nbest" in refused.stderr
