@@ -446,7 +446,13 @@ class _LineProgress:
 @app.command()
 @user_errors
 def translate(
-    model: Annotated[Path, typer.Argument(help="Run directory (uses best/), checkpoint directory or .safetensors.")],
+    model: Annotated[
+        list[Path],
+        typer.Argument(
+            help="Run directory (uses best/), checkpoint directory or .safetensors; several make an ensemble "
+            "(their log-probabilities averaged; they must share tokenizers)."
+        ),
+    ],
     input: Annotated[Path | None, typer.Option("--input", "-i", help="Input text or .gz (default: stdin).")] = None,
     output: Annotated[
         Path | None, typer.Option("--output", "-o", help="Output file, written atomically (default: stdout).")
@@ -488,9 +494,10 @@ def translate(
     appears as each chunk is done. Lines longer than the model's positions are truncated (with a
     warning), never split.
     """
-    from mtkit.checkpoint import atomic_write, load_for_inference
+    from mtkit.checkpoint import CheckpointError, atomic_write, load_for_inference
     from mtkit.config import ConfigError, DecodeConfig
     from mtkit.data import DataError
+    from mtkit.ensemble import Ensemble
     from mtkit.runtime import autocast, compute_dtype, pick_device
     from mtkit.search import Sampling
     from mtkit.translate import CHUNK_LINES, PrefixMismatch, Translator
@@ -518,8 +525,13 @@ def translate(
     )
     dev = pick_device(device)
     dtype = compute_dtype(precision, dev)
-    bundle = load_for_inference(model, dev)
-    translator = Translator(bundle.model, bundle.src_tok, bundle.tgt_tok, decode, dev, nbest, sampling, seed)
+    bundles = [load_for_inference(path, dev) for path in model]
+    bundle = bundles[0]
+    for path, other in zip(model[1:], bundles[1:]):
+        if (other.src_tok.sha256, other.tgt_tok.sha256) != (bundle.src_tok.sha256, bundle.tgt_tok.sha256):
+            raise CheckpointError(f"{path}: its tokenizers differ from those of {model[0]}; cannot ensemble them")
+    network = Ensemble([b.model for b in bundles]) if len(bundles) > 1 else bundle.model
+    translator = Translator(network, bundle.src_tok, bundle.tgt_tok, decode, dev, nbest, sampling, seed)
     chunks = _input_chunks(input, CHUNK_LINES)
     prefixes = (line for chunk in _input_chunks(prefix, CHUNK_LINES) for line in chunk) if prefix else None
 
@@ -618,6 +630,43 @@ def average(
     for path in paths:
         typer.echo(f"averaged {path}", err=True)
     typer.echo(f"wrote {output} (the average of {len(paths)} checkpoints, newest update {meta['step']})", err=True)
+
+
+# -- attention ----------------------------------------------------------------------------
+
+
+@app.command()
+@user_errors
+def attention(
+    model: Annotated[Path, typer.Argument(help="Run directory (uses best/), checkpoint directory or .safetensors.")],
+    src: Annotated[str, typer.Option("--src", help="The source sentence to translate.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="The PNG of heatmaps, written atomically.")],
+    layer: Annotated[
+        int | None,
+        typer.Option(help="Draw only this layer (from 0) and align with it; default: all, align with the penultimate."),
+    ] = None,
+    encoder: Annotated[bool, typer.Option("--encoder", help="Also draw the encoder self-attention.")] = False,
+    beam: Annotated[int, typer.Option(help="Beam size; 1 is greedy.")] = 5,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+) -> None:
+    """Translate one sentence and draw its attention as heatmaps, one per layer and head.
+
+    Prints the translation, then its word alignment in Pharaoh format ('i-j': source word i, target
+    word j, from 0), taken from the head-averaged cross-attention. Needs matplotlib.
+    """
+    from mtkit.attention import alignment_line, plot_attention, translate_with_attention, word_alignment
+    from mtkit.checkpoint import load_for_inference
+    from mtkit.config import DecodeConfig
+    from mtkit.runtime import pick_device
+
+    _setup_logging()
+    decode = DecodeConfig(beam=beam)
+    bundle = load_for_inference(model, pick_device(device))
+    result = translate_with_attention(bundle.model, bundle.src_tok, bundle.tgt_tok, src, decode)
+    plot_attention(result.maps, result.src_pieces, result.tgt_pieces, output, layer, encoder)
+    typer.echo(result.translation)
+    typer.echo(alignment_line(word_alignment(result.src_pieces, result.tgt_pieces, result.maps.cross, layer)))
+    typer.echo(f"wrote {output}", err=True)
 
 
 # -- doctor ---------------------------------------------------------------------------------

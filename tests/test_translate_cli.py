@@ -113,3 +113,12 @@ def test_sampling_is_reproducible_with_a_seed_and_varies_without(trained_run, li
     assert sampled(1) != sampled(2)
     refused = invoke("translate", trained_run, "--sample", "--nbest", 2, input="A dog.\n")
     assert refused.exit_code == 1 and "cannot be combined with --nbest" in refused.stderr
+
+
+def test_a_model_given_twice_is_an_ensemble_that_decodes_like_it(trained_run, lines):  # noqa: F811
+    alone = invoke("translate", trained_run, "--beam", 3, "--scores", input=stdin_of(lines))
+    twice = invoke("translate", trained_run, trained_run / "best", "--beam", 3, "--scores", input=stdin_of(lines))
+    assert twice.exit_code == 0, twice.output
+    assert [row.split("\t")[1] for row in twice.stdout.splitlines()] == [
+        row.split("\t")[1] for row in alone.stdout.splitlines()
+    ]
