@@ -122,3 +122,22 @@ def test_a_model_given_twice_is_an_ensemble_that_decodes_like_it(trained_run, li
     assert [row.split("\t")[1] for row in twice.stdout.splitlines()] == [
         row.split("\t")[1] for row in alone.stdout.splitlines()
     ]
+
+
+def test_translation_reads_only_as_much_input_as_it_needs(trained_run, lines):  # noqa: F811
+    """An endless input still yields translations: memory is bounded by the chunk, not the input."""
+    import itertools
+
+    import torch
+
+    from mtkit.checkpoint import load_for_inference
+    from mtkit.config import DecodeConfig
+
+    bundle = load_for_inference(trained_run, torch.device("cpu"))
+    translator = mtkit.translate.Translator(
+        bundle.model, bundle.src_tok, bundle.tgt_tok, DecodeConfig(beam=1, max_len_b=3), torch.device("cpu")
+    )
+    endless = mtkit.translate.chunked(itertools.cycle(lines), 20)
+    first = list(itertools.islice(translator.stream(endless), 50))
+    assert len(first) == 50
+    assert all((t[0].logprob == 0.0) == (i % len(lines) == 2) for i, t in enumerate(first))  # line 2 is empty
