@@ -398,14 +398,14 @@ def _ready_chunks(fd: int, chunk_lines: int) -> Iterator[list[bytes]]:
         yield lines[start : start + chunk_lines]
 
 
-def _format(index: int, translations, nbest: int, scores: bool) -> str:
+def _format(index: int, translations, nbest: int, scores: bool, aligned: bool) -> str:
     """The output line(s) of one input line; translations never contain a newline."""
     if nbest > 1:
         return "".join(
             f"{index} ||| {t.text.replace(chr(10), ' ')} ||| {t.score:.4f} ||| {t.logprob:.4f}\n" for t in translations
         )
     best = translations[0]
-    text = best.text.replace("\n", " ")
+    text = best.text.replace("\n", " ") + (f" ||| {best.alignment}" if aligned else "")
     return f"{best.logprob:.4f}\t{text}\n" if scores else text + "\n"
 
 
@@ -472,6 +472,14 @@ def translate(
     scores: Annotated[
         bool, typer.Option("--scores", help="Print 'LOGPROB<tab>TRANSLATION': the output's log-probability.")
     ] = False,
+    alignments: Annotated[
+        bool,
+        typer.Option(
+            "--alignments",
+            help="Append ' ||| i-j ...' to each translation: source word i aligned to target word j "
+            "(Pharaoh format, from 0), read from the cross-attention.",
+        ),
+    ] = False,
     prefix: Annotated[
         Path | None,
         typer.Option(help="Target prefixes, one per input line ('' for none): each translation starts with its own."),
@@ -507,6 +515,8 @@ def translate(
         raise ConfigError(f"--precision must be fp32, bf16 or fp16, got {precision!r}")
     if not 1 <= nbest <= beam:
         raise ConfigError(f"--nbest must be between 1 and --beam ({beam}), got {nbest}")
+    if alignments and nbest > 1:
+        raise ConfigError("--alignments goes with the best translation only, not with --nbest")
     sampling = None
     if sample:
         if nbest > 1:
@@ -531,14 +541,15 @@ def translate(
         if (other.src_tok.sha256, other.tgt_tok.sha256) != (bundle.src_tok.sha256, bundle.tgt_tok.sha256):
             raise CheckpointError(f"{path}: its tokenizers differ from those of {model[0]}; cannot ensemble them")
     network = Ensemble([b.model for b in bundles]) if len(bundles) > 1 else bundle.model
-    translator = Translator(network, bundle.src_tok, bundle.tgt_tok, decode, dev, nbest, sampling, seed)
+    aligner = bundle.model if alignments else None  # an ensemble aligns with its first member
+    translator = Translator(network, bundle.src_tok, bundle.tgt_tok, decode, dev, nbest, sampling, seed, aligner)
     chunks = _input_chunks(input, CHUNK_LINES)
     prefixes = (line for chunk in _input_chunks(prefix, CHUNK_LINES) for line in chunk) if prefix else None
 
     def write_all(out) -> None:
         with autocast(dev, dtype), _LineProgress() as progress:
             for index, translations in enumerate(translator.stream(chunks, prefixes)):
-                out.write(_format(index, translations, nbest, scores).encode("utf-8"))
+                out.write(_format(index, translations, nbest, scores, alignments).encode("utf-8"))
                 if output is None:
                     out.flush()  # a pipeline downstream sees each line as soon as it is done
                 progress.advance()
@@ -632,7 +643,7 @@ def average(
     typer.echo(f"wrote {output} (the average of {len(paths)} checkpoints, newest update {meta['step']})", err=True)
 
 
-# -- attention ----------------------------------------------------------------------------
+# -- attention --------------------------------------------------------------------------------
 
 
 @app.command()
@@ -667,6 +678,30 @@ def attention(
     typer.echo(result.translation)
     typer.echo(alignment_line(word_alignment(result.src_pieces, result.tgt_pieces, result.maps.cross, layer)))
     typer.echo(f"wrote {output}", err=True)
+
+
+@app.command()
+@user_errors
+def export(
+    model: Annotated[Path, typer.Argument(help="Run directory (uses best/), checkpoint directory or .safetensors.")],
+    output: Annotated[
+        Path,
+        typer.Option("--output", "-o", help="Folder to write; an earlier export there is replaced, nothing else is."),
+    ],
+    fmt: Annotated[str, typer.Option("--format", help="Target runtime: ctranslate2.")] = "ctranslate2",
+    quantization: Annotated[
+        str | None,
+        typer.Option(help="Stored weight type: int8, int8_float16, int16, float16, bfloat16, float32 (default)..."),
+    ] = None,
+) -> None:
+    """Convert a trained model for the CTranslate2 runtime; its tokenizers and decode settings go with it."""
+    from mtkit.config import ConfigError
+    from mtkit.export import export_ctranslate2
+
+    if fmt != "ctranslate2":
+        raise ConfigError(f"--format must be ctranslate2, got {fmt!r}")
+    written = export_ctranslate2(model, output, quantization)
+    typer.echo(f"wrote {written} (CTranslate2, {quantization or 'float32'} weights)", err=True)
 
 
 # -- doctor ---------------------------------------------------------------------------------

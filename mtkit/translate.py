@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import islice
 
 import torch
 
+from mtkit.attention import align_batch
 from mtkit.config import DecodeConfig
 from mtkit.data import source_tensor
 from mtkit.model import Transformer
@@ -37,6 +38,7 @@ class Translation:
     text: str
     score: float  # length-normalised log-probability, what the beam ranks by
     logprob: float  # log-probability of the whole output, eos included
+    alignment: str = ""  # Pharaoh "i-j" source-target word pairs, when asked for
 
 
 EMPTY = Translation("", 0.0, 0.0)
@@ -74,7 +76,9 @@ class Translator:
         nbest: int = 1,
         sampling: Sampling | None = None,
         seed: int = 1,
+        aligner: Transformer | None = None,
     ) -> None:
+        """``aligner``: the model whose cross-attention gives each best translation a word alignment."""
         if nbest > decode.beam:
             raise ValueError(f"nbest {nbest} needs a beam of at least {nbest} (beam is {decode.beam})")
         if sampling is not None and nbest > 1:
@@ -82,6 +86,7 @@ class Translator:
         self.model, self.src_tok, self.tgt_tok = model, src_tok, tgt_tok
         self.decode, self.device, self.nbest = decode, device, nbest
         self.sampling = sampling
+        self.aligner = aligner
         self.generator = torch.Generator(device).manual_seed(seed) if sampling is not None else None
 
     def stream(self, chunks: Iterable[list[str]], prefixes: Iterable[str] | None = None) -> Iterator[list[Translation]]:
@@ -146,9 +151,14 @@ class Translator:
                     min_len=d.min_len,
                     prefixes=batch_prefixes,
                 )
-            for i, sentence in zip(chunk, hyps):
+            alignments = [""] * len(chunk)
+            if self.aligner is not None:
+                pairs = [(ids[i], sentence[0].tokens) for i, sentence in zip(chunk, hyps)]
+                alignments = align_batch(self.aligner, self.src_tok, self.tgt_tok, pairs)
+            for i, sentence, alignment in zip(chunk, hyps, alignments):
                 texts = self.tgt_tok.decode([h.tokens for h in sentence])
                 results[i] = [Translation(t, h.score, h.logprob) for t, h in zip(texts, sentence)]
+                results[i][0] = replace(results[i][0], alignment=alignment)
         return results
 
 

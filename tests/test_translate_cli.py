@@ -141,3 +141,18 @@ def test_translation_reads_only_as_much_input_as_it_needs(trained_run, lines):  
     first = list(itertools.islice(translator.stream(endless), 50))
     assert len(first) == 50
     assert all((t[0].logprob == 0.0) == (i % len(lines) == 2) for i, t in enumerate(first))  # line 2 is empty
+
+
+def test_alignments_pair_source_and_target_words(trained_run, lines):  # noqa: F811
+    result = invoke("translate", trained_run, "--beam", 2, "--min-len", 3, "--alignments", input=stdin_of(lines))
+    assert result.exit_code == 0, result.output
+    rows = result.stdout.splitlines()
+    assert len(rows) == len(lines)
+    plain = invoke("translate", trained_run, "--beam", 2, "--min-len", 3, input=stdin_of(lines)).stdout.splitlines()
+    for line, row, text in zip(lines, rows, plain):
+        translation, alignment = row.split(" ||| ")
+        assert translation == text
+        pairs = [tuple(map(int, pair.split("-"))) for pair in alignment.split()]
+        assert pairs == sorted(set(pairs))
+        assert all(i < len(line.split()) and j < max(len(translation.split()), 1) for i, j in pairs)
+        assert bool(pairs) == bool(line and translation)
