@@ -443,6 +443,22 @@ class _LineProgress:
             self.progress.stop()
 
 
+def _mtkit_translator(models: list[Path], decode, device, nbest: int, sampling, seed: int, alignments: bool):
+    """A Translator over one model or an ensemble of several that share tokenizers."""
+    from mtkit.checkpoint import CheckpointError, load_for_inference
+    from mtkit.ensemble import Ensemble
+    from mtkit.translate import Translator
+
+    bundles = [load_for_inference(path, device) for path in models]
+    first = bundles[0]
+    for path, other in zip(models[1:], bundles[1:]):
+        if (other.src_tok.sha256, other.tgt_tok.sha256) != (first.src_tok.sha256, first.tgt_tok.sha256):
+            raise CheckpointError(f"{path}: its tokenizers differ from those of {models[0]}; cannot ensemble them")
+    network = Ensemble([b.model for b in bundles]) if len(bundles) > 1 else first.model
+    aligner = first.model if alignments else None  # an ensemble aligns with its first member
+    return Translator(network, first.src_tok, first.tgt_tok, decode, device, nbest, sampling, seed, aligner)
+
+
 @app.command()
 @user_errors
 def translate(
@@ -495,6 +511,13 @@ def translate(
     batch_tokens: Annotated[int, typer.Option(help="At most this many padded source tokens per batch.")] = 8192,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     precision: Annotated[str, typer.Option(help="fp32, bf16 or fp16 (fp16 on GPU only).")] = "fp32",
+    engine: Annotated[
+        str,
+        typer.Option(
+            help="mtkit, or ctranslate2 for a model made by `mtkit export` (MODEL is its folder; "
+            "fp32 keeps the export's own weight type, e.g. int8)."
+        ),
+    ] = "mtkit",
 ) -> None:
     """Translate one sentence per line, streaming: one output line for every input line, in order.
 
@@ -502,13 +525,14 @@ def translate(
     appears as each chunk is done. Lines longer than the model's positions are truncated (with a
     warning), never split.
     """
-    from mtkit.checkpoint import CheckpointError, atomic_write, load_for_inference
+    import torch
+
+    from mtkit.checkpoint import atomic_write
     from mtkit.config import ConfigError, DecodeConfig
     from mtkit.data import DataError
-    from mtkit.ensemble import Ensemble
     from mtkit.runtime import autocast, compute_dtype, pick_device
     from mtkit.search import Sampling
-    from mtkit.translate import CHUNK_LINES, PrefixMismatch, Translator
+    from mtkit.translate import CHUNK_LINES, PrefixMismatch
 
     _setup_logging()
     if precision not in ("fp32", "bf16", "fp16"):
@@ -535,20 +559,29 @@ def translate(
     )
     dev = pick_device(device)
     dtype = compute_dtype(precision, dev)
-    bundles = [load_for_inference(path, dev) for path in model]
-    bundle = bundles[0]
-    for path, other in zip(model[1:], bundles[1:]):
-        if (other.src_tok.sha256, other.tgt_tok.sha256) != (bundle.src_tok.sha256, bundle.tgt_tok.sha256):
-            raise CheckpointError(f"{path}: its tokenizers differ from those of {model[0]}; cannot ensemble them")
-    network = Ensemble([b.model for b in bundles]) if len(bundles) > 1 else bundle.model
-    aligner = bundle.model if alignments else None  # an ensemble aligns with its first member
-    translator = Translator(network, bundle.src_tok, bundle.tgt_tok, decode, dev, nbest, sampling, seed, aligner)
+    if engine not in ("mtkit", "ctranslate2"):
+        raise ConfigError(f"--engine must be mtkit or ctranslate2, got {engine!r}")
+    if engine == "ctranslate2":
+        unsupported = [
+            name for name, used in (("--sample", sample), ("--prefix", prefix), ("--alignments", alignments)) if used
+        ]
+        if unsupported or len(model) > 1:
+            raise ConfigError(f"--engine ctranslate2 takes one model and no {', '.join(unsupported) or 'ensemble'}")
+        from mtkit.export import CTranslate2Translator
+
+        compute_type = {"fp32": "default", "bf16": "bfloat16", "fp16": "float16"}[precision]
+        translator = CTranslate2Translator.from_dir(model[0], decode, dev.type, compute_type, nbest)
+        dtype = torch.float32  # CTranslate2 runs outside torch
+    else:
+        translator = _mtkit_translator(model, decode, dev, nbest, sampling, seed, alignments)
     chunks = _input_chunks(input, CHUNK_LINES)
+
     prefixes = (line for chunk in _input_chunks(prefix, CHUNK_LINES) for line in chunk) if prefix else None
 
     def write_all(out) -> None:
         with autocast(dev, dtype), _LineProgress() as progress:
-            for index, translations in enumerate(translator.stream(chunks, prefixes)):
+            results = translator.stream(chunks, prefixes) if prefixes is not None else translator.stream(chunks)
+            for index, translations in enumerate(results):
                 out.write(_format(index, translations, nbest, scores, alignments).encode("utf-8"))
                 if output is None:
                     out.flush()  # a pipeline downstream sees each line as soon as it is done

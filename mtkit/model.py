@@ -34,13 +34,20 @@ class DecoderCache:
     layers: list[LayerCache] = field(default_factory=list)
     length: int = 0  # target positions already consumed
 
-    def select(self, index: Tensor) -> None:
-        """Keep (and reorder) batch rows ``index`` in place."""
+    def select(self, index: Tensor, cross_index: Tensor | None = None) -> None:
+        """Keep (and reorder) batch rows ``index`` of the self-attention keys/values in place.
+
+        The cross-attention keys/values depend on the source alone, so beam search reorders them
+        only when sentences leave the batch (``cross_index``), not at every step: every beam of a
+        sentence holds the same ones. Without ``cross_index`` they are left as they are.
+        """
+        names = ("self_k", "self_v")
         for layer in self.layers:
-            for name in ("self_k", "self_v", "cross_k", "cross_v"):
-                value = getattr(layer, name)
-                if value is not None:
-                    setattr(layer, name, value.index_select(0, index))
+            for name in names:
+                setattr(layer, name, getattr(layer, name).index_select(0, index))
+            if cross_index is not None and layer.cross_k is not None:
+                layer.cross_k = layer.cross_k.index_select(0, cross_index)
+                layer.cross_v = layer.cross_v.index_select(0, cross_index)
 
 
 def attention_weights(q: Tensor, k: Tensor, attn_allowed: Tensor | None, causal: bool) -> Tensor:

@@ -221,6 +221,7 @@ def beam_search(
         done = must_end | torch.tensor([len(finished[s]) >= k for s in active.tolist()], device=device)
         if done.all():
             break
+        keep_rows = None
         if done.any():
             keep = (~done).nonzero().squeeze(1)
             keep_rows = (keep[:, None] * k + beam_offsets).view(-1)
@@ -231,6 +232,6 @@ def beam_search(
             memory = memory[keep_rows]
             mask = mask[keep_rows]
         tokens = torch.cat([tokens[rows], next_tok], dim=1)
-        cache.select(rows)
+        cache.select(rows, cross_index=keep_rows)
 
     return [sorted(hyps, key=lambda h: -h.score)[:nbest] for hyps in finished]

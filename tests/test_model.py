@@ -83,7 +83,7 @@ def test_cache_select_follows_reordered_rows():
     for i in range(3):
         model.decode(tgt[:, i : i + 1], memory, mask, cache)
     order = torch.tensor([2, 0])
-    cache.select(order)
+    cache.select(order, cross_index=order)  # other sentences: their cross-attention keys move too
     step = model.decode(tgt[order, 3:4], memory[order], mask[order], cache)
     torch.testing.assert_close(step[:, 0], model(src[order], mask[order], tgt[order])[:, 3], atol=1e-5, rtol=1e-5)
 

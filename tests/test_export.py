@@ -1,0 +1,289 @@
+"""CTranslate2 export: the exported model decodes as mtkit does on real Multi30k sentences; `mtkit export`.
+
+The models are random but not trivial: LayerNorm gains and biases are randomised (so a dropped or
+misplaced norm shows), and one variant's eos row is scaled up so that its hypotheses end at varied
+lengths instead of all running to the length cap.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from mtkit import checkpoint
+from mtkit.cli import app
+from mtkit.config import DecodeConfig, ModelConfig, RunConfig, TokenizerConfig
+from mtkit.data import source_tensor
+from mtkit.export import MANIFEST, CTranslate2Translator, export_ctranslate2
+from mtkit.model import Transformer, build_model
+from mtkit.search import greedy_search, max_lengths
+from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID, SpmOptions, Tokenizer, train_spm
+from mtkit.translate import EMPTY, Translation, Translator
+
+# CTranslate2 brings its own OpenMP, whose threads spin for a while after each call: alternating it with torch
+# on a 2-core machine made torch 30x slower. The library reads the wait policy as it loads.
+with pytest.MonkeyPatch.context() as env:
+    env.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    ctranslate2 = pytest.importorskip("ctranslate2")
+
+runner = CliRunner()
+CPU = torch.device("cpu")
+MODEL = dict(encoder_layers=2, decoder_layers=2, d_model=64, heads=4, ffn=128, dropout=0.0, max_positions=128)
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def randomise_norms_(model: Transformer, seed: int) -> None:
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                module.weight.normal_(1.0, 0.2)
+                module.bias.normal_(0.0, 0.2)
+
+
+def save_run(run: Path, cfg: RunConfig, model: Transformer, toks: dict[str, Tokenizer]) -> Path:
+    """A run directory holding ``model`` as its one checkpoint, beside its tokenizer file(s)."""
+    run.mkdir(parents=True)
+    for tok in toks.values():
+        shutil.copy(tok.path, run / tok.path.name)
+    records = {side: {"file": tok.path.name, "sha256": tok.sha256} for side, tok in toks.items()}
+    meta = {"config": cfg.to_dict(), "tokenizer": records}
+    checkpoint.save_in_run(run, 1, model.state_dict(), meta, None, keep_last=0)
+    return run
+
+
+def joint_post_norm_run(root: Path, spm_model: Tokenizer) -> Path:
+    """Post-norm, sinusoidal positions, tied embeddings, one joint vocabulary: mtkit's defaults."""
+    cfg = RunConfig(model=ModelConfig(**MODEL))
+    torch.manual_seed(1)
+    model = build_model(cfg.model, spm_model.vocab_size, spm_model.vocab_size, PAD_ID)
+    randomise_norms_(model, seed=2)
+    return save_run(root / "run", cfg, model, {"src": spm_model, "tgt": spm_model})
+
+
+def separate_pre_norm_run(root: Path, slice_paths: dict[str, Path]) -> Path:
+    """Pre-norm (final LayerNorms), learned positions, untied embeddings, separate vocabularies of two sizes."""
+    for side, lang, size in (("src", "en", 300), ("tgt", "de", 250)):
+        train_spm(slice_paths[f"train.{lang}"].read_text().splitlines(), root / f"spm.{side}", SpmOptions(size))
+    src, tgt = Tokenizer(root / "spm.src.model"), Tokenizer(root / "spm.tgt.model")
+    cfg = RunConfig(
+        tokenizer=TokenizerConfig(joint=False),
+        model=ModelConfig(**MODEL, norm="pre", positions="learned", tie_embeddings=False),
+    )
+    torch.manual_seed(3)
+    model = build_model(cfg.model, src.vocab_size, tgt.vocab_size, PAD_ID)
+    randomise_norms_(model, seed=4)
+    with torch.no_grad():
+        model.output.weight[EOS_ID] *= 3.0  # hypotheses end at varied lengths, not all at the cap
+    return save_run(root / "run", cfg, model, {"src": src, "tgt": tgt})
+
+
+@dataclass
+class Exported:
+    run: Path
+    ct2_dir: Path
+    bundle: checkpoint.InferenceBundle
+    lines: list[str]
+
+
+def export_of(run: Path, lines: list[str]) -> Exported:
+    ct2_dir = export_ctranslate2(run, run.parent / "ct2", None)
+    return Exported(run, ct2_dir, checkpoint.load_for_inference(run, CPU), lines)
+
+
+@pytest.fixture(scope="module")
+def capped(tmp_path_factory, multi30k_slice, spm_model) -> Exported:
+    """Joint post-norm model whose every hypothesis runs to the length cap: long outputs, 45-67 tokens."""
+    run = joint_post_norm_run(tmp_path_factory.mktemp("capped"), spm_model)
+    return export_of(run, multi30k_slice["val.en"].read_text().splitlines())
+
+
+@pytest.fixture(scope="module")
+def ending(tmp_path_factory, multi30k_slice) -> Exported:
+    """Separate-vocabulary pre-norm model whose hypotheses mostly end with eos, at varied lengths."""
+    run = separate_pre_norm_run(tmp_path_factory.mktemp("ending"), multi30k_slice)
+    return export_of(run, multi30k_slice["val.en"].read_text().splitlines())
+
+
+@pytest.fixture(params=["capped", "ending"])
+def exported(request) -> Exported:
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture(scope="module")
+def joint(tmp_path_factory, spm_model) -> Path:
+    """A run directory of its own, for tests that write beside it."""
+    return joint_post_norm_run(tmp_path_factory.mktemp("joint"), spm_model)
+
+
+def test_greedy_ids_equal_mtkit_greedy_search(exported):
+    bundle = exported.bundle
+    ids = bundle.src_tok.encode(exported.lines)
+    src, src_pad_mask = source_tensor(ids)
+    expected = greedy_search(bundle.model, src, src_pad_mask)
+    caps = max_lengths(src_pad_mask, 1.5, 10, bundle.cfg.model.max_positions) - 1  # tokens before eos
+    engine = ctranslate2.Translator(str(exported.ct2_dir))
+    banned = [[bundle.tgt_tok.sp.id_to_piece(PAD_ID)], [bundle.tgt_tok.sp.id_to_piece(BOS_ID)]]
+    got = []
+    for seq, cap in zip(ids, caps.tolist()):
+        [result] = engine.translate_batch(
+            [bundle.src_tok.sp.id_to_piece(seq)],
+            beam_size=1,
+            max_decoding_length=cap,
+            min_decoding_length=0,
+            suppress_sequences=banned,
+            max_input_length=0,
+        )
+        got.append(bundle.tgt_tok.sp.piece_to_id(result.hypotheses[0]))
+    mismatched = [i for i in range(len(ids)) if got[i] != expected[i]]
+    assert len(ids) == 40 and mismatched == [], f"{len(mismatched)} of {len(ids)} greedy outputs differ"
+    assert sum(map(len, expected)) / len(expected) > 5  # non-trivial outputs
+
+
+def same_best(exported: Exported, decode: DecodeConfig) -> list[tuple[Translation, Translation]]:
+    """(mtkit's, CTranslate2's) best translation of each of 40 lines where their texts agree.
+
+    Also checks that an empty or blank line gives one empty translation, without the engine.
+    """
+    bundle = exported.bundle
+    lines = [*exported.lines[:20], "", "  ", *exported.lines[20:]]
+    expected = list(Translator(bundle.model, bundle.src_tok, bundle.tgt_tok, decode, CPU).stream([lines]))
+    got = list(CTranslate2Translator.from_dir(exported.ct2_dir, decode).stream([lines]))
+    assert len(got) == len(lines) and got[20] == got[21] == [EMPTY]
+    return [(e[0], g[0]) for e, g in zip(expected, got) if e[0].text == g[0].text and e[0] != EMPTY]
+
+
+def assert_close_logprobs(pairs: list[tuple[Translation, Translation]]) -> None:
+    for e, g in pairs:
+        # Float rounding, and CTranslate2's renormalising after it bans pad and bos (higher by their share).
+        assert -1e-3 < g.logprob - e.logprob < 0.01 * abs(e.logprob) + 1e-3
+
+
+def test_greedy_translations_equal_mtkit_translations(exported):
+    pairs = same_best(exported, DecodeConfig(beam=1))
+    assert len(pairs) == 40
+    assert_close_logprobs(pairs)
+
+
+@pytest.mark.parametrize("lenpen", [0.0, 1.0])
+def test_beam_best_equals_mtkit_beam_best(ending, lenpen):
+    """39 of 40 agree. The two searches treat the length cap differently (see CTranslate2Translator): on line 21
+    every hypothesis reaches it. Measured on the model whose hypotheses mostly end with eos, as the other's never do."""
+    pairs = same_best(ending, DecodeConfig(beam=4, lenpen=lenpen))
+    assert len(pairs) >= 39, f"{len(pairs)} of 40 best translations equal"
+    assert_close_logprobs(pairs)
+
+
+def test_nbest_lists_are_ranked_and_headed_by_the_best(exported):
+    lines = exported.lines[:10]
+    best = CTranslate2Translator.from_dir(exported.ct2_dir, DecodeConfig(beam=4))
+    three = CTranslate2Translator.from_dir(exported.ct2_dir, DecodeConfig(beam=4), nbest=3)
+    for one, hyps in zip(best.stream([lines]), three.stream([lines])):
+        assert len(hyps) == 3 and hyps[0] == one[0]
+        assert [h.score for h in hyps] == sorted((h.score for h in hyps), reverse=True)
+
+
+def test_int8_export_translates_every_line(exported, tmp_path):
+    int8_dir = export_ctranslate2(exported.run, tmp_path / "int8", "int8")
+    assert json.loads((int8_dir / MANIFEST).read_text())["quantization"] == "int8"
+    assert (int8_dir / "model.bin").stat().st_size < 0.5 * (exported.ct2_dir / "model.bin").stat().st_size
+    lines = [*exported.lines, ""]
+    results = list(CTranslate2Translator.from_dir(int8_dir, DecodeConfig(beam=4)).stream([lines]))
+    assert len(results) == len(lines) and results[-1] == [EMPTY]
+    assert all(len(r) == 1 and r[0].text and r[0].logprob < 0 for r in results[:-1])
+
+
+def test_overlong_line_is_truncated_as_mtkit_truncates_it(exported, caplog):
+    long_line = " ".join(exported.lines[:20])  # well over model.max_positions source tokens
+    bundle = exported.bundle
+    decode = DecodeConfig(beam=1)
+    expected = list(Translator(bundle.model, bundle.src_tok, bundle.tgt_tok, decode, CPU).stream([[long_line]]))
+    with caplog.at_level(logging.WARNING, logger="mtkit"):
+        got = list(CTranslate2Translator.from_dir(exported.ct2_dir, decode).stream([["A dog.", long_line]]))
+    assert got[1][0].text == expected[0][0].text
+    assert "line 2:" in caplog.text and "truncated to 127" in caplog.text
+
+
+def test_export_command_writes_a_folder_that_translates_and_can_be_replaced(joint, tmp_path):
+    out = tmp_path / "ct2"
+    for _ in range(2):  # the second export replaces the first
+        result = invoke("export", joint, "--format", "ctranslate2", "-o", out)
+        assert result.exit_code == 0, result.output
+    assert "wrote" in result.stderr and "float32" in result.stderr
+    names = {path.name for path in out.iterdir()}
+    assert {"model.bin", "config.json", "shared_vocabulary.json", MANIFEST, "spm.model"} <= names
+    assert [path.name for path in tmp_path.iterdir()] == ["ct2"]  # no temporary folders left behind
+    lines = ["A man in an orange hat.", "", "Two dogs play in the snow."]
+    results = list(CTranslate2Translator.from_dir(out).stream([lines]))  # the run's decode settings
+    assert [bool(r[0].text) for r in results] == [True, False, True]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--format", "onnx"], "error: --format must be ctranslate2, got 'onnx'"),
+        (["--quantization", "int4"], "error: --quantization must be one of int8, "),
+    ],
+)
+def test_bad_options_are_one_line_errors(joint, tmp_path, args, message):
+    result = invoke("export", joint, "-o", tmp_path / "ct2", *args)
+    assert result.exit_code == 1
+    assert result.stderr.startswith(message) and result.stderr.count("\n") == 1
+    assert not (tmp_path / "ct2").exists()
+
+
+def test_a_folder_that_is_not_an_export_is_never_replaced(joint, tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    result = invoke("export", joint, "-o", tmp_path)
+    assert result.exit_code == 1
+    assert result.stderr == f"error: {tmp_path}: exists and is not an mtkit export; choose another output folder\n"
+    assert [path.name for path in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def test_missing_ctranslate2_is_a_one_line_error(joint, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ctranslate2", None)  # import ctranslate2 now raises ImportError
+    result = invoke("export", joint, "-o", tmp_path / "ct2")
+    assert result.exit_code == 1
+    assert result.stderr.strip().endswith("needs the ctranslate2 package: pip install ctranslate2")
+
+
+def test_a_folder_without_a_readable_manifest_is_not_an_export(tmp_path):
+    with pytest.raises(checkpoint.CheckpointError, match="not an mtkit CTranslate2 export"):
+        CTranslate2Translator.from_dir(tmp_path)
+    (tmp_path / MANIFEST).write_text("{")
+    with pytest.raises(checkpoint.CheckpointError, match="not readable JSON"):
+        CTranslate2Translator.from_dir(tmp_path)
+
+
+def test_export_has_help():
+    result = invoke("export", "--help")
+    assert result.exit_code == 0 and "--quantization" in result.output
+
+
+def test_translate_with_the_ctranslate2_engine_matches_mtkit(ending):
+    lines = ending.lines[:12] + ["", "   "]
+    text = "".join(line + "\n" for line in lines)
+
+    def translate(model, *options):
+        result = runner.invoke(app, ["translate", str(model), "--beam", "1", "--scores", *options], input=text)
+        assert result.exit_code == 0, result.output
+        return [row.split("\t") for row in result.stdout.splitlines()]
+
+    mtkit_rows = translate(ending.run)
+    ct2_rows = translate(ending.ct2_dir, "--engine", "ctranslate2")
+    assert [t for _, t in ct2_rows] == [t for _, t in mtkit_rows]
+    assert [float(lp) for lp, _ in ct2_rows] == pytest.approx([float(lp) for lp, _ in mtkit_rows], rel=1e-2, abs=1e-3)
+    args = ["translate", str(ending.ct2_dir), "--engine", "ctranslate2", "--sample"]
+    refused = runner.invoke(app, args, input="A.\n")
+    assert refused.exit_code == 1 and "--engine ctranslate2 takes one model and no --sample" in refused.stderr
