@@ -55,7 +55,7 @@ def train_spm(sentences: Iterable[str], out_prefix: Path, options: SpmOptions) -
     except RuntimeError as err:
         # e.g. "Vocabulary size too high (8000). Please set it to a value <= 1234."
         raise TokenizerError(f"SentencePiece training failed: {str(err).strip().splitlines()[-1]}") from None
-    return out_prefix.with_suffix(".model")
+    return out_prefix.with_name(out_prefix.name + ".model")  # not with_suffix: "spm.src" would lose ".src"
 
 
 def file_sha256(path: Path) -> str:

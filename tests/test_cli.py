@@ -101,6 +101,7 @@ def test_tokenizer_train_joint_and_separate(tmp_path, multi30k_slice):
     )
     assert result.exit_code == 0, result.output
     assert (tmp_path / "s" / "spm.src.model").is_file() and (tmp_path / "s" / "spm.tgt.model").is_file()
+    assert f"wrote {tmp_path / 's' / 'spm.src.model'} and {tmp_path / 's' / 'spm.src.vocab'}" in result.stderr
 
 
 def test_train_writes_a_complete_run_directory(trained_run):
