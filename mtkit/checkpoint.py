@@ -83,14 +83,14 @@ def atomic_write(path: Path, write) -> None:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file ordinary permissions
         os.replace(tmp, path)
-        _fsync_directory(path.parent)  # make the rename itself durable
+        _fsync_path(path.parent)  # make the rename itself durable
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
 
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -105,13 +105,6 @@ def _umask() -> int:
 
 def atomic_write_text(path: Path, text: str) -> None:
     atomic_write(path, lambda f: f.write(text.encode("utf-8")))
-
-
-def _write_synced(path: Path, write) -> None:
-    with open(path, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 # -- run directory ownership ----------------------------------------------------------------
@@ -178,17 +171,31 @@ def save(
 
     ``state`` must hold only tensors and plain values, as it is read back with ``weights_only=True``.
     """
-    directory = Path(directory)
     data = _encode(weights, meta)
+
+    def fill(tmp: Path) -> None:
+        (tmp / WEIGHTS_FILE).write_bytes(data)
+        if state is not None:
+            with open(tmp / STATE_FILE, "wb") as f:
+                torch.save(state, f)
+
+    atomic_write_directory(Path(directory), fill)
+
+
+def atomic_write_directory(directory: Path, fill) -> None:
+    """Call ``fill(tmp)`` on a temporary folder beside ``directory``, fsync it all, then swap it in whole.
+
+    Folders an earlier crash left beside ``directory`` are cleaned up first.
+    """
     directory.parent.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(directory)
     tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.", suffix=".tmp"))
     try:
-        _write_synced(tmp / WEIGHTS_FILE, lambda f: f.write(data))
-        if state is not None:
-            _write_synced(tmp / STATE_FILE, lambda f: torch.save(state, f))
+        fill(tmp)
+        for path in tmp.iterdir():
+            _fsync_path(path)
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700
-        _fsync_directory(tmp)
+        _fsync_path(tmp)
         _swap_in(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -206,7 +213,7 @@ def _swap_in(tmp: Path, directory: Path) -> None:
     """Rename the finished ``tmp`` to ``directory``; an existing one is set aside first and deleted last."""
     if not directory.exists():
         os.rename(tmp, directory)
-        _fsync_directory(directory.parent)
+        _fsync_path(directory.parent)
         return
     old = directory.with_name(f".{directory.name}.old")
     os.rename(directory, old)
@@ -215,7 +222,7 @@ def _swap_in(tmp: Path, directory: Path) -> None:
     except BaseException:
         os.rename(old, directory)
         raise
-    _fsync_directory(directory.parent)
+    _fsync_path(directory.parent)
     shutil.rmtree(old)
 
 

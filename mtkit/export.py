@@ -23,9 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
-import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -35,15 +32,7 @@ import torch
 from torch import nn
 
 from mtkit import __version__
-from mtkit.checkpoint import (
-    CheckpointError,
-    _fsync_directory,
-    _remove_leftovers,
-    _swap_in,
-    _umask,
-    load_for_inference,
-    resolve,
-)
+from mtkit.checkpoint import CheckpointError, atomic_write_directory, load_for_inference, resolve
 from mtkit.config import ConfigError, DecodeConfig, ModelConfig
 from mtkit.data import source_tensor
 from mtkit.model import Decoder, Embedder, Encoder, FeedForward, MultiHeadAttention, Transformer
@@ -198,7 +187,7 @@ def export_ctranslate2(model_path: Path, out_dir: Path, quantization: str | None
         spec.save(str(directory))
         (directory / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
 
-    _write_directory(out_dir, fill)
+    atomic_write_directory(out_dir, fill)
     return out_dir
 
 
@@ -206,30 +195,6 @@ def _check_replaceable(out_dir: Path) -> None:
     if out_dir.exists() and not (out_dir / MANIFEST).is_file():
         if not out_dir.is_dir() or any(out_dir.iterdir()):
             raise CheckpointError(f"{out_dir}: exists and is not an mtkit export; choose another output folder")
-
-
-def _write_directory(directory: Path, fill) -> None:
-    """Call ``fill(tmp)`` on a temporary folder beside ``directory``, sync it, then swap it in whole.
-
-    The swap and the clean-up of folders a crash left are checkpoint.save's, so both behave alike.
-    """
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    _remove_leftovers(directory)
-    tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.", suffix=".tmp"))
-    try:
-        fill(tmp)
-        for path in tmp.iterdir():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700
-        _fsync_directory(tmp)
-        _swap_in(tmp, directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def read_manifest(ct2_dir: Path) -> dict[str, Any]:
