@@ -60,7 +60,7 @@ def make_translator(name: str, run: Path, export_dir: Path, threads: int):
     if name.startswith("ct2-"):
         from mtkit.export import CTranslate2Translator
 
-        return CTranslate2Translator.from_dir(export_dir, decode, "cpu", name.removeprefix("ct2-"), threads=threads)
+        return CTranslate2Translator.from_dir(export_dir, decode, "cpu", "default")  # the export's own weight type
     from mtkit.translate import Translator
 
     bundle = load_for_inference(run, device)
@@ -116,7 +116,7 @@ def main() -> None:
     p.add_argument("--run", type=Path, required=True, help="trained run directory (tokenizer and best/)")
     p.add_argument("--data-dir", type=Path, default=REPO.parent / "shared" / "data" / "multi30k")
     p.add_argument("--configs", type=lambda s: s.split(","), default=list(CONFIGS))
-    p.add_argument("--threads", type=int, default=0, help="torch / CTranslate2 threads; 0 for the default")
+    p.add_argument("--threads", type=int, default=0, help="torch threads; 0 for the default")
     p.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     p.add_argument("--config", help=argparse.SUPPRESS)
     p.add_argument("--export-dir", type=Path, help=argparse.SUPPRESS)
