@@ -30,6 +30,28 @@ def tiny_model_config(**overrides) -> ModelConfig:
     return ModelConfig(**values)
 
 
+def train_on_task(model: Transformer, pairs, steps: int, peak_lr: float, warmup: int) -> Transformer:
+    """Plain training of a tiny model on a toy task: ``pairs()`` gives each step's (sources, targets)."""
+    from mtkit.data import collate
+    from mtkit.loss import linear_cross_entropy
+    from mtkit.tokenizer import PAD_ID
+    from mtkit.train import lr_at
+
+    model.train()
+    optimizer = torch.optim.Adam(model.parameters(), betas=(0.9, 0.98), eps=1e-9)
+    for step in range(1, steps + 1):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, peak_lr, warmup)
+        batch = collate(*pairs())
+        features = model.features(batch.src, batch.src_pad_mask, batch.tgt_in)
+        keep = batch.tgt_out != PAD_ID
+        loss, _ = linear_cross_entropy(features[keep], model.output.weight, batch.tgt_out[keep], 0.0)
+        (loss / keep.sum()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return model.eval()
+
+
 def tiny_model(vocab: int = 40, seed: int = 0, **overrides) -> Transformer:
     torch.manual_seed(seed)
     return build_model(tiny_model_config(**overrides), vocab, vocab, PAD_ID).eval()

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import matplotlib.image
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import tiny_model, train_on_task
 from test_checkpoint import invoke, meta_for
 
 from mtkit import checkpoint
@@ -23,11 +23,9 @@ from mtkit.attention import (
     recording,
     word_alignment,
 )
-from mtkit.data import collate, pad, source_tensor
-from mtkit.loss import linear_cross_entropy
+from mtkit.data import pad, source_tensor
 from mtkit.model import MultiHeadAttention
-from mtkit.tokenizer import BOS_ID, PAD_ID
-from mtkit.train import lr_at
+from mtkit.tokenizer import BOS_ID
 
 VOCAB = 40
 PHARAOH = re.compile(r"(\d+-\d+( \d+-\d+)*)?")
@@ -183,21 +181,12 @@ def test_a_model_that_learned_to_copy_aligns_each_word_with_itself():
         return [torch.randint(4, vocab, (length,), generator=generator).tolist() for length in lengths]
 
     g = torch.Generator().manual_seed(0)
-    model = tiny_model(vocab, seed=0, encoder_layers=1, decoder_layers=1).train()
-    optimizer = torch.optim.Adam(model.parameters(), betas=(0.9, 0.98), eps=1e-9)
-    for step in range(1, 251):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, 1e-2, 30)
-        src = sequences(32, g)
-        batch = collate(src, src)
-        features = model.features(batch.src, batch.src_pad_mask, batch.tgt_in)
-        keep = batch.tgt_out != PAD_ID
-        loss, _ = linear_cross_entropy(features[keep], model.output.weight, batch.tgt_out[keep], 0.0)
-        (loss / keep.sum()).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
 
-    model.eval()
+    def copying():
+        src = sequences(32, g)
+        return src, src
+
+    model = train_on_task(tiny_model(vocab, seed=0, encoder_layers=1, decoder_layers=1), copying, 250, 1e-2, 30)
     pairs = [(s, s) for s in sequences(50, torch.Generator().manual_seed(1))]
     links = [link for line in align_batch(model, ONE_PIECE_WORDS, ONE_PIECE_WORDS, pairs) for link in line.split()]
     diagonal = sum(i == j for i, j in (link.split("-") for link in links))
