@@ -38,7 +38,7 @@ from mtkit.data import source_tensor
 from mtkit.model import Decoder, Embedder, Encoder, FeedForward, MultiHeadAttention, Transformer
 from mtkit.search import length_penalty, max_lengths
 from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
-from mtkit.translate import EMPTY, Translation, length_batches
+from mtkit.translate import EMPTY, Translation, length_batches, source_ids
 
 log = logging.getLogger("mtkit")
 
@@ -286,7 +286,8 @@ class CTranslate2Translator:
         todo = [i for i, line in enumerate(lines) if line.strip()]
         if not todo:
             return results
-        ids = dict(zip(todo, self._source_ids([lines[i] for i in todo], [first_line + i for i in todo])))
+        numbers = [first_line + i for i in todo]
+        ids = dict(zip(todo, source_ids(self.src_tok, [lines[i] for i in todo], numbers, self.max_positions)))
         d = self.decode
         _, src_pad_mask = source_tensor([ids[i] for i in todo])
         caps = max_lengths(src_pad_mask, d.max_len_a, d.max_len_b, self.max_positions) - 1  # tokens before eos
@@ -299,15 +300,6 @@ class CTranslate2Translator:
                 for i, translations in zip(chunk, self._search([ids[i] for i in chunk], cap)):
                     results[i] = translations
         return results
-
-    def _source_ids(self, lines: list[str], numbers: list[int]) -> list[list[int]]:
-        """Token ids of ``lines``, truncated (with a warning) to leave room for eos in the model's positions."""
-        limit = self.max_positions - 1
-        seqs = self.src_tok.encode(lines)
-        for number, seq in zip(numbers, seqs):
-            if len(seq) > limit:
-                log.warning("line %d: %d source tokens truncated to %d (model.max_positions)", number, len(seq), limit)
-        return [seq[:limit] for seq in seqs]
 
     def _search(self, seqs: list[list[int]], cap: int) -> list[list[Translation]]:
         """Translations of ``seqs``, whose outputs may have up to ``cap`` tokens before eos."""

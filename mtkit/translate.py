@@ -48,6 +48,16 @@ class PrefixMismatch(ValueError):
     """Target prefixes that are not line-aligned with the input."""
 
 
+def source_ids(tok: Tokenizer, lines: list[str], numbers: list[int], max_positions: int) -> list[list[int]]:
+    """Token ids of ``lines`` (numbered ``numbers`` for warnings), truncated to leave the source eos a position."""
+    limit = max_positions - 1
+    seqs = tok.encode(lines)
+    for number, seq in zip(numbers, seqs):
+        if len(seq) > limit:
+            log.warning("line %d: %d source tokens truncated to %d (model.max_positions)", number, len(seq), limit)
+    return [seq[:limit] for seq in seqs]
+
+
 def length_batches(lengths: list[int], batch_size: int, batch_tokens: int) -> list[list[int]]:
     """Indices sorted by length (longest first), cut into batches of at most ``batch_size`` sentences
     and ``batch_tokens`` padded source tokens (a longer sentence still forms a batch of one)."""
@@ -115,17 +125,10 @@ class Translator:
         results: list[list[Translation]] = [[EMPTY] for _ in lines]
         forced = self.tgt_tok.encode(prefixes) if prefixes is not None else None
         todo = [i for i, line in enumerate(lines) if line.strip()]
-        ids = dict(zip(todo, self.src_tok.encode([lines[i] for i in todo])))
-        limit = self.model.encoder.embed.max_positions - 1  # room for the source eos
-        for i in todo:
-            if len(ids[i]) > limit:
-                log.warning(
-                    "line %d: %d source tokens truncated to %d (model.max_positions)",
-                    first_line + i,
-                    len(ids[i]),
-                    limit,
-                )
-                ids[i] = ids[i][:limit]
+        max_positions = self.model.encoder.embed.max_positions
+        ids = dict(
+            zip(todo, source_ids(self.src_tok, [lines[i] for i in todo], [first_line + i for i in todo], max_positions))
+        )
         d = self.decode
         for batch in length_batches([len(ids[i]) + 1 for i in todo], d.batch_size, d.batch_tokens):
             chunk = [todo[b] for b in batch]
