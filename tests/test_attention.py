@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import shutil
 import sys
 from types import SimpleNamespace
 
@@ -11,9 +10,8 @@ import matplotlib.image
 import pytest
 import torch
 from conftest import tiny_model, train_on_task
-from test_checkpoint import invoke, meta_for
+from test_checkpoint import invoke, run_dir_with
 
-from mtkit import checkpoint
 from mtkit.attention import (
     align_batch,
     alignment_layer,
@@ -199,13 +197,8 @@ def test_a_model_that_learned_to_copy_aligns_each_word_with_itself():
 @pytest.fixture
 def tiny_run(tmp_path, spm_model):
     """A run directory with one checkpoint of an untrained two-layer model over the real tokenizer."""
-    run = tmp_path / "run"
-    run.mkdir()
-    shutil.copyfile(spm_model.path, run / "spm.model")
-    model_section = {"encoder_layers": 2, "decoder_layers": 2, "d_model": 32, "heads": 2, "ffn": 64}
-    weights = tiny_model(spm_model.vocab_size, seed=5, **model_section).state_dict()
-    checkpoint.save_in_run(run, 1, weights, meta_for(model_section, sha=spm_model.sha256), None, keep_last=0)
-    return run
+    section = {"encoder_layers": 2, "decoder_layers": 2, "d_model": 32, "heads": 2, "ffn": 64}
+    return run_dir_with(tmp_path, spm_model, section, (5,), with_state=False)
 
 
 def test_attention_command_draws_heatmaps_and_prints_translation_and_alignment(tiny_run, tmp_path):

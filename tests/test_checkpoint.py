@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import safetensors
@@ -231,18 +232,24 @@ def invoke(*args, input=None):
     return runner.invoke(app, [str(a) for a in args], input=input)
 
 
+def run_dir_with(root, spm_model, model_section: dict, steps: tuple[int, ...], with_state: bool) -> Path:
+    """A hand-built run directory: the real tokenizer and one checkpoint of a tiny model per step."""
+    run = root / "run"
+    run.mkdir()
+    shutil.copyfile(spm_model.path, run / "spm.model")
+    meta = meta_for(model_section, sha=spm_model.sha256)
+    for step in steps:
+        weights = tiny_model(spm_model.vocab_size, seed=step, **model_section).state_dict()
+        state = {"progress": {"step": step}} if with_state else None
+        checkpoint.save_in_run(run, step, weights, meta, state, keep_last=0)
+    return run
+
+
 @pytest.fixture
 def fake_run(tmp_path, spm_model):
     """A run directory with two checkpoints of a tiny model over the real tokenizer, no training needed."""
-    run = tmp_path / "run"
-    run.mkdir()
-    shutil.copyfile(spm_model.path, run / "spm.model")
-    model_section = {"encoder_layers": 1, "decoder_layers": 1, "d_model": 32, "heads": 2, "ffn": 64}
-    meta = meta_for(model_section, sha=spm_model.sha256)
-    for step in (10, 20):
-        weights = tiny_model(spm_model.vocab_size, seed=step, **model_section).state_dict()
-        checkpoint.save_in_run(run, step, weights, meta, {"progress": {"step": step}}, keep_last=0)
-    return run
+    section = {"encoder_layers": 1, "decoder_layers": 1, "d_model": 32, "heads": 2, "ffn": 64}
+    return run_dir_with(tmp_path, spm_model, section, (10, 20), with_state=True)
 
 
 def test_average_command_writes_a_model_translate_can_use(fake_run, tmp_path):
