@@ -146,17 +146,16 @@ def measure_translation(run: Path, data_dir: Path, lines: int | None, precision:
     from mtkit.checkpoint import load_for_inference
     from mtkit.data import read_lines
     from mtkit.metrics import bleu
-    from mtkit.runtime import autocast, compute_dtype
+    from mtkit.runtime import compute_dtype
     from mtkit.translate import translate_lines
 
     device = torch.device("cpu")
-    bundle = load_for_inference(run, device)
+    bundle = load_for_inference(run, device, compute_dtype(precision, device))
     langs = bundle.cfg.data
     refs = read_lines(data_dir / f"test_2016_flickr.{langs.tgt_lang}.gz")[:lines]
     start = time.perf_counter()
     src = read_lines(data_dir / f"test_2016_flickr.{langs.src_lang}.gz")[:lines]
-    with autocast(device, compute_dtype(precision, device)):
-        hyps = translate_lines(bundle.model, bundle.src_tok, bundle.tgt_tok, src, DecodeConfig(beam=BEAM), device)
+    hyps = translate_lines(bundle.model, bundle.src_tok, bundle.tgt_tok, src, DecodeConfig(beam=BEAM), device)
     seconds = time.perf_counter() - start
     score = bleu(hyps, refs)
     return {

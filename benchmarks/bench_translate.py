@@ -63,24 +63,18 @@ def make_translator(name: str, run: Path, export_dir: Path, threads: int):
         return CTranslate2Translator.from_dir(export_dir, decode, "cpu", "default")  # the export's own weight type
     from mtkit.translate import Translator
 
-    bundle = load_for_inference(run, device)
+    dtype = torch.bfloat16 if name == "mtkit-bf16" else torch.float32
+    bundle = load_for_inference(run, device, dtype)
     return Translator(bundle.model, bundle.src_tok, bundle.tgt_tok, decode, device)
 
 
 def child_main(args: argparse.Namespace) -> None:
     """One configuration; prints its figures as one JSON line."""
-    import contextlib
-
-    import torch
-
     from mtkit.data import read_lines
     from mtkit.metrics import bleu
-    from mtkit.runtime import autocast
 
     translator = make_translator(args.config, args.run, args.export_dir, args.threads)
-    bf16 = args.config == "mtkit-bf16"
-    with autocast(torch.device("cpu"), torch.bfloat16) if bf16 else contextlib.nullcontext():
-        hyps, seconds = timed_translation(translator, args.data_dir / "test_2016_flickr.en.gz")
+    hyps, seconds = timed_translation(translator, args.data_dir / "test_2016_flickr.en.gz")
     refs = read_lines(args.data_dir / "test_2016_flickr.de.gz")
     score = bleu(hyps, refs)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -195,7 +195,6 @@ def align_batch(
 
     One padded teacher-forced pass records only the alignment layer's cross-attention, so memory
     stays at B x H x T x S; padding is masked, so each line is what the pair alone would give.
-    Run it under the autocast the search ran with.
     """
     lines = [""] * len(pairs)
     todo = [i for i, (src, hyp) in enumerate(pairs) if src and hyp]

@@ -475,8 +475,11 @@ class InferenceBundle:
     step: int
 
 
-def load_for_inference(model_path: Path, device: torch.device) -> InferenceBundle:
-    """Model in eval mode plus the tokenizers it was trained with, checked by hash."""
+def load_for_inference(model_path: Path, device: torch.device, dtype: torch.dtype = torch.float32) -> InferenceBundle:
+    """Model in eval mode, its weights cast to ``dtype``, plus the tokenizers it was trained with, checked by hash.
+
+    Decoding in bf16/fp16 casts the weights once, rather than at every step as autocast would.
+    """
     ckpt = load(resolve(model_path), with_state=False)
     cfg = from_dict(ckpt.meta["config"])
     where = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
@@ -486,5 +489,5 @@ def load_for_inference(model_path: Path, device: torch.device) -> InferenceBundl
     }
     model = build_model(cfg.model, toks["src"].vocab_size, toks["tgt"].vocab_size, PAD_ID)
     model.load_state_dict(ckpt.weights)
-    model.to(device).eval()
+    model.to(device=device, dtype=dtype).eval()
     return InferenceBundle(model, toks["src"], toks["tgt"], cfg, int(ckpt.meta["step"]))

@@ -443,13 +443,13 @@ class _LineProgress:
             self.progress.stop()
 
 
-def _mtkit_translator(models: list[Path], decode, device, nbest: int, sampling, seed: int, alignments: bool):
-    """A Translator over one model or an ensemble of several that share tokenizers."""
+def _mtkit_translator(models: list[Path], decode, device, dtype, nbest: int, sampling, seed: int, alignments: bool):
+    """A Translator over one model or an ensemble of several that share tokenizers, weights in ``dtype``."""
     from mtkit.checkpoint import CheckpointError, load_for_inference
     from mtkit.ensemble import Ensemble
     from mtkit.translate import Translator
 
-    bundles = [load_for_inference(path, device) for path in models]
+    bundles = [load_for_inference(path, device, dtype) for path in models]
     first = bundles[0]
     for path, other in zip(models[1:], bundles[1:]):
         if (other.src_tok.sha256, other.tgt_tok.sha256) != (first.src_tok.sha256, first.tgt_tok.sha256):
@@ -525,12 +525,10 @@ def translate(
     appears as each chunk is done. Lines longer than the model's positions are truncated (with a
     warning), never split.
     """
-    import torch
-
     from mtkit.checkpoint import atomic_write
     from mtkit.config import ConfigError, DecodeConfig
     from mtkit.data import DataError
-    from mtkit.runtime import autocast, compute_dtype, pick_device
+    from mtkit.runtime import compute_dtype, pick_device
     from mtkit.search import Sampling
     from mtkit.translate import CHUNK_LINES, PrefixMismatch
 
@@ -571,15 +569,14 @@ def translate(
 
         compute_type = {"fp32": "default", "bf16": "bfloat16", "fp16": "float16"}[precision]
         translator = CTranslate2Translator.from_dir(model[0], decode, dev.type, compute_type, nbest)
-        dtype = torch.float32  # CTranslate2 runs outside torch
     else:
-        translator = _mtkit_translator(model, decode, dev, nbest, sampling, seed, alignments)
+        translator = _mtkit_translator(model, decode, dev, dtype, nbest, sampling, seed, alignments)
     chunks = _input_chunks(input, CHUNK_LINES)
 
     prefixes = (line for chunk in _input_chunks(prefix, CHUNK_LINES) for line in chunk) if prefix else None
 
     def write_all(out) -> None:
-        with autocast(dev, dtype), _LineProgress() as progress:
+        with _LineProgress() as progress:
             results = translator.stream(chunks, prefixes) if prefixes is not None else translator.stream(chunks)
             for index, translations in enumerate(results):
                 out.write(_format(index, translations, nbest, scores, alignments).encode("utf-8"))

@@ -37,9 +37,9 @@ class DecoderCache:
     def select(self, index: Tensor, cross_index: Tensor | None = None) -> None:
         """Keep (and reorder) batch rows ``index`` of the self-attention keys/values in place.
 
-        The cross-attention keys/values depend on the source alone, so beam search reorders them
-        only when sentences leave the batch (``cross_index``), not at every step: every beam of a
-        sentence holds the same ones. Without ``cross_index`` they are left as they are.
+        The cross-attention keys/values depend on the source alone and hold one row per sentence
+        (shared by its beams), so they follow ``cross_index``, the sentences kept, when given and
+        stay as they are otherwise.
         """
         names = ("self_k", "self_v")
         for layer in self.layers:
@@ -202,8 +202,15 @@ class DecoderLayer(nn.Module):
             return attn(h, memory, src_allowed)
         if cache.cross_k is None:
             cache.cross_k, cache.cross_v = attn.project_kv(memory)
-        q = attn.split_heads(attn.q_proj(h))
-        return attn.attend(q, cache.cross_k, cache.cross_v, src_allowed, False)
+        # Beam search keeps one memory row per sentence for its ``group`` consecutive rows of h
+        # (its beams): their queries attend together, each sentence's keys read once.
+        rows, length, _ = h.shape
+        group = rows // cache.cross_k.size(0)
+        q = attn.split_heads(attn.q_proj(h))  # (rows, H, length, Dh)
+        if group > 1:
+            q = q.unflatten(0, (-1, group)).transpose(1, 2).flatten(2, 3)  # (sentences, H, group * length, Dh)
+        out = attn.attend(q, cache.cross_k, cache.cross_v, src_allowed, False)
+        return out.view(rows, length, -1)
 
 
 def sinusoidal_table(max_positions: int, d_model: int) -> Tensor:
@@ -273,7 +280,8 @@ class Decoder(nn.Module):
     def forward(
         self, tgt_in: Tensor, memory: Tensor, src_pad_mask: Tensor, cache: DecoderCache | None = None
     ) -> Tensor:
-        """tgt_in (B, T) -> features (B, T, D). With a cache, tgt_in holds only the new positions."""
+        """tgt_in (B, T) -> features (B, T, D). With a cache, tgt_in holds only the new positions, and
+        memory may hold one row per group of B / len(memory) consecutive rows (a sentence's beams)."""
         allowed = ~src_pad_mask[:, None, None, :]
         offset = 0
         if cache is not None:

@@ -65,6 +65,30 @@ def _force(lprobs: Tensor, forced: Tensor) -> None:
         lprobs[rows, token] = kept
 
 
+def _best_extensions(
+    logits: Tensor, count: int, eos_allowed: bool, forced: Tensor | None, must_end: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Each row's ``count`` best next tokens and their log-probabilities, best first: (N, count) twice.
+
+    Beam search needs no more: a sentence's best 2k extensions are among its rows' best 2k each,
+    and a top-k per row is cheaper than one over all of a sentence's k x V extensions. The
+    constraints only mask: never pad or bos, no eos before ``min_len`` (``eos_allowed``), a forced
+    prefix token, and eos alone on rows at their length cap (``must_end``, which outranks the others).
+    """
+    lprobs = F.log_softmax(logits, dim=1)
+    lprobs[:, PAD_ID] = float("-inf")
+    lprobs[:, BOS_ID] = float("-inf")
+    eos = lprobs[:, EOS_ID].clone()
+    if not eos_allowed:
+        lprobs[:, EOS_ID] = float("-inf")
+    if forced is not None:
+        _force(lprobs, forced)
+    if must_end.any():
+        lprobs[must_end] = float("-inf")
+        lprobs[must_end, EOS_ID] = eos[must_end]
+    return lprobs.topk(min(count, lprobs.size(1)), dim=1)
+
+
 @dataclass(frozen=True)
 class Sampling:
     """Random choice of each next token, for back-translation and diverse outputs."""
@@ -171,35 +195,33 @@ def beam_search(
     max_lens = max_lengths(src_pad_mask, max_len_a, max_len_b, limit)
     forced = prefix_tensor(prefixes, n_sent, device)
 
-    memory = model.encode(src, src_pad_mask).repeat_interleave(k, dim=0)  # (n*k, S, D)
-    mask = src_pad_mask.repeat_interleave(k, dim=0)
+    # A sentence's beams share its encoder output: memory and mask keep one row per sentence, and
+    # the decoder's cross-attention serves all of a sentence's rows from it.
+    memory, mask = model.encode(src, src_pad_mask), src_pad_mask
     cache = DecoderCache()
-    tokens = torch.full((n_sent * k, 1), BOS_ID, dtype=torch.long, device=device)
-    scores = torch.full((n_sent, k), float("-inf"), device=device)
-    scores[:, 0] = 0.0  # all beams start identical: expand only the first
-    active = torch.arange(n_sent, device=device)  # sentence id of each active group of k rows
+    width = 1  # rows per sentence; every beam starts as the same bos, so the first step runs one
+    tokens = torch.full((n_sent, 1), BOS_ID, dtype=torch.long, device=device)
+    scores = torch.zeros(n_sent, 1, device=device)
+    active = torch.arange(n_sent, device=device)  # sentence id of each active group of rows
     finished: list[list[Hypothesis]] = [[] for _ in range(n_sent)]
     beam_offsets = torch.arange(k, device=device)
 
     for step in range(int(max_lens.max())):
         n = active.numel()
-        lprobs = _step_log_probs(model, tokens, memory, mask, cache)  # (n*k, V)
-        vocab = lprobs.size(1)
+        logits = model.decode(tokens[:, -1:], memory, mask, cache)[:, -1].float()  # (n * width, V)
         must_end = step + 1 >= max_lens[active]  # (n,)
-        eos = lprobs[:, EOS_ID].clone()
-        if step < min_len:
-            lprobs[:, EOS_ID] = float("-inf")
-        if step < forced.size(1):
-            _force(lprobs, forced[active, step].repeat_interleave(k))
-        if must_end.any():  # the length cap outranks min_len and prefixes: these rows can only end
-            rows = must_end.repeat_interleave(k)
-            lprobs[rows] = float("-inf")
-            lprobs[rows, EOS_ID] = eos[rows]
-
-        cand = (scores[:, :, None] + lprobs.view(n, k, vocab)).view(n, k * vocab)
+        forced_now = forced[active, step].repeat_interleave(width) if step < forced.size(1) else None
+        row_lprobs, row_tok = _best_extensions(
+            logits, 2 * k, eos_allowed=step >= min_len, forced=forced_now, must_end=must_end.repeat_interleave(width)
+        )
+        per_row = row_tok.size(1)
+        cand = (scores[:, :, None] + row_lprobs.view(n, width, per_row)).view(n, width * per_row)
+        if cand.size(1) < 2 * k:  # tiny vocabularies: fewer candidates than slots
+            cand = F.pad(cand, (0, 2 * k - cand.size(1)), value=float("-inf"))
+            row_tok = F.pad(row_tok.view(n, -1), (0, 2 * k - width * per_row), value=PAD_ID)
         cand_scores, cand_idx = cand.topk(2 * k, dim=1)  # (n, 2k), best first
-        cand_beam = cand_idx // vocab
-        cand_tok = cand_idx % vocab
+        cand_beam = (cand_idx // per_row).clamp(max=width - 1)
+        cand_tok = row_tok.reshape(n, -1).gather(1, cand_idx)
         cand_eos = cand_tok == EOS_ID
 
         # File eos candidates that rank among the best k as finished hypotheses.
@@ -208,20 +230,21 @@ def beam_search(
             for r, c in ending.nonzero().tolist():
                 sentence = int(active[r])
                 if len(finished[sentence]) < k:
-                    history = tokens[r * k + int(cand_beam[r, c]), 1:].tolist()
+                    history = tokens[r * width + int(cand_beam[r, c]), 1:].tolist()
                     logprob = float(cand_scores[r, c])
                     length = len(history) + 1
                     finished[sentence].append(Hypothesis(history, logprob / length_penalty(length, lenpen), logprob))
 
         # Continue with the best k candidates that did not end.
         scores, pick = cand_scores.masked_fill(cand_eos, float("-inf")).topk(k, dim=1)
-        rows = (torch.arange(n, device=device)[:, None] * k + cand_beam.gather(1, pick)).view(-1)
+        rows = (torch.arange(n, device=device)[:, None] * width + cand_beam.gather(1, pick)).view(-1)
         next_tok = cand_tok.gather(1, pick).view(-1, 1)
+        width = k
 
         done = must_end | torch.tensor([len(finished[s]) >= k for s in active.tolist()], device=device)
         if done.all():
             break
-        keep_rows = None
+        keep = None
         if done.any():
             keep = (~done).nonzero().squeeze(1)
             keep_rows = (keep[:, None] * k + beam_offsets).view(-1)
@@ -229,9 +252,9 @@ def beam_search(
             next_tok = next_tok[keep_rows]
             scores = scores[keep]
             active = active[keep]
-            memory = memory[keep_rows]
-            mask = mask[keep_rows]
+            memory = memory[keep]
+            mask = mask[keep]
         tokens = torch.cat([tokens[rows], next_tok], dim=1)
-        cache.select(rows, cross_index=keep_rows)
+        cache.select(rows, cross_index=keep)
 
     return [sorted(hyps, key=lambda h: -h.score)[:nbest] for hyps in finished]

@@ -667,7 +667,9 @@ class Trainer:
         p = self.progress
         p.step += 1
         window.add(stats)
-        self.reporter.update(p.step, {**stats, "tok_s": window.tokens_per_s(), "epoch": p.epoch})
+        # The window's mean loss, as in metrics.jsonl: one update's loss swings with its batch's lengths.
+        shown = {**stats, "loss": window.loss / window.updates, "tok_s": window.tokens_per_s(), "epoch": p.epoch}
+        self.reporter.update(p.step, shown)
         if p.step % self.cfg.train.log_every:
             return window
         record = {"event": "train", "step": p.step, "epoch": p.epoch, **window.summary(stats), **p.counters()}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -88,6 +89,24 @@ def test_cache_select_follows_reordered_rows():
     torch.testing.assert_close(step[:, 0], model(src[order], mask[order], tgt[order])[:, 3], atol=1e-5, rtol=1e-5)
 
 
+def test_beams_share_one_memory_row_per_sentence():
+    """Cached decoding of k rows per sentence against one memory row each equals a repeated memory."""
+    model = tiny_model(VOCAB)
+    src, _, _ = random_batch(3, 6, 1)
+    src[1, 4:] = PAD_ID
+    mask = src == PAD_ID
+    k = 4
+    beams = torch.randint(4, VOCAB, (3 * k, 5), generator=torch.Generator().manual_seed(2))
+    memory = model.encode(src, mask)
+    shared, repeated = DecoderCache(), DecoderCache()
+    for i in range(beams.size(1)):
+        one_row = model.decode(beams[:, i : i + 1], memory, mask, shared)
+        k_rows = model.decode(
+            beams[:, i : i + 1], memory.repeat_interleave(k, 0), mask.repeat_interleave(k, 0), repeated
+        )
+        torch.testing.assert_close(one_row, k_rows, atol=1e-5, rtol=1e-5)
+
+
 def reference_attention(attn: MultiHeadAttention, query, key_value, allowed):
     """Plain multi-head attention from the paper, scaled by 1/sqrt(d_head)."""
     h, dh = attn.heads, attn.d_head
@@ -120,12 +139,17 @@ def test_explicit_attention_path_matches_sdpa():
         torch.testing.assert_close(_explicit_attention(q, k, v, mask, causal, 0.0), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_bf16_autocast_output_close_to_fp32():
+@pytest.mark.parametrize("how", ["autocast", "cast weights"])
+def test_bf16_output_close_to_fp32(how):
+    """Training runs bf16 under autocast; decoding casts the weights once (mtkit translate --precision bf16)."""
     model = tiny_model(VOCAB)
     src, mask, tgt = random_batch(2, 6, 5)
     full = model(src, mask, tgt)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        low = model(src, mask, tgt).float()
+    if how == "autocast":
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = model(src, mask, tgt).float()
+    else:
+        low = copy.deepcopy(model).to(torch.bfloat16)(src, mask, tgt).float()
     assert (low.softmax(-1) - full.softmax(-1)).abs().max() < 0.05
 
 

@@ -156,3 +156,11 @@ def test_alignments_pair_source_and_target_words(trained_run, lines):  # noqa: F
         assert pairs == sorted(set(pairs))
         assert all(i < len(line.split()) and j < max(len(translation.split()), 1) for i, j in pairs)
         assert bool(pairs) == bool(line and translation)
+
+
+def test_bf16_translation_keeps_every_line(trained_run, lines):  # noqa: F811
+    fp32 = invoke("translate", trained_run, "--beam", 3, input=stdin_of(lines))
+    bf16 = invoke("translate", trained_run, "--beam", 3, "--precision", "bf16", input=stdin_of(lines))
+    assert bf16.exit_code == 0, bf16.output
+    assert [bool(row) for row in bf16.stdout.splitlines()] == [bool(row) for row in fp32.stdout.splitlines()]
+    assert len(bf16.stdout.splitlines()) == len(lines)
