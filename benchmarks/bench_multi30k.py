@@ -1,4 +1,4 @@
-"""Speed, efficiency and memory figures for the Multi30k recipe's model on this machine.
+"""Training speed, efficiency and memory figures for the Multi30k recipe's model on this machine.
 
 What is measured (model: recipes/multi30k_en_de.yaml, transformer-small, 8k joint vocabulary):
 
@@ -7,16 +7,15 @@ What is measured (model: recipes/multi30k_en_de.yaml, transformer-small, 8k join
 2. Training: real (non-pad) target tokens/s and seconds/update over ``--steps`` timed updates of
    the real ``mtkit.train.Trainer`` on the Multi30k training data, after a couple of warm-up updates.
    MFU is the analytic training FLOPs (see ``train_flops``) per second over each measured peak.
-3. Translation: sentences/s with beam 5 on test_2016_flickr (from reading the input to the last
-   output line), with the BLEU of that output, so speed comes with quality. Needs ``--run``.
-4. Peak memory: each (phase, precision) runs in its own child process, which reports its peak RSS.
+3. Peak memory: each precision trains in its own child process, which reports its peak RSS.
 
-Run from the repository root, with the recipe's run directory for translation and its tokenizer::
+Translation speed is ``bench_translate.py``'s. Run from the repository root, with the recipe's run
+directory for its tokenizer::
 
     python benchmarks/bench_multi30k.py --run runs/multi30k_en_de --json bench.json
 
-Without ``--run`` a SentencePiece model is trained first (untimed) and translation is skipped.
-Figures are printed as a table on stdout; progress goes to stderr.
+Without ``--run`` a SentencePiece model is trained first (untimed). Figures are printed as a table
+on stdout; progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from pathlib import Path
 import torch
 
 from mtkit import config
-from mtkit.config import DecodeConfig, ModelConfig, RunConfig
+from mtkit.config import ModelConfig, RunConfig
 from mtkit.data import Batch
 from mtkit.runtime import set_threads
 
@@ -43,7 +42,6 @@ RECIPE = REPO / "recipes" / "multi30k_en_de.yaml"
 MATMUL_SIZE = 2048
 MATMUL_REPEATS = 5
 WARMUP_UPDATES = 2
-BEAM = 5
 PRECISIONS = ("fp32", "bf16")
 
 
@@ -141,46 +139,17 @@ def measure_training(cfg: RunConfig, work: Path, steps: int) -> dict:
     }
 
 
-def measure_translation(run: Path, data_dir: Path, lines: int | None, precision: str) -> dict:
-    """Beam-5 sentences/s on test_2016_flickr, from reading the input to the last output, and BLEU."""
-    from mtkit.checkpoint import load_for_inference
-    from mtkit.data import read_lines
-    from mtkit.metrics import bleu
-    from mtkit.runtime import compute_dtype
-    from mtkit.translate import translate_lines
-
-    device = torch.device("cpu")
-    bundle = load_for_inference(run, device, compute_dtype(precision, device))
-    langs = bundle.cfg.data
-    refs = read_lines(data_dir / f"test_2016_flickr.{langs.tgt_lang}.gz")[:lines]
-    start = time.perf_counter()
-    src = read_lines(data_dir / f"test_2016_flickr.{langs.src_lang}.gz")[:lines]
-    hyps = translate_lines(bundle.model, bundle.src_tok, bundle.tgt_tok, src, DecodeConfig(beam=BEAM), device)
-    seconds = time.perf_counter() - start
-    score = bleu(hyps, refs)
-    return {
-        "lines": len(src),
-        "seconds": seconds,
-        "sentences_per_s": len(src) / seconds,
-        "bleu": score.value,
-        "bleu_signature": score.signature,
-    }
-
-
 def peak_rss_mib() -> float:
     """This process's peak resident memory (Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def child_main(args: argparse.Namespace) -> None:
-    """One phase at one precision; prints its figures as one JSON line for the parent."""
+    """Training at one precision; prints its figures as one JSON line for the parent."""
     set_threads(args.threads)
     (precision,) = args.precisions
-    if args.phase == "train":
-        cfg = bench_config(args.data_dir, args.tokenizer, precision, args.threads)
-        result = measure_training(cfg, args.work, args.steps)
-    else:
-        result = measure_translation(args.run, args.data_dir, args.lines, precision)
+    cfg = bench_config(args.data_dir, args.tokenizer, precision, args.threads)
+    result = measure_training(cfg, args.work, args.steps)
     print(json.dumps({**result, "peak_rss_mib": peak_rss_mib()}))
 
 
@@ -208,8 +177,6 @@ def run_child(args: argparse.Namespace, phase: str, precision: str, tokenizer: P
         "--work",
         str(work),
     ]
-    cmd += ["--run", str(args.run)] if args.run else []
-    cmd += ["--lines", str(args.lines)] if args.lines else []
     done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
     if done.returncode:
         sys.exit(f"bench_multi30k: the {phase} {precision} phase failed (exit {done.returncode})")
@@ -253,41 +220,26 @@ def render(figures: dict) -> str:
             f"{name:<10}{r['tokens_per_s']:>11,.0f}{r['s_per_update']:>10.3f}{r['gflop_per_update']:>11.1f}"
             f"{r['gflops']:>9.1f}{r['mfu']['fp32']:>12.1%}{r['mfu']['bf16']:>12.1%}{r['peak_rss_mib']:>10,.0f}"
         )
-    out.append("")
-    if figures["translate"] is None:
-        out.append("translation: skipped (needs a trained run directory: --run RUN_DIR)")
-        return "\n".join(out)
-    first = next(iter(figures["translate"].values()))
-    out += [
-        f"translation: beam {BEAM}, {first['lines']} lines of test_2016_flickr, cpu",
-        f"{'precision':<10}{'sent/s':>9}{'seconds':>9}{'BLEU':>7}{'peak MiB':>10}",
-    ]
-    for name, r in figures["translate"].items():
-        out.append(
-            f"{name:<10}{r['sentences_per_s']:>9.1f}{r['seconds']:>9.1f}{r['bleu']:>7.2f}{r['peak_rss_mib']:>10,.0f}"
-        )
-    out.append(f"BLEU signature: {first['bleu_signature']}")
     return "\n".join(out)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--run", type=Path, help="trained run directory (tokenizer and best/); needed for translation")
+    p.add_argument("--run", type=Path, help="a run directory whose tokenizer to use (default: train one)")
     p.add_argument(
         "--data-dir",
         type=Path,
         default=REPO.parent / "shared" / "data" / "multi30k",
-        help="folder with train.{en,de}.gz and test_2016_flickr.{en,de}.gz",
+        help="folder with train.{en,de}.gz",
     )
     p.add_argument("--steps", type=int, default=20, help="timed training updates per precision")
-    p.add_argument("--lines", type=int, help="translate only the first N test lines (default: all 1000)")
     p.add_argument(
         "--precisions", type=lambda s: s.split(","), default=list(PRECISIONS), help="comma-separated: fp32,bf16"
     )
     p.add_argument("--threads", type=int, default=0, help="torch threads; 0 keeps torch's default")
     p.add_argument("--json", type=Path, help="also write all figures to this JSON file")
     # Internal: how the parent starts a child for one phase.
-    p.add_argument("--phase", choices=("train", "translate"), help=argparse.SUPPRESS)
+    p.add_argument("--phase", choices=("train",), help=argparse.SUPPRESS)
     p.add_argument("--tokenizer", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -296,8 +248,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--precisions: {name!r} is not one of {', '.join(PRECISIONS)}")
     if args.steps < 1:
         p.error("--steps must be >= 1")
-    if args.lines is not None and args.lines < 1:
-        p.error("--lines must be >= 1")
     return args
 
 
@@ -313,7 +263,6 @@ def main(argv: list[str] | None = None) -> None:
         work = Path(tmp)
         tokenizer = run_tokenizer(args, work)
         train = {p: run_child(args, "train", p, tokenizer, work) for p in args.precisions}
-        translate = {p: run_child(args, "translate", p, tokenizer, work) for p in args.precisions} if args.run else None
     add_mfu(train, peaks)
     figures = {
         "torch": torch.__version__,
@@ -322,7 +271,6 @@ def main(argv: list[str] | None = None) -> None:
         "batch_tokens": config.load(RECIPE).train.batch_tokens,
         "matmul_gflops": peaks,
         "train": train,
-        "translate": translate,
     }
     print(render(figures))
     if args.json:

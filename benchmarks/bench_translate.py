@@ -5,7 +5,10 @@ sentences/s counted from the first input line read to the last output line writt
 excluded, as for OpenNMT-py's 96 sentences/s on this machine kind), and the BLEU of that output.
 
 Configurations:
-- ``mtkit-fp32`` / ``mtkit-bf16``: mtkit's own batched beam search (``mtkit.translate.Translator``).
+- ``mtkit-fp32`` / ``mtkit-bf16``: mtkit's own batched beam search (``mtkit.translate.Translator``),
+  with the weights in that precision.
+- ``mtkit-fp32-no-early-stop`` / ``mtkit-bf16-no-early-stop``: the same, searching on until ``beam``
+  hypotheses have ended (fairseq's rule) instead of stopping once the best candidate has ended.
 - ``mtkit-fp32-one-at-a-time``: the same search, one sentence per batch, to show that batching
   changes speed and not the translations (same BLEU).
 - ``ct2-float32`` / ``ct2-int8``: the model exported with ``mtkit export --format ctranslate2``,
@@ -28,7 +31,15 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIGS = ("mtkit-fp32", "mtkit-bf16", "mtkit-fp32-one-at-a-time", "ct2-float32", "ct2-int8")
+CONFIGS = (
+    "mtkit-fp32",
+    "mtkit-bf16",
+    "mtkit-fp32-no-early-stop",
+    "mtkit-bf16-no-early-stop",
+    "mtkit-fp32-one-at-a-time",
+    "ct2-float32",
+    "ct2-int8",
+)
 BEAM = 5
 
 
@@ -56,14 +67,16 @@ def make_translator(name: str, run: Path, export_dir: Path, threads: int):
 
     set_threads(threads)
     device = torch.device("cpu")
-    decode = DecodeConfig(beam=BEAM, batch_size=1 if name.endswith("one-at-a-time") else 128)
+    decode = DecodeConfig(
+        beam=BEAM, batch_size=1 if name.endswith("one-at-a-time") else 128, early_stop="no-early-stop" not in name
+    )
     if name.startswith("ct2-"):
         from mtkit.export import CTranslate2Translator
 
         return CTranslate2Translator.from_dir(export_dir, decode, "cpu", "default")  # the export's own weight type
     from mtkit.translate import Translator
 
-    dtype = torch.bfloat16 if name == "mtkit-bf16" else torch.float32
+    dtype = torch.bfloat16 if name.startswith("mtkit-bf16") else torch.float32
     bundle = load_for_inference(run, device, dtype)
     return Translator(bundle.model, bundle.src_tok, bundle.tgt_tok, decode, device)
 

@@ -231,6 +231,7 @@ def translate_with_attention(
         max_len_a=decode.max_len_a,
         max_len_b=decode.max_len_b,
         min_len=decode.min_len,
+        early_stop=decode.early_stop,
     )[0][0]
     translation = tgt_tok.decode([best.tokens])[0]
     maps = attention_maps(model, ids, best.tokens)

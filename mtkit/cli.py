@@ -478,11 +478,19 @@ def translate(
     max_len_a: Annotated[float, typer.Option(help="Output length cap: a * source length + b.")] = 1.5,
     max_len_b: Annotated[int, typer.Option(help="Output length cap: a * source length + b.")] = 10,
     min_len: Annotated[int, typer.Option(help="No end of sentence before this many output tokens.")] = 0,
+    early_stop: Annotated[
+        bool,
+        typer.Option(
+            help="Stop a sentence once its best-ranked candidate has ended (as OpenNMT-py and CTranslate2 do); "
+            "--no-early-stop searches on until --beam hypotheses have ended (as fairseq does)."
+        ),
+    ] = True,
     nbest: Annotated[
         int,
         typer.Option(
             help="Print the N best per input line as 'LINE ||| TRANSLATION ||| SCORE ||| LOGPROB' "
-            "(LINE from 0; SCORE length-normalised; an empty input line gives one empty entry)."
+            "(LINE from 0; SCORE length-normalised; an empty input line gives one empty entry). "
+            "With --sample: N independent samples, best score first (they may repeat)."
         ),
     ] = 1,
     scores: Annotated[
@@ -535,14 +543,12 @@ def translate(
     _setup_logging()
     if precision not in ("fp32", "bf16", "fp16"):
         raise ConfigError(f"--precision must be fp32, bf16 or fp16, got {precision!r}")
-    if not 1 <= nbest <= beam:
+    if nbest < 1 or (nbest > beam and not sample):
         raise ConfigError(f"--nbest must be between 1 and --beam ({beam}), got {nbest}")
     if alignments and nbest > 1:
         raise ConfigError("--alignments goes with the best translation only, not with --nbest")
     sampling = None
     if sample:
-        if nbest > 1:
-            raise ConfigError("--sample draws one translation per line; it cannot be combined with --nbest")
         if temperature <= 0 or top_k < 0 or not 0 < top_p <= 1:
             raise ConfigError("--temperature must be > 0, --top-k >= 0 and --top-p in (0, 1]")
         sampling = Sampling(temperature, top_k, top_p)
@@ -552,6 +558,7 @@ def translate(
         max_len_a=max_len_a,
         max_len_b=max_len_b,
         min_len=min_len,
+        early_stop=early_stop,
         batch_size=batch_size,
         batch_tokens=batch_tokens,
     )
@@ -561,7 +568,14 @@ def translate(
         raise ConfigError(f"--engine must be mtkit or ctranslate2, got {engine!r}")
     if engine == "ctranslate2":
         unsupported = [
-            name for name, used in (("--sample", sample), ("--prefix", prefix), ("--alignments", alignments)) if used
+            name
+            for name, used in (
+                ("--sample", sample),
+                ("--prefix", prefix),
+                ("--alignments", alignments),
+                ("--no-early-stop", not early_stop),  # CTranslate2 applies its own stopping rule
+            )
+            if used
         ]
         if unsupported or len(model) > 1:
             raise ConfigError(f"--engine ctranslate2 takes one model and no {', '.join(unsupported) or 'ensemble'}")

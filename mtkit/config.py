@@ -164,6 +164,7 @@ class DecodeConfig:
     max_len_a: float = 1.5  # hypotheses stop at max_len_a * source_length + max_len_b tokens
     max_len_b: int = 10
     min_len: int = 0  # no eos before this many output tokens (unless max_len forces one)
+    early_stop: bool = True  # also done once the best candidate ended (OpenNMT-py); False: when `beam` have (fairseq)
     batch_size: int = 128  # at most this many sentences per decoding batch...
     batch_tokens: int = 8192  # ...and at most this many padded source tokens (x beam rows in the search)
 

@@ -19,12 +19,45 @@ from mtkit.config import ModelConfig
 
 @dataclass
 class LayerCache:
-    """Keys/values one decoder layer reuses across incremental steps, each (B, H, len, Dh)."""
+    """Keys/values one decoder layer reuses across incremental steps, each (B, H, len, Dh).
+
+    The self-attention buffers may be longer than ``self_len``, the positions they hold: reordering
+    (``DecoderCache.select``) leaves room for the next step, so appending it copies nothing.
+    """
 
     self_k: Tensor | None = None
     self_v: Tensor | None = None
+    self_len: int = 0
     cross_k: Tensor | None = None
     cross_v: Tensor | None = None
+
+    def append_self(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Add the new positions' keys/values; returns those of every position so far."""
+        start, end = self.self_len, self.self_len + k.size(2)
+        if self.self_k is None or self.self_k.size(2) < end:
+            self.self_k, self.self_v = _with_room(self.self_k, start, k, end), _with_room(self.self_v, start, v, end)
+        self.self_k[:, :, start:end] = k
+        self.self_v[:, :, start:end] = v
+        self.self_len = end
+        return self.self_k[:, :, :end], self.self_v[:, :, :end]
+
+    @torch.no_grad()  # search-only: writing into a preallocated buffer has no gradient
+    def select_self(self, index: Tensor) -> None:
+        """Keep (and reorder) rows ``index``, with room for one more position."""
+        used = self.self_len
+        for name in ("self_k", "self_v"):
+            old = getattr(self, name)
+            new = old.new_empty(index.numel(), old.size(1), used + 1, old.size(3))
+            torch.index_select(old[:, :, :used], 0, index, out=new[:, :, :used])
+            setattr(self, name, new)
+
+
+def _with_room(old: Tensor | None, used: int, like: Tensor, size: int) -> Tensor:
+    """A (B, H, size, Dh) buffer holding the first ``used`` positions of ``old``."""
+    new = like.new_empty(like.size(0), like.size(1), size, like.size(3))
+    if old is not None:
+        new[:, :, :used] = old[:, :, :used]
+    return new
 
 
 @dataclass
@@ -41,10 +74,8 @@ class DecoderCache:
         (shared by its beams), so they follow ``cross_index``, the sentences kept, when given and
         stay as they are otherwise.
         """
-        names = ("self_k", "self_v")
         for layer in self.layers:
-            for name in names:
-                setattr(layer, name, getattr(layer, name).index_select(0, index))
+            layer.select_self(index)
             if cross_index is not None and layer.cross_k is not None:
                 layer.cross_k = layer.cross_k.index_select(0, cross_index)
                 layer.cross_v = layer.cross_v.index_select(0, cross_index)
@@ -185,11 +216,7 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn
         if cache is None:
             return attn(h, h, causal=True)
-        k, v = attn.project_kv(h)
-        if cache.self_k is not None:
-            k = torch.cat([cache.self_k, k], dim=2)
-            v = torch.cat([cache.self_v, v], dim=2)
-        cache.self_k, cache.self_v = k, v
+        k, v = cache.append_self(*attn.project_kv(h))
         # New positions see every cached position and, among themselves, only earlier ones.
         causal = h.size(1) > 1
         if causal and k.size(2) != h.size(1):

@@ -3,8 +3,9 @@
 Beam search keeps ``beam`` live hypotheses per sentence. Each step scores every extension, takes
 the best 2 x beam candidates (so hypotheses that end do not starve the beam, as in fairseq), files
 candidates that end with eos as finished, and keeps the best ``beam`` that do not. A sentence is
-done when it has ``beam`` finished hypotheses or reaches its length limit; done sentences leave the
-batch, so work shrinks as decoding goes on.
+done at its length limit or once ``beam`` hypotheses have ended (fairseq's rule), and with
+``early_stop`` (OpenNMT-py's and CTranslate2's) as soon as its best-ranked candidate has ended.
+Done sentences leave the batch, so work shrinks as decoding goes on.
 """
 
 from __future__ import annotations
@@ -182,8 +183,13 @@ def beam_search(
     nbest: int = 1,
     min_len: int = 0,
     prefixes: list[list[int]] | None = None,
+    early_stop: bool = True,
 ) -> list[list[Hypothesis]]:
     """The ``nbest`` best finished hypotheses per sentence, best first.
+
+    ``early_stop`` also ends a sentence's search once its best-ranked candidate has ended and
+    ``nbest`` hypotheses have. That saves steps; without a length penalty it loses nothing (scores
+    only fall as hypotheses grow), with one a longer hypothesis might have overtaken.
 
     ``min_len`` forbids eos before that many tokens, except where the length cap forces an end.
     ``prefixes`` (one id list per sentence, possibly empty) fixes the first output tokens.
@@ -205,6 +211,7 @@ def beam_search(
     active = torch.arange(n_sent, device=device)  # sentence id of each active group of rows
     finished: list[list[Hypothesis]] = [[] for _ in range(n_sent)]
     beam_offsets = torch.arange(k, device=device)
+    top_ended = torch.zeros(n_sent, dtype=torch.bool, device=device)  # best candidate has ended once
 
     for step in range(int(max_lens.max())):
         n = active.numel()
@@ -227,11 +234,12 @@ def beam_search(
         # File eos candidates that rank among the best k as finished hypotheses.
         ending = cand_eos[:, :k] & torch.isfinite(cand_scores[:, :k])
         if ending.any():
+            sentences, beam_of, score_of = active.tolist(), cand_beam.tolist(), cand_scores.tolist()
             for r, c in ending.nonzero().tolist():
-                sentence = int(active[r])
+                sentence = sentences[r]
                 if len(finished[sentence]) < k:
-                    history = tokens[r * width + int(cand_beam[r, c]), 1:].tolist()
-                    logprob = float(cand_scores[r, c])
+                    history = tokens[r * width + beam_of[r][c], 1:].tolist()
+                    logprob = score_of[r][c]
                     length = len(history) + 1
                     finished[sentence].append(Hypothesis(history, logprob / length_penalty(length, lenpen), logprob))
 
@@ -241,7 +249,11 @@ def beam_search(
         next_tok = cand_tok.gather(1, pick).view(-1, 1)
         width = k
 
-        done = must_end | torch.tensor([len(finished[s]) >= k for s in active.tolist()], device=device)
+        counts = torch.tensor([len(finished[s]) for s in active.tolist()], device=device)
+        done = must_end | (counts >= k)
+        if early_stop:
+            top_ended |= cand_eos[:, 0] & torch.isfinite(cand_scores[:, 0])
+            done |= top_ended & (counts >= nbest)
         if done.all():
             break
         keep = None
@@ -252,6 +264,7 @@ def beam_search(
             next_tok = next_tok[keep_rows]
             scores = scores[keep]
             active = active[keep]
+            top_ended = top_ended[keep]
             memory = memory[keep]
             mask = mask[keep]
         tokens = torch.cat([tokens[rows], next_tok], dim=1)

@@ -89,10 +89,8 @@ class Translator:
         aligner: Transformer | None = None,
     ) -> None:
         """``aligner``: the model whose cross-attention gives each best translation a word alignment."""
-        if nbest > decode.beam:
+        if sampling is None and nbest > decode.beam:
             raise ValueError(f"nbest {nbest} needs a beam of at least {nbest} (beam is {decode.beam})")
-        if sampling is not None and nbest > 1:
-            raise ValueError("sampling draws one translation per line; nbest must be 1")
         self.model, self.src_tok, self.tgt_tok = model, src_tok, tgt_tok
         self.decode, self.device, self.nbest = decode, device, nbest
         self.sampling = sampling
@@ -135,12 +133,14 @@ class Translator:
             src, src_pad_mask = source_tensor([ids[i] for i in chunk])
             src, src_pad_mask = src.to(self.device), src_pad_mask.to(self.device)
             batch_prefixes = [forced[i] for i in chunk] if forced is not None else None
-            if self.sampling is not None:
+            if self.sampling is not None:  # nbest independent draws per line, each its own batch row
+                n = self.nbest
                 drawn = sample_search(
-                    self.model, src, src_pad_mask, self.sampling, d.max_len_a, d.max_len_b, d.min_len,
-                    batch_prefixes, self.generator,
+                    self.model, src.repeat_interleave(n, 0), src_pad_mask.repeat_interleave(n, 0), self.sampling,
+                    d.max_len_a, d.max_len_b, d.min_len,
+                    [p for p in batch_prefixes for _ in range(n)] if batch_prefixes else None, self.generator,
                 )  # fmt: skip
-                hyps = [[h] for h in drawn]
+                hyps = [sorted(drawn[i : i + n], key=lambda h: -h.score) for i in range(0, len(drawn), n)]
             else:
                 hyps = beam_search(
                     self.model,
@@ -152,6 +152,7 @@ class Translator:
                     max_len_b=d.max_len_b,
                     nbest=self.nbest,
                     min_len=d.min_len,
+                    early_stop=d.early_stop,
                     prefixes=batch_prefixes,
                 )
             alignments = [""] * len(chunk)

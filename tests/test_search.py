@@ -61,18 +61,20 @@ def test_beam_finds_the_sequence_greedy_misses():
 
 
 def test_length_penalty_decides_between_short_and_long():
-    # [] scores log 0.5 = -0.693; [A] scores log(0.5 * 0.95) = -0.744, which length normalisation lifts.
+    # [] scores log 0.51 = -0.673; [A] scores log(0.49 * 0.95) = -0.765, which length normalisation lifts to -0.655.
     def script(step, last):
         if step == 0:
-            return {EOS_ID: 0.5, A: 0.5}
+            return {EOS_ID: 0.51, A: 0.49}
         return {EOS_ID: 0.95, A: 0.05}
 
     model = ScriptedModel(script)
     src, mask = one_source()
-    assert beam_search(model, src, mask, beam=2, lenpen=0.0)[0][0].tokens == []
-    best = beam_search(model, src, mask, beam=2, lenpen=1.0)[0][0]
+    assert beam_search(model, src, mask, beam=2, lenpen=0.0, early_stop=False)[0][0].tokens == []
+    best = beam_search(model, src, mask, beam=2, lenpen=1.0, early_stop=False)[0][0]
     assert best.tokens == [A]
-    assert math.isclose(best.score, math.log(0.475) / length_penalty(2, 1.0), rel_tol=1e-4)
+    assert math.isclose(best.score, math.log(0.49 * 0.95) / length_penalty(2, 1.0), rel_tol=1e-4)
+    # Early stopping ends the search when the best-ranked candidate ([] at step 0) ends: [A] never finishes.
+    assert beam_search(model, src, mask, beam=2, lenpen=1.0)[0][0].tokens == []
 
 
 def test_output_length_is_capped_and_nbest_sorted_distinct():
@@ -214,6 +216,28 @@ def test_beam_search_against_exhaustive_enumeration(seed, lenpen):
         assert close(hyps[0].logprob, logprobs[ranked[0]])
         for h in hyps:
             assert close(h.logprob, logprobs[tuple(h.tokens)])
+
+
+def test_early_stop_loses_nothing_without_a_length_penalty():
+    """Without length normalisation a score only falls as a hypothesis grows, so once the best-ranked
+    candidate has ended nothing still live can beat it: early stopping returns what the full search
+    returns, in fewer decoder steps."""
+    src, mask = source_tensor(EXHAUSTIVE_SOURCES)
+    for seed in EXHAUSTIVE_SEEDS:
+        model = sharp_tiny_model(seed)
+        for beam in (2, 3):
+            steps = {}
+            for early in (True, False):
+                calls = []
+                decode = model.decode
+                model.decode = lambda *a, calls=calls, decode=decode: calls.append(1) or decode(*a)
+                found = beam_search(
+                    model, src, mask, beam=beam, lenpen=0.0, max_len_a=0, max_len_b=CAP, early_stop=early
+                )
+                del model.decode
+                steps[early] = (len(calls), [h[0].tokens for h in found])
+            assert steps[True][1] == steps[False][1]
+            assert steps[True][0] <= steps[False][0]
 
 
 # --- min_len --------------------------------------------------------------------------------------

@@ -111,8 +111,20 @@ def test_sampling_is_reproducible_with_a_seed_and_varies_without(trained_run, li
 
     assert sampled(1) == sampled(1)
     assert sampled(1) != sampled(2)
-    refused = invoke("translate", trained_run, "--sample", "--nbest", 2, input="A dog.\n")
-    assert refused.exit_code == 1 and "cannot be combined with --nbest" in refused.stderr
+
+
+def test_sampling_with_nbest_draws_that_many_per_line_best_first(trained_run, lines):  # noqa: F811
+    result = invoke("translate", trained_run, "--sample", "--temperature", 1.5, "--nbest", 8, input=stdin_of(lines))
+    assert result.exit_code == 0, result.output
+    entries: dict[int, list[tuple[str, float]]] = {}
+    for row in result.stdout.splitlines():
+        index, text, score, _ = row.split(" ||| ")
+        entries.setdefault(int(index), []).append((text, float(score)))
+    assert sorted(entries) == list(range(len(lines)))
+    for index, samples in entries.items():
+        assert len(samples) == (1 if index == 2 else 8)  # line 2 is empty
+        assert [s for _, s in samples] == sorted((s for _, s in samples), reverse=True)
+    assert any(len({text for text, _ in samples}) > 1 for samples in entries.values())  # draws, not copies
 
 
 def test_a_model_given_twice_is_an_ensemble_that_decodes_like_it(trained_run, lines):  # noqa: F811
@@ -164,3 +176,10 @@ def test_bf16_translation_keeps_every_line(trained_run, lines):  # noqa: F811
     assert bf16.exit_code == 0, bf16.output
     assert [bool(row) for row in bf16.stdout.splitlines()] == [bool(row) for row in fp32.stdout.splitlines()]
     assert len(bf16.stdout.splitlines()) == len(lines)
+
+
+def test_early_stop_changes_no_output_without_a_length_penalty(trained_run, lines):  # noqa: F811
+    early = invoke("translate", trained_run, "--beam", 4, "--lenpen", 0, input=stdin_of(lines))
+    full = invoke("translate", trained_run, "--beam", 4, "--lenpen", 0, "--no-early-stop", input=stdin_of(lines))
+    assert full.exit_code == 0, full.output
+    assert full.stdout == early.stdout
