@@ -613,45 +613,114 @@ def translate(
 @app.command("eval")
 @user_errors
 def evaluate(
-    hyp: Annotated[Path, typer.Option(help="System output, one line per segment.")],
-    ref: Annotated[list[Path], typer.Option(help="Reference file; repeat for several references.")],
-    metrics: Annotated[list[str], typer.Option(help="bleu, chrf, ter: --metrics bleu chrf ter, or bleu,chrf.")] = [
-        "bleu",
-        "chrf",
+    hyp: Annotated[
+        list[Path],
+        typer.Option(help="System output, one line per segment; repeat with --paired-bs (the first is the baseline)."),
     ],
-    tokenize: Annotated[str | None, typer.Option(help="sacreBLEU BLEU tokenizer (default 13a).")] = None,
+    ref: Annotated[list[Path], typer.Option(help="Reference file; repeat for several references.")] = [],
+    test_set: Annotated[
+        str | None,
+        typer.Option("--test-set", "-t", help="A sacreBLEU test set (wmt14, wmt22, ...) as references; needs -l."),
+    ] = None,
+    langpair: Annotated[
+        str | None,
+        typer.Option("--langpair", "-l", help="SRC-TGT; the target language picks BLEU's tokenizer as in sacreBLEU."),
+    ] = None,
+    metrics: Annotated[
+        list[str], typer.Option(help="bleu, chrf, chrf++, ter: --metrics bleu chrf ter, or bleu,chrf.")
+    ] = ["bleu", "chrf"],
+    tokenize: Annotated[
+        str | None, typer.Option(help="sacreBLEU BLEU tokenizer: 13a (default), intl, zh, char, none, ...")
+    ] = None,
     lowercase: Annotated[bool, typer.Option(help="Case-insensitive scores.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list of scores to stdout.")] = False,
+    sentence: Annotated[
+        bool, typer.Option("--sentence", help="Per-segment scores: SEGMENT<TAB>METRIC<TAB>SCORE lines.")
+    ] = False,
+    paper_style: Annotated[
+        bool,
+        typer.Option("--paper-style", help="Also BLEU on 13a-tokenized, lowercased text, labelled as not sacreBLEU."),
+    ] = False,
+    paired_bs: Annotated[
+        bool, typer.Option("--paired-bs", help="Paired bootstrap test of each --hyp against the first one.")
+    ] = False,
+    paired_bs_n: Annotated[int, typer.Option("--paired-bs-n", min=1, help="Bootstrap resamples.")] = 1000,
+    paired_bs_seed: Annotated[
+        int | None,
+        typer.Option("--paired-bs-seed", min=1, help="Resampling seed (default: $SACREBLEU_SEED, else 12345)."),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the scores as JSON to stdout.")] = False,
     more_metrics: Annotated[list[str] | None, typer.Argument(hidden=True)] = None,
 ) -> None:
-    """Corpus BLEU, chrF and TER through sacreBLEU, each with its signature."""
+    """Corpus BLEU, chrF, chrF++ and TER through sacreBLEU, each with its signature.
+
+    Also per-segment scores (--sentence), paired bootstrap resampling of several systems (--paired-bs)
+    and references of standard test sets (-t wmt22 -l en-de) from sacreBLEU's cache or download.
+    """
     from mtkit.config import ConfigError
     from mtkit.data import DataError, read_lines
-    from mtkit.metrics import METRICS, score
+    from mtkit.metrics import METRICS, Options, paired_bootstrap, reference_files, score, sentence_scores
 
     # eval takes no positional arguments, so bare words can only be the rest of `--metrics bleu chrf ter`.
     names = tuple(m.strip().lower() for item in [*metrics, *(more_metrics or [])] for m in item.split(",") if m.strip())
     unknown = [m for m in names if m not in METRICS]
     if unknown or not names:
         raise ConfigError(f"--metrics takes {', '.join(METRICS)}; got {', '.join(unknown) or 'nothing'}")
-    hyps = read_lines(hyp)
-    refs = []
-    for path in ref:
-        lines = read_lines(path)
-        if len(lines) != len(hyps):
-            raise DataError(f"{hyp} has {len(hyps)} lines but {path} has {len(lines)}")
-        refs.append(lines)
-    if tokenize is not None:
-        from sacrebleu.metrics.bleu import _TOKENIZERS
+    if len(hyp) > 1 and not paired_bs:
+        raise ConfigError("several --hyp are compared with --paired-bs (the first is the baseline)")
+    if paired_bs and (len(hyp) < 2 or sentence):
+        raise ConfigError("--paired-bs needs two or more --hyp (the baseline first) and no --sentence")
+    if bool(ref) == bool(test_set):
+        raise ConfigError("give references as --ref FILE (repeatable) or as --test-set NAME -l SRC-TGT, not both")
+    if langpair is not None and len(langpair.split("-")) != 2:
+        raise ConfigError(f"--langpair must look like en-de, got {langpair!r}")
+    if test_set and not langpair:
+        raise ConfigError(f"--test-set needs --langpair, e.g. -t {test_set} -l en-de")
+    options = Options(tokenize, lowercase, trg_lang=langpair.split("-")[1] if langpair else "")
+    ref_paths = reference_files(test_set, langpair) if test_set else ref
+    refs = [read_lines(path) for path in ref_paths]
+    systems = [(str(path), read_lines(path)) for path in hyp]
+    for path, lines in systems:
+        if not lines:
+            raise DataError(f"{path}: empty file, nothing to score")
+        for ref_path, ref_lines in zip(ref_paths, refs):
+            if len(ref_lines) != len(lines):
+                raise DataError(f"{path} has {len(lines)} lines but {ref_path} has {len(ref_lines)}")
 
-        if tokenize not in _TOKENIZERS:
-            raise ConfigError(f"--tokenize must be one of {', '.join(_TOKENIZERS)}, got {tokenize!r}")
-    scores = score(hyps, refs, names, tokenize=tokenize, lowercase=lowercase)
-    if as_json:
-        typer.echo(json.dumps([s.to_dict() for s in scores], indent=1))
+    if paired_bs:
+        results = paired_bootstrap(systems, refs, names, options, paper_style, paired_bs_n, paired_bs_seed)
+        typer.echo(_to_json(results) if as_json else "\n".join(map(_paired_text, results)))
+    elif sentence:
+        per_metric = sentence_scores(systems[0][1], refs, names, options, paper_style)
+        if as_json:
+            typer.echo(_to_json(per_metric))
+            return
+        for scores in per_metric:
+            typer.echo(f"{scores.name} signature: {scores.signature}", err=True)
+        segments = zip(*(scores.values for scores in per_metric))
+        lines = (f"{i}\t{s.name}\t{v:.4f}" for i, values in enumerate(segments, 1) for s, v in zip(per_metric, values))
+        typer.echo("\n".join(lines))
     else:
-        for s in scores:
-            typer.echo(f"{s.details}\n  signature: {s.signature}")
+        scores = score(systems[0][1], refs, names, options, paper_style)
+        typer.echo(
+            _to_json(scores) if as_json else "\n".join(f"{s.details}\n  signature: {s.signature}" for s in scores)
+        )
+
+
+def _to_json(results) -> str:
+    return json.dumps([r.to_dict() for r in results], indent=1)
+
+
+def _paired_text(result) -> str:
+    """One metric's block: each system's score, (bootstrap mean ± 95% CI) and p-value, then the signature."""
+    width = max(len(row.system) for row in result.systems)
+    lines = [f"{result.name}: score (bootstrap mean ± 95% CI), p-value against the baseline"]
+    for row in result.systems:
+        line = f"  {row.system:<{width}}  {row.score:6.2f} ({row.mean:.2f} ± {row.ci:.2f})"
+        if row.p_value is None:
+            lines.append(line + "  baseline")
+        else:
+            lines.append(line + f"  p = {row.p_value:.4f}" + ("*" if row.p_value < 0.05 else ""))
+    return "\n".join([*lines, f"  signature: {result.signature}"])
 
 
 @app.command()

@@ -1,0 +1,276 @@
+"""`mtkit eval` gives the numbers the sacrebleu tool gives on the same WMT22 files, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tarfile
+import xml.etree.ElementTree as ET
+
+import pytest
+from conftest import DATA, read_gz
+from sacrebleu.metrics import BLEU, CHRF, TER
+from typer.testing import CliRunner
+
+from mtkit.cli import app
+from mtkit.metrics import PAPER_STYLE
+
+WMT22 = DATA / "wmt22"
+LINES = 300  # enough for stable scores; TER and the bootstrap stay fast
+WIDTH = 10  # decimals asked of sacrebleu; our values are compared at the same width
+
+runner = CliRunner()
+
+
+def invoke(*args):
+    result = runner.invoke(app, ["eval", *map(str, args)])
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def mtkit_json(*args) -> list[dict]:
+    return json.loads(invoke(*args, "--json").stdout)
+
+
+def sacrebleu(*args, env=None) -> str:
+    """The sacrebleu command-line tool's stdout."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "sacrebleu", *map(str, args), "-q"], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def sacrebleu_json(*args, env=None) -> dict[str, dict]:
+    result = json.loads(sacrebleu(*args, "--format", "json", "-w", WIDTH, env=env))
+    return {r["name"]: r for r in (result if isinstance(result, list) else [result])}
+
+
+def rounded(value: float) -> float:
+    return float(f"{value:.{WIDTH}f}")
+
+
+@pytest.fixture(scope="module")
+def wmt22(tmp_path_factory) -> dict:
+    """The first LINES segments of WMT22 en-de: source, references A and B, and two damaged copies of B."""
+    if not WMT22.is_dir():
+        pytest.skip(f"{WMT22} not found (the shared data folder sits beside the repository)")
+    out = tmp_path_factory.mktemp("wmt22")
+    lines = {
+        "src": read_gz(WMT22 / "generaltest2022.en-de.src.en.gz", LINES),
+        "ref_a": read_gz(WMT22 / "generaltest2022.en-de.ref.A.de.gz", LINES),
+        "ref_b": read_gz(WMT22 / "generaltest2022.en-de.ref.B.de.gz", LINES),
+    }
+    # Every third line without its first word; every second line in capitals (so case matters).
+    lines["clipped"] = [" ".join(s.split()[1:]) if i % 3 == 0 else s for i, s in enumerate(lines["ref_b"])]
+    lines["shouted"] = [s.upper() if i % 2 else s for i, s in enumerate(lines["ref_b"])]
+    paths = {"lines": lines}
+    for name, text in lines.items():
+        paths[name] = out / f"{name}.txt"
+        paths[name].write_text("\n".join(text) + "\n", encoding="utf-8")
+    return paths
+
+
+def assert_equal_scores(ours: list[dict], theirs: dict[str, dict]) -> None:
+    for score in ours:
+        assert rounded(score["value"]) == theirs[score["name"]]["score"], score["name"]
+        assert score["signature"] == theirs[score["name"]]["signature"]
+
+
+@pytest.mark.parametrize(
+    "hyp, refs, mtkit_flags, sacrebleu_flags",
+    [
+        ("ref_b", ["ref_a"], [], ["--ter-case-sensitive"]),
+        ("clipped", ["ref_a", "ref_b"], [], ["--ter-case-sensitive"]),
+        ("shouted", ["ref_a"], ["--tokenize", "intl", "--lowercase"], ["-tok", "intl", "-lc", "--chrf-lowercase"]),
+        ("src", ["ref_a"], ["--tokenize", "char"], ["-tok", "char", "--ter-case-sensitive"]),
+    ],
+)
+def test_corpus_scores_equal_the_sacrebleu_tool(wmt22, hyp, refs, mtkit_flags, sacrebleu_flags):
+    ref_args = [a for r in refs for a in ("--ref", wmt22[r])]
+    ours = mtkit_json("--hyp", wmt22[hyp], *ref_args, "--metrics", "bleu,chrf,chrf++,ter", *mtkit_flags)
+    assert [s["name"] for s in ours] == ["BLEU", "chrF2", "chrF2++", "TER"]
+    ref_files = [wmt22[r] for r in refs]
+    chrf_flags = [f for f in sacrebleu_flags if f.startswith("--chrf")]
+    theirs = sacrebleu_json(*ref_files, "-i", wmt22[hyp], "-m", "bleu", "chrf", "ter", *sacrebleu_flags)
+    theirs |= sacrebleu_json(*ref_files, "-i", wmt22[hyp], "-m", "chrf", "--chrf-word-order", 2, *chrf_flags)
+    assert_equal_scores(ours, theirs)
+    assert f"nrefs:{len(refs)}" in ours[0]["signature"]
+
+
+def test_every_bleu_tokenizer_equals_the_sacrebleu_tool(wmt22):
+    for tokenizer in ("13a", "intl", "zh", "char", "none"):
+        ours = mtkit_json(
+            "--hyp", wmt22["clipped"], "--ref", wmt22["ref_a"], "--metrics", "bleu", "--tokenize", tokenizer
+        )
+        assert_equal_scores(ours, sacrebleu_json(wmt22["ref_a"], "-i", wmt22["clipped"], "-tok", tokenizer))
+        assert f"tok:{tokenizer}" in ours[0]["signature"]
+
+
+def test_text_output_prints_each_score_with_its_signature(wmt22):
+    out = invoke("--hyp", wmt22["ref_b"], "--ref", wmt22["ref_a"], "--metrics", "bleu", "chrf++").stdout.splitlines()
+    assert out[0].startswith("BLEU = ") and out[1].startswith("  signature: nrefs:1|case:mixed|eff:no|tok:13a")
+    assert out[2].startswith("chrF2++ = ") and out[3].startswith("  signature: nrefs:1|") and "nw:2" in out[3]
+
+
+def test_sentence_scores_equal_sacrebleu_sentence_score(wmt22):
+    args = ["--hyp", wmt22["clipped"], "--ref", wmt22["ref_a"], "--ref", wmt22["ref_b"], "--sentence"]
+    args += ["--metrics", "bleu,chrf,chrf++,ter", "--paper-style"]
+    ours = {s["name"]: s for s in mtkit_json(*args)}
+    metrics = {
+        "BLEU": BLEU(effective_order=True),  # as sacrebleu -sl and sentence_bleu
+        PAPER_STYLE: BLEU(tokenize="13a", lowercase=True, effective_order=True),
+        "chrF2": CHRF(),
+        "chrF2++": CHRF(word_order=2),
+        "TER": TER(case_sensitive=True),
+    }
+    assert list(ours) == list(metrics)
+    text = wmt22["lines"]
+    segments = list(zip(text["clipped"], text["ref_a"], text["ref_b"]))
+    for name, metric in metrics.items():
+        expected = [metric.sentence_score(hyp, [a, b]).score for hyp, a, b in segments]
+        assert ours[name]["values"] == expected, name
+        assert ours[name]["comparable"] == (name != PAPER_STYLE)
+    assert "eff:yes" in ours["BLEU"]["signature"]
+
+    result = invoke(*args)  # SEGMENT<TAB>METRIC<TAB>SCORE, each segment's metrics together
+    rows = [line.split("\t") for line in result.stdout.splitlines()]
+    assert len(rows) == LINES * len(metrics)
+    assert rows[: len(metrics)] == [["1", name, f"{ours[name]['values'][0]:.4f}"] for name in metrics]
+    assert rows[-1] == [str(LINES), "TER", f"{ours['TER']['values'][-1]:.4f}"]
+    assert f"BLEU signature: {ours['BLEU']['signature']}" in result.stderr.splitlines()
+
+
+def test_paper_style_bleu_is_labelled_and_printed_beside_sacrebleu(wmt22):
+    args = ["--hyp", wmt22["shouted"], "--ref", wmt22["ref_a"], "--metrics", "chrf", "--paper-style"]
+    scores = mtkit_json(*args)
+    assert [(s["name"], s["comparable"]) for s in scores] == [("BLEU", True), (PAPER_STYLE, False), ("chrF2", True)]
+    assert "not sacreBLEU" in PAPER_STYLE
+    assert scores[1]["value"] > scores[0]["value"]  # the capitals no longer cost n-gram matches
+    # The definition: 13a tokenization and lowercasing, as `sacrebleu -tok 13a -lc`.
+    paper = sacrebleu_json(wmt22["ref_a"], "-i", wmt22["shouted"], "-tok", "13a", "-lc")["BLEU"]
+    assert rounded(scores[1]["value"]) == paper["score"] and scores[1]["signature"] == paper["signature"]
+    lines = invoke(*args).stdout.splitlines()
+    assert lines[0].startswith("BLEU = ")
+    assert lines[2].startswith(f"{PAPER_STYLE} = ") and "case:lc" in lines[3]
+
+
+def test_paired_bootstrap_equals_sacrebleu_paired_bs(wmt22, monkeypatch):
+    systems = [wmt22["clipped"], wmt22["ref_b"], wmt22["src"]]  # the first is the baseline
+    args = [a for path in systems for a in ("--hyp", path)]
+    args += ["--ref", wmt22["ref_a"], "--metrics", "bleu,chrf", "--paired-bs", "--paired-bs-n", 200]
+    ours = mtkit_json(*args, "--paired-bs-seed", 7)
+    # sacrebleu's --format json fails on its own float32 chrF means, so read its LaTeX table.
+    table = sacrebleu(
+        wmt22["ref_a"], "-i", *systems, "-m", "bleu", "chrf", "--paired-bs", "--paired-bs-n", 200,
+        "--format", "latex", "-w", WIDTH, env={**os.environ, "SACREBLEU_SEED": "7", "NO_COLOR": "1"},
+    )  # fmt: skip
+    rows = [line.split("&")[1:] for line in table.splitlines() if "&" in line and "System" not in line]
+    assert len(rows) == len(systems)
+    cell = re.compile(r"([\d.]+) \(([\d.]+) ± ([\d.]+)\)(?: \(p = ([\d.]+)\))?")
+    for column, metric in enumerate(ours):
+        assert "bs:200|seed:7|" in metric["signature"]
+        assert [s["system"] for s in metric["systems"]] == [str(path) for path in systems]
+        for row, system in zip(rows, metric["systems"]):
+            score, mean, ci, p = cell.search(row[column]).groups()
+            assert (f"{system['score']:.{WIDTH}f}", f"{system['mean']:.{WIDTH}f}") == (score, mean)
+            assert f"{system['ci']:.{WIDTH}f}" == ci
+            assert (p is None) == (system["p_value"] is None)
+            assert p is None or f"{system['p_value']:.4f}" == p
+    assert ours[0]["systems"][2]["p_value"] < 0.05  # the source is not a translation
+
+    monkeypatch.setenv("SACREBLEU_SEED", "7")  # sacrebleu's own way to set the seed works too
+    assert mtkit_json(*args) == ours
+    text = invoke(*args).stdout.splitlines()
+    assert text[0] == "BLEU: score (bootstrap mean ± 95% CI), p-value against the baseline"
+    assert text[1].endswith("baseline") and re.search(r"\d \(\d+\.\d\d ± \d+\.\d\d\)  p = 0\.\d{4}\*?$", text[3])
+
+
+def offline_env(cache) -> dict:
+    """SACREBLEU pointed at ``cache``, and a proxy that refuses connections: nothing can be downloaded."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # closed again once the block ends, so connections are refused
+    proxy = f"http://127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if k.lower() not in ("no_proxy", "http_proxy", "https_proxy")}
+    return {**env, "SACREBLEU": str(cache), "http_proxy": proxy, "https_proxy": proxy}
+
+
+def mtkit_process(*args, env) -> subprocess.CompletedProcess:
+    """A fresh process, since sacreBLEU reads $SACREBLEU when imported."""
+    command = [sys.executable, "-m", "mtkit", "eval", *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_missing_test_set_offline_is_a_one_line_error_naming_the_download(wmt22, tmp_path):
+    proc = mtkit_process("--hyp", wmt22["ref_b"], "-t", "wmt14", "-l", "en-de", env=offline_env(tmp_path / "cache"))
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: test set wmt14 en-de"), proc.stderr
+    assert "https://statmt.org/wmt14/test-filtered.tgz" in lines[0]
+    assert str(tmp_path / "cache" / "wmt14" / "raw" / "wmt14.test-filtered.tgz") in lines[0]
+
+
+def write_wmt22_cache(cache, lines: dict) -> None:
+    """sacreBLEU's cache for wmt22 en-de as its download leaves it: the archive and the unpacked XML."""
+    raw = cache / "wmt22" / "raw"
+    xml = raw / "wmt22-news-systems-1.1" / "xml" / "wmttest2022.en-de.all.xml"
+    xml.parent.mkdir(parents=True)
+    dataset = ET.Element("dataset", id="test")
+    doc = ET.SubElement(ET.SubElement(dataset, "collection", id="general"), "doc", id="doc1", origlang="en")
+    for tag, attrs, text in (
+        ("src", {"lang": "en"}, lines["src"]),
+        ("ref", {"lang": "de", "translator": "A"}, lines["ref_a"]),
+        ("ref", {"lang": "de", "translator": "B"}, lines["ref_b"]),
+    ):
+        paragraph = ET.SubElement(ET.SubElement(doc, tag, attrs), "p")
+        for number, segment in enumerate(text, 1):
+            ET.SubElement(paragraph, "seg", id=str(number)).text = segment
+    ET.ElementTree(dataset).write(xml, encoding="utf-8", xml_declaration=True)
+    with tarfile.open(raw / "wmt22.v1.1.tar.gz", "w:gz") as archive:  # present, so sacreBLEU skips the download
+        archive.add(xml.parent.parent, arcname=xml.parent.parent.name)
+
+
+def test_test_set_references_come_from_the_sacrebleu_cache(wmt22, tmp_path):
+    cache = tmp_path / "cache"
+    write_wmt22_cache(cache, wmt22["lines"])
+    env = offline_env(cache)
+    proc = mtkit_process(
+        "--hyp", wmt22["ref_b"], "-t", "wmt22", "-l", "en-de", "--metrics", "bleu,chrf", "--json", env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    theirs = sacrebleu_json("-t", "wmt22", "-l", "en-de", "-i", wmt22["ref_b"], "-m", "bleu", "chrf", env=env)
+    assert_equal_scores(json.loads(proc.stdout), theirs)
+    assert (cache / "wmt22" / "wmt22.en-de.ref-A").is_file()  # sacreBLEU's default reference for en-de
+
+
+def test_bad_input_is_one_line_and_exit_1(wmt22, tmp_path):
+    short = tmp_path / "short.de"
+    short.write_text("eine Zeile\n")
+    empty = tmp_path / "empty.de"
+    empty.write_text("")
+    hyp, ref = wmt22["ref_b"], wmt22["ref_a"]
+    cases = [
+        (["--hyp", tmp_path / "missing.de", "--ref", ref], ["missing.de", "file not found"]),
+        (["--hyp", short, "--ref", ref], [f"{short} has 1 lines but {ref} has {LINES}"]),
+        (["--hyp", empty, "--ref", ref], ["empty.de", "empty"]),
+        (["--hyp", hyp, "--ref", ref, "--metrics", "meteor"], ["--metrics", "meteor"]),
+        (["--hyp", hyp, "--ref", ref, "--tokenize", "moses"], ["--tokenize", "13a", "moses"]),
+        (["--hyp", hyp, "-t", "wmt99", "-l", "en-de"], ["unknown test set 'wmt99'"]),
+        (["--hyp", hyp, "-t", "wmt22", "-l", "en-xx"], ["wmt22", "no language pair 'en-xx'"]),
+        (["--hyp", hyp, "-t", "wmt22"], ["--langpair"]),
+        (["--hyp", hyp, "--ref", ref, "-t", "wmt22", "-l", "en-de"], ["not both"]),
+        (["--hyp", hyp], ["--ref"]),
+        (["--hyp", hyp, "--hyp", ref, "--ref", ref], ["--paired-bs"]),
+        (["--hyp", hyp, "--ref", ref, "--paired-bs"], ["two or more --hyp"]),
+    ]
+    for args, fragments in cases:
+        result = runner.invoke(app, ["eval", *map(str, args)])
+        assert result.exit_code == 1, (args, result.output)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), (args, result.stderr)
+        assert all(fragment in lines[0] for fragment in fragments), (args, lines[0])
