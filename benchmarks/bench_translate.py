@@ -9,8 +9,8 @@ Configurations:
   with the weights in that precision.
 - ``mtkit-fp32-no-early-stop`` / ``mtkit-bf16-no-early-stop``: the same, searching on until ``beam``
   hypotheses have ended (fairseq's rule) instead of stopping once the best candidate has ended.
-- ``mtkit-fp32-one-at-a-time``: the same search, one sentence per batch, to show that batching
-  changes speed and not the translations (same BLEU).
+- ``mtkit-fp32-one-at-a-time`` / ``mtkit-bf16-one-at-a-time``: the same search, one sentence per
+  batch, to show that batching changes speed and not the translations (same BLEU).
 - ``ct2-float32`` / ``ct2-int8``: the model exported with ``mtkit export --format ctranslate2``,
   decoded by CTranslate2 (skipped when the ctranslate2 package is missing).
 
@@ -37,6 +37,7 @@ CONFIGS = (
     "mtkit-fp32-no-early-stop",
     "mtkit-bf16-no-early-stop",
     "mtkit-fp32-one-at-a-time",
+    "mtkit-bf16-one-at-a-time",
     "ct2-float32",
     "ct2-int8",
 )
