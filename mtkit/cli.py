@@ -196,6 +196,50 @@ class RichReporter:
 
 @app.command()
 @user_errors
+def prepare(
+    corpus: Annotated[str | None, typer.Argument(help="A corpus name from --list, e.g. wmt14_en_de.")] = None,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Output folder (see below).")] = None,
+    mirror: Annotated[
+        str | None,
+        typer.Option(help="Fetch the corpus files from here instead: a directory, a file:// or an http(s):// base."),
+    ] = None,
+    nfkc: Annotated[bool, typer.Option(help="Unicode NFKC normalisation of the training split.")] = False,
+    dedupe: Annotated[bool, typer.Option(help="Drop repeated training pairs.")] = True,
+    min_words: Annotated[int, typer.Option(help="Training pairs need this many words on each side.")] = 1,
+    max_words: Annotated[int, typer.Option(help="...and at most this many.")] = 250,
+    max_ratio: Annotated[
+        float, typer.Option(help="...and at most this ratio of the longer side to the shorter.")
+    ] = 3.0,
+    list_corpora: Annotated[bool, typer.Option("--list", help="List the corpora and exit.")] = False,
+) -> None:
+    """Download a standard corpus and write line-aligned plain text: OUT/{train,valid,test}.LANG.
+
+    Downloads resume where they stopped and are checked against their SHA-256 where mtkit knows it;
+    they stay in OUT/raw. Only the training split is cleaned (normalised, filtered by length and
+    ratio, deduplicated); valid and test are written as published. OUT/prepare.json records what was
+    done, and a re-run with the same settings does nothing.
+    """
+    from mtkit.clean import CleanConfig
+    from mtkit.config import ConfigError
+    from mtkit.corpora import CORPORA
+    from mtkit.corpora import corpus as find_corpus
+    from mtkit.prepare import prepare as prepare_corpus
+
+    _setup_logging()
+    if list_corpora:
+        for c in CORPORA.values():
+            typer.echo(f"{c.name:<16} {c.about}")
+        return
+    if corpus is None or out is None:
+        raise ConfigError("give a corpus and --out, e.g. mtkit prepare multi30k_en_de --out data/multi30k_en_de")
+    clean = CleanConfig(nfkc=nfkc, dedupe=dedupe, min_words=min_words, max_words=max_words, max_ratio=max_ratio)
+    record = prepare_corpus(find_corpus(corpus), out, mirror, clean)
+    counts = ", ".join(f"{name} {split['lines']:,}" for name, split in record["splits"].items())
+    typer.echo(f"{corpus} in {out}: {counts} lines")
+
+
+@app.command()
+@user_errors
 def train(
     config: Annotated[Path, typer.Argument(help="YAML config with data, tokenizer, model, train and decode sections.")],
     overrides: Annotated[

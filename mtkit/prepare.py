@@ -1,0 +1,133 @@
+"""A standard corpus in, line-aligned plain text out: download, read, clean the training split, write.
+
+Layout of the output folder::
+
+    raw/                        the downloaded files, kept so that a re-run fetches nothing
+    train.SRC train.TGT         cleaned (mtkit.clean): normalised, filtered, deduplicated
+    valid.SRC valid.TGT         as published, so that scores on them stay comparable
+    test.SRC test.TGT
+    prepare.json                what was done: corpus, files, cleaning settings, line counts, drops
+
+Every text file is written under a temporary name and renamed, and prepare.json last: a folder
+whose prepare.json matches the request is complete, and is left alone on a re-run.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict
+from itertools import zip_longest
+from pathlib import Path
+
+from mtkit.checkpoint import atomic_write
+from mtkit.clean import CleanConfig, CleanSummary, clean_pairs
+from mtkit.corpora import Corpus, RemoteFile, Split
+from mtkit.data import DataError
+from mtkit.download import fetch, resolve
+
+log = logging.getLogger("mtkit")
+
+RECORD = "prepare.json"
+# Line and paragraph separators that would break line alignment if written inside a segment.
+_LINE_BREAKS = str.maketrans({c: " " for c in "\r\n\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"})
+
+
+def prepare(corpus: Corpus, out: Path, mirror: str | None = None, clean: CleanConfig = CleanConfig()) -> dict:
+    """Prepare ``corpus`` into ``out`` (see the module docstring); returns the prepare.json record."""
+    settings = {
+        "corpus": corpus.name,
+        "files": {name: [f.url for f in split.files] for name, split in corpus.splits.items()},
+        "clean": asdict(clean),
+    }
+    done = _record(out)
+    if done is not None and done.get("settings") == settings:
+        log.info("%s: already prepared in %s", corpus.name, out)
+        return done
+    start = time.perf_counter()
+    splits = {}
+    for name, split in corpus.splits.items():
+        paths = [_download(f, out / "raw", mirror) for f in split.files]
+        pairs = _read(split, paths, corpus.langs)
+        summary = None
+        if name == "train":
+            summary = CleanSummary()
+            pairs = clean_pairs(pairs, clean, summary)
+        lines = _write(pairs, out / f"{name}.{corpus.src_lang}", out / f"{name}.{corpus.tgt_lang}")
+        splits[name] = {"lines": lines, **({"clean": summary.to_dict()} if summary else {})}
+        log.info("%s %s: %s", corpus.name, name, summary.line() if summary else f"{lines:,} lines")
+    record = {"settings": settings, "splits": splits, "seconds": round(time.perf_counter() - start, 1)}
+    atomic_write(out / RECORD, lambda f: f.write(json.dumps(record, indent=1).encode("utf-8")))
+    return record
+
+
+def _record(out: Path) -> dict | None:
+    try:
+        return json.loads((out / RECORD).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _download(file: RemoteFile, folder: Path, mirror: str | None) -> Path:
+    source = resolve(file.filename, mirror) if mirror else file.url
+    return fetch(source, folder / file.filename, file.sha256)
+
+
+def _read(split: Split, paths: list[Path], langs: tuple[str, str]) -> Iterator[tuple[str, str]]:
+    if split.form == "text":
+        return _text_pairs(*paths)
+    return _parquet_pairs(paths, langs)
+
+
+def _text_lines(path: Path) -> Iterator[str]:
+    with open(path, "rb") as probe:
+        gzipped = probe.read(2) == b"\x1f\x8b"
+    with gzip.open(path, "rb") if gzipped else open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                yield raw.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError as err:
+                raise DataError(f"{path}:{number}: invalid UTF-8 (byte {err.start + 1} of the line)") from None
+
+
+def _text_pairs(src: Path, tgt: Path) -> Iterator[tuple[str, str]]:
+    for number, (s, t) in enumerate(zip_longest(_text_lines(src), _text_lines(tgt)), start=1):
+        if s is None or t is None:
+            shorter, longer = (src, tgt) if s is None else (tgt, src)
+            raise DataError(f"{shorter} ends at line {number - 1} but {longer} goes on: the files are not aligned")
+        yield s, t
+
+
+def _parquet_pairs(paths: list[Path], langs: tuple[str, str]) -> Iterator[tuple[str, str]]:
+    """Rows streamed through Hugging Face ``datasets`` (Arrow, read lazily), in file order."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    rows = datasets.load_dataset("parquet", data_files=[str(p) for p in paths], split="train", streaming=True)
+    for number, row in enumerate(rows, start=1):
+        pair = row.get("translation") or {}
+        if not all(isinstance(pair.get(lang), str) for lang in langs):
+            names = ", ".join(p.name for p in paths)
+            raise DataError(f"{names}: row {number} has no translation.{langs[0]} and translation.{langs[1]} text")
+        yield pair[langs[0]], pair[langs[1]]
+
+
+def _write(pairs: Iterable[tuple[str, str]], src_path: Path, tgt_path: Path) -> int:
+    """Both sides, one segment per line (a line break inside a segment becomes a space); the line count."""
+    count = 0
+
+    def write_both(src_file) -> None:
+        def write_target(tgt_file) -> None:
+            nonlocal count
+            for s, t in pairs:
+                src_file.write((s.translate(_LINE_BREAKS) + "\n").encode("utf-8"))
+                tgt_file.write((t.translate(_LINE_BREAKS) + "\n").encode("utf-8"))
+                count += 1
+
+        atomic_write(tgt_path, write_target)
+
+    atomic_write(src_path, write_both)
+    return count

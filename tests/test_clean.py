@@ -1,0 +1,185 @@
+"""Corpus cleaning: what normalisation keeps and removes, which rule drops a pair, streaming, real Multi30k counts."""
+
+from __future__ import annotations
+
+import gzip
+import itertools
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from mtkit.clean import CleanConfig, CleanSummary, clean_pairs, normalize
+from mtkit.config import ConfigError
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+MULTI30K = DATA / "multi30k"
+
+DROPS = ("empty", "too_short", "too_long", "ratio", "duplicate")
+
+
+def clean(pairs, **cfg) -> tuple[list[tuple[str, str]], CleanSummary]:
+    summary = CleanSummary()
+    return list(clean_pairs(pairs, CleanConfig(**cfg), summary)), summary
+
+
+def adds_up(summary: CleanSummary) -> bool:
+    return summary.read == summary.kept + sum(getattr(summary, name) for name in DROPS)
+
+
+def test_control_characters_and_tabs_inside_lines():
+    assert normalize("a\tb\x0bc\x0cd\re\x85f", nfkc=False) == "a b c d e f"  # whitespace controls become spaces
+    assert normalize("ab\x00c\x1b\x7fd\x08e", nfkc=False) == "abcde"  # the others are deleted
+    assert normalize("Ein\t\tHund \t rennt\n", nfkc=False) == "Ein Hund rennt"
+
+
+def test_bom_soft_hyphen_and_other_format_characters_removed():
+    assert normalize("\ufeffA dog runs.", nfkc=False) == "A dog runs."
+    assert normalize("Donau\u00addampf\u00adschiff", nfkc=False) == "Donaudampfschiff"
+    # Zero-width space, word joiner, left-to-right mark and a bidi embedding pair.
+    assert normalize("a\u200bb\u2060c\u200ed\u202ae\u202c", nfkc=False) == "abcde"
+
+
+def test_zwj_emoji_persian_zwnj_and_flag_tags_survive():
+    family = "\U0001f468\u200d\U0001f469\u200d\U0001f467"  # man ZWJ woman ZWJ girl
+    technologist = "\U0001f469\u200d\U0001f4bb"
+    persian = "می\u200cخواهم"  # "I want": the ZWNJ keeps the prefix unjoined
+    england = "\U0001f3f4\U000e0067\U000e0062\U000e0065\U000e006e\U000e0067\U000e007f"
+    arabic_number = "\u0600١٢٣"
+    for text in (family, technologist, persian, england, arabic_number):
+        assert normalize(text, nfkc=False) == text
+        assert normalize(f" {text}\ufeff ", nfkc=True) == text
+
+
+def test_nfkc_only_when_asked():
+    assert normalize("ﬁnd ２０２４ Ｔｅｓｔ", nfkc=False) == "ﬁnd ２０２４ Ｔｅｓｔ"
+    assert normalize("ﬁnd ２０２４ Ｔｅｓｔ", nfkc=True) == "find 2024 Test"
+    # The soft hyphen goes first, so the acute accent it separated composes with the e.
+    assert normalize("Cafe\u00ad\u0301", nfkc=True) == "Caf\u00e9"
+
+
+def test_whitespace_runs_collapsed_and_stripped():
+    assert normalize("  Ein   Hund\u00a0\u00a0läuft\u3000schnell \u2028 ", nfkc=False) == "Ein Hund läuft schnell"
+    assert normalize(" \t\u00a0\ufeff ", nfkc=False) == ""
+
+
+def test_pairs_differing_only_in_spacing_are_duplicates():
+    pairs = [
+        ("A dog runs.", "Ein Hund rennt."),
+        ("A  dog runs. ", "Ein\u00a0Hund\trennt."),
+        ("\ufeffA dog runs.", "Ein Hund rennt."),
+        ("A dog runs.", "Ein Hund läuft."),  # another translation of the same source is not a duplicate
+    ]
+    kept, summary = clean(pairs)
+    assert kept == [("A dog runs.", "Ein Hund rennt."), ("A dog runs.", "Ein Hund läuft.")]
+    assert (summary.duplicate, summary.changed) == (2, 3)
+    kept, summary = clean(pairs, dedupe=False)
+    assert len(kept) == 4 and summary.duplicate == 0
+
+
+def test_nfkc_makes_more_duplicates():
+    pairs = [("ﬁsh", "Fisch"), ("fish", "Fisch")]
+    assert clean(pairs)[1].duplicate == 0
+    assert clean(pairs, nfkc=True)[1].duplicate == 1
+
+
+@pytest.mark.parametrize(
+    "pair, rule",
+    [
+        (("", "Ein Hund."), "empty"),
+        (("A dog.", " \t\ufeff"), "empty"),
+        (("A dog.", "Hund"), "too_short"),  # min_words=2; too short comes before the ratio (2 / 1 is fine anyway)
+        (("one " * 11, "eins " * 11), "too_long"),  # max_words=10
+        (("one " * 11, "eins"), "too_short"),  # too short and too long and a bad ratio: the first rule counts
+        (("one two three four five six seven", "eins zwei"), "ratio"),  # 7 / 2 > 3
+        (("one two three four five six", "eins zwei"), "kept"),  # 6 / 2 == 3 is allowed
+        (("A dog runs.", "Ein Hund rennt."), "duplicate"),  # seen first below
+    ],
+)
+def test_each_pair_counted_under_the_first_rule_that_drops_it(pair, rule):
+    first = ("A dog runs.", "Ein Hund rennt.")
+    kept, summary = clean([first, pair], min_words=2, max_words=10)
+    counts = summary.to_dict()
+    assert counts["read"] == 2 and adds_up(summary)
+    for name in (*DROPS, "kept"):
+        assert counts[name] == (name == rule) + (name == "kept"), name
+
+
+def test_order_preserved():
+    pairs = [(f"sentence {i}", f"Satz {i}") for i in range(50)]
+    pairs[10] = ("", "leer")
+    kept, _ = clean(pairs)
+    assert kept == pairs[:10] + pairs[11:]
+
+
+def test_consumes_an_endless_generator_lazily():
+    pulled = 0
+
+    def endless():
+        nonlocal pulled
+        for i in itertools.count():
+            pulled += 1
+            yield (f"pair {i}", "" if i % 3 == 0 else f"Paar {i}")
+
+    summary = CleanSummary()
+    first = list(itertools.islice(clean_pairs(endless(), CleanConfig(), summary), 10))
+    assert first[0] == ("pair 1", "Paar 1") and len(first) == 10
+    assert pulled == summary.read == 15  # 10 kept, 5 empty, nothing read ahead
+    assert (summary.kept, summary.empty) == (10, 5)
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        (dict(min_words=0), "clean.min_words must be >= 1"),
+        (dict(min_words=5, max_words=4), "clean.max_words must be >= clean.min_words"),
+        (dict(max_ratio=0.5), "clean.max_ratio must be >= 1"),
+        (dict(max_ratio=float("nan")), "clean.max_ratio must be >= 1"),
+    ],
+)
+def test_config_rejects_bad_values_in_one_line(values, message):
+    with pytest.raises(ConfigError, match=message) as error:
+        CleanConfig(**values)
+    assert "\n" not in str(error.value)
+
+
+def test_summary_line_and_dict():
+    summary = CleanSummary(read=29000, kept=28990, empty=3, too_long=4, ratio=3, changed=12)
+    assert summary.line() == (
+        "read 29,000 pairs, kept 28,990; dropped 3 empty, 0 too short, 4 too long, 3 by length ratio, "
+        "0 duplicates; 12 lines normalised"
+    )
+    assert list(summary.to_dict()) == [f.name for f in fields(CleanSummary)]
+    assert summary.to_dict()["kept"] == 28990
+
+
+def read_gz(path: Path):
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            yield line.rstrip("\n")
+
+
+def test_multi30k_train_counts_are_plausible_and_reproducible():
+    if not MULTI30K.is_dir():
+        pytest.skip(f"{MULTI30K} not found (the shared data folder sits beside the repository)")
+
+    def run(**cfg) -> tuple[list[tuple[str, str]], CleanSummary]:
+        return clean(zip(read_gz(MULTI30K / "train.en.gz"), read_gz(MULTI30K / "train.de.gz")), **cfg)
+
+    kept, summary = run()
+    # 130 lines change: trailing or doubled spaces, 44 no-break spaces, one tab. Two pairs whose German side is
+    # just "@@" fail the ratio, and three pairs occur twice.
+    assert summary.to_dict() == dict(
+        read=29000, kept=28995, empty=0, too_short=0, too_long=0, ratio=2, duplicate=3, changed=130
+    )
+    assert kept[0] == (
+        "Two young, White males are outside near many bushes.",
+        "Zwei junge weiße Männer sind im Freien in der Nähe vieler Büsche.",
+    )
+    assert all(normalize(side, nfkc=False) == side for pair in kept for side in pair)  # nothing left to do
+    assert "@@" not in {tgt for _, tgt in kept}
+
+    again, summary_again = run()
+    assert again == kept and summary_again == summary
+    strict = run(max_ratio=1.5)[1]  # fairseq's examples: many real pairs go
+    assert (strict.kept, strict.ratio, strict.duplicate) == (28109, 888, 3) and adds_up(strict)

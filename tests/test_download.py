@@ -1,0 +1,253 @@
+"""Fetching corpus files: resume, retries, checksums and mirrors, against a loopback HTTP server."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from mtkit import download
+from mtkit.download import DownloadError, fetch, resolve
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+VAL_DE = DATA / "multi30k" / "val.de.gz"
+CUT = 10_000  # bytes an interrupted response sends before the connection goes
+
+
+@pytest.fixture(scope="module")
+def payload() -> bytes:
+    if not VAL_DE.is_file():
+        pytest.skip(f"{VAL_DE} not found (the shared data folder sits beside the repository)")
+    return VAL_DE.read_bytes()
+
+
+@dataclass
+class Site:
+    """What the loopback server does, and what it saw: one (path, Range header) per request."""
+
+    payload: bytes
+    honour_range: bool = True
+    first_status: int | None = None  # answer the first request with this status and no body
+    cut_first: bool = False  # first request: send CUT bytes of the body, then close the connection
+    stall_first: bool = False  # first request: send CUT bytes of the body, then go silent until released
+    wrong_range: bool = False  # answer range requests with 206 but the whole file (Content-Range 0-)
+    requests: list[tuple[str, str | None]] = field(default_factory=list)
+    release: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def ranges(self) -> list[str | None]:
+        return [r for _, r in self.requests]
+
+
+class _Handler(BaseHTTPRequestHandler):
+    site: Site
+
+    def do_GET(self) -> None:
+        site, data = self.site, self.site.payload
+        site.requests.append((self.path, self.headers.get("Range")))
+        first = len(site.requests) == 1
+        if first and site.first_status:
+            self.send_error(site.first_status)
+            return
+        start = 0
+        if self.headers.get("Range") and site.honour_range:
+            start = int(self.headers["Range"].removeprefix("bytes=").removesuffix("-"))
+            if start >= len(data):
+                self.send_response(416)
+                self.send_header("Content-Range", f"bytes */{len(data)}")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            self.send_response(206)
+            if site.wrong_range:
+                start = 0
+            self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+        else:
+            self.send_response(200)
+        body = data[start:]
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if first and (site.cut_first or site.stall_first):
+            self.wfile.write(body[:CUT])
+            if site.stall_first:
+                site.release.wait(timeout=10)
+            self.close_connection = True
+            return
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture(autouse=True)
+def no_backoff(monkeypatch) -> None:
+    monkeypatch.setattr(download, "BACKOFF_S", 0.0)
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[[Site], str]]:
+    """Starts loopback servers for sites; returns the URL of val.de.gz on each."""
+    running = []
+
+    def start(site: Site) -> str:
+        server = ThreadingHTTPServer(("127.0.0.1", 0), type("Handler", (_Handler,), {"site": site}))
+        threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True).start()
+        running.append((server, site))
+        return f"http://127.0.0.1:{server.server_address[1]}/multi30k/val.de.gz"
+
+    yield start
+    for server, site in running:
+        site.release.set()
+        server.shutdown()
+        server.server_close()
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def test_interrupted_transfer_resumes_with_range_and_is_byte_identical(serve, payload, tmp_path, caplog):
+    site = Site(payload, cut_first=True)
+    url = serve(site)
+    dest = tmp_path / "raw" / "val.de.gz"
+    with caplog.at_level(logging.INFO, logger="mtkit"):
+        assert fetch(url, dest, sha256=sha(payload)) == dest
+    assert dest.read_bytes() == payload
+    assert site.ranges == [None, f"bytes={CUT}-"]
+    assert not dest.with_name("val.de.gz.part").exists()
+    assert f"downloading {url} → {dest} ({len(payload)} bytes, resuming at byte {CUT})" in caplog.messages
+    assert any(m.startswith(f"downloaded {dest}: {len(payload)} bytes in") for m in caplog.messages)
+
+
+def test_server_ignoring_range_still_yields_the_file(serve, payload, tmp_path):
+    site = Site(payload, cut_first=True, honour_range=False)
+    dest = fetch(serve(site), tmp_path / "val.de.gz")
+    assert site.ranges == [None, f"bytes={CUT}-"]  # asked to resume, got 200 and started over
+    assert dest.read_bytes() == payload
+
+
+def test_206_starting_elsewhere_is_discarded_and_fetched_again(serve, payload, tmp_path):
+    site = Site(payload, cut_first=True, wrong_range=True)
+    dest = fetch(serve(site), tmp_path / "val.de.gz")
+    assert site.ranges == [None, f"bytes={CUT}-", None]
+    assert dest.read_bytes() == payload
+
+
+def test_complete_part_answered_416_is_verified_and_kept(serve, payload, tmp_path):
+    site = Site(payload)
+    dest = tmp_path / "val.de.gz"
+    dest.with_name("val.de.gz.part").write_bytes(payload)
+    fetch(serve(site), dest, sha256=sha(payload))
+    assert site.ranges == [f"bytes={len(payload)}-"]
+    assert dest.read_bytes() == payload
+
+
+def test_404_fails_at_once_with_a_one_line_error(serve, payload, tmp_path):
+    site = Site(payload, first_status=404)
+    url = serve(site)
+    with pytest.raises(DownloadError) as err:
+        fetch(url, tmp_path / "val.de.gz")
+    message = str(err.value)
+    assert url in message and "404" in message and "\n" not in message
+    assert len(site.requests) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_server_error_is_retried(serve, payload, tmp_path):
+    site = Site(payload, first_status=503)
+    dest = fetch(serve(site), tmp_path / "val.de.gz")
+    assert len(site.requests) == 2
+    assert dest.read_bytes() == payload
+
+
+def test_silent_server_times_out_and_each_retry_resumes(serve, payload, tmp_path):
+    site = Site(payload, stall_first=True)
+    dest = tmp_path / "val.de.gz"
+    started = time.monotonic()
+    fetch(serve(site), dest, timeout=0.3, retries=1)
+    assert time.monotonic() - started < 3
+    assert site.ranges == [None, f"bytes={CUT}-"]
+    assert dest.read_bytes() == payload
+
+
+def test_checksum_mismatch_is_an_error_and_leaves_no_file(serve, payload, tmp_path):
+    url = serve(Site(payload))
+    dest = tmp_path / "val.de.gz"
+    with pytest.raises(DownloadError) as err:
+        fetch(url, dest, sha256="0" * 64)
+    message = str(err.value)
+    assert url in message and "0" * 64 in message and sha(payload) in message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_existing_dest_is_kept_if_its_checksum_matches_and_fetched_again_if_not(serve, payload, tmp_path):
+    site = Site(payload)
+    url = serve(site)
+    dest = tmp_path / "val.de.gz"
+    dest.write_bytes(payload)
+    fetch(url, dest, sha256=sha(payload))
+    fetch(url, dest)  # no checksum: any existing file will do
+    assert site.requests == []
+    dest.write_bytes(b"stale")
+    fetch(url, dest, sha256=sha(payload))
+    assert len(site.requests) == 1
+    assert dest.read_bytes() == payload
+
+
+def test_file_url_is_copied(payload, tmp_path):
+    dest = fetch(VAL_DE.as_uri(), tmp_path / "val.de.gz", sha256=sha(payload))
+    assert not dest.is_symlink() and dest.read_bytes() == payload
+
+
+def test_resolve_points_at_the_same_basename_in_the_mirror(tmp_path):
+    url = "https://example.org/wmt/2014/val.de.gz?download=1"
+    assert resolve(url, None) == url
+    assert resolve(url, str(tmp_path)) == str(tmp_path / "val.de.gz")
+    assert resolve(url, "file:///srv/corpora/") == "file:///srv/corpora/val.de.gz"
+    assert resolve(url, "http://mirror.local/mt") == "http://mirror.local/mt/val.de.gz"
+
+
+def test_local_directory_mirror_is_used_instead_of_the_url(payload, tmp_path):
+    dest = fetch("https://unreachable.invalid/multi30k/val.de.gz", tmp_path / "val.de.gz", mirror=str(VAL_DE.parent))
+    assert not dest.is_symlink() and dest.read_bytes() == payload
+    with pytest.raises(DownloadError, match="no-such.gz: file not found"):
+        fetch("https://unreachable.invalid/no-such.gz", tmp_path / "x.gz", mirror=str(tmp_path))
+
+
+def test_http_mirror_is_asked_for_the_basename(serve, payload, tmp_path):
+    site = Site(payload)
+    mirror = serve(site).rsplit("/", 2)[0] + "/mirror"
+    fetch("https://unreachable.invalid/multi30k/val.de.gz", tmp_path / "val.de.gz", mirror=mirror)
+    assert site.requests == [("/mirror/val.de.gz", None)]
+
+
+def test_killed_transfer_leaves_only_the_part_and_the_next_fetch_completes_it(serve, payload, tmp_path):
+    site = Site(payload, stall_first=True)
+    url = serve(site)
+    dest = tmp_path / "val.de.gz"
+    part = tmp_path / "val.de.gz.part"
+    code = f"from mtkit.download import fetch; fetch({url!r}, {str(dest)!r})"
+    child = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 30
+        while not (part.is_file() and part.stat().st_size == CUT):
+            assert child.poll() is None and time.monotonic() < deadline, "the child never received the first bytes"
+            time.sleep(0.02)
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["val.de.gz.part"]
+    fetch(url, dest, sha256=sha(payload))
+    assert site.ranges == [None, f"bytes={CUT}-"]
+    assert dest.read_bytes() == payload and not part.exists()
