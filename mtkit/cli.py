@@ -651,6 +651,36 @@ def translate(
         raise DataError(f"{prefix}: {err}") from None
 
 
+@app.command("run")
+@user_errors
+def run_recipe(
+    recipe: Annotated[
+        Path, typer.Argument(help="A recipe: a config with a recipe section, e.g. recipes/multi30k_en_de.yaml.")
+    ],
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Run directory (default runs/<recipe name>).")] = None,
+    mirror: Annotated[
+        str | None, typer.Option(help="Fetch the corpus from here (a folder, file:// or http(s):// base).")
+    ] = None,
+    overrides: Annotated[list[str], typer.Option("--set", help="Override a config value: section.key=value.")] = [],
+) -> None:
+    """Run a recipe end to end: prepare the corpus, train, average checkpoints, translate the test set,
+    score it, and write RUN/report.md and RUN/report.json (and RUN/curves.png with matplotlib).
+
+    Re-running redoes only what is missing or out of date: training resumes from its newest checkpoint.
+    The report says whether the test BLEU falls in the recipe's expected range (recipe.bleu_min/max).
+    """
+    from mtkit.config import load
+    from mtkit.run import render
+    from mtkit.run import run_recipe as run_all
+
+    _setup_logging()
+    cfg = load(recipe, overrides)
+    out = out or Path("runs") / recipe.stem
+    report = run_all(cfg, recipe, out, mirror, lambda c, o: _run_training(c, o, restart=False))
+    typer.echo(render(report))
+    typer.echo(f"report: {out / 'report.md'}", err=True)
+
+
 # -- eval -----------------------------------------------------------------------------------
 
 

@@ -1,6 +1,7 @@
 """Typed configuration: the one home for defaults, loaded from YAML plus ``--set`` overrides.
 
-The YAML file mirrors the dataclass tree (``data``, ``tokenizer``, ``model``, ``train``, ``decode``);
+The YAML file mirrors the dataclass tree (``data``, ``tokenizer``, ``model``, ``train``, ``decode``,
+``recipe``);
 an unknown key or a value of the wrong type or range is a ``ConfigError`` naming the key.
 """
 
@@ -178,12 +179,32 @@ class DecodeConfig:
 
 
 @dataclass(frozen=True)
+class RecipeConfig:
+    """What `mtkit run` does around training: where the data comes from, what result to expect."""
+
+    corpus: str = ""  # an `mtkit prepare` corpus; its train/valid files become data.*, its test split is scored
+    data_dir: str = ""  # where it is prepared; "" for RUN/data
+    average_last: int = 5  # score the mean of the newest K checkpoints; 0 scores best/
+    bleu_min: float = 0.0  # the test sacreBLEU range that counts as reproducing the result...
+    bleu_max: float = 100.0
+    expected: str = ""  # ...and where that range comes from (paper, BLEU variant)
+    hardware: str = ""  # the hardware and time the recipe expects
+
+    def __post_init__(self) -> None:
+        _check(self.average_last >= 0, "recipe.average_last must be >= 0")
+        _check(
+            0 <= self.bleu_min <= self.bleu_max <= 100, "recipe.bleu_min/bleu_max must satisfy 0 <= min <= max <= 100"
+        )
+
+
+@dataclass(frozen=True)
 class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)
 
     def __post_init__(self) -> None:
         _check(
@@ -242,6 +263,7 @@ SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "train": TrainConfig,
     "decode": DecodeConfig,
+    "recipe": RecipeConfig,
 }
 
 

@@ -257,7 +257,8 @@ class Trainer:
         seed_everything(tc.seed)  # the same initial weights on every rank
 
         if not cfg.data.train_src:
-            raise ConfigError("data.train_src is not set: training needs a parallel corpus")
+            hint = f"; `mtkit run` prepares recipe.corpus {cfg.recipe.corpus} for it" if cfg.recipe.corpus else ""
+            raise ConfigError(f"data.train_src is not set: training needs a parallel corpus{hint}")
         src_lines, tgt_lines = read_parallel(cfg.data.train_src, cfg.data.train_tgt)
         self.valid_src, self.valid_tgt = self._read_valid()
         self._lock = checkpoint.RunLock(self.out_dir) if self.is_main else None
@@ -631,6 +632,7 @@ class Trainer:
         last_result: dict = {}
         window = LogWindow()
         self._clock = time.perf_counter()
+        first_step = self.progress.step
         try:
             with StopSignals() as signals:
                 self._signals = signals
@@ -650,9 +652,10 @@ class Trainer:
                         self.save_last()
                         raise TrainingStopped(signals.received or signal.SIGTERM, self.progress.step)
                 log.info("training done: %s", self.stop_reason())
-                if not tc.valid_every or self.progress.step % tc.valid_every:
-                    last_result = self._validate_and_log()
-                self.save_last()
+                if self.progress.step > first_step:  # a finished run resumed again has nothing new to keep
+                    if not tc.valid_every or self.progress.step % tc.valid_every:
+                        last_result = self._validate_and_log()
+                    self.save_last()
         finally:
             self._signals = None
             if self._lock is not None:

@@ -1,16 +1,12 @@
 #!/usr/bin/env bash
-# Multi30k English->German end to end: SentencePiece + Transformer training, beam-5 translation of
-# test_2016_flickr, sacreBLEU. Run from the repository root; extra arguments go to `mtkit train`
-# (e.g. --set train.max_steps=100 for a quick look). Re-running resumes an interrupted training.
+# Multi30k English->German end to end with `mtkit run`: prepare the corpus, train, average the last
+# 3 checkpoints, translate test_2016_flickr with beam 5, score it, and write RUN/report.md (with the
+# training curves in RUN/curves.png when matplotlib is installed).
+# Run from the repository root. DATA is a local mirror of the official Multi30k files (empty: download
+# them); extra arguments go to `mtkit run` (e.g. --set train.max_steps=100). Re-running resumes.
 set -euo pipefail
 
-DATA=${DATA:-../shared/data/multi30k}
+DATA=${DATA-../shared/data/multi30k}
 RUN=${RUN:-runs/multi30k_en_de}
 
-SECONDS=0
-mtkit train recipes/multi30k_en_de.yaml --out "$RUN" "$@"
-echo "training wall clock: $((SECONDS / 60)) min $((SECONDS % 60)) s" >&2
-
-mtkit translate "$RUN" --beam 5 -i "$DATA/test_2016_flickr.en.gz" -o "$RUN/test_2016_flickr.hyp.de"
-mtkit eval --hyp "$RUN/test_2016_flickr.hyp.de" --ref "$DATA/test_2016_flickr.de.gz" --metrics bleu,chrf,ter \
-    | tee "$RUN/test_2016_flickr.scores.txt"
+exec mtkit run recipes/multi30k_en_de.yaml --out "$RUN" ${DATA:+--mirror "$DATA"} "$@"

@@ -13,8 +13,12 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES.glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_recipe_loads(recipe):
+    from mtkit.corpora import CORPORA
+
     cfg = load(recipe)
-    assert cfg.data.train_src and cfg.data.valid_src
+    corpus = CORPORA[cfg.recipe.corpus]
+    assert (corpus.src_lang, corpus.tgt_lang) == (cfg.data.src_lang, cfg.data.tgt_lang)
+    assert cfg.recipe.expected and cfg.recipe.hardware and 0 < cfg.recipe.bleu_min < cfg.recipe.bleu_max
 
 
 def test_preset_sets_defaults_and_explicit_keys_win():
