@@ -130,7 +130,7 @@ def write_parquet(path: Path, pairs: list[tuple[str, str]], langs: tuple[str, st
     pq.write_table(pa.Table.from_pylist(rows), path)
 
 
-@pytest.mark.parametrize("name", ["wmt14_en_de", "wmt16_ro_en", "iwslt17_de_en"])
+@pytest.mark.parametrize("name", ["wmt14_en_de", "wmt16_en_ro", "wmt16_ro_en", "iwslt17_de_en"])
 def test_hub_corpora_prepare_from_a_parquet_mirror(tmp_path, name):
     """The mirror holds the Hub's parquet files under the catalogue's names; the text is WMT22's
     (a stand-in: only the form matters here), one segment with a line break inside."""
