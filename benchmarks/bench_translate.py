@@ -88,7 +88,9 @@ def child_main(args: argparse.Namespace) -> None:
     from mtkit.metrics import bleu
 
     translator = make_translator(args.config, args.run, args.export_dir, args.threads)
-    hyps, seconds = timed_translation(translator, args.data_dir / "test_2016_flickr.en.gz")
+    # The fastest of --repeat passes: other tenants of a shared machine only ever slow a pass down.
+    runs = [timed_translation(translator, args.data_dir / "test_2016_flickr.en.gz") for _ in range(args.repeat)]
+    hyps, seconds = min(runs, key=lambda run: run[1])
     refs = read_lines(args.data_dir / "test_2016_flickr.de.gz")
     score = bleu(hyps, refs)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -100,6 +102,7 @@ def run_child(args: argparse.Namespace, config: str, export_dir: Path) -> dict |
     print(f"{config} ...", file=sys.stderr, flush=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--config", config, "--run", str(args.run)]
     cmd += ["--data-dir", str(args.data_dir), "--threads", str(args.threads), "--export-dir", str(export_dir)]
+    cmd += ["--repeat", str(args.repeat)]
     done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
     if done.returncode:
         print(f"{config} failed (exit {done.returncode})", file=sys.stderr)
@@ -125,6 +128,7 @@ def main() -> None:
     p.add_argument("--data-dir", type=Path, default=REPO.parent / "shared" / "data" / "multi30k")
     p.add_argument("--configs", type=lambda s: s.split(","), default=list(CONFIGS))
     p.add_argument("--threads", type=int, default=0, help="torch threads; 0 for the default")
+    p.add_argument("--repeat", type=int, default=1, help="translate the test set this many times; report the fastest")
     p.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     p.add_argument("--config", help=argparse.SUPPRESS)
     p.add_argument("--export-dir", type=Path, help=argparse.SUPPRESS)
