@@ -1,4 +1,4 @@
-"""Training speed, efficiency and memory figures for the Multi30k recipe's model on this machine.
+"""Speed, efficiency and memory figures for the Multi30k recipe's model on this machine.
 
 What is measured (model: recipes/multi30k_en_de.yaml, transformer-small, 8k joint vocabulary):
 
@@ -9,13 +9,13 @@ What is measured (model: recipes/multi30k_en_de.yaml, transformer-small, 8k join
    MFU is the analytic training FLOPs (see ``train_flops``) per second over each measured peak.
 3. Peak memory: each precision trains in its own child process, which reports its peak RSS.
 
-Translation speed is ``bench_translate.py``'s. Run from the repository root, with the recipe's run
-directory for its tokenizer::
+With ``--run``, the run's model is also timed translating test_2016_flickr with beam 5 by
+``bench_translate.py`` (sentences/s, BLEU, peak memory). Run from the repository root::
 
     python benchmarks/bench_multi30k.py --run runs/multi30k_en_de --json bench.json
 
-Without ``--run`` a SentencePiece model is trained first (untimed). Figures are printed as a table
-on stdout; progress goes to stderr.
+Without ``--run`` a SentencePiece model is trained first (untimed) and translation is skipped.
+Figures are printed as a table on stdout; progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -220,17 +220,35 @@ def render(figures: dict) -> str:
             f"{name:<10}{r['tokens_per_s']:>11,.0f}{r['s_per_update']:>10.3f}{r['gflop_per_update']:>11.1f}"
             f"{r['gflops']:>9.1f}{r['mfu']['fp32']:>12.1%}{r['mfu']['bf16']:>12.1%}{r['peak_rss_mib']:>10,.0f}"
         )
+    out.append("")
+    if figures["translate"] is None:
+        out.append("translation: skipped (needs a trained run directory: --run RUN_DIR)")
+    else:
+        out.append("translation (bench_translate.py): beam 5, the 1,000 lines of test_2016_flickr, cpu")
+        out.append(f"{'precision':<10}{'sent/s':>9}{'seconds':>9}{'BLEU':>7}{'peak MiB':>10}")
+        for name, r in figures["translate"].items():
+            out.append(
+                f"{name:<10}{r['sentences_per_s']:>9.1f}{r['seconds']:>9.1f}{r['bleu']:>7.2f}{r['peak_rss_mib']:>10,.0f}"
+            )
     return "\n".join(out)
+
+
+def translation(args: argparse.Namespace, work: Path) -> dict:
+    """Beam-5 decoding speed, BLEU and peak memory of the run's model, measured by bench_translate.py."""
+    import bench_translate
+
+    child_args = argparse.Namespace(run=args.run, data_dir=args.data_dir, threads=args.threads, repeat=1)
+    return {p: bench_translate.run_child(child_args, f"mtkit-{p}", work) for p in args.precisions}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--run", type=Path, help="a run directory whose tokenizer to use (default: train one)")
+    p.add_argument("--run", type=Path, help="a trained run directory: its tokenizer, and its model to translate with")
     p.add_argument(
         "--data-dir",
         type=Path,
         default=REPO.parent / "shared" / "data" / "multi30k",
-        help="folder with train.{en,de}.gz",
+        help="folder with train.{en,de}.gz and test_2016_flickr.{en,de}.gz",
     )
     p.add_argument("--steps", type=int, default=20, help="timed training updates per precision")
     p.add_argument(
@@ -263,6 +281,7 @@ def main(argv: list[str] | None = None) -> None:
         work = Path(tmp)
         tokenizer = run_tokenizer(args, work)
         train = {p: run_child(args, "train", p, tokenizer, work) for p in args.precisions}
+        translate = translation(args, work) if args.run else None
     add_mfu(train, peaks)
     figures = {
         "torch": torch.__version__,
@@ -271,6 +290,7 @@ def main(argv: list[str] | None = None) -> None:
         "batch_tokens": config.load(RECIPE).train.batch_tokens,
         "matmul_gflops": peaks,
         "train": train,
+        "translate": translate,
     }
     print(render(figures))
     if args.json:
