@@ -25,7 +25,7 @@ from mtkit.checkpoint import atomic_write
 from mtkit.config import ConfigError, DecodeConfig
 from mtkit.data import DataError, pad, source_tensor
 from mtkit.model import MultiHeadAttention, Transformer, attention_weights
-from mtkit.search import beam_search
+from mtkit.search import beam_options, beam_search
 from mtkit.tokenizer import BOS_ID, Tokenizer
 
 WORD_START = "\u2581"  # SentencePiece marks the first piece of each word with "▁"
@@ -222,17 +222,7 @@ def translate_with_attention(
         raise DataError(f"the source sentence has {len(ids)} tokens; this model reads at most {limit}")
     device = model.output.weight.device
     src, src_pad_mask = source_tensor([ids])
-    best = beam_search(
-        model,
-        src.to(device),
-        src_pad_mask.to(device),
-        beam=decode.beam,
-        lenpen=decode.lenpen,
-        max_len_a=decode.max_len_a,
-        max_len_b=decode.max_len_b,
-        min_len=decode.min_len,
-        early_stop=decode.early_stop,
-    )[0][0]
+    best = beam_search(model, src.to(device), src_pad_mask.to(device), **beam_options(decode))[0][0]
     translation = tgt_tok.decode([best.tokens])[0]
     maps = attention_maps(model, ids, best.tokens)
     return AttendedTranslation(translation, pieces(src_tok, ids), pieces(tgt_tok, best.tokens), maps)

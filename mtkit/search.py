@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mtkit.config import DecodeConfig
 from mtkit.model import DecoderCache, Transformer
 from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
@@ -169,6 +170,12 @@ def greedy_search(
     """Most probable next token at every step; returns ids without bos/eos."""
     hyps = sample_search(model, src, src_pad_mask, None, max_len_a, max_len_b, min_len, prefixes)
     return [h.tokens for h in hyps]
+
+
+def beam_options(decode: DecodeConfig) -> dict:
+    """``beam_search``'s settings from a DecodeConfig, so callers pass them alike."""
+    names = ("beam", "lenpen", "max_len_a", "max_len_b", "min_len", "early_stop")
+    return {name: getattr(decode, name) for name in names}
 
 
 @torch.inference_mode()

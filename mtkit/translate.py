@@ -23,7 +23,7 @@ from mtkit.attention import align_batch
 from mtkit.config import DecodeConfig
 from mtkit.data import source_tensor
 from mtkit.model import Transformer
-from mtkit.search import Sampling, beam_search, sample_search
+from mtkit.search import Sampling, beam_options, beam_search, sample_search
 from mtkit.tokenizer import Tokenizer
 
 log = logging.getLogger("mtkit")
@@ -143,17 +143,7 @@ class Translator:
                 hyps = [sorted(drawn[i : i + n], key=lambda h: -h.score) for i in range(0, len(drawn), n)]
             else:
                 hyps = beam_search(
-                    self.model,
-                    src,
-                    src_pad_mask,
-                    beam=d.beam,
-                    lenpen=d.lenpen,
-                    max_len_a=d.max_len_a,
-                    max_len_b=d.max_len_b,
-                    nbest=self.nbest,
-                    min_len=d.min_len,
-                    early_stop=d.early_stop,
-                    prefixes=batch_prefixes,
+                    self.model, src, src_pad_mask, nbest=self.nbest, prefixes=batch_prefixes, **beam_options(d)
                 )
             alignments = [""] * len(chunk)
             if self.aligner is not None:
