@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,22 +28,25 @@ def _open_binary(path: Path):
     return gzip.open(path, "rb") if gzipped else open(path, "rb")
 
 
-def read_lines(path: str | Path) -> list[str]:
-    """All lines of a UTF-8 text file (gzip detected by content), without line terminators."""
+def iter_lines(path: str | Path) -> Iterator[str]:
+    """The lines of a UTF-8 text file (gzip detected by content), without line terminators, one at a time."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: file not found")
-    lines = []
     try:
         with _open_binary(path) as f:
             for number, raw in enumerate(f, start=1):
                 try:
-                    lines.append(raw.decode("utf-8").rstrip("\r\n"))
+                    yield raw.decode("utf-8").rstrip("\r\n")
                 except UnicodeDecodeError as err:
                     raise DataError(f"{path}:{number}: invalid UTF-8 (byte {err.start + 1} of the line)") from None
     except (OSError, EOFError, gzip.BadGzipFile) as err:
         raise DataError(f"{path}: cannot read ({err})") from None
-    return lines
+
+
+def read_lines(path: str | Path) -> list[str]:
+    """All lines of a UTF-8 text file (gzip detected by content), without line terminators."""
+    return list(iter_lines(path))
 
 
 def is_tsv(path: str | Path) -> bool:

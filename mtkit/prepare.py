@@ -14,7 +14,6 @@ whose prepare.json matches the request is complete, and is left alone on a re-ru
 
 from __future__ import annotations
 
-import gzip
 import json
 import logging
 import time
@@ -26,7 +25,7 @@ from pathlib import Path
 from mtkit.checkpoint import atomic_write
 from mtkit.clean import CleanConfig, CleanSummary, clean_pairs
 from mtkit.corpora import Corpus, RemoteFile, Split
-from mtkit.data import DataError
+from mtkit.data import DataError, iter_lines
 from mtkit.download import fetch, resolve
 
 log = logging.getLogger("mtkit")
@@ -82,19 +81,8 @@ def _read(split: Split, paths: list[Path], langs: tuple[str, str]) -> Iterator[t
     return _parquet_pairs(paths, langs)
 
 
-def _text_lines(path: Path) -> Iterator[str]:
-    with open(path, "rb") as probe:
-        gzipped = probe.read(2) == b"\x1f\x8b"
-    with gzip.open(path, "rb") if gzipped else open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
-            try:
-                yield raw.decode("utf-8").rstrip("\r\n")
-            except UnicodeDecodeError as err:
-                raise DataError(f"{path}:{number}: invalid UTF-8 (byte {err.start + 1} of the line)") from None
-
-
 def _text_pairs(src: Path, tgt: Path) -> Iterator[tuple[str, str]]:
-    for number, (s, t) in enumerate(zip_longest(_text_lines(src), _text_lines(tgt)), start=1):
+    for number, (s, t) in enumerate(zip_longest(iter_lines(src), iter_lines(tgt)), start=1):
         if s is None or t is None:
             shorter, longer = (src, tgt) if s is None else (tgt, src)
             raise DataError(f"{shorter} ends at line {number - 1} but {longer} goes on: the files are not aligned")
