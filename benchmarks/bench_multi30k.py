@@ -187,12 +187,12 @@ def run_tokenizer(args: argparse.Namespace, work: Path) -> Path:
     """The run's tokenizer, or one trained now (untimed) on the training data."""
     if args.run:
         return args.run / "spm.model"
-    from mtkit.data import read_parallel
+    from mtkit.data import iter_parallel
     from mtkit.train import prepare_tokenizers
 
     print("training the SentencePiece model (no --run given) ...", file=sys.stderr, flush=True)
     cfg = bench_config(args.data_dir, "", "fp32", args.threads)
-    prepare_tokenizers(cfg, work, *read_parallel(cfg.data.train_src, cfg.data.train_tgt))
+    prepare_tokenizers(cfg, work, lambda: iter_parallel(cfg.data.train_src, cfg.data.train_tgt))
     return work / "spm.model"
 
 

@@ -88,15 +88,14 @@ def flops_per_target_token(data_dir: Path, base: Path) -> float:
     sys.path.insert(0, str(REPO / "benchmarks"))
     from bench_multi30k import bench_config, train_flops
 
-    from mtkit.data import read_parallel
+    from mtkit.data import collate, read_parallel, token_batches
     from mtkit.tokenizer import Tokenizer
-    from mtkit.train import Corpus
 
     cfg = bench_config(data_dir, base / "spm.model", "bf16", 0)
     tok = Tokenizer(base / "spm.model")
-    src, tgt = read_parallel(cfg.data.train_src, cfg.data.train_tgt)
-    corpus = Corpus(tok.encode(src), tok.encode(tgt))
-    batches = corpus.batches(cfg.train.batch_tokens, seed=1)
+    src, tgt = (tok.encode(side) for side in read_parallel(cfg.data.train_src, cfg.data.train_tgt))
+    order = token_batches([len(s) for s in src], [len(t) for t in tgt], cfg.train.batch_tokens, seed=1)
+    batches = [collate([src[i] for i in b], [tgt[i] for i in b]) for b in order]
     return sum(train_flops(b, cfg.model, tok.vocab_size) for b in batches) / sum(b.target_tokens for b in batches)
 
 

@@ -8,6 +8,7 @@ Torch is imported inside commands so that ``mtkit --help`` stays instant.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import logging
 import os
@@ -123,7 +124,7 @@ def tokenizer_train(
 ) -> None:
     """Train SentencePiece model(s) with mtkit's special ids (pad 0, unk 1, bos 2, eos 3)."""
     from mtkit.config import TokenizerConfig
-    from mtkit.data import read_lines
+    from mtkit.data import iter_lines
     from mtkit.tokenizer import SpmOptions, train_spm
 
     TokenizerConfig(
@@ -134,14 +135,14 @@ def tokenizer_train(
     )  # validates the values
     _setup_logging()
     options = SpmOptions(vocab_size, model_type, character_coverage, input_sentence_size, seed)
-    src_lines = read_lines(src)
-    tgt_lines = read_lines(tgt) if tgt else []
+    # Streamed: SentencePiece keeps its own sample of input_sentence_size sentences.
     if tgt is None or joint:
-        written = [train_spm(src_lines + tgt_lines, out_dir / "spm", options)]
+        sentences = itertools.chain(iter_lines(src), iter_lines(tgt) if tgt else ())
+        written = [train_spm(sentences, out_dir / "spm", options)]
     else:
         written = [
-            train_spm(src_lines, out_dir / "spm.src", options),
-            train_spm(tgt_lines, out_dir / "spm.tgt", options),
+            train_spm(iter_lines(src), out_dir / "spm.src", options),
+            train_spm(iter_lines(tgt), out_dir / "spm.tgt", options),
         ]
     for path in written:
         typer.echo(f"wrote {path} and {path.with_suffix('.vocab')}", err=True)

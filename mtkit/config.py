@@ -28,6 +28,9 @@ class DataConfig:
     tgt_lang: str = "tgt"
     max_tokens: int = 200  # pairs with a longer side (in subword tokens) are dropped from training
     max_ratio: float = 3.0  # ...and pairs whose longer side is more than this many times the shorter
+    # Where training pairs are kept encoded (memory-mapped) for reuse by later runs; empty:
+    # $MTKIT_CACHE_DIR, else ~/.cache/mtkit/encoded. `mtkit run` uses its data folder's encoded/.
+    cache_dir: str = ""
 
     def __post_init__(self) -> None:
         _check(self.max_tokens >= 1, "data.max_tokens must be >= 1")

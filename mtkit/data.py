@@ -7,11 +7,12 @@ batch up to a budget of padded tokens, so padding stays small and batches stay s
 from __future__ import annotations
 
 import gzip
-import random
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -54,26 +55,54 @@ def is_tsv(path: str | Path) -> bool:
     return name.endswith(".tsv") or name.endswith(".tsv.gz")
 
 
-def read_parallel(src_path: str | Path, tgt_path: str | Path | None) -> tuple[list[str], list[str]]:
-    """Line-aligned (source, target) sentences from two files, or from one two-column TSV file."""
-    if not tgt_path:
-        if not is_tsv(src_path):
-            raise DataError(f"{src_path}: a target file is needed unless the source is a .tsv file")
-        src, tgt = [], []
-        for number, line in enumerate(read_lines(src_path), start=1):
-            fields = line.split("\t")
-            if len(fields) != 2:
-                raise DataError(f"{src_path}:{number}: expected 2 tab-separated columns, found {len(fields)}")
-            src.append(fields[0])
-            tgt.append(fields[1])
-    else:
-        src, tgt = read_lines(src_path), read_lines(tgt_path)
-        if len(src) != len(tgt):
-            raise DataError(
-                f"parallel files differ in length: {src_path} has {len(src)} lines, {tgt_path} has {len(tgt)}"
-            )
-    if not src:
+def iter_parallel(src_path: str | Path, tgt_path: str | Path | None) -> Iterator[tuple[str, str]]:
+    """Line-aligned (source, target) pairs from two files, or from one two-column TSV file, streamed.
+
+    A corpus of any size passes through in constant memory. Missing files are reported at once;
+    files of different lengths when the shorter one ends (with both line counts), and an empty
+    corpus when it turns out to have no line.
+    """
+    if not tgt_path and not is_tsv(src_path):
+        raise DataError(f"{src_path}: a target file is needed unless the source is a .tsv file")
+    for path in (src_path, tgt_path) if tgt_path else (src_path,):
+        if not Path(path).is_file():
+            raise DataError(f"{path}: file not found")
+    return _nonempty(_tsv_pairs(src_path) if not tgt_path else _file_pairs(src_path, tgt_path), src_path)
+
+
+def _nonempty(pairs: Iterator[tuple[str, str]], src_path: str | Path) -> Iterator[tuple[str, str]]:
+    empty = True
+    for pair in pairs:
+        empty = False
+        yield pair
+    if empty:
         raise DataError(f"{src_path}: empty corpus (no lines)")
+
+
+def _tsv_pairs(path: str | Path) -> Iterator[tuple[str, str]]:
+    for number, line in enumerate(iter_lines(path), start=1):
+        fields = line.split("\t")
+        if len(fields) != 2:
+            raise DataError(f"{path}:{number}: expected 2 tab-separated columns, found {len(fields)}")
+        yield fields[0], fields[1]
+
+
+def _file_pairs(src_path: str | Path, tgt_path: str | Path) -> Iterator[tuple[str, str]]:
+    src_lines, tgt_lines = iter_lines(src_path), iter_lines(tgt_path)
+    for count, pair in enumerate(itertools.zip_longest(src_lines, tgt_lines), start=1):
+        if None in pair:
+            n_src = count - 1 + sum(1 for _ in src_lines) + (pair[0] is not None)
+            n_tgt = count - 1 + sum(1 for _ in tgt_lines) + (pair[1] is not None)
+            raise DataError(f"parallel files differ in length: {src_path} has {n_src} lines, {tgt_path} has {n_tgt}")
+        yield pair
+
+
+def read_parallel(src_path: str | Path, tgt_path: str | Path | None) -> tuple[list[str], list[str]]:
+    """All line-aligned (source, target) sentences of a corpus small enough to hold, e.g. a validation set."""
+    src, tgt = [], []
+    for s, t in iter_parallel(src_path, tgt_path):
+        src.append(s)
+        tgt.append(t)
     return src, tgt
 
 
@@ -83,6 +112,14 @@ class FilterReport:
     empty: int
     too_long: int
     bad_ratio: int
+
+    def __add__(self, other: FilterReport) -> FilterReport:
+        return FilterReport(
+            self.kept + other.kept,
+            self.empty + other.empty,
+            self.too_long + other.too_long,
+            self.bad_ratio + other.bad_ratio,
+        )
 
     def describe(self) -> str:
         dropped = self.empty + self.too_long + self.bad_ratio
@@ -150,26 +187,25 @@ def collate(src: list[list[int]], tgt: list[list[int]]) -> Batch:
     return Batch(src_ids, src_pad_mask, pad(tgt, prefix=[BOS_ID]), pad(tgt, suffix=[EOS_ID]))
 
 
-def token_batches(src_lens: list[int], tgt_lens: list[int], batch_tokens: int, seed: int) -> list[list[int]]:
+def token_batches(src_lens: np.ndarray, tgt_lens: np.ndarray, batch_tokens: int, seed: int) -> list[np.ndarray]:
     """Indices grouped into batches of at most ``batch_tokens`` padded tokens per side, shuffled.
 
     Examples are ordered by length (ties broken at random, so batches differ between epochs), cut
     greedily into batches, and the batch order is shuffled. A pair longer than the budget alone
-    still forms a batch of one rather than being lost.
+    still forms a batch of one rather than being lost. Index arrays rather than lists keep an
+    epoch of a WMT-size corpus at a few bytes per pair.
     """
-    rng = random.Random(seed)
-    order = list(range(len(src_lens)))
-    rng.shuffle(order)
-    order.sort(key=lambda i: (tgt_lens[i], src_lens[i]))
-    batches, current, longest = [], [], 0
-    for i in order:
-        length = max(src_lens[i], tgt_lens[i]) + 1  # + eos (or bos)
-        if current and max(longest, length) * (len(current) + 1) > batch_tokens:
-            batches.append(current)
-            current, longest = [], 0
-        current.append(i)
+    rng = np.random.default_rng(seed)
+    src_lens, tgt_lens = np.asarray(src_lens, dtype=np.int64), np.asarray(tgt_lens, dtype=np.int64)
+    order = rng.permutation(len(src_lens))
+    key = tgt_lens[order] * (int(src_lens.max(initial=0)) + 1) + src_lens[order]
+    order = order[np.argsort(key, kind="stable")]
+    lengths = (np.maximum(src_lens, tgt_lens)[order] + 1).tolist()  # + eos (or bos)
+    cuts, start, longest = [], 0, 0
+    for position, length in enumerate(lengths):
+        if position > start and max(longest, length) * (position - start + 1) > batch_tokens:
+            cuts.append(position)
+            start, longest = position, 0
         longest = max(longest, length)
-    if current:
-        batches.append(current)
-    rng.shuffle(batches)
-    return batches
+    batches = np.split(order, cuts)
+    return [batches[i] for i in rng.permutation(len(batches))]

@@ -94,6 +94,7 @@ def _prepare(cfg: RunConfig, out: Path, mirror: str | None, stages: list[Stage])
         train_tgt=path("train", tgt),
         valid_src=path("valid", src),
         valid_tgt=path("valid", tgt),
+        cache_dir=cfg.data.cache_dir or str(data_dir / "encoded"),
     )
     return replace(cfg, data=data), (Path(path("test", src)), Path(path("test", tgt)))
 

@@ -7,7 +7,8 @@ target models of a separate-vocabulary run agree on them and search needs no per
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,12 +35,22 @@ def train_spm(sentences: Iterable[str], out_prefix: Path, options: SpmOptions) -
     """Train a SentencePiece model on ``sentences``; writes PREFIX.model and PREFIX.vocab."""
     out_prefix.parent.mkdir(parents=True, exist_ok=True)
     spm.set_random_generator_seed(options.seed)
+    failures: list[Exception] = []
+
+    def nonblank() -> Iterator[str]:
+        """The sentences to learn from, remembering an input error that SentencePiece would swallow."""
+        try:
+            yield from (s for s in sentences if s.strip())
+        except Exception as err:
+            failures.append(err)
+            raise
+
     sampling = {}
     if options.input_sentence_size:
         sampling = dict(input_sentence_size=options.input_sentence_size, shuffle_input_sentence=True)
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=(s for s in sentences if s.strip()),
+            sentence_iterator=nonblank(),
             model_prefix=str(out_prefix),
             vocab_size=options.vocab_size,
             model_type=options.model_type,
@@ -53,6 +64,8 @@ def train_spm(sentences: Iterable[str], out_prefix: Path, options: SpmOptions) -
             **sampling,
         )
     except RuntimeError as err:
+        if failures:  # the input was at fault (unreadable, misaligned): its own error says where
+            raise failures[0] from None
         # e.g. "Vocabulary size too high (8000). Please set it to a value <= 1234."
         raise TokenizerError(f"SentencePiece training failed: {str(err).strip().splitlines()[-1]}") from None
     return out_prefix.with_name(out_prefix.name + ".model")  # not with_suffix: "spm.src" would lose ".src"
@@ -86,8 +99,8 @@ class Tokenizer:
         return self.sp.get_piece_size()
 
     def encode(self, lines: list[str]) -> list[list[int]]:
-        """Ids without bos/eos (the data and search code add them)."""
-        return self.sp.encode(lines, out_type=int, num_threads=2)
+        """Ids without bos/eos (the data and search code add them); SentencePiece splits the list over all cores."""
+        return self.sp.encode(lines, out_type=int, num_threads=len(os.sched_getaffinity(0)))
 
     def decode(self, ids: list[list[int]]) -> list[str]:
         return self.sp.decode(ids)

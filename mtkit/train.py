@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import json
 import logging
 import math
@@ -18,21 +19,23 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from mtkit import checkpoint
 from mtkit.config import ConfigError, RunConfig, dump, from_dict
-from mtkit.data import Batch, DataError, collate, filter_pairs, read_parallel, token_batches
+from mtkit.data import Batch, DataError, collate, iter_parallel, read_parallel, token_batches
 from mtkit.distributed import Distributed
 from mtkit.loss import TrainingObjective
 from mtkit.metrics import bleu
 from mtkit.model import build_model, count_parameters
 from mtkit.runtime import autocast, compute_dtype, pick_device, seed_everything, set_threads
+from mtkit.token_store import TokenStore, default_cache_dir, open_or_build, store_key
 from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID, SpmOptions, Tokenizer, train_spm
 from mtkit.translate import translate_lines
 
@@ -115,25 +118,6 @@ class LogReporter:
 
 
 @dataclass
-class Corpus:
-    src: list[list[int]]
-    tgt: list[list[int]]
-
-    def batch_indices(self, batch_tokens: int, seed: int) -> list[list[int]]:
-        return token_batches([len(s) for s in self.src], [len(t) for t in self.tgt], batch_tokens, seed)
-
-    def collate(self, indices: list[int]) -> Batch:
-        return collate([self.src[i] for i in indices], [self.tgt[i] for i in indices])
-
-    def target_tokens(self, indices: list[int]) -> int:
-        """Real target tokens of a batch (each sentence plus eos), known without collating it."""
-        return sum(len(self.tgt[i]) + 1 for i in indices)
-
-    def batches(self, batch_tokens: int, seed: int) -> list[Batch]:
-        return [self.collate(idx) for idx in self.batch_indices(batch_tokens, seed)]
-
-
-@dataclass
 class LogWindow:
     """Training statistics accumulated since the last metrics-log line."""
 
@@ -189,9 +173,12 @@ class Progress:
 
 
 def prepare_tokenizers(
-    cfg: RunConfig, out_dir: Path, src_lines: list[str], tgt_lines: list[str]
+    cfg: RunConfig, out_dir: Path, pairs: Callable[[], Iterable[tuple[str, str]]]
 ) -> tuple[Tokenizer, Tokenizer]:
-    """The run's tokenizer(s): already in the run directory, copied from the config, or trained now."""
+    """The run's tokenizer(s): already in the run directory, copied from the config, or trained now.
+
+    Training streams ``pairs()``; SentencePiece keeps a sample of tokenizer.input_sentence_size sentences.
+    """
     names = checkpoint.tokenizer_files(cfg)
     tc = cfg.tokenizer
     given = {"src": tc.model, "tgt": tc.model} if tc.joint else {"src": tc.src_model, "tgt": tc.tgt_model}
@@ -209,28 +196,29 @@ def prepare_tokenizers(
             if vocab.is_file():
                 shutil.copyfile(vocab, target.with_suffix(".vocab"))
         else:
-            sentences = src_lines + tgt_lines if tc.joint else (src_lines if side == "src" else tgt_lines)
+            if tc.joint:
+                sentences = itertools.chain.from_iterable(pairs())
+            else:
+                sentences = (pair[0 if side == "src" else 1] for pair in pairs())
+            sample = f"a sample of {tc.input_sentence_size:,}" if tc.input_sentence_size else "all"
             log.info(
-                "training %s SentencePiece %s model (%d pieces) on %d sentences",
+                "training %s SentencePiece %s model (%d pieces) on %s training sentences",
                 "joint" if tc.joint else side,
                 tc.type,
                 tc.vocab_size,
-                len(sentences),
+                sample,
             )
             train_spm(sentences, target.with_suffix(""), options)
     return Tokenizer(out_dir / names["src"]), Tokenizer(out_dir / names["tgt"])
 
 
-def encode_corpus(
-    cfg: RunConfig, src_lines: list[str], tgt_lines: list[str], src_tok: Tokenizer, tgt_tok: Tokenizer
-) -> Corpus:
-    src, tgt, report = filter_pairs(
-        src_tok.encode(src_lines), tgt_tok.encode(tgt_lines), cfg.data.max_tokens, cfg.data.max_ratio
-    )
-    log.info("training data: %s", report.describe())
-    if not src:
-        raise DataError(f"{cfg.data.train_src}: no training pairs left after filtering")
-    return Corpus(src, tgt)
+def open_training_data(cfg: RunConfig, src_tok: Tokenizer, tgt_tok: Tokenizer) -> TokenStore:
+    """The training pairs as a memory-mapped token store, encoded now unless an earlier run did it."""
+    data = cfg.data
+    files = [data.train_src, data.train_tgt] if data.train_tgt else [data.train_src]
+    key = store_key(files, src_tok, tgt_tok, data.max_tokens, data.max_ratio)
+    cache_dir = Path(data.cache_dir) if data.cache_dir else default_cache_dir()
+    return open_or_build(cache_dir, iter_parallel(data.train_src, data.train_tgt), key, src_tok, tgt_tok)
 
 
 class Trainer:
@@ -259,19 +247,24 @@ class Trainer:
         if not cfg.data.train_src:
             hint = f"; `mtkit run` prepares recipe.corpus {cfg.recipe.corpus} for it" if cfg.recipe.corpus else ""
             raise ConfigError(f"data.train_src is not set: training needs a parallel corpus{hint}")
-        src_lines, tgt_lines = read_parallel(cfg.data.train_src, cfg.data.train_tgt)
+
+        def pairs() -> Iterator[tuple[str, str]]:
+            return iter_parallel(cfg.data.train_src, cfg.data.train_tgt)
+
         self.valid_src, self.valid_tgt = self._read_valid()
         self._lock = checkpoint.RunLock(self.out_dir) if self.is_main else None
         if self.is_main:
             if restart:
                 remove_run_outputs(self.out_dir)
-            prepare_tokenizers(cfg, self.out_dir, src_lines, tgt_lines)
+            src_tok, tgt_tok = prepare_tokenizers(cfg, self.out_dir, pairs)
             checkpoint.atomic_write_text(self.out_dir / "config.yaml", dump(cfg))
-        self.dist.barrier()  # the other ranks read the tokenizer rank 0 trained or copied
-        self.src_tok, self.tgt_tok = prepare_tokenizers(cfg, self.out_dir, src_lines, tgt_lines)
-        self.corpus = encode_corpus(cfg, src_lines, tgt_lines, self.src_tok, self.tgt_tok)
+            self.corpus = open_training_data(cfg, src_tok, tgt_tok)
+        self.dist.barrier()  # the other ranks read the tokenizer and the encoded pairs rank 0 made (or found)
+        self.src_tok, self.tgt_tok = prepare_tokenizers(cfg, self.out_dir, pairs)
+        if not self.is_main:
+            self.corpus = open_training_data(cfg, self.src_tok, self.tgt_tok)
         self.valid_batches = self._valid_loss_batches() if self.is_main else []
-        self._epoch_indices: tuple[int, list[list[int]]] = (0, [])
+        self._epoch_indices: tuple[int, list[np.ndarray]] = (0, [])
 
         self.model = build_model(cfg.model, self.src_tok.vocab_size, self.tgt_tok.vocab_size, PAD_ID).to(self.device)
         log.info("model: %s parameters", f"{count_parameters(self.model):,}")
@@ -306,8 +299,11 @@ class Trainer:
         pairs = [
             (s, t) for s, t in zip(self.src_tok.encode(self.valid_src), self.tgt_tok.encode(self.valid_tgt)) if s and t
         ]
-        valid = Corpus([s for s, _ in pairs], [t for _, t in pairs])
-        return valid.batches(self.cfg.train.batch_tokens, seed=0) if pairs else []
+        if not pairs:
+            return []
+        src, tgt = [s for s, _ in pairs], [t for _, t in pairs]
+        batches = token_batches([len(s) for s in src], [len(t) for t in tgt], self.cfg.train.batch_tokens, seed=0)
+        return [collate([src[i] for i in b], [tgt[i] for i in b]) for b in batches]
 
     def _data_parallel(self) -> torch.nn.Module:
         from torch.nn.parallel import DistributedDataParallel
@@ -586,7 +582,7 @@ class Trainer:
 
     # -- the loop ---------------------------------------------------------------------------
 
-    def _epoch_batches(self, epoch: int) -> list[list[int]]:
+    def _epoch_batches(self, epoch: int) -> list[np.ndarray]:
         """The epoch's batches as corpus indices, identical on every rank (the shuffle is seeded by epoch)."""
         if self._epoch_indices[0] != epoch:
             tc = self.cfg.train

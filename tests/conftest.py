@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import os
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,14 @@ def train_on_task(model: Transformer, pairs, steps: int, peak_lr: float, warmup:
 def tiny_model(vocab: int = 40, seed: int = 0, **overrides) -> Transformer:
     torch.manual_seed(seed)
     return build_model(tiny_model_config(**overrides), vocab, vocab, PAD_ID).eval()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def encoding_cache(tmp_path_factory) -> Path:
+    """Encoded training data goes to a folder of this session, never to the user's ~/.cache (subprocesses too)."""
+    path = tmp_path_factory.mktemp("encoded")
+    os.environ["MTKIT_CACHE_DIR"] = str(path)
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -260,7 +261,7 @@ def test_accumulated_gradients_equal_those_of_one_batch_holding_both(tmp_path, m
     trainer = Trainer(cfg, tmp_path)
     corpus = trainer.corpus
     i1, i2 = corpus.batch_indices(256, seed=0)[:2]
-    b1, b2, both = corpus.collate(i1), corpus.collate(i2), corpus.collate(i1 + i2)
+    b1, b2, both = corpus.collate(i1), corpus.collate(i2), corpus.collate(np.concatenate([i1, i2]))
     tokens = corpus.target_tokens(i1) + corpus.target_tokens(i2)
     assert tokens == b1.target_tokens + b2.target_tokens == both.target_tokens
     assert b1.tgt_out.shape[1] != b2.tgt_out.shape[1] or b1.src.shape[1] != b2.src.shape[1]  # padding differs
@@ -306,7 +307,7 @@ def test_an_update_accumulating_two_batches_equals_one_on_both(tmp_path, multi30
 
         trainer.optimizer.step = spy  # on this optimizer only
     a = split.train_step(batches, group_tokens)
-    b = joined.train_step([joined.corpus.collate(first[0] + first[1])], group_tokens)
+    b = joined.train_step([joined.corpus.collate(np.concatenate(first[:2]))], group_tokens)
     assert a["skipped"] is None and b["skipped"] is None
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
     assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)

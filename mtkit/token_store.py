@@ -1,0 +1,196 @@
+"""Training pairs encoded once into memory-mapped token arrays, so a WMT-size corpus costs disk, not RAM.
+
+A store is a directory in the encoding cache (``data.cache_dir``)::
+
+    src.ids, tgt.ids          every kept sentence's token ids back to back (uint16 when the vocabulary fits)
+    src.offsets, tgt.offsets  int64, where each sentence starts, plus the end
+    meta.json                 what was encoded (files, tokenizers, filters), the counts, and how long it took
+
+Its name is a digest of what it was built from: the training files (path, size, modification
+time), both tokenizers' SHA-256 and the length filters. Any run with the same inputs reuses it
+instead of encoding again; a changed file or tokenizer gets a new store. Encoding streams the
+corpus a chunk at a time (SentencePiece encodes each chunk on all cores), and training reads only
+the sentence lengths into memory: about 8 bytes per pair. Stores are never deleted by mtkit; old ones
+can be removed by hand at any time when no run is starting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import hashlib
+import itertools
+import json
+import logging
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from mtkit.checkpoint import atomic_write_directory
+from mtkit.data import Batch, DataError, FilterReport, collate, filter_pairs, token_batches
+from mtkit.tokenizer import Tokenizer
+
+log = logging.getLogger("mtkit")
+
+FORMAT = 1
+CHUNK_PAIRS = 20_000  # pairs encoded at a time: enough for SentencePiece's threads, a few MiB of Python lists
+SIDES = ("src", "tgt")
+
+
+def default_cache_dir() -> Path:
+    """$MTKIT_CACHE_DIR, else $XDG_CACHE_HOME/mtkit/encoded, else ~/.cache/mtkit/encoded."""
+    if os.environ.get("MTKIT_CACHE_DIR"):
+        return Path(os.environ["MTKIT_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mtkit" / "encoded"
+
+
+def store_key(
+    train_files: list[str | Path], src_tok: Tokenizer, tgt_tok: Tokenizer, max_tokens: int, max_ratio: float
+) -> dict:
+    """Everything the encoded pairs depend on; its digest names the store."""
+    files = []
+    for name in train_files:
+        if not Path(name).is_file():
+            raise DataError(f"{name}: file not found")
+        stat = Path(name).stat()
+        files.append({"path": str(Path(name).resolve()), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns})
+    return {
+        "format": FORMAT,
+        "files": files,
+        "src_tokenizer": src_tok.sha256,
+        "tgt_tokenizer": tgt_tok.sha256,
+        "max_tokens": max_tokens,
+        "max_ratio": max_ratio,
+    }
+
+
+def _digest(key: dict) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _id_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.int32)
+
+
+class TokenStore:
+    """A read-only encoded corpus: lengths in memory, token ids memory-mapped and read per batch."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+        self.meta = json.loads((self.directory / "meta.json").read_text())
+        self.ids = {side: self._map(f"{side}.ids", self.meta["dtype"][side]) for side in SIDES}
+        self.offsets = {side: self._map(f"{side}.offsets", "int64") for side in SIDES}
+        self.src_lengths = np.diff(self.offsets["src"]).astype(np.int32)
+        self.tgt_lengths = np.diff(self.offsets["tgt"]).astype(np.int32)
+
+    def _map(self, name: str, dtype: str) -> np.ndarray:
+        return np.memmap(self.directory / name, dtype=np.dtype(dtype), mode="r")
+
+    @property
+    def report(self) -> FilterReport:
+        return FilterReport(**self.meta["filter"])
+
+    def __len__(self) -> int:
+        return len(self.src_lengths)
+
+    def sentence(self, side: str, index: int) -> list[int]:
+        offsets = self.offsets[side]
+        return self.ids[side][offsets[index] : offsets[index + 1]].tolist()
+
+    def batch_indices(self, batch_tokens: int, seed: int) -> list[np.ndarray]:
+        return token_batches(self.src_lengths, self.tgt_lengths, batch_tokens, seed)
+
+    def collate(self, indices: Iterable[int]) -> Batch:
+        indices = [int(i) for i in indices]
+        return collate([self.sentence("src", i) for i in indices], [self.sentence("tgt", i) for i in indices])
+
+    def target_tokens(self, indices: np.ndarray) -> int:
+        """Real target tokens of a batch (each sentence plus eos), known without collating it."""
+        return int(self.tgt_lengths[indices].sum()) + len(indices)
+
+    def batches(self, batch_tokens: int, seed: int) -> list[Batch]:
+        return [self.collate(indices) for indices in self.batch_indices(batch_tokens, seed)]
+
+
+def open_or_build(
+    cache_dir: Path,
+    pairs: Iterable[tuple[str, str]],
+    key: dict,
+    src_tok: Tokenizer,
+    tgt_tok: Tokenizer,
+) -> TokenStore:
+    """The store for ``key`` in ``cache_dir``, encoding ``pairs`` into it first unless it is there already.
+
+    Builders of the same store take turns under a file lock, so two runs starting together encode
+    once; a store appears whole (written aside, then renamed) or not at all.
+    """
+    cache_dir = Path(cache_dir)
+    directory = cache_dir / _digest(key)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with open(cache_dir / f".{directory.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (directory / "meta.json").is_file():
+            log.info("training data: reusing the encoded pairs in %s", directory)
+        else:
+            atomic_write_directory(directory, lambda tmp: _encode(tmp, pairs, key, src_tok, tgt_tok))
+            meta = json.loads((directory / "meta.json").read_text())
+            seconds = max(meta["encode_seconds"], 1e-9)
+            log.info(
+                "training data: encoded %s pairs in %.1f s (%s pairs/s, %s tokens/s) into %s",
+                f"{meta['read']:,}",
+                seconds,
+                f"{meta['read'] / seconds:,.0f}",
+                f"{(meta['src_tokens'] + meta['tgt_tokens']) / seconds:,.0f}",
+                directory,
+            )
+    store = TokenStore(directory)
+    log.info("training data: %s", store.report.describe())
+    return store
+
+
+def _encode(tmp: Path, pairs: Iterable[tuple[str, str]], key: dict, src_tok: Tokenizer, tgt_tok: Tokenizer) -> None:
+    """Encode, filter and append ``pairs`` chunk by chunk; then write the offsets and meta.json."""
+    start = time.perf_counter()
+    dtypes = {"src": _id_dtype(src_tok.vocab_size), "tgt": _id_dtype(tgt_tok.vocab_size)}
+    lengths: dict[str, list[np.ndarray]] = {"src": [], "tgt": []}
+    report, read = FilterReport(0, 0, 0, 0), 0
+    pairs = iter(pairs)
+    with open(tmp / "src.ids", "wb") as src_out, open(tmp / "tgt.ids", "wb") as tgt_out:
+        while chunk := list(itertools.islice(pairs, CHUNK_PAIRS)):
+            read += len(chunk)
+            src, tgt, chunk_report = filter_pairs(
+                src_tok.encode([s for s, _ in chunk]),
+                tgt_tok.encode([t for _, t in chunk]),
+                key["max_tokens"],
+                key["max_ratio"],
+            )
+            report += chunk_report
+            for side, encoded, out in (("src", src, src_out), ("tgt", tgt, tgt_out)):
+                side_lengths = np.fromiter(map(len, encoded), dtype=np.int32, count=len(encoded))
+                flat = itertools.chain.from_iterable(encoded)
+                np.fromiter(flat, dtype=dtypes[side], count=int(side_lengths.sum())).tofile(out)
+                lengths[side].append(side_lengths)
+    if not report.kept:
+        files = " and ".join(f["path"] for f in key["files"])
+        raise DataError(f"{files}: no training pairs left after filtering")
+    tokens = {}
+    for side in SIDES:
+        side_lengths = np.concatenate(lengths[side])
+        offsets = np.zeros(len(side_lengths) + 1, dtype=np.int64)
+        np.cumsum(side_lengths, out=offsets[1:], dtype=np.int64)
+        offsets.tofile(tmp / f"{side}.offsets")
+        tokens[side] = int(offsets[-1])
+    meta = {
+        "key": key,
+        "read": read,
+        "pairs": report.kept,
+        "src_tokens": tokens["src"],
+        "tgt_tokens": tokens["tgt"],
+        "filter": dataclasses.asdict(report),
+        "dtype": {side: dtypes[side].name for side in SIDES},
+        "encode_seconds": round(time.perf_counter() - start, 3),
+    }
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")

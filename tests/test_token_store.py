@@ -1,0 +1,140 @@
+"""The encoded training store: exact ids on disk, reuse across runs, whole-or-nothing writes, bounded memory."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import tracemalloc
+
+import numpy as np
+import pytest
+import torch
+from test_train import small_config
+
+from mtkit import token_store
+from mtkit.data import DataError, collate, iter_parallel, read_parallel
+from mtkit.token_store import TokenStore, open_or_build, store_key
+from mtkit.tokenizer import Tokenizer
+from mtkit.train import Trainer
+
+
+def build(cache, paths, tok: Tokenizer, pairs=None, max_tokens: int = 30, max_ratio: float = 2.0) -> TokenStore:
+    files = [paths["train.en"], paths["train.de"]]
+    key = store_key(files, tok, tok, max_tokens, max_ratio)
+    pairs = iter_parallel(*files) if pairs is None else pairs
+    return open_or_build(cache, pairs, key, tok, tok)
+
+
+class Counted:
+    """Pairs that count how many were read, to tell an encoding from a reuse."""
+
+    def __init__(self, pairs) -> None:
+        self.pairs, self.read = iter(pairs), 0
+
+    def __iter__(self):
+        for pair in self.pairs:
+            self.read += 1
+            yield pair
+
+
+def test_store_holds_exactly_the_kept_pairs_ids_in_two_bytes(tmp_path, multi30k_slice, spm_model):
+    store = build(tmp_path, multi30k_slice, spm_model)
+    src_lines, tgt_lines = read_parallel(multi30k_slice["train.en"], multi30k_slice["train.de"])
+    expected = [
+        (s, t)
+        for s, t in zip(spm_model.encode(src_lines), spm_model.encode(tgt_lines))
+        if s and t and max(len(s), len(t)) <= 30 and max(len(s), len(t)) <= 2.0 * min(len(s), len(t))
+    ]
+    assert 0 < len(expected) < 400  # the filters really dropped some
+    assert len(store) == len(expected) == store.meta["pairs"]
+    assert [(store.sentence("src", i), store.sentence("tgt", i)) for i in range(len(store))] == expected
+    report = store.report
+    assert report.kept + report.empty + report.too_long + report.bad_ratio == store.meta["read"] == 400
+    tokens = sum(len(s) for s, _ in expected)
+    assert store.meta["src_tokens"] == tokens and (store.directory / "src.ids").stat().st_size == 2 * tokens
+    assert store.ids["src"].dtype == np.uint16
+
+    indices = store.batch_indices(256, seed=3)[0]
+    batch = store.collate(indices)
+    reference = collate([expected[i][0] for i in indices], [expected[i][1] for i in indices])
+    assert all(torch.equal(a, b) for a, b in zip(vars(batch).values(), vars(reference).values()))
+    assert store.target_tokens(indices) == batch.target_tokens
+
+
+def test_same_inputs_reuse_the_store_and_a_changed_file_or_filter_does_not(tmp_path, multi30k_slice, spm_model):
+    first = build(tmp_path, multi30k_slice, spm_model)
+    again = Counted(iter_parallel(multi30k_slice["train.en"], multi30k_slice["train.de"]))
+    assert build(tmp_path, multi30k_slice, spm_model, pairs=again).directory == first.directory
+    assert again.read == 0
+
+    other_filter = build(tmp_path, multi30k_slice, spm_model, max_tokens=200, max_ratio=3.0)
+    assert other_filter.directory != first.directory and len(other_filter) > len(first)
+
+    changed = dict(multi30k_slice, **{"train.en": tmp_path / "train.en", "train.de": tmp_path / "train.de"})
+    for side in ("en", "de"):
+        changed[f"train.{side}"].write_text(multi30k_slice[f"train.{side}"].read_text().replace("dog", "cat"))
+    assert build(tmp_path, changed, spm_model).directory != first.directory
+
+
+def test_encoding_that_fails_midway_leaves_no_store(tmp_path, multi30k_slice, spm_model, monkeypatch):
+    monkeypatch.setattr(token_store, "CHUNK_PAIRS", 50)
+
+    def broken():
+        yield from itertools.islice(iter_parallel(multi30k_slice["train.en"], multi30k_slice["train.de"]), 120)
+        raise DataError("train.de:121: invalid UTF-8")
+
+    with pytest.raises(DataError, match="121"):
+        build(tmp_path, multi30k_slice, spm_model, pairs=broken())
+    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
+    assert len(build(tmp_path, multi30k_slice, spm_model)) == len(build(tmp_path / "b", multi30k_slice, spm_model))
+
+
+def test_runs_starting_together_encode_once(tmp_path, multi30k_slice, spm_model):
+    readers = [Counted(iter_parallel(multi30k_slice["train.en"], multi30k_slice["train.de"])) for _ in range(3)]
+    stores = [None] * 3
+
+    def start(i: int) -> None:
+        stores[i] = build(tmp_path, multi30k_slice, spm_model, pairs=readers[i])
+
+    threads = [threading.Thread(target=start, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(r.read for r in readers) == [0, 0, 400]
+    assert len({s.directory for s in stores}) == 1
+
+
+def test_no_pair_left_after_filtering_is_a_data_error(tmp_path, multi30k_slice, spm_model):
+    with pytest.raises(DataError, match=r"train\.en and .*train\.de: no training pairs left"):
+        build(tmp_path, multi30k_slice, spm_model, max_tokens=1)
+
+
+def test_encoding_memory_does_not_grow_with_the_corpus(tmp_path, multi30k_slice, spm_model, monkeypatch):
+    """Python-side peak memory per extra pair stays at a few bytes (lengths), far below holding the corpus."""
+    monkeypatch.setattr(token_store, "CHUNK_PAIRS", 500)
+    base = list(iter_parallel(multi30k_slice["train.en"], multi30k_slice["train.de"]))
+
+    def peak(n: int) -> int:
+        pairs = ((f"{s} {i}", f"{t} {i}") for i, (s, t) in enumerate(itertools.islice(itertools.cycle(base), n)))
+        tracemalloc.start()
+        build(tmp_path / str(n), multi30k_slice, spm_model, pairs=pairs, max_tokens=200, max_ratio=3.0)
+        _, top = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        return top
+
+    small, large = peak(2_000), peak(20_000)
+    per_pair = (large - small) / 18_000
+    assert per_pair < 64, f"{per_pair:.0f} bytes of peak memory per extra pair"
+
+
+def test_a_second_run_on_the_same_data_reuses_the_encoding(tmp_path, multi30k_slice, spm_model, encoding_cache):
+    cfg = small_config(multi30k_slice, spm_model, max_steps=1)
+    first = Trainer(cfg, tmp_path / "a")
+    meta = first.corpus.directory / "meta.json"
+    stamp = meta.stat().st_mtime_ns
+    second = Trainer(cfg, tmp_path / "b")
+    assert second.corpus.directory == first.corpus.directory and meta.stat().st_mtime_ns == stamp
+    assert json.loads(meta.read_text())["key"]["src_tokenizer"] == spm_model.sha256
+    assert first.corpus.directory.parent == encoding_cache
