@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import gzip
 import itertools
+import random
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
-from mtkit.clean import CleanConfig, CleanSummary, clean_pairs, normalize
+from mtkit.clean import CleanConfig, CleanSummary, SeenDigests, clean_pairs, normalize
 from mtkit.config import ConfigError
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -183,3 +184,14 @@ def test_multi30k_train_counts_are_plausible_and_reproducible():
     assert again == kept and summary_again == summary
     strict = run(max_ratio=1.5)[1]  # fairseq's examples: many real pairs go
     assert (strict.kept, strict.ratio, strict.duplicate) == (28109, 888, 3) and adds_up(strict)
+
+
+def test_seen_digests_answer_like_a_set_across_spills():
+    """The compact dedupe set (its memory is measured by benchmarks/bench_wmt_scale.py) never errs either way."""
+    rng = random.Random(7)
+    pool = [rng.getrandbits(64) for _ in range(3_000)] + [0, 1, 2**48 - 1, 2**48, 2**63, 2**64 - 1]
+    seen, reference = SeenDigests(spill=100), set()
+    for digest in (rng.choice(pool) for _ in range(20_000)):
+        assert seen.add(digest) == (digest not in reference)
+        reference.add(digest)
+    assert len(seen) == len(reference) and len(seen.older) > 2_500  # most digests went through a spill
