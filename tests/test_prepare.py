@@ -19,6 +19,7 @@ from test_cli import invoke
 
 from mtkit import download
 from mtkit.corpora import CORPORA
+from mtkit.data import DataError
 
 REPO = Path(__file__).resolve().parents[1]
 WMT22 = DATA / "wmt22"
@@ -159,6 +160,25 @@ def test_hub_corpora_prepare_from_a_parquet_mirror(tmp_path, name):
     train_src = lines(out / f"train.{corpus.src_lang}")
     assert train_src[0].endswith(" second line")  # the line break became a space: alignment holds
     assert len(train_src) == len(lines(out / f"train.{corpus.tgt_lang}")) <= len(expected["train"])
+
+
+def test_parquet_is_read_in_order_across_row_groups_and_a_missing_side_names_the_row(tmp_path):
+    from mtkit.prepare import _parquet_pairs
+
+    rows = [{"translation": {"en": f"sentence {i}", "de": f"Satz {i}"}} for i in range(20_000)]
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=3_000)
+    assert list(_parquet_pairs([path, path], ("de", "en")))[19_999:20_001] == [
+        ("Satz 19999", "sentence 19999"),
+        ("Satz 0", "sentence 0"),
+    ]
+    rows[12_344]["translation"]["de"] = None
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=3_000)
+    with pytest.raises(DataError, match=r"train\.parquet: row 12345 has no translation\.en and translation\.de"):
+        list(_parquet_pairs([path], ("en", "de")))
+    path.write_bytes(b"PAR1 not really")
+    with pytest.raises(DataError, match=r"train\.parquet: not a readable parquet file"):
+        list(_parquet_pairs([path], ("en", "de")))
 
 
 def test_list_and_bad_requests(tmp_path):
