@@ -79,10 +79,18 @@ class TokenStore:
     """A read-only encoded corpus: lengths in memory, token ids memory-mapped and read per batch."""
 
     def __init__(self, directory: Path) -> None:
+        """Opens the store; DataError if its files do not agree with its meta.json (damaged or edited)."""
         self.directory = Path(directory)
-        self.meta = json.loads((self.directory / "meta.json").read_text())
-        self.ids = {side: self._map(f"{side}.ids", self.meta["dtype"][side]) for side in SIDES}
-        self.offsets = {side: self._map(f"{side}.offsets", "int64") for side in SIDES}
+        try:
+            self.meta = json.loads((self.directory / "meta.json").read_text())
+            self.ids = {side: self._map(f"{side}.ids", self.meta["dtype"][side]) for side in SIDES}
+            self.offsets = {side: self._map(f"{side}.offsets", "int64") for side in SIDES}
+        except (OSError, ValueError, KeyError) as err:
+            raise DataError(f"{self.directory}: unreadable token store ({err})") from None
+        for side in SIDES:
+            offsets = self.offsets[side]
+            if len(offsets) != self.meta["pairs"] + 1 or len(self.ids[side]) != offsets[-1]:
+                raise DataError(f"{self.directory}: damaged token store ({side} files do not match meta.json)")
         self.src_lengths = np.diff(self.offsets["src"]).astype(np.int32)
         self.tgt_lengths = np.diff(self.offsets["tgt"]).astype(np.int32)
 
@@ -132,7 +140,7 @@ def open_or_build(
     cache_dir.mkdir(parents=True, exist_ok=True)
     with open(cache_dir / f".{directory.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if (directory / "meta.json").is_file():
+        if _usable(directory):
             log.info("training data: reusing the encoded pairs in %s", directory)
         else:
             atomic_write_directory(directory, lambda tmp: _encode(tmp, pairs, key, src_tok, tgt_tok))
@@ -149,6 +157,18 @@ def open_or_build(
     store = TokenStore(directory)
     log.info("training data: %s", store.report.describe())
     return store
+
+
+def _usable(directory: Path) -> bool:
+    """A complete store is there; a damaged one is reported and will be encoded again."""
+    if not directory.exists():
+        return False
+    try:
+        TokenStore(directory)
+    except DataError as err:
+        log.warning("%s; encoding it again", err)
+        return False
+    return True
 
 
 def _encode(tmp: Path, pairs: Iterable[tuple[str, str]], key: dict, src_tok: Tokenizer, tgt_tok: Tokenizer) -> None:

@@ -138,3 +138,15 @@ def test_a_second_run_on_the_same_data_reuses_the_encoding(tmp_path, multi30k_sl
     assert second.corpus.directory == first.corpus.directory and meta.stat().st_mtime_ns == stamp
     assert json.loads(meta.read_text())["key"]["src_tokenizer"] == spm_model.sha256
     assert first.corpus.directory.parent == encoding_cache
+
+
+def test_a_damaged_store_is_encoded_again(tmp_path, multi30k_slice, spm_model):
+    store = build(tmp_path, multi30k_slice, spm_model)
+    pairs = [(store.sentence("src", i), store.sentence("tgt", i)) for i in range(len(store))]
+    ids = store.directory / "tgt.ids"
+    ids.write_bytes(ids.read_bytes()[:-2])  # one token lost, as a bad copy would lose it
+    with pytest.raises(DataError, match="damaged token store"):
+        TokenStore(store.directory)
+    again = build(tmp_path, multi30k_slice, spm_model)
+    assert again.directory == store.directory
+    assert [(again.sentence("src", i), again.sentence("tgt", i)) for i in range(len(again))] == pairs
