@@ -86,12 +86,12 @@ def summarise_run(run: Path) -> dict:
 def flops_per_target_token(data_dir: Path, base: Path) -> float:
     """Training matmul FLOPs per real target token over the recipe's first epoch of batches."""
     sys.path.insert(0, str(REPO / "benchmarks"))
-    from bench_multi30k import bench_config, train_flops
+    from train_throughput import bench_config, train_flops
 
     from mtkit.data import collate, read_parallel, token_batches
     from mtkit.tokenizer import Tokenizer
 
-    cfg = bench_config(data_dir, base / "spm.model", "bf16", 0)
+    cfg = bench_config(data_dir / "train.en.gz", data_dir / "train.de.gz", base / "spm.model", "bf16", 0)
     tok = Tokenizer(base / "spm.model")
     src, tgt = (tok.encode(side) for side in read_parallel(cfg.data.train_src, cfg.data.train_tgt))
     order = token_batches([len(s) for s in src], [len(t) for t in tgt], cfg.train.batch_tokens, seed=1)

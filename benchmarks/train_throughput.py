@@ -1,21 +1,24 @@
-"""Speed, efficiency and memory figures for the Multi30k recipe's model on this machine.
+"""Training throughput, efficiency and memory of a model preset at each precision on this machine.
 
-What is measured (model: recipes/multi30k_en_de.yaml, transformer-small, 8k joint vocabulary):
+What is measured (default: the Multi30k recipe's model, transformer-small with an 8k joint vocabulary,
+on Multi30k task 1 en-de with the recipe's 4,096-token batches):
 
 1. Matmul peak: GFLOP/s of a 2048 x 2048 x 2048 ``torch.mm`` in fp32 and bf16, best of a few
    repeats after a warm-up, with the torch thread count in effect. This is the yardstick for MFU.
-2. Training: real (non-pad) target tokens/s and seconds/update over ``--steps`` timed updates of
-   the real ``mtkit.train.Trainer`` on the Multi30k training data, after a couple of warm-up updates.
+2. Training: real (non-pad) target tokens/s, updates/s and seconds/update over ``--steps`` timed
+   updates of the real ``mtkit.train.Trainer`` on the corpus's batches, after ``--warmup`` updates.
    MFU is the analytic training FLOPs (see ``train_flops``) per second over each measured peak.
 3. Peak memory: each precision trains in its own child process, which reports its peak RSS.
 
-With ``--run``, the run's model is also timed translating test_2016_flickr with beam 5 by
-``bench_translate.py`` (sentences/s, BLEU, peak memory). Run from the repository root::
+Run from the repository root::
 
-    python benchmarks/bench_multi30k.py --run runs/multi30k_en_de --json bench.json
+    python benchmarks/train_throughput.py --run runs/multi30k_en_de --json train.json
+    python benchmarks/train_throughput.py --preset transformer-base --precisions bf16 --steps 10
 
-Without ``--run`` a SentencePiece model is trained first (untimed) and translation is skipped.
-Figures are printed as a table on stdout; progress goes to stderr.
+Without ``--run`` or ``--tokenizer`` a SentencePiece model is trained first (untimed). The figures
+are printed as a table and then one ``train_throughput ...`` line per precision with every figure
+as key=value, to compare runs with grep; progress goes to stderr. Decoding speed is measured by
+decode_speed.py.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ MATMUL_SIZE = 2048
 MATMUL_REPEATS = 5
 WARMUP_UPDATES = 2
 PRECISIONS = ("fp32", "bf16")
+MULTI30K = REPO.parent / "shared" / "data" / "multi30k"
 
 
 # -- measurements (each runs in the process that reports it) -------------------------------
@@ -93,35 +97,43 @@ def train_flops(batch: Batch, model: ModelConfig, vocab: int) -> int:
     return 3 * (model.encoder_layers * encoder_layer + model.decoder_layers * decoder_layer + output)
 
 
-def bench_config(data_dir: Path, tokenizer: Path | str, precision: str, threads: int) -> RunConfig:
-    """The recipe as it trains, pointed at ``data_dir``, with no validation or checkpoints."""
-    return config.load(
-        RECIPE,
-        [
-            f"data.train_src={data_dir / 'train.en.gz'}",
-            f"data.train_tgt={data_dir / 'train.de.gz'}",
-            "data.valid_src=",
-            "data.valid_tgt=",
-            f"tokenizer.model={tokenizer}",
-            f"train.precision={precision}",
-            "train.device=cpu",
-            f"train.threads={threads}",
-            "train.valid_every=0",
-            "train.save_every=0",
-        ],
-    )
+def bench_config(
+    src: Path,
+    tgt: Path,
+    tokenizer: Path | str,
+    precision: str,
+    threads: int,
+    preset: str | None = None,
+    batch_tokens: int | None = None,
+) -> RunConfig:
+    """The recipe as it trains, on ``src``/``tgt``, with no validation or checkpoints."""
+    overrides = [
+        f"data.train_src={src}",
+        f"data.train_tgt={tgt}",
+        "data.valid_src=",
+        "data.valid_tgt=",
+        f"tokenizer.model={tokenizer}",
+        f"train.precision={precision}",
+        "train.device=cpu",
+        f"train.threads={threads}",
+        "train.valid_every=0",
+        "train.save_every=0",
+    ]
+    overrides += [f"model.preset={preset}"] if preset else []
+    overrides += [f"train.batch_tokens={batch_tokens}"] if batch_tokens else []
+    return config.load(RECIPE, overrides)
 
 
-def measure_training(cfg: RunConfig, work: Path, steps: int) -> dict:
-    """Throughput of ``steps`` Trainer updates on the recipe's batches, after warm-up updates."""
+def measure_training(cfg: RunConfig, work: Path, steps: int, warmup: int) -> dict:
+    """Throughput of ``steps`` Trainer updates on the corpus's first batches, after ``warmup`` updates."""
     from mtkit.train import Trainer
 
     trainer = Trainer(cfg, work)
-    batches = trainer.corpus.batches(cfg.train.batch_tokens, seed=cfg.train.seed)
-    batches = list(islice(cycle(batches), WARMUP_UPDATES + steps))
-    for batch in batches[:WARMUP_UPDATES]:
+    indices = trainer.corpus.batch_indices(cfg.train.batch_tokens, seed=cfg.train.seed)
+    batches = [trainer.corpus.collate(i) for i in islice(cycle(indices), warmup + steps)]
+    for batch in batches[:warmup]:
         trainer.train_step([batch], batch.target_tokens)
-    timed = batches[WARMUP_UPDATES:]
+    timed = batches[warmup:]
     start = time.perf_counter()
     for batch in timed:
         trainer.train_step([batch], batch.target_tokens)
@@ -133,7 +145,9 @@ def measure_training(cfg: RunConfig, work: Path, steps: int) -> dict:
         "seconds": seconds,
         "target_tokens": tokens,
         "tokens_per_s": tokens / seconds,
+        "updates_per_s": steps / seconds,
         "s_per_update": seconds / steps,
+        "parameters": sum(p.numel() for p in trainer.model.parameters()),
         "gflop_per_update": flops / steps / 1e9,
         "gflops": flops / seconds / 1e9,
     }
@@ -144,54 +158,46 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def config_for(args: argparse.Namespace, precision: str, tokenizer: Path | str) -> RunConfig:
+    return bench_config(args.src, args.tgt, tokenizer, precision, args.threads, args.preset, args.batch_tokens)
+
+
 def child_main(args: argparse.Namespace) -> None:
     """Training at one precision; prints its figures as one JSON line for the parent."""
     set_threads(args.threads)
     (precision,) = args.precisions
-    cfg = bench_config(args.data_dir, args.tokenizer, precision, args.threads)
-    result = measure_training(cfg, args.work, args.steps)
+    result = measure_training(config_for(args, precision, args.tokenizer), args.work, args.steps, args.warmup)
     print(json.dumps({**result, "peak_rss_mib": peak_rss_mib()}))
 
 
-# -- the parent: peaks here, phases in children, then the report --------------------------
+# -- the parent: peaks here, training in children, then the report ------------------------
 
 
-def run_child(args: argparse.Namespace, phase: str, precision: str, tokenizer: Path, work: Path) -> dict:
-    """Run one phase in a fresh process, so its peak RSS is its own."""
-    print(f"{phase} {precision} ...", file=sys.stderr, flush=True)
-    cmd = [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--phase",
-        phase,
-        "--precisions",
-        precision,
-        "--data-dir",
-        str(args.data_dir),
-        "--steps",
-        str(args.steps),
-        "--threads",
-        str(args.threads),
-        "--tokenizer",
-        str(tokenizer),
-        "--work",
-        str(work),
-    ]
+def run_child(args: argparse.Namespace, precision: str, tokenizer: Path, work: Path) -> dict:
+    """Train at ``precision`` in a fresh process, so its peak RSS is its own."""
+    print(f"training {precision} ...", file=sys.stderr, flush=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--precisions", precision]
+    cmd += ["--src", str(args.src), "--tgt", str(args.tgt), "--tokenizer", str(tokenizer), "--work", str(work)]
+    cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads)]
+    cmd += ["--preset", args.preset] if args.preset else []
+    cmd += ["--batch-tokens", str(args.batch_tokens)] if args.batch_tokens else []
     done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
     if done.returncode:
-        sys.exit(f"bench_multi30k: the {phase} {precision} phase failed (exit {done.returncode})")
+        sys.exit(f"train_throughput: training in {precision} failed (exit {done.returncode})")
     return json.loads(done.stdout.splitlines()[-1])
 
 
 def run_tokenizer(args: argparse.Namespace, work: Path) -> Path:
-    """The run's tokenizer, or one trained now (untimed) on the training data."""
+    """The given tokenizer, the run's, or one trained now (untimed) on the training data."""
+    if args.tokenizer:
+        return args.tokenizer
     if args.run:
         return args.run / "spm.model"
     from mtkit.data import iter_parallel
     from mtkit.train import prepare_tokenizers
 
-    print("training the SentencePiece model (no --run given) ...", file=sys.stderr, flush=True)
-    cfg = bench_config(args.data_dir, "", "fp32", args.threads)
+    print("training the SentencePiece model (no --run or --tokenizer given) ...", file=sys.stderr, flush=True)
+    cfg = config_for(args, "fp32", "")
     prepare_tokenizers(cfg, work, lambda: iter_parallel(cfg.data.train_src, cfg.data.train_tgt))
     return work / "spm.model"
 
@@ -203,94 +209,87 @@ def add_mfu(train: dict, peaks: dict) -> None:
 
 
 def render(figures: dict) -> str:
-    """A plain-text report of all figures."""
+    """The figures as a table, then one greppable key=value line per precision."""
     peaks = figures["matmul_gflops"]
     out = [
-        f"Multi30k en-de, transformer-small | torch {figures['torch']} | {figures['threads']} threads",
+        f"{figures['corpus']} | {figures['preset']}, {figures['parameters']:,} parameters | "
+        f"torch {figures['torch']} | {figures['threads']} threads",
         "",
         f"matmul peak ({MATMUL_SIZE}^3): " + "   ".join(f"{k} {v:,.1f} GFLOP/s" for k, v in peaks.items()),
         "",
-        f"training: {figures['steps']} timed updates after {WARMUP_UPDATES} warm-up,"
+        f"training: {figures['steps']} timed updates after {figures['warmup']} warm-up,"
         f" batch_tokens {figures['batch_tokens']}",
-        f"{'precision':<10}{'tgt tok/s':>11}{'s/update':>10}{'GFLOP/upd':>11}{'GFLOP/s':>9}"
+        f"{'precision':<10}{'tgt tok/s':>11}{'upd/s':>8}{'GFLOP/upd':>11}{'GFLOP/s':>9}"
         f"{'MFU fp32pk':>12}{'MFU bf16pk':>12}{'peak MiB':>10}",
     ]
     for name, r in figures["train"].items():
         out.append(
-            f"{name:<10}{r['tokens_per_s']:>11,.0f}{r['s_per_update']:>10.3f}{r['gflop_per_update']:>11.1f}"
+            f"{name:<10}{r['tokens_per_s']:>11,.0f}{r['updates_per_s']:>8.3f}{r['gflop_per_update']:>11.1f}"
             f"{r['gflops']:>9.1f}{r['mfu']['fp32']:>12.1%}{r['mfu']['bf16']:>12.1%}{r['peak_rss_mib']:>10,.0f}"
         )
     out.append("")
-    if figures["translate"] is None:
-        out.append("translation: skipped (needs a trained run directory: --run RUN_DIR)")
-    else:
-        out.append("translation (bench_translate.py): beam 5, the 1,000 lines of test_2016_flickr, cpu")
-        out.append(f"{'precision':<10}{'sent/s':>9}{'seconds':>9}{'BLEU':>7}{'peak MiB':>10}")
-        for name, r in figures["translate"].items():
-            out.append(
-                f"{name:<10}{r['sentences_per_s']:>9.1f}{r['seconds']:>9.1f}{r['bleu']:>7.2f}{r['peak_rss_mib']:>10,.0f}"
-            )
+    for name, r in figures["train"].items():
+        out.append(
+            f"train_throughput preset={figures['preset']} precision={name} batch_tokens={figures['batch_tokens']} "
+            f"tokens_per_s={r['tokens_per_s']:.0f} updates_per_s={r['updates_per_s']:.3f} "
+            f"gflops={r['gflops']:.1f} mfu_fp32_peak={r['mfu']['fp32']:.3f} mfu_bf16_peak={r['mfu']['bf16']:.3f} "
+            f"peak_rss_mib={r['peak_rss_mib']:.0f}"
+        )
     return "\n".join(out)
-
-
-def translation(args: argparse.Namespace, work: Path) -> dict:
-    """Beam-5 decoding speed, BLEU and peak memory of the run's model, measured by bench_translate.py."""
-    import bench_translate
-
-    child_args = argparse.Namespace(run=args.run, data_dir=args.data_dir, threads=args.threads, repeat=1)
-    return {p: bench_translate.run_child(child_args, f"mtkit-{p}", work) for p in args.precisions}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--run", type=Path, help="a trained run directory: its tokenizer, and its model to translate with")
-    p.add_argument(
-        "--data-dir",
-        type=Path,
-        default=REPO.parent / "shared" / "data" / "multi30k",
-        help="folder with train.{en,de}.gz and test_2016_flickr.{en,de}.gz",
-    )
+    p.add_argument("--src", type=Path, default=MULTI30K / "train.en.gz", help="training source file")
+    p.add_argument("--tgt", type=Path, default=MULTI30K / "train.de.gz", help="training target file")
+    p.add_argument("--run", type=Path, help="a trained run directory whose tokenizer to use")
+    p.add_argument("--tokenizer", type=Path, help="a joint SentencePiece model to use")
+    p.add_argument("--preset", help="model.preset (default: the Multi30k recipe's transformer-small)")
+    p.add_argument("--batch-tokens", type=int, help="train.batch_tokens (default: the recipe's)")
     p.add_argument("--steps", type=int, default=20, help="timed training updates per precision")
+    p.add_argument("--warmup", type=int, default=WARMUP_UPDATES, help="untimed updates first")
     p.add_argument(
         "--precisions", type=lambda s: s.split(","), default=list(PRECISIONS), help="comma-separated: fp32,bf16"
     )
     p.add_argument("--threads", type=int, default=0, help="torch threads; 0 keeps torch's default")
     p.add_argument("--json", type=Path, help="also write all figures to this JSON file")
-    # Internal: how the parent starts a child for one phase.
-    p.add_argument("--phase", choices=("train",), help=argparse.SUPPRESS)
-    p.add_argument("--tokenizer", type=Path, help=argparse.SUPPRESS)
+    # Internal: how the parent starts a child for one precision.
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     for name in args.precisions:
         if name not in PRECISIONS:
             p.error(f"--precisions: {name!r} is not one of {', '.join(PRECISIONS)}")
-    if args.steps < 1:
-        p.error("--steps must be >= 1")
+    if args.steps < 1 or args.warmup < 0:
+        p.error("--steps must be >= 1 and --warmup >= 0")
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.phase:
+    if args.child:
         child_main(args)
         return
     set_threads(args.threads)
     print("matmul peaks ...", file=sys.stderr, flush=True)
     peaks = {name: matmul_gflops(dtype) for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
-    with tempfile.TemporaryDirectory(prefix="bench_multi30k.") as tmp:
+    with tempfile.TemporaryDirectory(prefix="train_throughput.") as tmp:
         work = Path(tmp)
         tokenizer = run_tokenizer(args, work)
-        train = {p: run_child(args, "train", p, tokenizer, work) for p in args.precisions}
-        translate = translation(args, work) if args.run else None
+        train = {p: run_child(args, p, tokenizer, work / p) for p in args.precisions}
     add_mfu(train, peaks)
+    cfg = config_for(args, args.precisions[0], tokenizer)
     figures = {
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "corpus": f"{args.src.name} / {args.tgt.name}",
+        "preset": cfg.model.preset,
+        "parameters": next(iter(train.values()))["parameters"],
         "steps": args.steps,
-        "batch_tokens": config.load(RECIPE).train.batch_tokens,
+        "warmup": args.warmup,
+        "batch_tokens": cfg.train.batch_tokens,
         "matmul_gflops": peaks,
         "train": train,
-        "translate": translate,
     }
     print(render(figures))
     if args.json:
