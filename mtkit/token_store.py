@@ -140,35 +140,34 @@ def open_or_build(
     cache_dir.mkdir(parents=True, exist_ok=True)
     with open(cache_dir / f".{directory.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if _usable(directory):
+        store = _open_if_complete(directory)
+        if store is not None:
             log.info("training data: reusing the encoded pairs in %s", directory)
         else:
             atomic_write_directory(directory, lambda tmp: _encode(tmp, pairs, key, src_tok, tgt_tok))
-            meta = json.loads((directory / "meta.json").read_text())
-            seconds = max(meta["encode_seconds"], 1e-9)
+            store = TokenStore(directory)
+            seconds = max(store.meta["encode_seconds"], 1e-9)
             log.info(
                 "training data: encoded %s pairs in %.1f s (%s pairs/s, %s tokens/s) into %s",
-                f"{meta['read']:,}",
+                f"{store.meta['read']:,}",
                 seconds,
-                f"{meta['read'] / seconds:,.0f}",
-                f"{(meta['src_tokens'] + meta['tgt_tokens']) / seconds:,.0f}",
+                f"{store.meta['read'] / seconds:,.0f}",
+                f"{(store.meta['src_tokens'] + store.meta['tgt_tokens']) / seconds:,.0f}",
                 directory,
             )
-    store = TokenStore(directory)
     log.info("training data: %s", store.report.describe())
     return store
 
 
-def _usable(directory: Path) -> bool:
-    """A complete store is there; a damaged one is reported and will be encoded again."""
+def _open_if_complete(directory: Path) -> TokenStore | None:
+    """The store in ``directory`` if there is a whole one; a damaged one is reported, to be encoded again."""
     if not directory.exists():
-        return False
+        return None
     try:
-        TokenStore(directory)
+        return TokenStore(directory)
     except DataError as err:
         log.warning("%s; encoding it again", err)
-        return False
-    return True
+        return None
 
 
 def _encode(tmp: Path, pairs: Iterable[tuple[str, str]], key: dict, src_tok: Tokenizer, tgt_tok: Tokenizer) -> None:
