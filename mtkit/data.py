@@ -67,7 +67,7 @@ def iter_parallel(src_path: str | Path, tgt_path: str | Path | None) -> Iterator
     for path in (src_path, tgt_path) if tgt_path else (src_path,):
         if not Path(path).is_file():
             raise DataError(f"{path}: file not found")
-    return _nonempty(_tsv_pairs(src_path) if not tgt_path else _file_pairs(src_path, tgt_path), src_path)
+    return _nonempty(_tsv_pairs(src_path) if not tgt_path else iter_aligned(src_path, tgt_path), src_path)
 
 
 def _nonempty(pairs: Iterator[tuple[str, str]], src_path: str | Path) -> Iterator[tuple[str, str]]:
@@ -87,7 +87,8 @@ def _tsv_pairs(path: str | Path) -> Iterator[tuple[str, str]]:
         yield fields[0], fields[1]
 
 
-def _file_pairs(src_path: str | Path, tgt_path: str | Path) -> Iterator[tuple[str, str]]:
+def iter_aligned(src_path: str | Path, tgt_path: str | Path) -> Iterator[tuple[str, str]]:
+    """The lines of two files side by side; DataError with both line counts if one ends first."""
     src_lines, tgt_lines = iter_lines(src_path), iter_lines(tgt_path)
     for count, pair in enumerate(itertools.zip_longest(src_lines, tgt_lines), start=1):
         if None in pair:

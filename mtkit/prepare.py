@@ -19,13 +19,12 @@ import logging
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict
-from itertools import zip_longest
 from pathlib import Path
 
 from mtkit.checkpoint import atomic_write
 from mtkit.clean import CleanConfig, CleanSummary, clean_pairs
 from mtkit.corpora import Corpus, RemoteFile, Split
-from mtkit.data import DataError, iter_lines
+from mtkit.data import DataError, iter_aligned
 from mtkit.download import fetch, resolve
 
 log = logging.getLogger("mtkit")
@@ -77,16 +76,8 @@ def _download(file: RemoteFile, folder: Path, mirror: str | None) -> Path:
 
 def _read(split: Split, paths: list[Path], langs: tuple[str, str]) -> Iterator[tuple[str, str]]:
     if split.form == "text":
-        return _text_pairs(*paths)
+        return iter_aligned(*paths)
     return _parquet_pairs(paths, langs)
-
-
-def _text_pairs(src: Path, tgt: Path) -> Iterator[tuple[str, str]]:
-    for number, (s, t) in enumerate(zip_longest(iter_lines(src), iter_lines(tgt)), start=1):
-        if s is None or t is None:
-            shorter, longer = (src, tgt) if s is None else (tgt, src)
-            raise DataError(f"{shorter} ends at line {number - 1} but {longer} goes on: the files are not aligned")
-        yield s, t
 
 
 def _parquet_pairs(paths: list[Path], langs: tuple[str, str]) -> Iterator[tuple[str, str]]:
