@@ -81,6 +81,39 @@ class DecoderCache:
                 layer.cross_v = layer.cross_v.index_select(0, cross_index)
 
 
+def dropout(x: Tensor, p: float, training: bool) -> Tensor:
+    """Inverted dropout: zero each element with probability ``p``, scale the rest by 1 / (1 - p).
+
+    Why not F.dropout on CPU: its bernoulli_ draws one random number per element and takes about
+    6 ns each, 12% of a bf16 training step of the Multi30k model. Here each 64-bit random word is
+    cut into four 16-bit draws, so a mask costs a quarter of the generator calls (about 4x faster
+    forward + backward). ``p`` is rounded to a multiple of 1/65536 and the kept elements are scaled
+    by that rounded probability, so the expectation stays exactly ``x``. CUDA keeps F.dropout.
+    """
+    if not training or p == 0.0:
+        return x
+    if x.is_cuda:
+        return F.dropout(x, p, training=True)
+    drop = round(p * 65536)
+    words = torch.empty((x.numel() + 3) // 4, dtype=torch.int64, device=x.device).random_(-(2**63), None)
+    keep = words.view(torch.int16)[: x.numel()].view(x.shape) >= drop - 32768  # uniform over [-32768, 32767]
+    return x * keep.to(x.dtype).mul_(65536 / (65536 - drop))
+
+
+class Dropout(nn.Module):
+    """``dropout`` as a module, so a model's structure shows where it drops."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: Tensor) -> Tensor:
+        return dropout(x, self.p, self.training)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
 def attention_weights(q: Tensor, k: Tensor, attn_allowed: Tensor | None, causal: bool) -> Tensor:
     """softmax(q k^T / sqrt(Dh)) in fp32, (B, H, Tq, Tk), masked as SDPA masks it (causal: top-left aligned).
 
@@ -97,7 +130,7 @@ def attention_weights(q: Tensor, k: Tensor, attn_allowed: Tensor | None, causal:
 
 
 def _explicit_attention(
-    q: Tensor, k: Tensor, v: Tensor, attn_allowed: Tensor | None, causal: bool, dropout: float
+    q: Tensor, k: Tensor, v: Tensor, attn_allowed: Tensor | None, causal: bool, dropout_p: float
 ) -> Tensor:
     """softmax(q k^T / sqrt(Dh)) v written out, softmax in fp32.
 
@@ -105,7 +138,7 @@ def _explicit_attention(
     the short sequences of sentence-level MT (measured: 61 ms vs 5.6 ms forward+backward, B 375, T 16).
     """
     weights = attention_weights(q, k, attn_allowed, causal)
-    return F.dropout(weights, dropout, training=dropout > 0).to(v.dtype) @ v
+    return dropout(weights, dropout_p, training=True).to(v.dtype) @ v
 
 
 class MultiHeadAttention(nn.Module):
@@ -133,11 +166,11 @@ class MultiHeadAttention(nn.Module):
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, attn_allowed: Tensor | None, causal: bool) -> Tensor:
         """q (B, H, Tq, Dh), k/v (B, H, Tk, Dh) -> (B, Tq, D)."""
-        dropout = self.dropout if self.training else 0.0
+        dropout_p = self.dropout if self.training else 0.0
         if q.is_cuda or q.dtype == torch.float32:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_allowed, dropout_p=dropout, is_causal=causal)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_allowed, dropout_p=dropout_p, is_causal=causal)
         else:
-            out = _explicit_attention(q, k, v, attn_allowed, causal, dropout)
+            out = _explicit_attention(q, k, v, attn_allowed, causal, dropout_p)
         b, _, tq, _ = out.shape
         return self.out_proj(out.transpose(1, 2).reshape(b, tq, self.heads * self.d_head))
 
@@ -160,7 +193,7 @@ class FeedForward(nn.Module):
         super().__init__()
         self.up = nn.Linear(d_model, ffn)
         self.down = nn.Linear(ffn, d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down(self.dropout(F.relu(self.up(x))))
@@ -172,7 +205,7 @@ class Residual(nn.Module):
     def __init__(self, d_model: int, dropout: float, pre_norm: bool) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.pre_norm = pre_norm
 
     def forward(self, x: Tensor, sublayer) -> Tensor:
@@ -264,7 +297,7 @@ class Embedder(nn.Module):
         else:
             self.learned = None
             self.register_buffer("table", sinusoidal_table(cfg.max_positions, cfg.d_model), persistent=False)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
 
     def forward(self, ids: Tensor, offset: int = 0) -> Tensor:
         """ids (B, L) at positions offset..offset+L-1 -> (B, L, D)."""

@@ -11,7 +11,14 @@ import torch.nn.functional as F
 from conftest import tiny_model
 
 from mtkit.config import from_dict
-from mtkit.model import DecoderCache, MultiHeadAttention, _explicit_attention, build_model, count_parameters
+from mtkit.model import (
+    DecoderCache,
+    MultiHeadAttention,
+    _explicit_attention,
+    build_model,
+    count_parameters,
+    dropout,
+)
 from mtkit.tokenizer import PAD_ID
 
 VOCAB = 40
@@ -176,3 +183,29 @@ def test_learned_positions_and_position_limit():
     assert model(src, mask, tgt).shape == (1, 8, VOCAB)
     with pytest.raises(ValueError, match="max_positions"):
         model(src, mask, torch.cat([tgt, tgt], dim=1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dropout_drops_at_its_rate_and_keeps_the_expectation(dtype):
+    torch.manual_seed(0)
+    x = torch.ones(512, 4099, dtype=dtype)  # an odd size: the last 64-bit word is only partly used
+    out = dropout(x, 0.1, training=True)
+    kept = out != 0
+    assert abs(kept.float().mean().item() - 0.9) < 0.002
+    assert torch.allclose(out.float().mean(), torch.tensor(1.0), atol=0.003)
+    # Each of the four 16-bit slices of a random word is a fair draw (a dead bit would bias one).
+    lanes = kept.flatten()[: 4 * (kept.numel() // 4)].view(-1, 4).float().mean(dim=0)
+    assert torch.all((lanes - 0.9).abs() < 0.004), lanes
+    assert torch.equal(dropout(x, 0.1, training=False), x)
+    assert torch.equal(dropout(x, 0.0, training=True), x)
+
+
+def test_dropout_is_reproducible_and_its_gradient_is_its_mask():
+    x = torch.randn(64, 33, requires_grad=True)
+    torch.manual_seed(3)
+    out = dropout(x, 0.3, training=True)
+    torch.manual_seed(3)
+    assert torch.equal(dropout(x, 0.3, training=True), out)
+    out.sum().backward()
+    scale = 65536 / (65536 - round(0.3 * 65536))
+    assert torch.equal(x.grad, (out != 0).float() * scale)
