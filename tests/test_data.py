@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 
 import pytest
+from conftest import MULTI30K, read_gz
 
 from mtkit.data import DataError, collate, filter_pairs, read_lines, read_parallel, token_batches
 from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID
@@ -38,6 +39,20 @@ def test_sorted_batches_keep_padding_small():
     real = sum(lengths) + len(lengths)
     padded = sum(max(lengths[i] + 1 for i in b) * len(b) for b in batches)
     assert real / padded > 0.9
+
+
+def test_batches_of_real_sentence_pairs_pad_little_on_either_side():
+    """English and German lengths differ pair by pair, so sorting by one side alone pads the other."""
+    src = [len(line.split()) for line in read_gz(MULTI30K / "train.en.gz", 8000)]
+    tgt = [len(line.split()) for line in read_gz(MULTI30K / "train.de.gz", 8000)]
+    batches = token_batches(src, tgt, batch_tokens=2000, seed=0)
+
+    def fill(lengths):
+        real = sum(lengths) + len(lengths)
+        return real / sum((max(lengths[i] for i in b) + 1) * len(b) for b in batches)
+
+    assert fill(tgt) > 0.97
+    assert fill(src) > 0.88
 
 
 def test_an_over_budget_pair_still_forms_a_batch():
