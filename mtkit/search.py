@@ -20,6 +20,8 @@ from mtkit.config import DecodeConfig
 from mtkit.model import DecoderCache, Transformer
 from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
+TOPK_BLOCK = 64  # columns per block in row_topk: the fastest of 50-400 on an 8k vocabulary
+
 
 @dataclass(frozen=True)
 class Hypothesis:
@@ -67,6 +69,30 @@ def _force(lprobs: Tensor, forced: Tensor) -> None:
         lprobs[rows, token] = kept
 
 
+def row_topk(x: Tensor, k: int, block: int = TOPK_BLOCK) -> tuple[Tensor, Tensor]:
+    """``x.topk(k, dim=1)`` for rows far longer than ``k``, in about 60% of its time on CPU.
+
+    Why: CPU topk scans every element of every row, and over a vocabulary it was 8% of beam
+    search. A row's k largest values lie in the k blocks (of ``block`` columns) with the largest
+    maxima, since any other block's maximum is beaten by those k maxima; so topk runs over the
+    block maxima, then over the k chosen blocks and the columns left over after the last whole
+    block. The values are torch.topk's; among exactly equal values the indices may differ.
+    """
+    rows, width = x.shape
+    blocks = width // block
+    if x.is_cuda or blocks < 4 * k:
+        return x.topk(k, dim=1)
+    whole = blocks * block
+    grid = x[:, :whole].unflatten(1, (blocks, block))  # (rows, blocks, block), a view
+    chosen = grid.amax(dim=2).topk(k, dim=1).indices  # (rows, k)
+    candidates = grid.gather(1, chosen[:, :, None].expand(-1, -1, block)).flatten(1)
+    candidates = torch.cat([candidates, x[:, whole:]], dim=1)
+    values, at = candidates.topk(k, dim=1)
+    in_block = at < k * block
+    from_block = chosen.gather(1, (at // block).clamp(max=k - 1)) * block + at % block
+    return values, torch.where(in_block, from_block, at - k * block + whole)
+
+
 def _best_extensions(
     logits: Tensor, count: int, eos_allowed: bool, forced: Tensor | None, must_end: Tensor
 ) -> tuple[Tensor, Tensor]:
@@ -88,7 +114,7 @@ def _best_extensions(
     if must_end.any():
         lprobs[must_end] = float("-inf")
         lprobs[must_end, EOS_ID] = eos[must_end]
-    return lprobs.topk(min(count, lprobs.size(1)), dim=1)
+    return row_topk(lprobs, min(count, lprobs.size(1)))
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from conftest import tiny_model
 
 from mtkit.data import source_tensor
 from mtkit.model import DecoderCache
-from mtkit.search import Sampling, beam_search, greedy_search, length_penalty, sample_search
+from mtkit.search import Sampling, beam_search, greedy_search, length_penalty, row_topk, sample_search
 from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 A, B, C = 4, 5, 6
@@ -342,3 +342,19 @@ def test_prefixes_start_the_output_and_leave_other_sentences_alone():
         assert hyps[0].tokens == alone[0].tokens
     unforced = [h[0].tokens for h in beam_search(model, src, mask, beam=3)]
     assert [h[0].tokens for h in batched][1] == unforced[1]  # an empty prefix changes nothing
+
+
+def test_row_topk_gives_torch_topk_values_on_wide_rows():
+    """Winners crowded into one block, in the columns after the last whole block, masked rows, ties."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 8003, generator=gen)
+    x[:10, 640:660] += 8.0  # all ten best of these rows in one or two blocks
+    x[10:20, -3:] += 8.0  # the best are the three columns after the last whole block
+    x[20:30] = float("-inf")  # a row that may only end: one finite entry
+    x[20:30, EOS_ID] = -1.0
+    x[30:, :] = x[30:, :].round()  # many exact ties
+    for k in (1, 10):
+        values, index = row_topk(x, k, block=64)
+        assert torch.equal(values, x.topk(k, dim=1).values)
+        assert torch.equal(x.gather(1, index), values)
+        assert all(len(set(row)) == k for row in index.tolist())  # k different columns
