@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from mtkit.checkpoint import atomic_write_directory
-from mtkit.data import Batch, DataError, FilterReport, collate, filter_pairs, token_batches
+from mtkit.data import Batch, DataError, FilterReport, collate_flat, filter_pairs, token_batches
 from mtkit.tokenizer import Tokenizer
 
 log = logging.getLogger("mtkit")
@@ -112,8 +112,15 @@ class TokenStore:
         return token_batches(self.src_lengths, self.tgt_lengths, batch_tokens, seed)
 
     def collate(self, indices: Iterable[int]) -> Batch:
-        indices = [int(i) for i in indices]
-        return collate([self.sentence("src", i) for i in indices], [self.sentence("tgt", i) for i in indices])
+        return collate_flat(*self._gather("src", indices), *self._gather("tgt", indices))
+
+    def _gather(self, side: str, indices: Iterable[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The ids of sentences ``indices`` back to back, read in one indexing of the memory map, and their lengths."""
+        indices = np.fromiter(indices, dtype=np.int64)
+        offsets = self.offsets[side]
+        starts, lengths = offsets[indices], offsets[indices + 1] - offsets[indices]
+        before = np.cumsum(lengths) - lengths
+        return self.ids[side][np.arange(int(lengths.sum())) + np.repeat(starts - before, lengths)], lengths
 
     def target_tokens(self, indices: np.ndarray) -> int:
         """Real target tokens of a batch (each sentence plus eos), known without collating it."""
