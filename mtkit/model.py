@@ -141,6 +141,17 @@ def _explicit_attention(
     return dropout(weights, dropout_p, training=True).to(v.dtype) @ v
 
 
+def autocast_once(x: Tensor) -> Tensor:
+    """``x`` in the autocast dtype when autocast is on, else ``x``.
+
+    Autocast casts a Linear's input at every use; an input that feeds several projections (the
+    q, k and v of self-attention, the encoder memory of every cross-attention) is cast once here
+    instead, in the forward pass and in the backward pass.
+    """
+    device = x.device.type
+    return x.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else x
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head scaled dot-product attention, scaled by 1/sqrt(Dh); self- or cross-attention."""
 
@@ -182,6 +193,9 @@ class MultiHeadAttention(nn.Module):
         causal: bool = False,
     ) -> Tensor:
         """Full-sequence attention. ``attn_allowed`` broadcasts to (B, H, Tq, Tk)."""
+        self_attention = query is key_value
+        key_value = autocast_once(key_value)
+        query = key_value if self_attention else autocast_once(query)
         k, v = self.project_kv(key_value)
         return self.attend(self.split_heads(self.q_proj(query)), k, v, attn_allowed, causal)
 
@@ -350,6 +364,7 @@ class Decoder(nn.Module):
                 cache.layers = [LayerCache() for _ in self.layers]
             cache.length += tgt_in.size(1)
         x = self.embed(tgt_in, offset)
+        memory = autocast_once(memory)  # one cast for every layer's cross-attention
         for i, layer in enumerate(self.layers):
             x = layer(x, memory, allowed, cache.layers[i] if cache is not None else None)
         return self.final_norm(x)
