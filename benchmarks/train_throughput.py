@@ -3,17 +3,20 @@
 What is measured (default: the Multi30k recipe's model, transformer-small with an 8k joint vocabulary,
 on Multi30k task 1 en-de with the recipe's 4,096-token batches):
 
-1. Matmul peak: GFLOP/s of a 2048 x 2048 x 2048 ``torch.mm`` in fp32 and bf16, best of a few
-   repeats after a warm-up, with the torch thread count in effect. This is the yardstick for MFU.
+1. Matmul peak: GFLOP/s of an n x n x n ``torch.mm`` in fp32 and bf16 (n = 2048 on a CPU, with the
+   torch thread count in effect; 8192 on a GPU, fp32 without TF32), best of a few repeats after a
+   warm-up. This is the yardstick for MFU.
 2. Training: real (non-pad) target tokens/s, updates/s and seconds/update over ``--steps`` timed
    updates of the real ``mtkit.train.Trainer`` on the corpus's batches, after ``--warmup`` updates.
    MFU is the analytic training FLOPs (see ``train_flops``) per second over each measured peak.
-3. Peak memory: each precision trains in its own child process, which reports its peak RSS.
+3. Peak memory: each precision trains in its own child process, which reports its peak RSS
+   (and on a GPU its peak allocated GPU memory).
 
 Run from the repository root::
 
     python benchmarks/train_throughput.py --run runs/multi30k_en_de --json train.json
     python benchmarks/train_throughput.py --preset transformer-base --precisions bf16 --steps 10
+    python benchmarks/train_throughput.py --device cuda --preset transformer-big --batch-tokens 16384
 
 Without ``--run`` or ``--tokenizer`` a SentencePiece model is trained first (untimed). The figures
 are printed as a table and then one ``train_throughput ...`` line per precision with every figure
@@ -42,7 +45,7 @@ from mtkit.runtime import set_threads
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "multi30k_en_de.yaml"
-MATMUL_SIZE = 2048
+MATMUL_SIZE = {"cpu": 2048, "cuda": 8192}
 MATMUL_REPEATS = 5
 WARMUP_UPDATES = 2
 PRECISIONS = ("fp32", "bf16")
@@ -52,17 +55,26 @@ MULTI30K = REPO.parent / "shared" / "data" / "multi30k"
 # -- measurements (each runs in the process that reports it) -------------------------------
 
 
-def matmul_gflops(dtype: torch.dtype, n: int = MATMUL_SIZE) -> float:
+def matmul_gflops(dtype: torch.dtype, device: str = "cpu") -> float:
     """Best-of-repeats GFLOP/s of an n x n x n matmul; the first call warms caches and kernels up."""
-    a = torch.randn(n, n).to(dtype)
-    b = torch.randn(n, n).to(dtype)
+    n = MATMUL_SIZE[device]
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
     torch.mm(a, b)
     best = float("inf")
     for _ in range(MATMUL_REPEATS):
+        synchronize(device)
         start = time.perf_counter()
         torch.mm(a, b)
+        synchronize(device)
         best = min(best, time.perf_counter() - start)
     return 2 * n**3 / best / 1e9
+
+
+def synchronize(device: str) -> None:
+    """Wait for queued GPU work, so that a clock reading covers it."""
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def train_flops(batch: Batch, model: ModelConfig, vocab: int) -> int:
@@ -105,6 +117,7 @@ def bench_config(
     threads: int,
     preset: str | None = None,
     batch_tokens: int | None = None,
+    device: str = "cpu",
 ) -> RunConfig:
     """The recipe as it trains, on ``src``/``tgt``, with no validation or checkpoints."""
     overrides = [
@@ -114,7 +127,7 @@ def bench_config(
         "data.valid_tgt=",
         f"tokenizer.model={tokenizer}",
         f"train.precision={precision}",
-        "train.device=cpu",
+        f"train.device={device}",
         f"train.threads={threads}",
         "train.valid_every=0",
         "train.save_every=0",
@@ -134,9 +147,12 @@ def measure_training(cfg: RunConfig, work: Path, steps: int, warmup: int) -> dic
     for batch in batches[:warmup]:
         trainer.train_step([batch], batch.target_tokens)
     timed = batches[warmup:]
+    device = cfg.train.device
+    synchronize(device)
     start = time.perf_counter()
     for batch in timed:
         trainer.train_step([batch], batch.target_tokens)
+    synchronize(device)
     seconds = time.perf_counter() - start
     tokens = sum(b.target_tokens for b in timed)
     flops = sum(train_flops(b, cfg.model, trainer.tgt_tok.vocab_size) for b in timed)
@@ -150,6 +166,7 @@ def measure_training(cfg: RunConfig, work: Path, steps: int, warmup: int) -> dic
         "parameters": sum(p.numel() for p in trainer.model.parameters()),
         "gflop_per_update": flops / steps / 1e9,
         "gflops": flops / seconds / 1e9,
+        "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None,
     }
 
 
@@ -159,7 +176,9 @@ def peak_rss_mib() -> float:
 
 
 def config_for(args: argparse.Namespace, precision: str, tokenizer: Path | str) -> RunConfig:
-    return bench_config(args.src, args.tgt, tokenizer, precision, args.threads, args.preset, args.batch_tokens)
+    return bench_config(
+        args.src, args.tgt, tokenizer, precision, args.threads, args.preset, args.batch_tokens, args.device
+    )
 
 
 def child_main(args: argparse.Namespace) -> None:
@@ -179,6 +198,7 @@ def run_child(args: argparse.Namespace, precision: str, tokenizer: Path, work: P
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--precisions", precision]
     cmd += ["--src", str(args.src), "--tgt", str(args.tgt), "--tokenizer", str(tokenizer), "--work", str(work)]
     cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads)]
+    cmd += ["--device", args.device]
     cmd += ["--preset", args.preset] if args.preset else []
     cmd += ["--batch-tokens", str(args.batch_tokens)] if args.batch_tokens else []
     done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
@@ -211,29 +231,32 @@ def add_mfu(train: dict, peaks: dict) -> None:
 def render(figures: dict) -> str:
     """The figures as a table, then one greppable key=value line per precision."""
     peaks = figures["matmul_gflops"]
+    gpu = figures["device"] != "cpu"
     out = [
         f"{figures['corpus']} | {figures['preset']}, {figures['parameters']:,} parameters | "
-        f"torch {figures['torch']} | {figures['threads']} threads",
+        f"torch {figures['torch']} | {figures['device']}" + ("" if gpu else f", {figures['threads']} threads"),
         "",
-        f"matmul peak ({MATMUL_SIZE}^3): " + "   ".join(f"{k} {v:,.1f} GFLOP/s" for k, v in peaks.items()),
+        f"matmul peak ({figures['matmul_size']}^3): " + "   ".join(f"{k} {v:,.1f} GFLOP/s" for k, v in peaks.items()),
         "",
         f"training: {figures['steps']} timed updates after {figures['warmup']} warm-up,"
         f" batch_tokens {figures['batch_tokens']}",
         f"{'precision':<10}{'tgt tok/s':>11}{'upd/s':>8}{'GFLOP/upd':>11}{'GFLOP/s':>9}"
-        f"{'MFU fp32pk':>12}{'MFU bf16pk':>12}{'peak MiB':>10}",
+        f"{'MFU fp32pk':>12}{'MFU bf16pk':>12}{'peak MiB':>10}" + (f"{'GPU MiB':>10}" if gpu else ""),
     ]
     for name, r in figures["train"].items():
         out.append(
             f"{name:<10}{r['tokens_per_s']:>11,.0f}{r['updates_per_s']:>8.3f}{r['gflop_per_update']:>11.1f}"
             f"{r['gflops']:>9.1f}{r['mfu']['fp32']:>12.1%}{r['mfu']['bf16']:>12.1%}{r['peak_rss_mib']:>10,.0f}"
+            + (f"{r['peak_gpu_mib']:>10,.0f}" if gpu else "")
         )
     out.append("")
     for name, r in figures["train"].items():
         out.append(
-            f"train_throughput preset={figures['preset']} precision={name} batch_tokens={figures['batch_tokens']} "
+            f"train_throughput device={figures['device'].replace(' ', '_')} preset={figures['preset']} "
+            f"precision={name} batch_tokens={figures['batch_tokens']} "
             f"tokens_per_s={r['tokens_per_s']:.0f} updates_per_s={r['updates_per_s']:.3f} "
             f"gflops={r['gflops']:.1f} mfu_fp32_peak={r['mfu']['fp32']:.3f} mfu_bf16_peak={r['mfu']['bf16']:.3f} "
-            f"peak_rss_mib={r['peak_rss_mib']:.0f}"
+            f"peak_rss_mib={r['peak_rss_mib']:.0f}" + (f" peak_gpu_mib={r['peak_gpu_mib']:.0f}" if gpu else "")
         )
     return "\n".join(out)
 
@@ -252,6 +275,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--precisions", type=lambda s: s.split(","), default=list(PRECISIONS), help="comma-separated: fp32,bf16"
     )
     p.add_argument("--threads", type=int, default=0, help="torch threads; 0 keeps torch's default")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to train and measure the peak")
     p.add_argument("--json", type=Path, help="also write all figures to this JSON file")
     # Internal: how the parent starts a child for one precision.
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -272,7 +296,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     set_threads(args.threads)
     print("matmul peaks ...", file=sys.stderr, flush=True)
-    peaks = {name: matmul_gflops(dtype) for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    peaks = {name: matmul_gflops(dtype, args.device) for name, dtype in dtypes.items()}
     with tempfile.TemporaryDirectory(prefix="train_throughput.") as tmp:
         work = Path(tmp)
         tokenizer = run_tokenizer(args, work)
@@ -282,12 +307,14 @@ def main(argv: list[str] | None = None) -> None:
     figures = {
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "corpus": f"{args.src.name} / {args.tgt.name}",
         "preset": cfg.model.preset,
         "parameters": next(iter(train.values()))["parameters"],
         "steps": args.steps,
         "warmup": args.warmup,
         "batch_tokens": cfg.train.batch_tokens,
+        "matmul_size": MATMUL_SIZE[args.device],
         "matmul_gflops": peaks,
         "train": train,
     }

@@ -13,7 +13,8 @@ from mtkit.config import ModelConfig
 from mtkit.model import Transformer, build_model
 from mtkit.tokenizer import PAD_ID, SpmOptions, Tokenizer, train_spm
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+# The shared corpora: ../shared/data beside the repository, or MTKIT_TEST_DATA (a GPU machine has no ../shared).
+DATA = Path(os.environ.get("MTKIT_TEST_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data")
 MULTI30K = DATA / "multi30k"
 
 
