@@ -4,7 +4,9 @@ Speed from bf16 counts only if the model learns as well as in fp32. This trains 
 (same seed, data order and tokenizer) once per precision for ``--steps`` updates with ``mtkit
 train``, then reads the validation figures at the last update from each run's metrics.jsonl:
 valid BLEU (beam search, as the recipe validates), valid loss, and the mean target tokens/s of
-the training log lines. The first precision is the reference for the BLEU difference.
+the training log lines. The first precision is the reference for the BLEU difference. Two runs
+differ in their rounding and so drift apart; ``--seed`` (train.seed: initialisation, dropout and
+batch order) shows how far two runs of one precision spread anyway, the yardstick for that difference.
 
 Run from the repository root (about 40 minutes on a 2-core CPU at the default 1,200 updates)::
 
@@ -41,6 +43,7 @@ def train(args: argparse.Namespace, precision: str, out: Path) -> dict:
         "train.save_every": args.steps,
         "train.log_every": min(50, args.steps),
         "train.device": args.device,
+        "train.seed": args.seed,
     }
     cmd = [sys.executable, "-m", "mtkit", "train", str(RECIPE), "--out", str(out), "--precision", precision]
     for key, value in overrides.items():
@@ -55,6 +58,7 @@ def train(args: argparse.Namespace, precision: str, out: Path) -> dict:
     speeds = [r["tgt_tokens_per_s"] for r in records if r["event"] == "train"]
     return {
         "step": valid["step"],
+        "seed": args.seed,
         "valid_bleu": valid["valid_bleu"],
         "valid_loss": valid["valid_loss"],
         "tokens_per_s": sum(speeds) / len(speeds),
@@ -73,7 +77,7 @@ def render(results: dict[str, dict]) -> str:
     out.append("")
     for name, r in results.items():
         out.append(
-            f"precision_parity precision={name} steps={r['step']} valid_bleu={r['valid_bleu']:.2f} "
+            f"precision_parity precision={name} seed={r['seed']} steps={r['step']} valid_bleu={r['valid_bleu']:.2f} "
             f"bleu_delta={r['bleu_delta']:+.2f} valid_loss={r['valid_loss']:.4f} tokens_per_s={r['tokens_per_s']:.0f}"
         )
     return "\n".join(out)
@@ -90,6 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=1200, help="updates per precision")
     p.add_argument("--precisions", type=lambda s: s.split(","), default=["fp32", "bf16"], help="first = reference")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--seed", type=int, default=1, help="train.seed: another seed shows how far runs spread anyway")
     p.add_argument("--out", type=Path, help="keep the runs here (default: a temporary directory)")
     args = p.parse_args(argv)
     if not (args.run or args.tokenizer):
