@@ -24,9 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-RECIPE = REPO / "recipes" / "multi30k_en_de.yaml"
-MULTI30K = REPO.parent / "shared" / "data" / "multi30k"
+from train_throughput import MULTI30K, RECIPE, REPO
 
 
 def train(args: argparse.Namespace, precision: str, out: Path) -> dict:

@@ -170,9 +170,13 @@ class Batch:
 
 def pad(seqs: list[list[int]], prefix: list[int] = (), suffix: list[int] = ()) -> Tensor:
     """(B, L) right-padded tensor of prefix + seq + suffix for each sequence."""
+    return pad_flat(*_back_to_back(seqs), prefix, suffix)
+
+
+def _back_to_back(seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """The sequences' ids concatenated, and their lengths: what ``pad_flat`` takes."""
     lengths = np.fromiter(map(len, seqs), dtype=np.int64, count=len(seqs))
-    flat = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=int(lengths.sum()))
-    return pad_flat(flat, lengths, prefix, suffix)
+    return np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=int(lengths.sum())), lengths
 
 
 def pad_flat(flat: np.ndarray, lengths: np.ndarray, prefix: list[int] = (), suffix: list[int] = ()) -> Tensor:
@@ -200,8 +204,7 @@ def source_tensor(seqs: list[list[int]]) -> tuple[Tensor, Tensor]:
 
 
 def collate(src: list[list[int]], tgt: list[list[int]]) -> Batch:
-    src_ids, src_pad_mask = source_tensor(src)
-    return Batch(src_ids, src_pad_mask, pad(tgt, prefix=[BOS_ID]), pad(tgt, suffix=[EOS_ID]))
+    return collate_flat(*_back_to_back(src), *_back_to_back(tgt))
 
 
 def collate_flat(src: np.ndarray, src_lengths: np.ndarray, tgt: np.ndarray, tgt_lengths: np.ndarray) -> Batch:
