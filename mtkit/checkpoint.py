@@ -28,9 +28,11 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import pickle
 import re
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,25 +70,38 @@ class Checkpoint:
 # -- atomic files ---------------------------------------------------------------------------
 
 
-def atomic_write(path: Path, write) -> None:
+def atomic_write(path: Path, write, partial: Path | None = None) -> None:
     """Call ``write(file_object)`` on a temporary file beside ``path``, fsync it, then rename over ``path``.
 
-    A crash at any point leaves either the old file or the new one, never a torn one.
+    A crash at any point leaves either the old file or the new one, never a torn one. With ``partial``,
+    a ``write`` interrupted by KeyboardInterrupt keeps what it wrote so far there instead of losing it.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            write(f)
+            try:
+                write(f)
+            except KeyboardInterrupt:
+                if partial is not None:
+                    f.flush()
+                    os.fsync(f.fileno())
+                    _publish(Path(tmp), Path(partial))
+                raise
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file ordinary permissions
-        os.replace(tmp, path)
-        _fsync_path(path.parent)  # make the rename itself durable
+        _publish(Path(tmp), path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _publish(tmp: Path, path: Path) -> None:
+    """Rename a finished temporary file to ``path``, durably."""
+    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file ordinary permissions
+    os.replace(tmp, path)
+    _fsync_path(path.parent)  # make the rename itself durable
 
 
 def _fsync_path(path: Path) -> None:
@@ -203,10 +218,34 @@ def atomic_write_directory(directory: Path, fill) -> None:
 
 
 def _remove_leftovers(directory: Path) -> None:
-    """Delete temporary and set-aside copies of ``directory`` that an earlier crash left behind."""
+    """Delete temporary and set-aside copies of ``directory`` that an earlier crash left behind.
+
+    A crash between the two renames of ``_swap_in`` leaves no ``directory`` but its set-aside copy:
+    that copy is whole, so it is put back first.
+    """
+    _restore_set_aside(directory)
     for path in directory.parent.iterdir():
         if path.name.startswith(f".{directory.name}.") and path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
+
+
+def _set_aside(directory: Path) -> Path:
+    return directory.with_name(f".{directory.name}.old")
+
+
+def _restore_set_aside(directory: Path) -> None:
+    old = _set_aside(directory)
+    if not directory.exists() and old.is_dir():
+        os.rename(old, directory)
+        _fsync_path(directory.parent)
+
+
+def recover(run_dir: Path) -> None:
+    """Put back checkpoint directories that a crash in the middle of replacing them left set aside."""
+    for parent in (Path(run_dir), Path(run_dir) / CHECKPOINTS_DIR):
+        if parent.is_dir():
+            for old in parent.glob(".*.old"):
+                _restore_set_aside(old.with_name(old.name[1 : -len(".old")]))
 
 
 def _swap_in(tmp: Path, directory: Path) -> None:
@@ -215,7 +254,7 @@ def _swap_in(tmp: Path, directory: Path) -> None:
         os.rename(tmp, directory)
         _fsync_path(directory.parent)
         return
-    old = directory.with_name(f".{directory.name}.old")
+    old = _set_aside(directory)
     os.rename(directory, old)
     try:
         os.rename(tmp, directory)
@@ -306,8 +345,9 @@ def resolve(model_path: Path) -> Path:
     model_path = Path(model_path)
     if not model_path.is_dir() or (model_path / WEIGHTS_FILE).is_file():
         return model_path
-    if (model_path / BEST_DIR / WEIGHTS_FILE).is_file():
-        return model_path / BEST_DIR
+    for best in (model_path / BEST_DIR, _set_aside(model_path / BEST_DIR)):  # the latter if a crash left it aside
+        if (best / WEIGHTS_FILE).is_file():
+            return best
     if (model_path / LEGACY_BEST).is_file():
         return model_path / LEGACY_BEST
     found = latest(model_path)
@@ -374,10 +414,20 @@ def _load_legacy(path: Path, with_state: bool) -> Checkpoint:
 
 
 def _torch_load(path: Path) -> Any:
+    """Tensors and plain values only: a file that would build other objects (and so could run code) is refused."""
     if not path.is_file():
         raise CheckpointError(f"{path}: checkpoint not found")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch warns about foreign pickle protocols; the error says enough
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        if "Weights only load failed" not in str(err):
+            raise _unreadable(path, err) from None
+        raise CheckpointError(
+            f"{path}: refused: it holds pickled Python objects other than tensors, which could run code "
+            "when loaded; mtkit loads only tensors and plain values from .pt files"
+        ) from None
     except Exception as err:  # torch raises several types for truncated or foreign files
         raise _unreadable(path, err) from None
 
@@ -438,6 +488,23 @@ def _check_compatible(ckpt: Checkpoint, first: Path, meta: dict[str, Any], names
         raise CheckpointError(f"{ckpt.path}: weight names differ from those of {first}; cannot average them")
 
 
+def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], path: Path) -> None:
+    """``model.load_state_dict(weights)``, with a one-line CheckpointError naming the first misfit tensor."""
+    expected = model.state_dict()
+    missing = [key for key in expected if key not in weights]
+    unexpected = [key for key in weights if key not in expected]
+    if missing or unexpected:
+        names = ", ".join([*(f"no {k}" for k in missing[:3]), *(f"an extra {k}" for k in unexpected[:3])])
+        raise CheckpointError(f"{path}: its weights are of another architecture ({names})")
+    for key, tensor in expected.items():
+        if weights[key].shape != tensor.shape:
+            raise CheckpointError(
+                f"{path}: its weights do not fit this model: {key} is {tuple(weights[key].shape)} there, "
+                f"{tuple(tensor.shape)} here (another vocabulary or model size)"
+            )
+    model.load_state_dict(weights)
+
+
 # -- inference ------------------------------------------------------------------------------
 
 
@@ -488,6 +555,6 @@ def load_for_inference(model_path: Path, device: torch.device, dtype: torch.dtyp
         for side, record in ckpt.meta["tokenizer"].items()
     }
     model = build_model(cfg.model, toks["src"].vocab_size, toks["tgt"].vocab_size, PAD_ID)
-    model.load_state_dict(ckpt.weights)
+    load_weights(model, ckpt.weights, ckpt.path)
     model.to(device=device, dtype=dtype).eval()
     return InferenceBundle(model, toks["src"], toks["tgt"], cfg, int(ckpt.meta["step"]))

@@ -7,6 +7,7 @@ Torch is imported inside commands so that ``mtkit --help`` stays instant.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import json
@@ -55,13 +56,27 @@ def _user_error(err: Exception) -> bool:
     return isinstance(err, known)
 
 
+def _os_error_line(err: OSError) -> str:
+    """'PATH: reason' for an error of the file system (disk full, permission denied, ...)."""
+    if err.filename is not None and err.strerror:
+        return f"{err.filename}: {err.strerror}"
+    return str(err)
+
+
 def user_errors(command):
-    """Turn input errors into one line on stderr and exit status 1."""
+    """Turn input errors, and the file system's (a full disk, a denied permission), into one line and exit status 1."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
+        except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as Unix tools do
+            with contextlib.suppress(AttributeError, OSError, ValueError):  # a stand-in stdout has no descriptor
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+            raise typer.Exit(1) from None
+        except OSError as err:
+            typer.echo(f"error: {_os_error_line(err)}", err=True)
+            raise typer.Exit(1) from None
         except Exception as err:
             if not _user_error(err):
                 raise
@@ -138,11 +153,11 @@ def tokenizer_train(
     # Streamed: SentencePiece keeps its own sample of input_sentence_size sentences.
     if tgt is None or joint:
         sentences = itertools.chain(iter_lines(src), iter_lines(tgt) if tgt else ())
-        written = [train_spm(sentences, out_dir / "spm", options)]
+        written = [train_spm(sentences, out_dir / "spm", options, " and ".join(str(p) for p in (src, tgt) if p))]
     else:
         written = [
-            train_spm(iter_lines(src), out_dir / "spm.src", options),
-            train_spm(iter_lines(tgt), out_dir / "spm.tgt", options),
+            train_spm(iter_lines(src), out_dir / "spm.src", options, str(src)),
+            train_spm(iter_lines(tgt), out_dir / "spm.tgt", options, str(tgt)),
         ]
     for path in written:
         typer.echo(f"wrote {path} and {path.with_suffix('.vocab')}", err=True)
@@ -361,12 +376,15 @@ def _hand_over_to_torchrun(nproc_per_node: int, command: list[str]) -> None:
 
 
 def _input_chunks(path: Path | None, chunk_lines: int) -> Iterator[list[str]]:
-    """Input lines in chunks of up to ``chunk_lines``; invalid UTF-8 is replaced, with a warning.
+    """Input lines in chunks of up to ``chunk_lines``; invalid UTF-8 and NUL bytes are replaced, with a warning.
 
     Lines end at ``\\n`` only, never at other characters Python would split on (form feed, U+2028),
-    so the output keeps one line per input line as ``wc -l`` counts them. On a pipe or terminal a
-    chunk also ends whenever no more input is waiting, so an interactive producer gets its answers.
+    so the output keeps one line per input line as ``wc -l`` counts them. A CR before the newline and
+    a byte-order mark are dropped. On a pipe or terminal a chunk also ends whenever no more input is
+    waiting, so an interactive producer gets its answers.
     """
+    from mtkit.data import UTF8_BOM
+
     name = str(path) if path else "<stdin>"
     number = 0
 
@@ -376,6 +394,11 @@ def _input_chunks(path: Path | None, chunk_lines: int) -> Iterator[list[str]]:
         for raw in raw_lines:
             number += 1
             raw = raw.removesuffix(b"\r")
+            if number == 1:
+                raw = raw.removeprefix(UTF8_BOM)
+            if b"\0" in raw:
+                log.warning("%s:%d: NUL bytes replaced by spaces", name, number)
+                raw = raw.replace(b"\0", b" ")
             try:
                 out.append(raw.decode("utf-8"))
             except UnicodeDecodeError:
@@ -399,10 +422,9 @@ def _raw_chunks(path: Path | None, chunk_lines: int) -> Iterator[list[bytes]]:
         stream = sys.stdin.buffer
         yield from _file_chunks(stream, chunk_lines)
         return
-    from mtkit.data import DataError
+    from mtkit.data import check_input_file
 
-    if not path.is_file():
-        raise DataError(f"{path}: file not found")
+    check_input_file(path)
     with open(path, "rb") as f:
         gzipped = f.read(2) == b"\x1f\x8b"
     import gzip
@@ -452,6 +474,60 @@ def _format(index: int, translations, nbest: int, scores: bool, aligned: bool) -
     best = translations[0]
     text = best.text.replace("\n", " ") + (f" ||| {best.alignment}" if aligned else "")
     return f"{best.logprob:.4f}\t{text}\n" if scores else text + "\n"
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM during translation; a KeyboardInterrupt, so ``atomic_write`` keeps the lines done."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+        super().__init__(self.name)
+
+
+class _WholeLines:
+    """SIGINT and SIGTERM stop translation at once, except while a line is being written: then as soon as
+    it is out. So the output (a file or a pipe) always ends with a complete line. Later signals are ignored
+    while the lines done are being saved."""
+
+    def __enter__(self) -> _WholeLines:
+        self._writing, self._pending, self._stopping = False, None, False
+        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def _handle(self, signum: int, frame) -> None:
+        if self._stopping:
+            return
+        if self._writing:
+            self._pending = signum
+            return
+        self._stopping = True
+        raise Interrupted(signum)
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[None]:
+        self._writing = True
+        try:
+            yield
+        finally:
+            self._writing = False
+        if self._pending is not None:
+            self._stopping = True
+            raise Interrupted(self._pending)
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+def _check_output_file(path: Path) -> None:
+    """Fail before any work if ``path`` cannot be a file to write: its folder is missing, or it is a folder."""
+    from mtkit.data import DataError
+
+    if path.is_dir():
+        raise DataError(f"{path}: is a folder; give a file to write")
+    if not path.parent.is_dir():
+        raise DataError(f"{path}: cannot write it, folder {path.parent} does not exist")
 
 
 class _LineProgress:
@@ -580,12 +656,14 @@ def translate(
     """
     from mtkit.checkpoint import atomic_write
     from mtkit.config import ConfigError, DecodeConfig
-    from mtkit.data import DataError
+    from mtkit.data import DataError, check_input_file
     from mtkit.runtime import compute_dtype, pick_device
     from mtkit.search import Sampling
     from mtkit.translate import CHUNK_LINES, PrefixMismatch
 
     _setup_logging()
+    if beam < 1:
+        raise ConfigError(f"--beam must be >= 1, got {beam}")
     if precision not in ("fp32", "bf16", "fp16"):
         raise ConfigError(f"--precision must be fp32, bf16 or fp16, got {precision!r}")
     if nbest < 1 or (nbest > beam and not sample):
@@ -624,32 +702,53 @@ def translate(
         ]
         if unsupported or len(model) > 1:
             raise ConfigError(f"--engine ctranslate2 takes one model and no {', '.join(unsupported) or 'ensemble'}")
-        from mtkit.export import CTranslate2Translator
+    for path in (input, prefix):
+        if path is not None:
+            check_input_file(path)
+    if output is not None:
+        _check_output_file(output)
 
-        compute_type = {"fp32": "default", "bf16": "bfloat16", "fp16": "float16"}[precision]
-        translator = CTranslate2Translator.from_dir(model[0], decode, dev.type, compute_type, nbest)
-    else:
-        translator = _mtkit_translator(model, decode, dev, dtype, nbest, sampling, seed, alignments)
-    chunks = _input_chunks(input, CHUNK_LINES)
-
-    prefixes = (line for chunk in _input_chunks(prefix, CHUNK_LINES) for line in chunk) if prefix else None
-
-    def write_all(out) -> None:
-        with _LineProgress() as progress:
-            results = translator.stream(chunks, prefixes) if prefixes is not None else translator.stream(chunks)
-            for index, translations in enumerate(results):
-                out.write(_format(index, translations, nbest, scores, alignments).encode("utf-8"))
-                if output is None:
-                    out.flush()  # a pipeline downstream sees each line as soon as it is done
-                progress.advance()
-
+    done = 0
+    partial = output.with_name(output.name + ".partial") if output is not None else None
     try:
-        if output is not None:
-            atomic_write(output, write_all)
-        else:
-            write_all(sys.stdout.buffer)
+        with _WholeLines() as whole_lines:
+            if engine == "ctranslate2":
+                from mtkit.export import CTranslate2Translator
+
+                compute_type = {"fp32": "default", "bf16": "bfloat16", "fp16": "float16"}[precision]
+                translator = CTranslate2Translator.from_dir(model[0], decode, dev.type, compute_type, nbest)
+            else:
+                translator = _mtkit_translator(model, decode, dev, dtype, nbest, sampling, seed, alignments)
+            chunks = _input_chunks(input, CHUNK_LINES)
+            prefixes = (line for chunk in _input_chunks(prefix, CHUNK_LINES) for line in chunk) if prefix else None
+
+            def write_all(out) -> None:
+                nonlocal done
+                with _LineProgress() as progress:
+                    stream = translator.stream(chunks, prefixes) if prefixes is not None else translator.stream(chunks)
+                    for index, translations in enumerate(stream):
+                        text = _format(index, translations, nbest, scores, alignments).encode("utf-8")
+                        with whole_lines.writing():
+                            out.write(text)
+                            if output is None:
+                                out.flush()  # a pipeline downstream sees each line as soon as it is done
+                        done += 1
+                        progress.advance()
+
+            if output is not None:
+                atomic_write(output, write_all, partial)
+            else:
+                write_all(sys.stdout.buffer)
     except PrefixMismatch as err:
         raise DataError(f"{prefix}: {err}") from None
+    except Interrupted as stop:
+        kept = ""
+        if partial is not None and done:
+            kept = f": they are in {partial}, and {output} is not written"
+        elif partial is not None:
+            partial.unlink(missing_ok=True)
+        typer.echo(f"stopped by {stop.name} after {done:,} complete lines{kept}", err=True)
+        raise typer.Exit(128 + stop.signum) from None
 
 
 @app.command("run")
@@ -814,6 +913,7 @@ def average(
     from mtkit.checkpoint import CHECKPOINTS_DIR, WEIGHTS_FILE, CheckpointError, export, run_checkpoints
     from mtkit.checkpoint import average as average_checkpoints
 
+    _check_output_file(output)
     if len(inputs) == 1 and inputs[0].is_dir() and not (inputs[0] / WEIGHTS_FILE).is_file():
         paths = run_checkpoints(inputs[0])[-(last or 5) :]
         if not paths:
@@ -859,6 +959,7 @@ def attention(
     from mtkit.runtime import pick_device
 
     _setup_logging()
+    _check_output_file(output)
     decode = DecodeConfig(beam=beam)
     bundle = load_for_inference(model, pick_device(device))
     result = translate_with_attention(bundle.model, bundle.src_tok, bundle.tgt_tok, src, decode)

@@ -6,6 +6,7 @@ an unknown key or a value of the wrong type or range is a ``ConfigError`` naming
 """
 
 import dataclasses
+import re
 import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -307,23 +308,52 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
 
 
 def load(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
-    """Read a YAML config (or start from defaults when ``path`` is None) and apply overrides."""
+    """Read a YAML config (or start from defaults when ``path`` is None) and apply overrides.
+
+    YAML is read with the safe loader (no tags that build Python objects). An error about a key says
+    where that key's value came from: the file and line, or the ``--set`` that gave it.
+    """
     raw: dict[str, Any] = {}
+    origins: dict[str, str] = {}
     if path is not None:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"{path}: config file not found")
         try:
-            raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            text = path.read_text(encoding="utf-8")
+            raw = yaml.safe_load(text) or {}
         except (yaml.YAMLError, UnicodeDecodeError) as err:
             where = getattr(err, "problem_mark", None)
             line = f" line {where.line + 1}" if where is not None else ""
             raise ConfigError(f"{path}:{line} not valid YAML ({getattr(err, 'problem', err)})") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: a config must be a mapping of sections")
+        origins = {key: f"{path}:{line}" for key, line in _key_lines(text).items()}
     for assignment in overrides:
         apply_override(raw, assignment)
-    return from_dict(raw)
+        origins[assignment.partition("=")[0].strip()] = f"--set {assignment}"
+    try:
+        return from_dict(raw)
+    except ConfigError as err:
+        named = re.findall(r"\b(?:" + "|".join(SECTIONS) + r")\.\w+", str(err))
+        found = [origins[key] for key in named if key in origins]
+        if not found:
+            raise
+        # A check across keys (d_model and heads) blames a --set over the file: the override is the change.
+        origin = next((o for o in found if o.startswith("--set")), found[0])
+        raise ConfigError(f"{origin}: {err}") from None
+
+
+def _key_lines(text: str) -> dict[str, int]:
+    """The line of each ``section.key`` in a YAML config (1-based), for error messages."""
+    lines = {}
+    root = yaml.compose(text)
+    if isinstance(root, yaml.MappingNode):
+        for section, body in root.value:
+            if isinstance(body, yaml.MappingNode):
+                for key, _ in body.value:
+                    lines[f"{section.value}.{key.value}"] = key.start_mark.line + 1
+    return lines
 
 
 def dump(cfg: RunConfig) -> str:

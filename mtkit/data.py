@@ -29,20 +29,42 @@ def _open_binary(path: Path):
     return gzip.open(path, "rb") if gzipped else open(path, "rb")
 
 
-def iter_lines(path: str | Path) -> Iterator[str]:
-    """The lines of a UTF-8 text file (gzip detected by content), without line terminators, one at a time."""
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
+def check_input_file(path: str | Path) -> None:
+    """DataError unless ``path`` is an existing file (a folder or a missing path are named as such)."""
     path = Path(path)
+    if path.is_dir():
+        raise DataError(f"{path}: is a folder, not a text file")
     if not path.is_file():
         raise DataError(f"{path}: file not found")
+
+
+def iter_lines(path: str | Path) -> Iterator[str]:
+    """The lines of a UTF-8 text file (gzip detected by content), without line terminators, one at a time.
+
+    CRLF endings and a byte-order mark are accepted, as editors on Windows write them. Invalid UTF-8 and
+    NUL bytes (binary data, or a file cut and pasted from one) are errors naming the line.
+    """
+    path = Path(path)
+    check_input_file(path)
     try:
         with _open_binary(path) as f:
             for number, raw in enumerate(f, start=1):
+                if number == 1:
+                    raw = raw.removeprefix(UTF8_BOM)
+                if b"\0" in raw:
+                    raise DataError(
+                        f"{path}:{number}: NUL byte (byte {raw.index(0) + 1} of the line): binary data, not text"
+                    )
                 try:
                     yield raw.decode("utf-8").rstrip("\r\n")
                 except UnicodeDecodeError as err:
                     raise DataError(f"{path}:{number}: invalid UTF-8 (byte {err.start + 1} of the line)") from None
     except (OSError, EOFError, gzip.BadGzipFile) as err:
-        raise DataError(f"{path}: cannot read ({err})") from None
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise DataError(f"{path}: cannot read ({reason})") from None
 
 
 def read_lines(path: str | Path) -> list[str]:
@@ -65,8 +87,7 @@ def iter_parallel(src_path: str | Path, tgt_path: str | Path | None) -> Iterator
     if not tgt_path and not is_tsv(src_path):
         raise DataError(f"{src_path}: a target file is needed unless the source is a .tsv file")
     for path in (src_path, tgt_path) if tgt_path else (src_path,):
-        if not Path(path).is_file():
-            raise DataError(f"{path}: file not found")
+        check_input_file(path)
     return _nonempty(_tsv_pairs(src_path) if not tgt_path else iter_aligned(src_path, tgt_path), src_path)
 
 

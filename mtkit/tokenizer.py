@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
+import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,16 +33,28 @@ class SpmOptions:
     threads: int = 2
 
 
-def train_spm(sentences: Iterable[str], out_prefix: Path, options: SpmOptions) -> Path:
-    """Train a SentencePiece model on ``sentences``; writes PREFIX.model and PREFIX.vocab."""
+def train_spm(sentences: Iterable[str], out_prefix: Path, options: SpmOptions, source: str = "the input") -> Path:
+    """Train a SentencePiece model on ``sentences``; writes PREFIX.model and PREFIX.vocab.
+
+    SentencePiece writes into a temporary folder beside them, and the files are renamed into place
+    (the .model last), so a crash never leaves a torn model that a resumed run would pick up.
+    ``source`` names the text in errors.
+    """
     out_prefix.parent.mkdir(parents=True, exist_ok=True)
+    for leftover in out_prefix.parent.glob(f".{out_prefix.name}.*.tmp"):  # from a run killed while training one
+        shutil.rmtree(leftover, ignore_errors=True)
     spm.set_random_generator_seed(options.seed)
     failures: list[Exception] = []
+    given = 0
 
     def nonblank() -> Iterator[str]:
         """The sentences to learn from, remembering an input error that SentencePiece would swallow."""
+        nonlocal given
         try:
-            yield from (s for s in sentences if s.strip())
+            for sentence in sentences:
+                if sentence.strip():
+                    given += 1
+                    yield sentence
         except Exception as err:
             failures.append(err)
             raise
@@ -48,10 +62,11 @@ def train_spm(sentences: Iterable[str], out_prefix: Path, options: SpmOptions) -
     sampling = {}
     if options.input_sentence_size:
         sampling = dict(input_sentence_size=options.input_sentence_size, shuffle_input_sentence=True)
+    work = Path(tempfile.mkdtemp(dir=out_prefix.parent, prefix=f".{out_prefix.name}.", suffix=".tmp"))
     try:
         spm.SentencePieceTrainer.train(
             sentence_iterator=nonblank(),
-            model_prefix=str(out_prefix),
+            model_prefix=str(work / "spm"),
             vocab_size=options.vocab_size,
             model_type=options.model_type,
             character_coverage=options.character_coverage,
@@ -63,12 +78,21 @@ def train_spm(sentences: Iterable[str], out_prefix: Path, options: SpmOptions) -
             minloglevel=2,
             **sampling,
         )
+        model = out_prefix.with_name(out_prefix.name + ".model")  # not with_suffix: "spm.src" would lose ".src"
+        for name, target in (("spm.vocab", model.with_suffix(".vocab")), ("spm.model", model)):
+            with open(work / name, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(work / name, target)
     except RuntimeError as err:
         if failures:  # the input was at fault (unreadable, misaligned): its own error says where
             raise failures[0] from None
+        if not given:
+            raise TokenizerError(f"{source}: no text to learn a tokenizer from (every line is empty)") from None
         # e.g. "Vocabulary size too high (8000). Please set it to a value <= 1234."
         raise TokenizerError(f"SentencePiece training failed: {str(err).strip().splitlines()[-1]}") from None
-    return out_prefix.with_name(out_prefix.name + ".model")  # not with_suffix: "spm.src" would lose ".src"
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return model
 
 
 def file_sha256(path: Path) -> str:

@@ -36,7 +36,7 @@ from mtkit.metrics import bleu
 from mtkit.model import build_model, count_parameters
 from mtkit.runtime import autocast, compute_dtype, pick_device, seed_everything, set_threads
 from mtkit.token_store import TokenStore, default_cache_dir, open_or_build, store_key
-from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID, SpmOptions, Tokenizer, train_spm
+from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID, SpmOptions, Tokenizer, file_sha256, train_spm
 from mtkit.translate import translate_lines
 
 log = logging.getLogger("mtkit")
@@ -186,6 +186,7 @@ def prepare_tokenizers(
     for side in ("src", "tgt"):
         target = out_dir / names[side]
         if target.is_file():
+            _check_run_tokenizer(target, given[side], tc.vocab_size)
             continue
         if given[side]:
             source = Path(given[side])
@@ -208,8 +209,22 @@ def prepare_tokenizers(
                 tc.vocab_size,
                 sample,
             )
-            train_spm(sentences, target.with_suffix(""), options)
+            files = " and ".join(filter(None, (cfg.data.train_src, cfg.data.train_tgt)))
+            train_spm(sentences, target.with_suffix(""), options, source=files)
     return Tokenizer(out_dir / names["src"]), Tokenizer(out_dir / names["tgt"])
+
+
+def _check_run_tokenizer(path: Path, given: str, vocab_size: int) -> None:
+    """A tokenizer already in the run directory is reused, so it must be the one the config asks for."""
+    if given:
+        if Path(given).is_file() and file_sha256(Path(given)) != file_sha256(path):
+            raise ConfigError(f"{path} differs from the config's tokenizer model {given}; use a new --out or --restart")
+        return
+    found = Tokenizer(path).vocab_size
+    if found != vocab_size:
+        raise ConfigError(
+            f"{path} has {found} pieces but tokenizer.vocab_size is {vocab_size}; use a new --out or --restart"
+        )
 
 
 def open_training_data(cfg: RunConfig, src_tok: Tokenizer, tgt_tok: Tokenizer) -> TokenStore:
@@ -218,7 +233,10 @@ def open_training_data(cfg: RunConfig, src_tok: Tokenizer, tgt_tok: Tokenizer) -
     files = [data.train_src, data.train_tgt] if data.train_tgt else [data.train_src]
     key = store_key(files, src_tok, tgt_tok, data.max_tokens, data.max_ratio)
     cache_dir = Path(data.cache_dir) if data.cache_dir else default_cache_dir()
-    return open_or_build(cache_dir, iter_parallel(data.train_src, data.train_tgt), key, src_tok, tgt_tok)
+    store = open_or_build(cache_dir, iter_parallel(data.train_src, data.train_tgt), key, src_tok, tgt_tok)
+    if not store.report.kept:
+        raise DataError(f"{' and '.join(files)}: no usable training pairs ({store.report.describe()})")
+    return store
 
 
 class Trainer:
@@ -256,6 +274,7 @@ class Trainer:
         if self.is_main:
             if restart:
                 remove_run_outputs(self.out_dir)
+            checkpoint.recover(self.out_dir)
             src_tok, tgt_tok = prepare_tokenizers(cfg, self.out_dir, pairs)
             checkpoint.atomic_write_text(self.out_dir / "config.yaml", dump(cfg))
             self.corpus = open_training_data(cfg, src_tok, tgt_tok)
@@ -281,6 +300,9 @@ class Trainer:
         if latest is not None:
             self._load(latest)
             log.info("resuming from %s at update %d (epoch %d)", latest, self.progress.step, self.progress.epoch)
+        if self.is_main:
+            with self._writing("metrics.jsonl"):
+                trim_metrics(self.out_dir / "metrics.jsonl", self.progress.step)
         self.forward = self._data_parallel() if self.dist.enabled else self.objective
         if tc.compile:
             self.objective.compile_features()
@@ -332,7 +354,12 @@ class Trainer:
             )
         if saved.state is None:
             raise checkpoint.CheckpointError(f"{path}: holds weights only, not the training state to resume from")
-        self.model.load_state_dict(saved.weights)
+        mine = {"src": self.src_tok.sha256, "tgt": self.tgt_tok.sha256}
+        if {side: record["sha256"] for side, record in saved.meta["tokenizer"].items()} != mine:
+            raise checkpoint.CheckpointError(
+                f"{path}: trained with another tokenizer than the one in {self.out_dir}; use a new --out or --restart"
+            )
+        checkpoint.load_weights(self.model, saved.weights, path)
         self.optimizer.load_state_dict(saved.state["optimizer"])
         self.scaler.load_state_dict(saved.state["scaler"])
         self._set_rng_state(saved.state["rng"])
@@ -376,14 +403,29 @@ class Trainer:
             "rng": rng,
             "progress": asdict(self.progress),
         }
-        checkpoint.save_in_run(
-            self.out_dir, self.progress.step, self.model.state_dict(), self._meta(), state, self.cfg.train.keep_last
-        )
+        with self._writing(f"the checkpoint of update {self.progress.step}"):
+            checkpoint.save_in_run(
+                self.out_dir, self.progress.step, self.model.state_dict(), self._meta(), state, self.cfg.train.keep_last
+            )
+
+    @contextlib.contextmanager
+    def _writing(self, what: str) -> Iterator[None]:
+        """A failed write to the run directory (a full disk, say) stops training, naming what stays good."""
+        try:
+            yield
+        except OSError as err:
+            reason = f"{err.filename}: {err.strerror}" if err.filename and err.strerror else str(err)
+            latest = checkpoint.latest(self.out_dir)
+            kept = f"{latest} is intact" if latest is not None else "no checkpoint was saved before"
+            raise TrainingFailed(
+                f"cannot write {what} in {self.out_dir} ({reason}); {kept}: fix the cause, then run the same "
+                "command to resume"
+            ) from None
 
     def _log_metrics(self, record: dict) -> None:
         if not self.is_main:
             return
-        with open(self.out_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
+        with self._writing("metrics.jsonl"), open(self.out_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
         if self._tensorboard is not None:
             for key, value in record.items():
@@ -576,7 +618,8 @@ class Trainer:
         if p.best is None or metric > p.best:
             p.best, p.stale = metric, 0
             if self.is_main:
-                checkpoint.save_best(self.out_dir, self.model.state_dict(), {**self._meta(), "validation": result})
+                with self._writing("the best checkpoint"):
+                    checkpoint.save_best(self.out_dir, self.model.state_dict(), {**self._meta(), "validation": result})
             result["new_best"] = True
         else:
             p.stale += 1
@@ -702,6 +745,28 @@ def remove_run_outputs(out_dir: Path) -> None:
     files = [checkpoint.LEGACY_LAST, checkpoint.LEGACY_BEST, "metrics.jsonl", "config.yaml"]
     for path in [*(out_dir / name for name in files), *out_dir.glob("spm*.model"), *out_dir.glob("spm*.vocab")]:
         path.unlink(missing_ok=True)
+
+
+def trim_metrics(path: Path, step: int) -> None:
+    """Keep the records of updates up to ``step``, where training resumes; drop a line torn by a crash.
+
+    The updates after the checkpoint are done again, and logged again, so the file keeps one record each.
+    """
+    if not path.is_file():
+        return
+    kept, changed = [], False
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+            keep = isinstance(record, dict) and record.get("step", 0) <= step
+        except json.JSONDecodeError:
+            keep = False
+        if keep:
+            kept.append(line)
+        else:
+            changed = True
+    if changed:
+        checkpoint.atomic_write_text(path, "".join(line + "\n" for line in kept))
 
 
 def train(

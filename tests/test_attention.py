@@ -202,7 +202,7 @@ def tiny_run(tmp_path, spm_model):
 
 
 def test_attention_command_draws_heatmaps_and_prints_translation_and_alignment(tiny_run, tmp_path):
-    png = tmp_path / "plots" / "heat.png"
+    png = tmp_path / "heat.png"
     result = invoke("attention", tiny_run, "--src", "A man rides a bike.", "-o", png, "--beam", 2)
     assert result.exit_code == 0, result.output
     translation, line = result.stdout.splitlines()

@@ -254,6 +254,7 @@ def fake_run(tmp_path, spm_model):
 
 def test_average_command_writes_a_model_translate_can_use(fake_run, tmp_path):
     out = tmp_path / "out" / "avg.safetensors"
+    out.parent.mkdir()
     result = invoke("average", fake_run, "--last", 2, "-o", out)
     assert result.exit_code == 0, result.output
     assert "update-00000010" in result.stderr and str(out) in result.stderr
