@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from mtkit.checkpoint import atomic_write_directory
-from mtkit.data import Batch, DataError, FilterReport, collate_flat, filter_pairs, token_batches
+from mtkit.data import Batch, DataError, FilterReport, check_input_file, collate_flat, filter_pairs, token_batches
 from mtkit.tokenizer import Tokenizer
 
 log = logging.getLogger("mtkit")
@@ -53,8 +53,7 @@ def store_key(
     """Everything the encoded pairs depend on; its digest names the store."""
     files = []
     for name in train_files:
-        if not Path(name).is_file():
-            raise DataError(f"{name}: file not found")
+        check_input_file(name)
         stat = Path(name).stat()
         files.append({"path": str(Path(name).resolve()), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns})
     return {
@@ -201,7 +200,7 @@ def _encode(tmp: Path, pairs: Iterable[tuple[str, str]], key: dict, src_tok: Tok
                 lengths[side].append(side_lengths)
     if not report.kept:
         files = " and ".join(f["path"] for f in key["files"])
-        raise DataError(f"{files}: no training pairs left after filtering")
+        raise DataError(f"{files}: no usable training pairs ({report.describe()})")
     tokens = {}
     for side in SIDES:
         side_lengths = np.concatenate(lengths[side])

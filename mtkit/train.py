@@ -233,10 +233,7 @@ def open_training_data(cfg: RunConfig, src_tok: Tokenizer, tgt_tok: Tokenizer) -
     files = [data.train_src, data.train_tgt] if data.train_tgt else [data.train_src]
     key = store_key(files, src_tok, tgt_tok, data.max_tokens, data.max_ratio)
     cache_dir = Path(data.cache_dir) if data.cache_dir else default_cache_dir()
-    store = open_or_build(cache_dir, iter_parallel(data.train_src, data.train_tgt), key, src_tok, tgt_tok)
-    if not store.report.kept:
-        raise DataError(f"{' and '.join(files)}: no usable training pairs ({store.report.describe()})")
-    return store
+    return open_or_build(cache_dir, iter_parallel(data.train_src, data.train_tgt), key, src_tok, tgt_tok)
 
 
 class Trainer:

@@ -121,6 +121,25 @@ def test_directories_left_by_a_killed_save_are_ignored_then_cleaned(tmp_path):
     assert not stray.exists()
 
 
+def test_a_kill_between_the_two_renames_of_a_swap_loses_no_checkpoint(tmp_path):
+    """Replacing best/ renames it aside, then the new one in: a SIGKILL between the two leaves only the old."""
+    run = tmp_path / "run"
+    checkpoint.save_best(run, weights_of(0), meta_for(step=10))
+    checkpoint.save_in_run(run, 10, weights_of(0), meta_for(step=10), None, keep_last=0)
+    (run / "best").rename(run / ".best.old")
+    shutil.copytree(run / ".best.old", run / ".best.xyz.tmp")  # the new one, never moved in
+
+    assert checkpoint.resolve(run) == run / ".best.old"  # translate still finds it, read-only
+    checkpoint.recover(run)  # what training does first
+    assert sorted(p.name for p in run.iterdir()) == [".best.xyz.tmp", "best", "checkpoints"]
+    assert_same_weights(checkpoint.load(checkpoint.resolve(run)).weights, weights_of(0))
+
+    (run / "best").rename(run / ".best.old")  # the same crash again; this time the next save finds it
+    checkpoint.save_best(run, weights_of(1), meta_for(step=20))
+    assert sorted(p.name for p in run.iterdir()) == ["best", "checkpoints"]
+    assert checkpoint.load(run / "best").meta["step"] == 20
+
+
 @pytest.mark.parametrize("keep_last, kept", [(2, [4, 5]), (1, [5]), (0, [1, 2, 3, 4, 5])])
 def test_keep_last_keeps_exactly_the_newest(tmp_path, keep_last, kept):
     weights = weights_of()

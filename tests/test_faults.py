@@ -7,8 +7,10 @@ forwards at the end of a run never shift the count.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -417,3 +419,47 @@ def test_cli_dry_run_shows_the_training_flags(tmp_path, multi30k_slice, spm_mode
         "tensorboard": True,
     }
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("target", ["checkpoints", "best"])
+def test_a_failing_disk_write_keeps_the_last_checkpoint_and_stops_with_the_reason(
+    tmp_path, multi30k_slice, spm_model, monkeypatch, target
+):
+    """The second save into RUN/checkpoints (or of RUN/best) hits a full disk: the first stays whole and loadable."""
+    cfg = small_config(multi30k_slice, spm_model, max_steps=6, valid_every=2)
+    config = write_config(tmp_path / "c.yaml", cfg)
+    run = tmp_path / "run"
+    real_write_bytes = Path.write_bytes
+    saves = []
+
+    def write_bytes(path: Path, data: bytes) -> int:
+        folder = run / "checkpoints" if target == "checkpoints" else run
+        if path.parent.parent == folder and path.parent.name.startswith(".update" if target != "best" else ".best"):
+            saves.append(path)
+            if len(saves) == 2:
+                real_write_bytes(path, data[: len(data) // 3])  # a part lands, then the disk is full
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_write_bytes(path, data)
+
+    monkeypatch.setattr(Path, "write_bytes", write_bytes)
+    result = CliRunner().invoke(app, ["train", str(config), "--out", str(run)])
+    assert result.exit_code == 1, result.output
+    error = result.stderr.strip().splitlines()[-1]
+    what = "the checkpoint of update 4" if target == "checkpoints" else "the best checkpoint"
+    assert error.startswith(f"error: cannot write {what} in {run}") and "No space left on device" in error, error
+    assert f"{run / 'checkpoints' / 'update-00000002'} is intact" in error and "Traceback" not in result.output
+    assert [p.name for p in checkpoint.run_checkpoints(run)] == ["update-00000002"]
+    assert checkpoint.load(checkpoint.latest(run)).state["progress"]["step"] == 2
+    best_step = 2 if target == "best" else 4  # validation at update 4 came before its checkpoint
+    assert checkpoint.load(run / "best", with_state=False).meta["step"] == best_step
+    leftovers = [p for folder in (run, run / "checkpoints") for p in folder.iterdir() if p.is_dir()]
+    assert not [p for p in leftovers if p.name.startswith(".")]
+
+    monkeypatch.setattr(Path, "write_bytes", real_write_bytes)  # space freed: the same command resumes
+    assert CliRunner().invoke(app, ["train", str(config), "--out", str(run)]).exit_code == 0
+    straight = tmp_path / "straight"
+    assert CliRunner().invoke(app, ["train", str(config), "--out", str(straight)]).exit_code == 0
+    resumed, reference = checkpoint.load(checkpoint.latest(run)), checkpoint.load(checkpoint.latest(straight))
+    assert resumed.meta["step"] == 6 and all(
+        torch.equal(resumed.weights[k], reference.weights[k]) for k in reference.weights
+    )

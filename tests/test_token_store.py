@@ -107,7 +107,7 @@ def test_runs_starting_together_encode_once(tmp_path, multi30k_slice, spm_model)
 
 
 def test_no_pair_left_after_filtering_is_a_data_error(tmp_path, multi30k_slice, spm_model):
-    with pytest.raises(DataError, match=r"train\.en and .*train\.de: no training pairs left"):
+    with pytest.raises(DataError, match=r"train\.en and .*train\.de: no usable training pairs"):
         build(tmp_path, multi30k_slice, spm_model, max_tokens=1)
 
 

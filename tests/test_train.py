@@ -12,7 +12,7 @@ import torch
 
 from mtkit import checkpoint
 from mtkit.config import from_dict
-from mtkit.train import StopSignals, Trainer, lr_at, train
+from mtkit.train import StopSignals, Trainer, lr_at, train, trim_metrics
 
 
 def test_lr_warms_up_linearly_then_decays_as_inverse_sqrt():
@@ -143,3 +143,14 @@ def test_repeated_sigterm_still_ends_in_a_save_but_a_second_ctrl_c_aborts():
     with pytest.raises(KeyboardInterrupt), StopSignals():
         os.kill(os.getpid(), signal.SIGINT)
         os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_resuming_drops_metrics_after_the_checkpoint_and_a_torn_last_line(tmp_path):
+    """Updates after the checkpoint are trained (and logged) again, so they must not be logged twice."""
+    metrics = tmp_path / "metrics.jsonl"
+    records = [{"event": "train", "step": s, "loss": 1.0 / s} for s in range(1, 7)]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"event": "train", "st')
+    trim_metrics(metrics, 4)
+    assert [json.loads(line) for line in metrics.read_text().splitlines()] == records[:4]
+    trim_metrics(tmp_path / "absent.jsonl", 4)  # a run that never logged
+    assert not (tmp_path / "absent.jsonl").exists()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import select
+import signal
 import subprocess
 import sys
 
@@ -183,3 +185,63 @@ def test_early_stop_changes_no_output_without_a_length_penalty(trained_run, line
     full = invoke("translate", trained_run, "--beam", 4, "--lenpen", 0, "--no-early-stop", input=stdin_of(lines))
     assert full.exit_code == 0, full.output
     assert full.stdout == early.stdout
+
+
+def test_sigint_on_a_pipeline_leaves_whole_lines_and_says_how_many(trained_run, lines):  # noqa: F811
+    command = [sys.executable, "-m", "mtkit", "translate", str(trained_run), "--beam", "2"]
+    proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        proc.stdin.write(stdin_of(lines[:5]).encode())
+        proc.stdin.flush()
+        answers = [proc.stdout.readline() for _ in range(5)]  # five lines done; the input stays open
+        proc.send_signal(signal.SIGINT)
+        rest, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGINT
+    assert all(answer.endswith(b"\n") for answer in answers) and rest == b""
+    assert err.decode().strip() == "stopped by SIGINT after 5 complete lines"
+
+
+def test_sigint_while_translating_a_file_keeps_the_lines_done_in_a_partial_file(
+    trained_run,  # noqa: F811
+    lines,
+    tmp_path,
+    monkeypatch,
+):
+    source = tmp_path / "in.en"
+    source.write_text(stdin_of(lines * 3))
+    full = invoke("translate", trained_run, "-i", source, "--beam", 2).stdout.splitlines()
+    real_stream = mtkit.translate.Translator.stream
+
+    def stream_then_interrupt(translator, *args):
+        for done, translations in enumerate(real_stream(translator, *args), 1):
+            yield translations
+            if done == 7:
+                os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C would, between two lines
+
+    monkeypatch.setattr(mtkit.translate, "CHUNK_LINES", 4)
+    monkeypatch.setattr(mtkit.translate.Translator, "stream", stream_then_interrupt)
+    out = tmp_path / "out.de"
+    result = invoke("translate", trained_run, "-i", source, "-o", out, "--beam", 2)
+    assert result.exit_code == 128 + signal.SIGINT, result.output
+    partial = tmp_path / "out.de.partial"
+    assert (
+        result.stderr.strip()
+        == f"stopped by SIGINT after 7 complete lines: they are in {partial}, and {out} is not written"
+    )
+    assert not out.exists() and partial.read_text() == stdin_of(full[:7])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.en", "out.de.partial"]  # no temporary file left
+
+
+def test_a_signal_during_a_line_write_waits_for_the_line(monkeypatch):
+    from mtkit.cli import Interrupted, _WholeLines
+
+    written = []
+    with pytest.raises(Interrupted) as stop, _WholeLines() as whole_lines:
+        with whole_lines.writing():
+            os.kill(os.getpid(), signal.SIGTERM)
+            written.append("the rest of the line")
+        written.append("never reached")
+    assert written == ["the rest of the line"] and stop.value.signum == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers are restored

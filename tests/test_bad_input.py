@@ -1,0 +1,309 @@
+"""Bad input through the command line, one test per kind: exit status 1 and one line saying what and where.
+
+Translation is the exception the brief asks for: it keeps one output line per input line, so text it
+can still read (invalid UTF-8, NUL bytes, a huge line) is repaired with a warning rather than refused.
+"""
+
+from __future__ import annotations
+
+import builtins
+import re
+import shutil
+
+import pytest
+import safetensors.torch
+import torch
+from test_cli import invoke, one_line_error, trained_run, write_config  # noqa: F401  (trained_run is a fixture)
+
+from mtkit import checkpoint
+
+
+def train_on(tmp_path, multi30k_slice, spm_model, name: str, **data) -> object:
+    """`mtkit train` for 2 updates on the given data files, with the session's tokenizer (no SentencePiece run)."""
+    config = write_config(
+        tmp_path / f"{name}.yaml",
+        multi30k_slice,
+        data=data,
+        tokenizer={"model": str(spm_model.path)},
+        train={"max_steps": 2, "valid_every": 0, "save_every": 0},
+    )
+    return invoke("train", config, "--out", tmp_path / name)
+
+
+def final_weights(run) -> dict[str, torch.Tensor]:
+    return checkpoint.load(checkpoint.latest(run), with_state=False).weights
+
+
+def translate_lines(run, lines: list[str], *args) -> list[str]:
+    result = invoke("translate", run, "--beam", 2, *args, input="".join(line + "\n" for line in lines))
+    assert result.exit_code == 0, result.output
+    return result.stdout.split("\n")[:-1]
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory, multi30k_slice, spm_model):
+    """Two updates on the unaltered slice: what a repaired file must train exactly like."""
+    root = tmp_path_factory.mktemp("clean")
+    result = train_on(root, multi30k_slice, spm_model, "clean")
+    assert result.exit_code == 0, result.output
+    return root / "clean"
+
+
+@pytest.fixture
+def val_lines(multi30k_slice) -> list[str]:
+    return multi30k_slice["val.en"].read_text().splitlines()[:5]
+
+
+# -- training data ----------------------------------------------------------------------------
+
+
+def test_parallel_files_of_different_lengths(tmp_path, multi30k_slice, spm_model):
+    short = tmp_path / "short.de"
+    short.write_text("nur eine Zeile\n")
+    result = train_on(tmp_path, multi30k_slice, spm_model, "run", train_tgt=str(short))
+    one_line_error(result, "train.en has 400 lines", "short.de has 1")
+
+
+def test_empty_corpus(tmp_path, multi30k_slice):
+    (tmp_path / "empty.en").write_text("")
+    (tmp_path / "empty.de").write_text("")
+    data = {"train_src": str(tmp_path / "empty.en"), "train_tgt": str(tmp_path / "empty.de")}
+    config = write_config(tmp_path / "c.yaml", multi30k_slice, data=data)
+    one_line_error(invoke("train", config, "--out", tmp_path / "run"), "empty.en: empty corpus")
+
+
+def test_corpus_of_only_empty_lines(tmp_path, multi30k_slice, spm_model):
+    for side in ("en", "de"):
+        (tmp_path / f"blank.{side}").write_text("\n  \n\n\t\n")
+    data = {"train_src": str(tmp_path / "blank.en"), "train_tgt": str(tmp_path / "blank.de")}
+    config = write_config(tmp_path / "c.yaml", multi30k_slice, data=data)
+    one_line_error(invoke("train", config, "--out", tmp_path / "a"), "blank.en and", "no text to learn a tokenizer")
+    # With a tokenizer given, the empty pairs reach the filter, which says what it dropped.
+    result = train_on(tmp_path, multi30k_slice, spm_model, "b", **data)
+    one_line_error(result, "no usable training pairs", "kept 0 pairs, dropped 4 (4 empty")
+
+
+def test_invalid_utf8_in_training_data_names_file_and_line(tmp_path, multi30k_slice, spm_model):
+    lines = multi30k_slice["train.en"].read_bytes().split(b"\n")
+    lines[2] = b"A caf\xe9 in Paris."  # Latin-1, not UTF-8
+    bad = tmp_path / "latin1.en"
+    bad.write_bytes(b"\n".join(lines))
+    result = train_on(tmp_path, multi30k_slice, spm_model, "run", train_src=str(bad))
+    one_line_error(result, "latin1.en:3: invalid UTF-8")
+
+
+def test_nul_byte_in_training_data_names_file_and_line(tmp_path, multi30k_slice, spm_model):
+    lines = multi30k_slice["train.de"].read_bytes().split(b"\n")
+    lines[4] = b"Ein Hund\x00rennt."
+    bad = tmp_path / "nul.de"
+    bad.write_bytes(b"\n".join(lines))
+    one_line_error(train_on(tmp_path, multi30k_slice, spm_model, "run", train_tgt=str(bad)), "nul.de:5: NUL byte")
+
+
+def test_a_one_megabyte_training_line_is_filtered_and_counted(tmp_path, multi30k_slice, spm_model):
+    lines = multi30k_slice["train.en"].read_text().splitlines()
+    lines[7] = "word " * 200_000  # 1 MB, far over data.max_tokens
+    (tmp_path / "huge.en").write_text("\n".join(lines) + "\n")
+    result = train_on(tmp_path, multi30k_slice, spm_model, "run", train_src=str(tmp_path / "huge.en"))
+    assert result.exit_code == 0, result.output
+    assert "kept 399 pairs, dropped 1 (0 empty, 1 too long" in result.stderr
+
+
+def test_crlf_training_files_train_exactly_like_lf_ones(tmp_path, multi30k_slice, spm_model, clean_run):
+    crlf = {}
+    for side in ("en", "de"):
+        crlf[side] = tmp_path / f"crlf.{side}"
+        crlf[side].write_bytes(multi30k_slice[f"train.{side}"].read_bytes().replace(b"\n", b"\r\n"))
+    result = train_on(tmp_path, multi30k_slice, spm_model, "run", train_src=str(crlf["en"]), train_tgt=str(crlf["de"]))
+    assert result.exit_code == 0, result.output
+    reference, trained = final_weights(clean_run), final_weights(tmp_path / "run")
+    assert all(torch.equal(reference[key], trained[key]) for key in reference)
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_sentence(tmp_path, multi30k_slice, spm_model, clean_run):
+    bom = tmp_path / "bom.en"
+    bom.write_bytes(b"\xef\xbb\xbf" + multi30k_slice["train.en"].read_bytes())
+    result = train_on(tmp_path, multi30k_slice, spm_model, "run", train_src=str(bom))
+    assert result.exit_code == 0, result.output
+    reference, trained = final_weights(clean_run), final_weights(tmp_path / "run")
+    assert all(torch.equal(reference[key], trained[key]) for key in reference)
+
+
+def test_missing_or_unreadable_files(tmp_path, multi30k_slice, spm_model, trained_run, monkeypatch):  # noqa: F811
+    missing = tmp_path / "missing.en"
+    one_line_error(train_on(tmp_path, multi30k_slice, spm_model, "a", train_src=str(missing)), "missing.en: file not")
+    one_line_error(invoke("translate", trained_run, "-i", missing), "missing.en: file not found")
+    folder = tmp_path / "folder.en"
+    folder.mkdir()
+    one_line_error(train_on(tmp_path, multi30k_slice, spm_model, "b", train_src=str(folder)), "folder.en: is a folder")
+    one_line_error(invoke("translate", trained_run, "-i", folder), "folder.en: is a folder")
+
+    locked = tmp_path / "locked.en"
+    shutil.copyfile(multi30k_slice["train.en"], locked)
+    locked.chmod(0)
+    real_open = builtins.open
+
+    def open_as_unprivileged(file, *args, **kwargs):  # root reads anything, so deny as the kernel would
+        if str(file) == str(locked):
+            raise PermissionError(13, "Permission denied", str(locked))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", open_as_unprivileged)
+    result = train_on(tmp_path, multi30k_slice, spm_model, "c", train_src=str(locked))
+    one_line_error(result, "locked.en: cannot read (Permission denied)")
+    one_line_error(invoke("translate", trained_run, "-i", locked), "locked.en: Permission denied")
+
+
+# -- translation input and output ------------------------------------------------------------
+
+
+def test_invalid_utf8_in_translation_input_is_replaced_and_the_line_kept(tmp_path, trained_run, val_lines):  # noqa: F811
+    raw = [line.encode() for line in val_lines]
+    raw[1] = b"Two dogs \xff\xfe play."
+    source = tmp_path / "in.en"
+    source.write_bytes(b"\n".join(raw) + b"\n")
+    result = invoke("translate", trained_run, "-i", source, "--beam", 2)
+    assert result.exit_code == 0, result.output
+    assert f"{source}:2: invalid UTF-8 replaced" in result.stderr
+    hyps = result.stdout.split("\n")[:-1]
+    expected = translate_lines(trained_run, val_lines)
+    assert len(hyps) == len(val_lines) and [hyps[i] for i in (0, 2, 3, 4)] == [expected[i] for i in (0, 2, 3, 4)]
+
+
+def test_nul_bytes_in_translation_input_are_replaced_and_the_line_kept(trained_run, val_lines):  # noqa: F811
+    with_nul = list(val_lines)
+    with_nul[3] = with_nul[3].replace(" ", "\0", 1)
+    result = invoke("translate", trained_run, "--beam", 2, input="".join(line + "\n" for line in with_nul))
+    assert result.exit_code == 0, result.output
+    assert "<stdin>:4: NUL bytes replaced by spaces" in result.stderr
+    assert result.stdout.split("\n")[:-1] == translate_lines(trained_run, val_lines)
+
+
+def test_a_one_megabyte_line_gets_one_output_line(trained_run, val_lines):  # noqa: F811
+    lines = [val_lines[0], "A man is walking. " * 55_000, val_lines[1]]
+    hyps = translate_lines(trained_run, lines)
+    assert len(hyps) == 3 and [hyps[0], hyps[2]] == translate_lines(trained_run, [val_lines[0], val_lines[1]])
+
+
+def test_crlf_and_bom_translation_input_reads_like_plain_lines(tmp_path, trained_run, val_lines):  # noqa: F811
+    source = tmp_path / "windows.en"
+    source.write_bytes(b"\xef\xbb\xbf" + "".join(line + "\r\n" for line in val_lines).encode())
+    result = invoke("translate", trained_run, "-i", source, "--beam", 2)
+    assert result.exit_code == 0, result.output
+    assert "\r" not in result.stdout and result.stdout.split("\n")[:-1] == translate_lines(trained_run, val_lines)
+
+
+def test_an_output_path_in_a_missing_folder(tmp_path, trained_run, multi30k_slice):  # noqa: F811
+    out = tmp_path / "no" / "such" / "out.de"
+    one_line_error(invoke("translate", trained_run, "-i", multi30k_slice["val.en"], "-o", out), "folder", "not exist")
+    one_line_error(invoke("average", trained_run, "-o", tmp_path / "no" / "avg.safetensors"), "does not exist")
+    one_line_error(invoke("translate", trained_run, "-i", multi30k_slice["val.en"], "-o", tmp_path), "is a folder")
+    assert not (tmp_path / "no").exists()
+
+
+def test_beam_0(trained_run):  # noqa: F811
+    one_line_error(invoke("translate", trained_run, "--beam", 0, input="A dog.\n"), "--beam must be >= 1, got 0")
+
+
+def test_cuda_asked_for_on_a_machine_without_it(tmp_path, trained_run, multi30k_slice):  # noqa: F811
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    one_line_error(invoke("translate", trained_run, "--device", "cuda", input="A dog.\n"), "no CUDA device")
+    config = write_config(tmp_path / "c.yaml", multi30k_slice, train={"device": "cuda"})
+    one_line_error(invoke("train", config, "--out", tmp_path / "run"), "no CUDA device")
+
+
+# -- configs ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "section, values, expected",
+    [
+        ("train", {"learning_rate": 0.1}, r"c\.yaml:\d+: unknown config key train\.learning_rate"),
+        ("train", {"max_steps": "many"}, r"c\.yaml:\d+: train\.max_steps must be of type int, got 'many'"),
+        ("train", {"batch_tokens": -4096}, r"c\.yaml:\d+: train\.batch_tokens must be >= 1"),
+        ("model", {"d_model": -32}, r"c\.yaml:\d+: model\.d_model and model\.heads must be >= 1"),
+        ("tokenizer", {"vocab_size": -8000}, r"c\.yaml:\d+: tokenizer\.vocab_size must be >= 16"),
+    ],
+    ids=["unknown-key", "wrong-type", "negative-batch", "negative-width", "negative-vocabulary"],
+)
+def test_a_bad_config_names_file_line_and_key(tmp_path, multi30k_slice, section, values, expected):
+    config = write_config(tmp_path / "c.yaml", multi30k_slice, **{section: values})
+    key = f"{next(iter(values))}:"
+    line = next(n for n, text in enumerate(config.read_text().splitlines(), 1) if text.strip().startswith(key))
+    message = one_line_error(invoke("train", config, "--out", tmp_path / "run"))
+    assert re.search(expected, message) and f"c.yaml:{line}:" in message, message
+
+
+def test_no_training_corpus_configured(tmp_path, multi30k_slice):
+    config = write_config(tmp_path / "c.yaml", multi30k_slice, data={"train_src": ""})
+    one_line_error(invoke("train", config, "--out", tmp_path / "run"), "data.train_src is not set")
+
+
+def test_a_bad_override_names_the_set_flag(tmp_path, multi30k_slice):
+    config = write_config(tmp_path / "c.yaml", multi30k_slice)
+    one_line_error(invoke("train", config, "--set", "model.heads=5"), "--set model.heads=5:", "divisible")
+    one_line_error(invoke("train", tmp_path / "nope.yaml"), "nope.yaml: config file not found")
+
+
+# -- checkpoints and tokenizers -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def other_vocabulary_run(tmp_path_factory, multi30k_slice):
+    root = tmp_path_factory.mktemp("other")
+    config = write_config(
+        root / "c.yaml", multi30k_slice, tokenizer={"vocab_size": 250}, train={"max_steps": 2, "valid_every": 0}
+    )
+    assert invoke("train", config, "--out", root / "run").exit_code == 0
+    return root / "run"
+
+
+def test_resuming_from_a_checkpoint_of_another_vocabulary_or_architecture(
+    tmp_path,
+    multi30k_slice,
+    trained_run,  # noqa: F811
+    other_vocabulary_run,
+):
+    config = write_config(tmp_path / "c.yaml", multi30k_slice, train={"max_steps": 40})
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    shutil.copytree(checkpoint.latest(other_vocabulary_run), run / "checkpoints" / "update-00000030")
+    one_line_error(invoke("train", config, "--out", run), "update-00000030: trained with another tokenizer")
+    shutil.rmtree(run / "checkpoints" / "update-00000030")
+    one_line_error(invoke("train", config, "--out", run, "--set", "model.d_model=64"), "model settings differ")
+    one_line_error(invoke("train", config, "--out", run, "--set", "tokenizer.vocab_size=200"), "has 300 pieces")
+
+
+def test_translating_weights_that_do_not_fit_their_config(tmp_path, trained_run):  # noqa: F811
+    ckpt = checkpoint.load(trained_run / "best", with_state=False)
+    weights = dict(ckpt.weights)
+    weights["output.weight"] = torch.zeros(299, weights["output.weight"].shape[1])
+    model = tmp_path / "model.safetensors"
+    checkpoint.export(model, {k: v.clone() for k, v in weights.items()}, ckpt.meta, trained_run / "best")
+    one_line_error(invoke("translate", model, input="A dog.\n"), "output.weight is (299, 32) there, (300, 32) here")
+
+
+def test_truncated_checkpoints(tmp_path, multi30k_slice, trained_run):  # noqa: F811
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    best = run / "best" / checkpoint.WEIGHTS_FILE
+    best.write_bytes(best.read_bytes()[:3000])
+    one_line_error(invoke("translate", run, input="A dog.\n"), "model.safetensors: not a readable mtkit checkpoint")
+    state = checkpoint.latest(run) / checkpoint.STATE_FILE
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+    config = write_config(tmp_path / "c.yaml", multi30k_slice, train={"max_steps": 40})
+    one_line_error(invoke("train", config, "--out", run), "state.pt: not a readable mtkit checkpoint")
+
+
+def test_a_tokenizer_that_does_not_match_the_checkpoint(tmp_path, trained_run, other_vocabulary_run):  # noqa: F811
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    shutil.copyfile(other_vocabulary_run / "spm.model", run / "spm.model")
+    one_line_error(invoke("translate", run, input="A dog.\n"), "spm.model: tokenizer does not match")
+
+
+def test_weights_saved_by_safetensors_without_mtkit_metadata(tmp_path):
+    foreign = tmp_path / "foreign.safetensors"
+    safetensors.torch.save_file({"w": torch.zeros(2)}, foreign)
+    one_line_error(invoke("translate", foreign, input="A dog.\n"), "not an mtkit checkpoint")
