@@ -41,11 +41,12 @@ def check_input_file(path: str | Path) -> None:
         raise DataError(f"{path}: file not found")
 
 
-def iter_lines(path: str | Path) -> Iterator[str]:
+def iter_lines(path: str | Path, allow_nul: bool = False) -> Iterator[str]:
     """The lines of a UTF-8 text file (gzip detected by content), without line terminators, one at a time.
 
-    CRLF endings and a byte-order mark are accepted, as editors on Windows write them. Invalid UTF-8 and
-    NUL bytes (binary data, or a file cut and pasted from one) are errors naming the line.
+    CRLF endings and a byte-order mark are accepted, as editors on Windows write them. Invalid UTF-8 is
+    an error naming the line, and so is a NUL byte (binary data, or text pasted from it) unless
+    ``allow_nul``: corpora being prepared are cleaned of control characters anyway.
     """
     path = Path(path)
     check_input_file(path)
@@ -54,7 +55,7 @@ def iter_lines(path: str | Path) -> Iterator[str]:
             for number, raw in enumerate(f, start=1):
                 if number == 1:
                     raw = raw.removeprefix(UTF8_BOM)
-                if b"\0" in raw:
+                if not allow_nul and b"\0" in raw:
                     raise DataError(
                         f"{path}:{number}: NUL byte (byte {raw.index(0) + 1} of the line): binary data, not text"
                     )
@@ -108,9 +109,9 @@ def _tsv_pairs(path: str | Path) -> Iterator[tuple[str, str]]:
         yield fields[0], fields[1]
 
 
-def iter_aligned(src_path: str | Path, tgt_path: str | Path) -> Iterator[tuple[str, str]]:
+def iter_aligned(src_path: str | Path, tgt_path: str | Path, allow_nul: bool = False) -> Iterator[tuple[str, str]]:
     """The lines of two files side by side; DataError with both line counts if one ends first."""
-    src_lines, tgt_lines = iter_lines(src_path), iter_lines(tgt_path)
+    src_lines, tgt_lines = iter_lines(src_path, allow_nul), iter_lines(tgt_path, allow_nul)
     for count, pair in enumerate(itertools.zip_longest(src_lines, tgt_lines), start=1):
         if None in pair:
             n_src = count - 1 + sum(1 for _ in src_lines) + (pair[0] is not None)

@@ -76,7 +76,7 @@ def _download(file: RemoteFile, folder: Path, mirror: str | None) -> Path:
 
 def _read(split: Split, paths: list[Path], langs: tuple[str, str]) -> Iterator[tuple[str, str]]:
     if split.form == "text":
-        return iter_aligned(*paths)
+        return iter_aligned(*paths, allow_nul=True)  # stray NULs in published text: cleaning removes them
     return _parquet_pairs(paths, langs)
 
 
