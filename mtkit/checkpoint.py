@@ -240,12 +240,38 @@ def _restore_set_aside(directory: Path) -> None:
         _fsync_path(directory.parent)
 
 
+_LEFTOVER_SUFFIXES = (".tmp", ".old", ".pruned")  # temporary, set aside while replaced, being deleted
+
+
 def recover(run_dir: Path) -> None:
-    """Put back checkpoint directories that a crash in the middle of replacing them left set aside."""
+    """Tidy a run directory after a crash: put back what was set aside, delete what was half made.
+
+    A checkpoint set aside while its replacement moved in is put back if the replacement never
+    arrived. Then the temporary files and folders of interrupted writes (``.NAME.*.tmp``), set-aside
+    copies no longer needed and checkpoints caught being pruned are deleted. Only names of that form
+    are touched, so other files in the run directory are left alone.
+    """
     for parent in (Path(run_dir), Path(run_dir) / CHECKPOINTS_DIR):
-        if parent.is_dir():
-            for old in parent.glob(".*.old"):
-                _restore_set_aside(old.with_name(old.name[1 : -len(".old")]))
+        if not parent.is_dir():
+            continue
+        for old in parent.glob(".*.old"):
+            _restore_set_aside(old.with_name(old.name[1 : -len(".old")]))
+        for path in parent.glob(".*"):
+            if path.name.endswith(_LEFTOVER_SUFFIXES) and path.is_dir():
+                shutil.rmtree(path)
+            elif path.name.endswith(_LEFTOVER_SUFFIXES):
+                path.unlink()
+
+
+def _delete(directory: Path) -> None:
+    """Remove a checkpoint in one step as far as readers can tell: renamed out of sight, then deleted.
+
+    A crash in the middle of deleting the files could otherwise leave a folder holding the weights
+    without the training state, which would pass for a checkpoint to resume from.
+    """
+    doomed = directory.with_name(f".{directory.name}.pruned")
+    os.rename(directory, doomed)
+    shutil.rmtree(doomed)
 
 
 def _swap_in(tmp: Path, directory: Path) -> None:
@@ -279,7 +305,7 @@ def save_in_run(
     if keep_last > 0:
         for old in run_checkpoints(run_dir)[:-keep_last]:
             if old != directory:  # never the one just written, even if stale later ones exist
-                shutil.rmtree(old)
+                _delete(old)
     return directory
 
 

@@ -130,13 +130,15 @@ def test_a_kill_between_the_two_renames_of_a_swap_loses_no_checkpoint(tmp_path):
     shutil.copytree(run / ".best.old", run / ".best.xyz.tmp")  # the new one, never moved in
 
     assert checkpoint.resolve(run) == run / ".best.old"  # translate still finds it, read-only
+    (run / ".config.yaml.abc.tmp").write_text("half a con")  # an atomic write that a kill interrupted
+    (run / ".keep-me").write_text("not mtkit's")
     checkpoint.recover(run)  # what training does first
-    assert sorted(p.name for p in run.iterdir()) == [".best.xyz.tmp", "best", "checkpoints"]
+    assert sorted(p.name for p in run.iterdir()) == [".keep-me", "best", "checkpoints"]
     assert_same_weights(checkpoint.load(checkpoint.resolve(run)).weights, weights_of(0))
 
     (run / "best").rename(run / ".best.old")  # the same crash again; this time the next save finds it
     checkpoint.save_best(run, weights_of(1), meta_for(step=20))
-    assert sorted(p.name for p in run.iterdir()) == ["best", "checkpoints"]
+    assert sorted(p.name for p in run.iterdir()) == [".keep-me", "best", "checkpoints"]
     assert checkpoint.load(run / "best").meta["step"] == 20
 
 
@@ -324,3 +326,23 @@ def test_a_failed_file_write_leaves_the_old_file_and_no_temporary(tmp_path):
         checkpoint.atomic_write(target, failing_write)
     assert target.read_text() == "old\n"
     assert [p.name for p in tmp_path.iterdir()] == ["out.txt"]
+
+
+def test_a_checkpoint_killed_while_being_pruned_is_never_taken_for_a_whole_one(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    for step in (1, 2):
+        checkpoint.save_in_run(run, step, weights_of(0), meta_for(step=step), {"progress": {}}, keep_last=2)
+    real_unlink = checkpoint.os.unlink
+
+    def killed_after_the_first_file(path, *args, **kwargs):
+        real_unlink(path, *args, **kwargs)
+        raise KeyboardInterrupt("killed")  # stands in for SIGKILL: nothing after this runs
+
+    monkeypatch.setattr(checkpoint.os, "unlink", killed_after_the_first_file)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save_in_run(run, 3, weights_of(0), meta_for(step=3), {"progress": {}}, keep_last=2)
+    monkeypatch.undo()
+    assert [p.name for p in checkpoint.run_checkpoints(run)] == ["update-00000002", "update-00000003"]
+    assert all(checkpoint.load(p).state is not None for p in checkpoint.run_checkpoints(run))
+    checkpoint.recover(run)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["update-00000002", "update-00000003"]
