@@ -458,10 +458,14 @@ def _torch_load(path: Path) -> Any:
         raise _unreadable(path, err) from None
 
 
-def _unreadable(path: Path, err: Exception) -> CheckpointError:
-    lines = str(err).strip().splitlines()
-    reason = type(err).__name__ + (f": {lines[0]}" if lines else "")
-    return CheckpointError(f"{path}: not a readable mtkit checkpoint ({reason})")
+class UnreadableCheckpoint(CheckpointError):
+    """A checkpoint file that is truncated, corrupt or not a checkpoint at all."""
+
+
+def _unreadable(path: Path, err: Exception) -> UnreadableCheckpoint:
+    first_sentence = str(err).strip().splitlines()[0].split(". ")[0] if str(err).strip() else ""
+    reason = type(err).__name__ + (f": {first_sentence}" if first_sentence else "")
+    return UnreadableCheckpoint(f"{path}: not a readable mtkit checkpoint ({reason})")
 
 
 def _check_format(path: Path, found: Any, expected: int) -> None:

@@ -295,7 +295,13 @@ class Trainer:
             torch.manual_seed(tc.seed + 1_000_003 * self.dist.rank)  # dropout masks differ between ranks
         latest = checkpoint.latest(self.out_dir)
         if latest is not None:
-            self._load(latest)
+            try:
+                self._load(latest)
+            except checkpoint.UnreadableCheckpoint as err:
+                older = checkpoint.run_checkpoints(self.out_dir)[:-1]
+                if not older:
+                    raise
+                raise checkpoint.CheckpointError(f"{err}; delete {latest} to resume from {older[-1]}") from None
             log.info("resuming from %s at update %d (epoch %d)", latest, self.progress.step, self.progress.epoch)
         if self.is_main:
             with self._writing("metrics.jsonl"):

@@ -292,8 +292,13 @@ def test_truncated_checkpoints(tmp_path, multi30k_slice, trained_run):  # noqa: 
     one_line_error(invoke("translate", run, input="A dog.\n"), "model.safetensors: not a readable mtkit checkpoint")
     state = checkpoint.latest(run) / checkpoint.STATE_FILE
     state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
-    config = write_config(tmp_path / "c.yaml", multi30k_slice, train={"max_steps": 40})
-    one_line_error(invoke("train", config, "--out", run), "state.pt: not a readable mtkit checkpoint")
+    config = write_config(tmp_path / "c.yaml", multi30k_slice, train={"max_steps": 22})
+    newest, older = checkpoint.run_checkpoints(run)[-1], checkpoint.run_checkpoints(run)[-2]
+    error = one_line_error(invoke("train", config, "--out", run), "state.pt: not a readable mtkit checkpoint")
+    assert error.endswith(f"; delete {newest} to resume from {older}")
+    shutil.rmtree(newest)  # as the message says
+    assert invoke("train", config, "--out", run).exit_code == 0
+    assert checkpoint.load(checkpoint.latest(run)).meta["step"] == 22
 
 
 def test_a_tokenizer_that_does_not_match_the_checkpoint(tmp_path, trained_run, other_vocabulary_run):  # noqa: F811
