@@ -28,7 +28,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import pickle
 import re
 import shutil
 import tempfile
@@ -447,14 +446,12 @@ def _torch_load(path: Path) -> Any:
         with warnings.catch_warnings():  # torch warns about foreign pickle protocols; the error says enough
             warnings.simplefilter("ignore")
             return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        if "Weights only load failed" not in str(err):
-            raise _unreadable(path, err) from None
-        raise CheckpointError(
-            f"{path}: refused: it holds pickled Python objects other than tensors, which could run code "
-            "when loaded; mtkit loads only tensors and plain values from .pt files"
-        ) from None
     except Exception as err:  # torch raises several types for truncated or foreign files
+        if "Weights only load failed" in str(err):  # torch's weights-only unpickler met another object
+            raise CheckpointError(
+                f"{path}: refused: it holds pickled Python objects other than tensors, which could run code "
+                "when loaded; mtkit loads only tensors and plain values from .pt files"
+            ) from None
         raise _unreadable(path, err) from None
 
 
