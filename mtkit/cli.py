@@ -728,11 +728,11 @@ def translate(
                     stream = translator.stream(chunks, prefixes) if prefixes is not None else translator.stream(chunks)
                     for index, translations in enumerate(stream):
                         text = _format(index, translations, nbest, scores, alignments).encode("utf-8")
-                        with whole_lines.writing():
+                        with whole_lines.writing():  # counted inside: a signal during the write waits for both
                             out.write(text)
                             if output is None:
                                 out.flush()  # a pipeline downstream sees each line as soon as it is done
-                        done += 1
+                            done += 1
                         progress.advance()
 
             if output is not None:
