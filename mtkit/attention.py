@@ -3,7 +3,7 @@
 Search keeps no attention weights: fused SDPA does not return them, and keeping them for every beam
 row would cost memory for nothing. Instead, once a translation is chosen, one teacher-forced pass
 over (source, translation) records them. ``recording`` makes attention modules compute their
-weights with ``mtkit.model.attention_weights`` (the model's own masks) beside their normal output,
+weights with ``MultiHeadAttention.weights`` (the model's own masks and positions) beside their normal output,
 which is left untouched, so the pass computes exactly what it computes without recording.
 
 Shape legend: L layers, H heads, S source positions (source eos included), T target pieces. The
@@ -24,7 +24,7 @@ from torch import Tensor
 from mtkit.checkpoint import atomic_write
 from mtkit.config import ConfigError, DecodeConfig
 from mtkit.data import DataError, pad, source_tensor
-from mtkit.model import MultiHeadAttention, Transformer, attention_weights
+from mtkit.model import MultiHeadAttention, Transformer
 from mtkit.search import beam_options, beam_search
 from mtkit.tokenizer import BOS_ID, Tokenizer
 
@@ -86,9 +86,11 @@ def recording(modules: Iterable[MultiHeadAttention]) -> Iterator[dict[MultiHeadA
 def _recording_attend(module: MultiHeadAttention, weights: dict[MultiHeadAttention, Tensor]):
     attend = module.attend
 
-    def recording_attend(q: Tensor, k: Tensor, v: Tensor, attn_allowed: Tensor | None, causal: bool) -> Tensor:
-        weights[module] = attention_weights(q, k, attn_allowed, causal)
-        return attend(q, k, v, attn_allowed, causal)
+    def recording_attend(
+        q: Tensor, k: Tensor, v: Tensor, attn_allowed: Tensor | None, causal: bool, q_start: int = 0, k_start: int = 0
+    ) -> Tensor:
+        weights[module] = module.weights(q, k, attn_allowed, causal, q_start, k_start)
+        return attend(q, k, v, attn_allowed, causal, q_start, k_start)
 
     return recording_attend
 

@@ -81,7 +81,11 @@ class ModelConfig:
     activation_dropout: float = 0.0
     norm: str = "post"  # post: LN(x + f(x)) as in the paper; pre: x + f(LN(x)), steadier when deep
     tie_embeddings: bool = True  # share source, target and output embeddings (joint vocabulary)
-    positions: str = "sinusoidal"  # or learned
+    # sinusoidal or learned: added to the embeddings; relative (Shaw et al., 2018) or rotary (Su et al.,
+    # 2021): inside encoder and decoder self-attention, so scores depend on distances
+    positions: str = "sinusoidal"
+    relative_clip: int = 16  # relative: distances beyond this many positions share one vector
+    attention_window: int = 0  # self-attention sees only positions at most this far away; 0: all
     max_positions: int = 1024
 
     def __post_init__(self) -> None:
@@ -97,8 +101,14 @@ class ModelConfig:
             _check(0.0 <= getattr(self, name) < 1.0, f"model.{name} must be in [0, 1)")
         _check(self.norm in ("post", "pre"), f"model.norm must be post or pre, got {self.norm!r}")
         _check(
-            self.positions in ("sinusoidal", "learned"),
-            f"model.positions must be sinusoidal or learned, got {self.positions!r}",
+            self.positions in ("sinusoidal", "learned", "relative", "rotary"),
+            f"model.positions must be sinusoidal, learned, relative or rotary, got {self.positions!r}",
+        )
+        _check(self.relative_clip >= 1, "model.relative_clip must be >= 1")
+        _check(self.attention_window >= 0, "model.attention_window must be >= 0")
+        _check(
+            self.positions != "rotary" or (self.d_model // self.heads) % 2 == 0,
+            f"model.positions rotary needs an even head size, and d_model {self.d_model} / heads {self.heads} is odd",
         )
         _check(self.max_positions >= 8, "model.max_positions must be >= 8")
 

@@ -168,6 +168,12 @@ def export_ctranslate2(model_path: Path, out_dir: Path, quantization: str | None
         raise ConfigError(f"--quantization must be one of {', '.join(accepted)}, got {quantization!r}")
     _check_replaceable(out_dir)
     bundle = load_for_inference(model_path, torch.device("cpu"))
+    positions, window = bundle.cfg.model.positions, bundle.cfg.model.attention_window
+    if positions not in ("sinusoidal", "learned") or window:
+        raise ConfigError(
+            f"{model_path}: the CTranslate2 export takes sinusoidal or learned positions and no attention window; "
+            f"this model has model.positions {positions} and model.attention_window {window}"
+        )
     spec = build_spec(bundle.model, bundle.cfg.model, bundle.src_tok, bundle.tgt_tok)
     for path in {bundle.src_tok.path, bundle.tgt_tok.path}:
         spec.register_file(str(path), path.name)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mtkit.config import ModelConfig
+from mtkit.positions import RelativePositions, Rotary
 
 
 @dataclass
@@ -153,9 +154,23 @@ def autocast_once(x: Tensor) -> Tensor:
 
 
 class MultiHeadAttention(nn.Module):
-    """Multi-head scaled dot-product attention, scaled by 1/sqrt(Dh); self- or cross-attention."""
+    """Multi-head scaled dot-product attention, scaled by 1/sqrt(Dh); self- or cross-attention.
 
-    def __init__(self, d_model: int, heads: int, dropout: float) -> None:
+    Self-attention may also carry positions (``rotary`` or ``relative``, see mtkit.positions) and a
+    ``window``: each position then attends only to positions at most ``window`` away. Queries and
+    keys are at absolute positions ``q_start..`` and ``k_start..``, which is what lets one cached
+    decoding step see the distances that decoding the whole sequence sees.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        heads: int,
+        dropout: float,
+        rotary: Rotary | None = None,
+        relative: RelativePositions | None = None,
+        window: int = 0,
+    ) -> None:
         super().__init__()
         if d_model % heads:
             raise ValueError(f"d_model {d_model} is not divisible by heads {heads}")
@@ -166,6 +181,13 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = nn.Linear(d_model, d_model)
         self.out_proj = nn.Linear(d_model, d_model)
         self.dropout = dropout
+        self.rotary = rotary
+        self.relative = relative
+        self.window = window
+
+    def rotate(self, x: Tensor, start: int) -> Tensor:
+        """Queries or keys (B, H, L, Dh) at positions start.., rotated when positions are rotary."""
+        return self.rotary(x, start) if self.rotary is not None else x
 
     def split_heads(self, x: Tensor) -> Tensor:
         """(B, L, D) -> (B, H, L, Dh)."""
@@ -175,15 +197,105 @@ class MultiHeadAttention(nn.Module):
     def project_kv(self, x: Tensor) -> tuple[Tensor, Tensor]:
         return self.split_heads(self.k_proj(x)), self.split_heads(self.v_proj(x))
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, attn_allowed: Tensor | None, causal: bool) -> Tensor:
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        attn_allowed: Tensor | None,
+        causal: bool,
+        q_start: int = 0,
+        k_start: int = 0,
+    ) -> Tensor:
         """q (B, H, Tq, Dh), k/v (B, H, Tk, Dh) -> (B, Tq, D)."""
         dropout_p = self.dropout if self.training else 0.0
-        if q.is_cuda or q.dtype == torch.float32:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_allowed, dropout_p=dropout_p, is_causal=causal)
+        tq, tk = q.size(2), k.size(2)
+        if self.relative is None and not self.window:
+            if q.is_cuda or q.dtype == torch.float32:
+                out = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=attn_allowed, dropout_p=dropout_p, is_causal=causal
+                )
+            else:
+                out = _explicit_attention(q, k, v, attn_allowed, causal, dropout_p)
+        elif self.window and tq == tk > 3 * self.window and q_start == k_start and _per_key(attn_allowed):
+            out = self._local(q, k, v, attn_allowed, causal, dropout_p)
         else:
-            out = _explicit_attention(q, k, v, attn_allowed, causal, dropout_p)
-        b, _, tq, _ = out.shape
+            allowed, index = self._layout(attn_allowed, causal, tq, tk, q_start, k_start, q.device)
+            out = self._mix(q, k, v, allowed, index, dropout_p)
+        b = out.size(0)
         return self.out_proj(out.transpose(1, 2).reshape(b, tq, self.heads * self.d_head))
+
+    def weights(
+        self, q: Tensor, k: Tensor, attn_allowed: Tensor | None, causal: bool, q_start: int = 0, k_start: int = 0
+    ) -> Tensor:
+        """The attention weights (B, H, Tq, Tk) that ``attend`` applies, for mtkit.attention to record."""
+        if self.relative is None and not self.window:
+            return attention_weights(q, k, attn_allowed, causal)
+        allowed, index = self._layout(attn_allowed, causal, q.size(2), k.size(2), q_start, k_start, q.device)
+        return self._weights(q, k, allowed, index)
+
+    def _layout(
+        self, attn_allowed: Tensor | None, causal: bool, tq: int, tk: int, q_start: int, k_start: int, device
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """The mask (causal and window by absolute position, with ``attn_allowed``) and relative indices."""
+        q_pos = torch.arange(q_start, q_start + tq, device=device)
+        k_pos = torch.arange(k_start, k_start + tk, device=device)
+        distance = k_pos[None, :] - q_pos[:, None]  # (Tq, Tk)
+        band = None
+        if causal:
+            band = distance <= 0
+        if self.window:
+            near = distance.abs() <= self.window
+            band = near if band is None else band & near
+        allowed = attn_allowed if band is None else (band if attn_allowed is None else attn_allowed & band)
+        index = self.relative.index(q_pos, k_pos) if self.relative is not None else None
+        return allowed, index
+
+    def _weights(self, q: Tensor, k: Tensor, allowed: Tensor | None, index: Tensor | None) -> Tensor:
+        """softmax((q k^T + relative key term) / sqrt(Dh)) in fp32; a row with nothing allowed stays finite."""
+        scores = (q @ k.transpose(-2, -1)).float()
+        if index is not None:
+            scores = scores + self.relative.score(q, index).float()
+        scores = scores * q.size(-1) ** -0.5
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, torch.finfo(torch.float32).min)
+        return torch.softmax(scores, dim=-1)
+
+    def _mix(
+        self, q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None, index: Tensor | None, dropout_p: float
+    ) -> Tensor:
+        """Attention written out, for relative positions and windows: weights, then values (+ relative term)."""
+        weights = dropout(self._weights(q, k, allowed, index), dropout_p, training=True).to(v.dtype)
+        out = weights @ v
+        return out + self.relative.mix(weights, index) if index is not None else out
+
+    def _local(
+        self, q: Tensor, k: Tensor, v: Tensor, attn_allowed: Tensor | None, causal: bool, dropout_p: float
+    ) -> Tensor:
+        """Windowed self-attention over a long sequence in blocks: memory grows with N * window, not N^2.
+
+        The N queries are cut into blocks of ``window``; each block meets only the 3 * window keys
+        around it (window before, its own, window after), which hold all its queries may see.
+        """
+        w = self.window
+        b, h, n, d = q.shape
+        blocks = -(-n // w)
+        tail = blocks * w - n  # padding that fills the last block
+
+        def around(x: Tensor) -> Tensor:  # (..., N, X) -> (..., blocks, 3w, X): each block's keys
+            return F.pad(x, (0, 0, w, w + tail)).unfold(-2, 3 * w, w).transpose(-1, -2)
+
+        key_ok = attn_allowed[:, :, 0, :] if attn_allowed is not None else q.new_ones(1, 1, n, dtype=torch.bool)
+        key_ok = F.pad(key_ok, (w, w + tail)).unfold(-1, 3 * w, w)[:, :, :, None, :]  # (B, 1, blocks, 1, 3w)
+        distance = torch.arange(3 * w, device=q.device)[None, :] - w - torch.arange(w, device=q.device)[:, None]
+        band = (distance.abs() <= w) & (distance <= 0 if causal else True)  # (w, 3w)
+        index = None
+        if self.relative is not None:
+            index = distance.clamp(-self.relative.clip, self.relative.clip) + self.relative.clip
+        out = self._mix(
+            F.pad(q, (0, 0, 0, tail)).unflatten(2, (blocks, w)), around(k), around(v), key_ok & band, index, dropout_p
+        )
+        return out.flatten(2, 3)[:, :, :n]
 
     def forward(
         self,
@@ -197,7 +309,21 @@ class MultiHeadAttention(nn.Module):
         key_value = autocast_once(key_value)
         query = key_value if self_attention else autocast_once(query)
         k, v = self.project_kv(key_value)
-        return self.attend(self.split_heads(self.q_proj(query)), k, v, attn_allowed, causal)
+        q = self.split_heads(self.q_proj(query))
+        return self.attend(self.rotate(q, 0), self.rotate(k, 0), v, attn_allowed, causal)
+
+
+def _per_key(attn_allowed: Tensor | None) -> bool:
+    """Whether a mask says only which keys may be seen (B, 1, 1, Tk), as padding masks do."""
+    return attn_allowed is None or (attn_allowed.dim() == 4 and attn_allowed.shape[1:3] == (1, 1))
+
+
+def self_attention(cfg: ModelConfig) -> MultiHeadAttention:
+    """A layer's self-attention, with the positions and window the config asks for."""
+    d_head = cfg.d_model // cfg.heads
+    rotary = Rotary(d_head, cfg.max_positions) if cfg.positions == "rotary" else None
+    relative = RelativePositions(d_head, cfg.relative_clip) if cfg.positions == "relative" else None
+    return MultiHeadAttention(cfg.d_model, cfg.heads, cfg.attention_dropout, rotary, relative, cfg.attention_window)
 
 
 class FeedForward(nn.Module):
@@ -232,7 +358,7 @@ class EncoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         pre = cfg.norm == "pre"
-        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.attention_dropout)
+        self.self_attn = self_attention(cfg)
         self.ffn = FeedForward(cfg.d_model, cfg.ffn, cfg.activation_dropout)
         self.res_attn = Residual(cfg.d_model, cfg.dropout, pre)
         self.res_ffn = Residual(cfg.d_model, cfg.dropout, pre)
@@ -246,7 +372,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         pre = cfg.norm == "pre"
-        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.attention_dropout)
+        self.self_attn = self_attention(cfg)
         self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.attention_dropout)
         self.ffn = FeedForward(cfg.d_model, cfg.ffn, cfg.activation_dropout)
         self.res_self = Residual(cfg.d_model, cfg.dropout, pre)
@@ -263,12 +389,19 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn
         if cache is None:
             return attn(h, h, causal=True)
-        k, v = cache.append_self(*attn.project_kv(h))
+        start = cache.self_len  # the position of h's first row
+        k, v = attn.project_kv(h)
+        k, v = cache.append_self(attn.rotate(k, start), v)
         # New positions see every cached position and, among themselves, only earlier ones.
         causal = h.size(1) > 1
         if causal and k.size(2) != h.size(1):
             raise ValueError("a cached decoder step takes one new position at a time")
-        return attn.attend(attn.split_heads(attn.q_proj(h)), k, v, None, causal)
+        k_start = 0
+        if attn.window and not causal:  # one new position: only the last window + 1 keys can matter
+            k_start = max(0, k.size(2) - attn.window - 1)
+            k, v = k[:, :, k_start:], v[:, :, k_start:]
+        q = attn.rotate(attn.split_heads(attn.q_proj(h)), start)
+        return attn.attend(q, k, v, None, causal, start, k_start)
 
     def _cross_attend(self, h: Tensor, memory: Tensor, src_allowed: Tensor, cache: LayerCache | None) -> Tensor:
         attn = self.cross_attn
@@ -298,19 +431,20 @@ def sinusoidal_table(max_positions: int, d_model: int) -> Tensor:
 
 
 class Embedder(nn.Module):
-    """Token embedding scaled by sqrt(D), plus sinusoidal or learned positions, then dropout."""
+    """Token embedding scaled by sqrt(D), plus sinusoidal or learned positions (if absolute), then dropout."""
 
     def __init__(self, tokens: nn.Embedding, cfg: ModelConfig) -> None:
         super().__init__()
         self.tokens = tokens
         self.scale = math.sqrt(cfg.d_model)
         self.max_positions = cfg.max_positions
+        self.learned = None
         if cfg.positions == "learned":
             self.learned = nn.Embedding(cfg.max_positions, cfg.d_model)
             nn.init.normal_(self.learned.weight, std=cfg.d_model**-0.5)
-        else:
-            self.learned = None
-            self.register_buffer("table", sinusoidal_table(cfg.max_positions, cfg.d_model), persistent=False)
+        # None for rotary and relative positions, which live in self-attention instead
+        table = sinusoidal_table(cfg.max_positions, cfg.d_model) if cfg.positions == "sinusoidal" else None
+        self.register_buffer("table", table, persistent=False)
         self.dropout = Dropout(cfg.dropout)
 
     def forward(self, ids: Tensor, offset: int = 0) -> Tensor:
@@ -320,12 +454,12 @@ class Embedder(nn.Module):
             raise ValueError(
                 f"sequence of {offset + length} positions exceeds model.max_positions {self.max_positions}"
             )
-        positions = (
-            self.learned.weight[offset : offset + length]
-            if self.learned is not None
-            else self.table[offset : offset + length]
-        )
-        return self.dropout(self.tokens(ids) * self.scale + positions)
+        x = self.tokens(ids) * self.scale
+        if self.learned is not None:
+            x = x + self.learned.weight[offset : offset + length]
+        elif self.table is not None:
+            x = x + self.table[offset : offset + length]
+        return self.dropout(x)
 
 
 class Encoder(nn.Module):
