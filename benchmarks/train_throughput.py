@@ -17,6 +17,7 @@ Run from the repository root::
     python benchmarks/train_throughput.py --run runs/multi30k_en_de --json train.json
     python benchmarks/train_throughput.py --preset transformer-base --precisions bf16 --steps 10
     python benchmarks/train_throughput.py --device cuda --preset transformer-big --batch-tokens 16384
+    python benchmarks/train_throughput.py --precisions bf16 --set model.positions=rotary
 
 Without ``--run`` or ``--tokenizer`` a SentencePiece model is trained first (untimed). The figures
 are printed as a table and then one ``train_throughput ...`` line per precision with every figure
@@ -118,8 +119,9 @@ def bench_config(
     preset: str | None = None,
     batch_tokens: int | None = None,
     device: str = "cpu",
+    extra: list[str] = (),
 ) -> RunConfig:
-    """The recipe as it trains, on ``src``/``tgt``, with no validation or checkpoints."""
+    """The recipe as it trains, on ``src``/``tgt``, with no validation or checkpoints; ``extra`` overrides last."""
     overrides = [
         f"data.train_src={src}",
         f"data.train_tgt={tgt}",
@@ -134,7 +136,7 @@ def bench_config(
     ]
     overrides += [f"model.preset={preset}"] if preset else []
     overrides += [f"train.batch_tokens={batch_tokens}"] if batch_tokens else []
-    return config.load(RECIPE, overrides)
+    return config.load(RECIPE, [*overrides, *extra])
 
 
 def measure_training(cfg: RunConfig, work: Path, steps: int, warmup: int) -> dict:
@@ -177,7 +179,7 @@ def peak_rss_mib() -> float:
 
 def config_for(args: argparse.Namespace, precision: str, tokenizer: Path | str) -> RunConfig:
     return bench_config(
-        args.src, args.tgt, tokenizer, precision, args.threads, args.preset, args.batch_tokens, args.device
+        args.src, args.tgt, tokenizer, precision, args.threads, args.preset, args.batch_tokens, args.device, args.set
     )
 
 
@@ -201,6 +203,7 @@ def run_child(args: argparse.Namespace, precision: str, tokenizer: Path, work: P
     cmd += ["--device", args.device]
     cmd += ["--preset", args.preset] if args.preset else []
     cmd += ["--batch-tokens", str(args.batch_tokens)] if args.batch_tokens else []
+    cmd += [arg for override in args.set for arg in ("--set", override)]
     done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
     if done.returncode:
         sys.exit(f"train_throughput: training in {precision} failed (exit {done.returncode})")
@@ -234,7 +237,9 @@ def render(figures: dict) -> str:
     gpu = figures["device"] != "cpu"
     out = [
         f"{figures['corpus']} | {figures['preset']}, {figures['parameters']:,} parameters | "
-        f"torch {figures['torch']} | {figures['device']}" + ("" if gpu else f", {figures['threads']} threads"),
+        f"torch {figures['torch']} | {figures['device']}"
+        + ("" if gpu else f", {figures['threads']} threads")
+        + "".join(f" | --set {o}" for o in figures["overrides"]),
         "",
         f"matmul peak ({figures['matmul_size']}^3): " + "   ".join(f"{k} {v:,.1f} GFLOP/s" for k, v in peaks.items()),
         "",
@@ -254,7 +259,8 @@ def render(figures: dict) -> str:
         out.append(
             f"train_throughput device={figures['device'].replace(' ', '_')} preset={figures['preset']} "
             f"precision={name} batch_tokens={figures['batch_tokens']} "
-            f"tokens_per_s={r['tokens_per_s']:.0f} updates_per_s={r['updates_per_s']:.3f} "
+            + "".join(f"set={o} " for o in figures["overrides"])
+            + f"tokens_per_s={r['tokens_per_s']:.0f} updates_per_s={r['updates_per_s']:.3f} "
             f"gflops={r['gflops']:.1f} mfu_fp32_peak={r['mfu']['fp32']:.3f} mfu_bf16_peak={r['mfu']['bf16']:.3f} "
             f"peak_rss_mib={r['peak_rss_mib']:.0f}" + (f" peak_gpu_mib={r['peak_gpu_mib']:.0f}" if gpu else "")
         )
@@ -269,6 +275,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokenizer", type=Path, help="a joint SentencePiece model to use")
     p.add_argument("--preset", help="model.preset (default: the Multi30k recipe's transformer-small)")
     p.add_argument("--batch-tokens", type=int, help="train.batch_tokens (default: the recipe's)")
+    p.add_argument(
+        "--set", action="append", default=[], help="any config override, e.g. --set model.positions=rotary (repeatable)"
+    )
     p.add_argument("--steps", type=int, default=20, help="timed training updates per precision")
     p.add_argument("--warmup", type=int, default=WARMUP_UPDATES, help="untimed updates first")
     p.add_argument(
@@ -310,6 +319,7 @@ def main(argv: list[str] | None = None) -> None:
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "corpus": f"{args.src.name} / {args.tgt.name}",
         "preset": cfg.model.preset,
+        "overrides": args.set,
         "parameters": next(iter(train.values()))["parameters"],
         "steps": args.steps,
         "warmup": args.warmup,
