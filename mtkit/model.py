@@ -277,8 +277,7 @@ class MultiHeadAttention(nn.Module):
         The N queries are cut into blocks of ``window``; each block meets only the 3 * window keys
         around it (window before, its own, window after), which hold all its queries may see.
         """
-        w = self.window
-        b, h, n, d = q.shape
+        w, n = self.window, q.size(2)
         blocks = -(-n // w)
         tail = blocks * w - n  # padding that fills the last block
 
@@ -287,8 +286,11 @@ class MultiHeadAttention(nn.Module):
 
         key_ok = attn_allowed[:, :, 0, :] if attn_allowed is not None else q.new_ones(1, 1, n, dtype=torch.bool)
         key_ok = F.pad(key_ok, (w, w + tail)).unfold(-1, 3 * w, w)[:, :, :, None, :]  # (B, 1, blocks, 1, 3w)
+        # Query t of a block against key u of its 3w: distance u - w - t, the same in every block.
         distance = torch.arange(3 * w, device=q.device)[None, :] - w - torch.arange(w, device=q.device)[:, None]
-        band = (distance.abs() <= w) & (distance <= 0 if causal else True)  # (w, 3w)
+        band = distance.abs() <= w  # (w, 3w)
+        if causal:
+            band &= distance <= 0
         index = None
         if self.relative is not None:
             index = distance.clamp(-self.relative.clip, self.relative.clip) + self.relative.clip
