@@ -115,18 +115,26 @@ class Dropout(nn.Module):
         return f"p={self.p}"
 
 
-def attention_weights(q: Tensor, k: Tensor, attn_allowed: Tensor | None, causal: bool) -> Tensor:
-    """softmax(q k^T / sqrt(Dh)) in fp32, (B, H, Tq, Tk), masked as SDPA masks it (causal: top-left aligned).
+def attention_weights(
+    q: Tensor, k: Tensor, attn_allowed: Tensor | None, causal: bool, bias: Tensor | None = None
+) -> Tensor:
+    """softmax((q k^T + bias) / sqrt(Dh)) in fp32, (B, H, Tq, Tk), masked as SDPA masks it (causal: top-left aligned).
 
-    Shared by the explicit attention below and by mtkit.attention, which records these weights.
+    ``bias`` is the relative-position key term. A row with nothing allowed (a padding query in a
+    block of windowed attention) gets uniform weights rather than NaN. Shared by the explicit
+    attention below, by windowed and relative attention, and by mtkit.attention, which records these weights.
     """
-    scores = (q @ k.transpose(-2, -1)).float() * q.size(-1) ** -0.5  # (B, H, Tq, Tk)
+    scores = (q @ k.transpose(-2, -1)).float()  # (B, H, Tq, Tk)
+    if bias is not None:
+        scores = scores + bias.float()
+    scores = scores * q.size(-1) ** -0.5
+    masked = torch.finfo(torch.float32).min
     if causal:
         tq, tk = scores.shape[-2:]
         future = torch.ones(tq, tk, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(future, float("-inf"))
+        scores = scores.masked_fill(future, masked)
     if attn_allowed is not None:
-        scores = scores.masked_fill(~attn_allowed, float("-inf"))
+        scores = scores.masked_fill(~attn_allowed, masked)
     return torch.softmax(scores, dim=-1)
 
 
@@ -252,14 +260,9 @@ class MultiHeadAttention(nn.Module):
         return allowed, index
 
     def _weights(self, q: Tensor, k: Tensor, allowed: Tensor | None, index: Tensor | None) -> Tensor:
-        """softmax((q k^T + relative key term) / sqrt(Dh)) in fp32; a row with nothing allowed stays finite."""
-        scores = (q @ k.transpose(-2, -1)).float()
-        if index is not None:
-            scores = scores + self.relative.score(q, index).float()
-        scores = scores * q.size(-1) ** -0.5
-        if allowed is not None:
-            scores = scores.masked_fill(~allowed, torch.finfo(torch.float32).min)
-        return torch.softmax(scores, dim=-1)
+        """The weights under ``allowed`` (causal and window included), with the relative key term."""
+        bias = self.relative.score(q, index) if index is not None else None
+        return attention_weights(q, k, allowed, False, bias)
 
     def _mix(
         self, q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None, index: Tensor | None, dropout_p: float
