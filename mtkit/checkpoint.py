@@ -96,6 +96,13 @@ def atomic_write(path: Path, write, partial: Path | None = None) -> None:
         raise
 
 
+def os_error_line(err: OSError) -> str:
+    """'PATH: reason' for an error of the file system (disk full, permission denied, ...)."""
+    if err.filename is not None and err.strerror:
+        return f"{err.filename}: {err.strerror}"
+    return str(err)
+
+
 def _publish(tmp: Path, path: Path) -> None:
     """Rename a finished temporary file to ``path``, durably."""
     os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file ordinary permissions

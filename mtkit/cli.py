@@ -56,13 +56,6 @@ def _user_error(err: Exception) -> bool:
     return isinstance(err, known)
 
 
-def _os_error_line(err: OSError) -> str:
-    """'PATH: reason' for an error of the file system (disk full, permission denied, ...)."""
-    if err.filename is not None and err.strerror:
-        return f"{err.filename}: {err.strerror}"
-    return str(err)
-
-
 def user_errors(command):
     """Turn input errors, and the file system's (a full disk, a denied permission), into one line and exit status 1."""
 
@@ -75,7 +68,9 @@ def user_errors(command):
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
             raise typer.Exit(1) from None
         except OSError as err:
-            typer.echo(f"error: {_os_error_line(err)}", err=True)
+            from mtkit.checkpoint import os_error_line
+
+            typer.echo(f"error: {os_error_line(err)}", err=True)
             raise typer.Exit(1) from None
         except Exception as err:
             if not _user_error(err):
@@ -422,10 +417,7 @@ def _raw_chunks(path: Path | None, chunk_lines: int) -> Iterator[list[bytes]]:
         stream = sys.stdin.buffer
         yield from _file_chunks(stream, chunk_lines)
         return
-    from mtkit.data import check_input_file
-
-    check_input_file(path)
-    with open(path, "rb") as f:
+    with open(path, "rb") as f:  # translate checked it is a file before loading the model
         gzipped = f.read(2) == b"\x1f\x8b"
     import gzip
 

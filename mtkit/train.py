@@ -417,12 +417,11 @@ class Trainer:
         try:
             yield
         except OSError as err:
-            reason = f"{err.filename}: {err.strerror}" if err.filename and err.strerror else str(err)
             latest = checkpoint.latest(self.out_dir)
             kept = f"{latest} is intact" if latest is not None else "no checkpoint was saved before"
             raise TrainingFailed(
-                f"cannot write {what} in {self.out_dir} ({reason}); {kept}: fix the cause, then run the same "
-                "command to resume"
+                f"cannot write {what} in {self.out_dir} ({checkpoint.os_error_line(err)}); {kept}: fix the cause, "
+                "then run the same command to resume"
             ) from None
 
     def _log_metrics(self, record: dict) -> None:
