@@ -5,7 +5,8 @@ figure is the peak resident memory during ``model.encode`` above what the proces
 (model and input built). The model is the Multi30k recipe's transformer-small (3 layers, d 256,
 4 heads), fp32, no gradients, one sentence.
 
-    python benchmarks/attention_memory.py --length 4096 --windows 0 64 256
+    python benchmarks/attention_memory.py --lengths 4096 --windows 0 64 256
+    python benchmarks/attention_memory.py --lengths 1024 2048 4096 8192 --windows 0 64  # how it grows
 """
 
 from __future__ import annotations
@@ -49,28 +50,31 @@ def measure(length: int, positions: str, window: int, threads: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--length", type=int, default=4096, help="tokens in the input")
+    p.add_argument("--lengths", type=int, nargs="+", default=[4096], help="tokens in the input")
     p.add_argument("--windows", type=int, nargs="+", default=[0, 64, 256], help="model.attention_window values")
     p.add_argument("--positions", nargs="+", default=["sinusoidal", "relative", "rotary"], help="model.positions")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
-    p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        print(json.dumps(measure(args.length, args.child[0], int(args.child[1]), args.threads)))
+        print(json.dumps(measure(int(args.child[2]), args.child[0], int(args.child[1]), args.threads)))
         return
     print(f"{'positions':<11} {'window':>6} {'length':>6} {'peak MiB':>9} {'seconds':>8}")
     for positions in args.positions:
         for window in args.windows:
-            command = [sys.executable, __file__, "--length", str(args.length), "--threads", str(args.threads)]
-            out = subprocess.run([*command, "--child", positions, str(window)], capture_output=True, text=True)
-            if out.returncode:
-                sys.exit(out.stderr)
-            r = json.loads(out.stdout)
-            print(f"{positions:<11} {window:>6} {r['length']:>6} {r['peak_mib']:>9.1f} {r['seconds']:>8.3f}")
-            print(
-                f"attention_memory positions={positions} window={window} length={r['length']} "
-                f"peak_mib={r['peak_mib']:.1f} seconds={r['seconds']:.3f}"
-            )
+            for length in args.lengths:
+                command = [sys.executable, __file__, "--threads", str(args.threads)]
+                out = subprocess.run(
+                    [*command, "--child", positions, str(window), str(length)], capture_output=True, text=True
+                )
+                if out.returncode:
+                    sys.exit(out.stderr)
+                r = json.loads(out.stdout)
+                print(f"{positions:<11} {window:>6} {length:>6} {r['peak_mib']:>9.1f} {r['seconds']:>8.3f}")
+                print(
+                    f"attention_memory positions={positions} window={window} length={length} "
+                    f"peak_mib={r['peak_mib']:.1f} seconds={r['seconds']:.3f}"
+                )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,10 @@ short one, and cached decoding that sees other distances than full decoding.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import tiny_model_config
@@ -127,3 +131,18 @@ def test_variants_train_and_translate_through_the_cli(tmp_path, multi30k_slice, 
     result = invoke("translate", tmp_path / "run", "--beam", 2, input="A dog runs.\n\nTwo men sit.\n")
     assert result.exit_code == 0, result.output
     assert len(result.stdout.split("\n")) == 4
+
+
+def test_a_window_keeps_long_input_memory_linear():
+    """benchmarks/attention_memory.py: relative attention over 2,048 tokens stores N^2 weights, a window N * W."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "attention_memory.py"
+    command = [sys.executable, script, "--lengths", "2048", "--windows", "0", "32", "--positions", "relative"]
+    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    peak = {
+        int(fields["window"]): float(fields["peak_mib"])
+        for line in out.splitlines()
+        if line.startswith("attention_memory ")
+        for fields in [dict(item.split("=") for item in line.split()[1:])]
+    }
+    # full: 3 layers x 4 heads x 2048^2 fp32 scores, softmax and gathered relative term, over 150 MiB
+    assert peak[32] < peak[0] / 3, peak
