@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from mtkit.checkpoint import atomic_write
 from mtkit.config import ConfigError, DecodeConfig
 from mtkit.data import DataError, pad, source_tensor
+from mtkit.files import atomic_write
 from mtkit.model import MultiHeadAttention, Transformer
 from mtkit.search import beam_options, beam_search
 from mtkit.tokenizer import BOS_ID, Tokenizer

@@ -30,22 +30,31 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import safetensors.torch
 import torch
 
-from mtkit import __version__
-from mtkit.config import RunConfig, from_dict
+from mtkit import __version__, untrusted
+from mtkit.config import ConfigError, ModelConfig, RunConfig, from_dict
+from mtkit.files import (
+    atomic_write,
+    atomic_write_directory,
+    atomic_write_text,
+    file_sha256,
+    restore_set_aside,
+    set_aside,
+)
 from mtkit.model import Transformer, build_model
-from mtkit.tokenizer import PAD_ID, Tokenizer, file_sha256
+from mtkit.tokenizer import PAD_ID, Tokenizer, is_sentencepiece_model
 
 FORMAT_VERSION = 2
 WEIGHTS_FILE, STATE_FILE = "model.safetensors", "state.pt"
+VALIDATION_FILE = "validation.json"  # added to a checkpoint once the validation of its update is done
 CHECKPOINTS_DIR, BEST_DIR = "checkpoints", "best"
 LEGACY_LAST, LEGACY_BEST = "last.pt", "best.pt"  # format 1 files
 
@@ -61,71 +70,40 @@ class CheckpointError(ValueError):
 @dataclass
 class Checkpoint:
     path: Path  # the checkpoint directory, or the single file it came from
-    meta: dict[str, Any]  # format, mtkit_version, config, tokenizer, step, and extras
+    meta: dict[str, Any]  # format, mtkit_version, config, tokenizer, step, and extras; checked on loading
+    cfg: RunConfig  # meta["config"], validated
     weights: dict[str, torch.Tensor]
     state: dict[str, Any] | None  # None when the checkpoint holds weights only, or when not asked for
 
 
-# -- atomic files ---------------------------------------------------------------------------
+# -- outputs --------------------------------------------------------------------------------
 
 
-def atomic_write(path: Path, write, partial: Path | None = None) -> None:
-    """Call ``write(file_object)`` on a temporary file beside ``path``, fsync it, then rename over ``path``.
+def check_output_file(path: Path, inputs: Iterable[Path] = ()) -> None:
+    """Fail before any work if ``path`` must not be written: OutputError naming it and why.
 
-    A crash at any point leaves either the old file or the new one, never a torn one. With ``partial``,
-    a ``write`` interrupted by KeyboardInterrupt keeps what it wrote so far there instead of losing it.
+    Refused: a folder, a path in a missing folder, a file without write permission, a file inside a
+    checkpoint directory (its weights and training state must stay a pair), and one of ``inputs``
+    (or a link to one), whose content the command still needs and the user would lose.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            try:
-                write(f)
-            except KeyboardInterrupt:
-                if partial is not None:
-                    f.flush()
-                    os.fsync(f.fileno())
-                    _publish(Path(tmp), Path(partial))
-                raise
-            f.flush()
-            os.fsync(f.fileno())
-        _publish(Path(tmp), path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    if path.is_dir():
+        raise OutputError(f"{path}: is a folder; give a file to write")
+    if not path.parent.is_dir():
+        raise OutputError(f"{path}: cannot write it, folder {path.parent} does not exist")
+    if (path.parent / STATE_FILE).is_file():
+        raise OutputError(f"{path}: is inside the checkpoint {path.parent}; write it elsewhere")
+    if path.exists():
+        if not os.access(path, os.W_OK):
+            raise OutputError(f"{path}: is read-only; remove it or choose another output")
+        for source in inputs:
+            if Path(source).exists() and os.path.samefile(path, source):
+                also = "" if str(source) == str(path) else f" ({source})"
+                raise OutputError(f"{path}: is also an input{also}; write the output to another file")
 
 
-def os_error_line(err: OSError) -> str:
-    """'PATH: reason' for an error of the file system (disk full, permission denied, ...)."""
-    if err.filename is not None and err.strerror:
-        return f"{err.filename}: {err.strerror}"
-    return str(err)
-
-
-def _publish(tmp: Path, path: Path) -> None:
-    """Rename a finished temporary file to ``path``, durably."""
-    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file ordinary permissions
-    os.replace(tmp, path)
-    _fsync_path(path.parent)  # make the rename itself durable
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+class OutputError(ValueError):
+    """An output path that cannot or must not be written; the command has done nothing yet."""
 
 
 # -- run directory ownership ----------------------------------------------------------------
@@ -198,55 +176,22 @@ def save(
         (tmp / WEIGHTS_FILE).write_bytes(data)
         if state is not None:
             with open(tmp / STATE_FILE, "wb") as f:
-                torch.save(state, f)
+                stream = _WriteErrors(f)
+                try:
+                    torch.save(state, stream)
+                except RuntimeError:
+                    if stream.error is None:
+                        raise
+                    raise stream.error from None
 
     atomic_write_directory(Path(directory), fill)
 
 
-def atomic_write_directory(directory: Path, fill) -> None:
-    """Call ``fill(tmp)`` on a temporary folder beside ``directory``, fsync it all, then swap it in whole.
-
-    Folders an earlier crash left beside ``directory`` are cleaned up first.
-    """
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    _remove_leftovers(directory)
-    tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.", suffix=".tmp"))
-    try:
-        fill(tmp)
-        for path in tmp.iterdir():
-            _fsync_path(path)
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700
-        _fsync_path(tmp)
-        _swap_in(tmp, directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _remove_leftovers(directory: Path) -> None:
-    """Delete temporary and set-aside copies of ``directory`` that an earlier crash left behind.
-
-    A crash between the two renames of ``_swap_in`` leaves no ``directory`` but its set-aside copy:
-    that copy is whole, so it is put back first.
-    """
-    _restore_set_aside(directory)
-    for path in directory.parent.iterdir():
-        if path.name.startswith(f".{directory.name}.") and path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-
-
-def _set_aside(directory: Path) -> Path:
-    return directory.with_name(f".{directory.name}.old")
-
-
-def _restore_set_aside(directory: Path) -> None:
-    old = _set_aside(directory)
-    if not directory.exists() and old.is_dir():
-        os.rename(old, directory)
-        _fsync_path(directory.parent)
-
-
-_LEFTOVER_SUFFIXES = (".tmp", ".old", ".pruned")  # temporary, set aside while replaced, being deleted
+# What training writes, by folder; a leftover of an interrupted write is .NAME.*.tmp, .NAME.old or .NAME.pruned.
+_TRAINING_NAMES = {
+    "": r"config\.yaml|metrics\.jsonl|best|spm(?:\.src|\.tgt)?(?:\.model|\.vocab)?",
+    CHECKPOINTS_DIR: r"update-\d+",
+}
 
 
 def recover(run_dir: Path) -> None:
@@ -254,18 +199,24 @@ def recover(run_dir: Path) -> None:
 
     A checkpoint set aside while its replacement moved in is put back if the replacement never
     arrived. Then the temporary files and folders of interrupted writes (``.NAME.*.tmp``), set-aside
-    copies no longer needed and checkpoints caught being pruned are deleted. Only names of that form
-    are touched, so other files in the run directory are left alone.
+    copies no longer needed and checkpoints caught being pruned are deleted, for the names training
+    writes only: another program's temporary file in the run directory (``translate -o RUN/x``
+    writing ``.x.*.tmp``) is left alone.
     """
-    for parent in (Path(run_dir), Path(run_dir) / CHECKPOINTS_DIR):
+    for folder, names in _TRAINING_NAMES.items():
+        parent = Path(run_dir) / folder
         if not parent.is_dir():
             continue
+        leftover = re.compile(rf"\.(?:{names})\.(?:.+\.tmp|old|pruned)")
         for old in parent.glob(".*.old"):
-            _restore_set_aside(old.with_name(old.name[1 : -len(".old")]))
+            if leftover.fullmatch(old.name):
+                restore_set_aside(old.with_name(old.name[1 : -len(".old")]))
         for path in parent.glob(".*"):
-            if path.name.endswith(_LEFTOVER_SUFFIXES) and path.is_dir():
+            if not leftover.fullmatch(path.name):
+                continue
+            if path.is_dir():
                 shutil.rmtree(path)
-            elif path.name.endswith(_LEFTOVER_SUFFIXES):
+            else:
                 path.unlink()
 
 
@@ -280,21 +231,22 @@ def _delete(directory: Path) -> None:
     shutil.rmtree(doomed)
 
 
-def _swap_in(tmp: Path, directory: Path) -> None:
-    """Rename the finished ``tmp`` to ``directory``; an existing one is set aside first and deleted last."""
-    if not directory.exists():
-        os.rename(tmp, directory)
-        _fsync_path(directory.parent)
-        return
-    old = _set_aside(directory)
-    os.rename(directory, old)
-    try:
-        os.rename(tmp, directory)
-    except BaseException:
-        os.rename(old, directory)
-        raise
-    _fsync_path(directory.parent)
-    shutil.rmtree(old)
+class _WriteErrors:
+    """A file whose failed write is kept: torch.save reports it only as a RuntimeError ("unexpected pos"),
+    so a full disk would otherwise not read as the OSError it is."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f, self.error = f, None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
 
 
 def save_in_run(
@@ -317,6 +269,19 @@ def save_in_run(
 
 def save_best(run_dir: Path, weights: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
     save(Path(run_dir) / BEST_DIR, weights, meta)
+
+
+def record_validation(run_dir: Path, step: int, outcome: dict[str, Any]) -> None:
+    """Add to the checkpoint of ``step``, saved before its validation, what that validation changed."""
+    atomic_write_text(Path(run_dir) / CHECKPOINTS_DIR / f"update-{step:08d}" / VALIDATION_FILE, json.dumps(outcome))
+
+
+def read_validation(checkpoint_dir: Path) -> Any:
+    """The outcome ``record_validation`` added to a checkpoint (unchecked JSON), or None if there is none."""
+    try:
+        return json.loads((Path(checkpoint_dir) / VALIDATION_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # none (or not a directory), or torn: the validation is done again
+        return None
 
 
 def export(path: Path, weights: dict[str, torch.Tensor], meta: dict[str, Any], source: Path) -> None:
@@ -377,7 +342,7 @@ def resolve(model_path: Path) -> Path:
     model_path = Path(model_path)
     if not model_path.is_dir() or (model_path / WEIGHTS_FILE).is_file():
         return model_path
-    for best in (model_path / BEST_DIR, _set_aside(model_path / BEST_DIR)):  # the latter if a crash left it aside
+    for best in (model_path / BEST_DIR, set_aside(model_path / BEST_DIR)):  # the latter if a crash left it aside
         if (best / WEIGHTS_FILE).is_file():
             return best
     if (model_path / LEGACY_BEST).is_file():
@@ -395,7 +360,10 @@ def resolve(model_path: Path) -> Path:
 
 
 def load(path: Path, with_state: bool = True) -> Checkpoint:
-    """Read a checkpoint directory, a .safetensors file written by mtkit, or a format 1 .pt file."""
+    """Read a checkpoint directory, a .safetensors file written by mtkit, or a format 1 .pt file.
+
+    Its metadata is checked to be what mtkit writes before anything uses it (see ``_check_meta``).
+    """
     path = Path(path)
     if path.is_dir():
         return _load_directory(path, with_state)
@@ -403,18 +371,19 @@ def load(path: Path, with_state: bool = True) -> Checkpoint:
         if path.name == WEIGHTS_FILE and path.is_file():
             return _load_directory(path.parent, with_state)
         meta, weights = _read_weights(path)
-        return Checkpoint(path, meta, weights, None)
+        return Checkpoint(path, meta, _check_meta(path, meta), weights, None)
     return _load_legacy(path, with_state)
 
 
 def _load_directory(directory: Path, with_state: bool) -> Checkpoint:
     meta, weights = _read_weights(directory / WEIGHTS_FILE)
+    cfg = _check_meta(directory / WEIGHTS_FILE, meta)
     state_path = directory / STATE_FILE
     state = _torch_load(state_path) if with_state and state_path.is_file() else None
-    return Checkpoint(directory, meta, weights, state)
+    return Checkpoint(directory, meta, cfg, weights, state)
 
 
-def _read_weights(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def _read_weights(path: Path) -> tuple[Any, dict[str, torch.Tensor]]:
     if not path.is_file():
         raise CheckpointError(f"{path}: checkpoint not found")
     try:
@@ -423,32 +392,72 @@ def _read_weights(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
             if _META_KEY not in header:
                 raise CheckpointError(f"{path}: not an mtkit checkpoint (no {_META_KEY!r} entry in its header)")
             meta = json.loads(header[_META_KEY])
-            _check_format(path, meta.get("format"), FORMAT_VERSION)
+            _check_format(path, meta.get("format") if isinstance(meta, dict) else None, FORMAT_VERSION)
             weights = {key: f.get_tensor(key) for key in f.keys()}
-        for alias, key in json.loads(header.get(_ALIASES_KEY, "{}")).items():
-            weights[alias] = weights[key]
+            aliases = json.loads(header.get(_ALIASES_KEY, "{}"))
     except CheckpointError:
         raise
     except Exception as err:  # safetensors, json and odd metadata raise different types
         raise _unreadable(path, err) from None
+    try:
+        for alias, key in untrusted.mapping(aliases, "its tied-weight aliases").items():
+            if alias in weights or key not in weights:
+                raise untrusted.Malformed(f"alias {alias!r} of {key!r} does not name a stored tensor by a new name")
+            weights[alias] = weights[key]
+    except untrusted.Malformed as err:
+        raise CheckpointError(f"{path}: malformed checkpoint header: {err}") from None
     return meta, weights
+
+
+def _check_meta(path: Path, meta: Any) -> RunConfig:
+    """The config of a checkpoint whose metadata has the form mtkit writes; CheckpointError otherwise.
+
+    The tokenizer records may name only the files a run directory of that config holds (never a
+    path), with their SHA-256; the step is a count; the config passes every check of config.py.
+    """
+    try:
+        meta = untrusted.mapping(meta, "its metadata", required=("config", "tokenizer", "step"))
+        untrusted.integer(meta["step"], "step")
+        untrusted.mapping(meta["config"], "config")
+        cfg = from_dict(meta["config"])
+        names = tokenizer_files(cfg)
+        records = untrusted.mapping(meta["tokenizer"], "tokenizer", required=("src", "tgt"), optional=())
+        for side in ("src", "tgt"):
+            record = untrusted.mapping(records[side], f"tokenizer.{side}", required=("file", "sha256"), optional=())
+            untrusted.one_of(record["file"], f"tokenizer.{side}.file", {names[side]})
+            untrusted.sha256(record["sha256"], f"tokenizer.{side}.sha256")
+        if "validation" in meta:
+            untrusted.mapping(meta["validation"], "validation")
+        if "averaged" in meta:
+            untrusted.strings(meta["averaged"], "averaged")
+    except (untrusted.Malformed, ConfigError) as err:
+        raise CheckpointError(f"{path}: malformed checkpoint header: {err}") from None
+    return cfg
 
 
 def _load_legacy(path: Path, with_state: bool) -> Checkpoint:
     """A format 1 file, converted: ``model`` becomes the weights, the training state is split off."""
     payload = _torch_load(path)
-    if not isinstance(payload, dict) or "model" not in payload:
+    if not isinstance(payload, dict) or not isinstance(payload.get("model"), dict):
         raise CheckpointError(f"{path}: not an mtkit checkpoint")
     _check_format(path, payload.get("format"), 1)
+    if not all(isinstance(k, str) and isinstance(t, torch.Tensor) for k, t in payload["model"].items()):
+        raise CheckpointError(f"{path}: malformed checkpoint: its model holds other things than named tensors")
     state = {k: payload[k] for k in LEGACY_STATE_KEYS if k in payload} or None
     meta = {k: v for k, v in payload.items() if k != "model" and k not in LEGACY_STATE_KEYS}
-    return Checkpoint(path, meta, payload["model"], state if with_state else None)
+    return Checkpoint(path, meta, _check_meta(path, meta), payload["model"], state if with_state else None)
 
 
 def _torch_load(path: Path) -> Any:
-    """Tensors and plain values only: a file that would build other objects (and so could run code) is refused."""
+    """Tensors and plain values only: a file that would build other objects (and so could run code) is refused.
+
+    The archive is looked at first: torch.save stores its entries uncompressed, so an entry that
+    is compressed, or entries larger together than the file, would make a small file expand into
+    gigabytes, and are refused before torch reads anything.
+    """
     if not path.is_file():
         raise CheckpointError(f"{path}: checkpoint not found")
+    _check_archive(path)
     try:
         with warnings.catch_warnings():  # torch warns about foreign pickle protocols; the error says enough
             warnings.simplefilter("ignore")
@@ -460,6 +469,42 @@ def _torch_load(path: Path) -> Any:
                 "when loaded; mtkit loads only tensors and plain values from .pt files"
             ) from None
         raise _unreadable(path, err) from None
+
+
+def _check_archive(path: Path) -> None:
+    """The file is a zip archive as torch.save writes it: stored entries, no bigger together than the file."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            entries = archive.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as err:
+        with open(path, "rb") as f:
+            if f.read(4) == b"PK\x03\x04":  # the start of a zip archive whose end is missing or damaged
+                raise _unreadable(path, err) from None
+        raise CheckpointError(f"{path}: {_what_it_is(path)}, not a checkpoint") from None
+    if any(entry.compress_type != zipfile.ZIP_STORED for entry in entries):
+        raise CheckpointError(f"{path}: refused: it holds compressed entries, which torch.save never writes")
+    if sum(entry.file_size for entry in entries) > path.stat().st_size:
+        raise CheckpointError(f"{path}: refused: its entries claim more bytes than the file holds")
+
+
+def _what_it_is(path: Path) -> str:
+    """A few words on what a file that is not a checkpoint seems to be, for the error that refuses it."""
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    if not head:
+        return "an empty file"
+    if head.startswith(b"\x1f\x8b"):
+        return "a gzip file"
+    if b"\0" not in head:
+        try:
+            head.decode("utf-8")
+            return "a text file"
+        except UnicodeDecodeError as err:
+            if err.start >= len(head) - 3:  # a character cut by the 4 KiB read
+                return "a text file"
+    return "a SentencePiece model" if is_sentencepiece_model(path) else "a file of another kind"
 
 
 class UnreadableCheckpoint(CheckpointError):
@@ -491,14 +536,14 @@ def average(paths: list[Path]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]
     """
     if not paths:
         raise CheckpointError("no checkpoints to average")
-    ckpt = load(paths[0], with_state=False)
-    reference, names, aliases = ckpt.meta, set(ckpt.weights), _aliases(ckpt.weights)
-    dtypes = {k: t.dtype for k, t in ckpt.weights.items() if k not in aliases}
-    sums = {k: t.double() if t.is_floating_point() else t for k, t in ckpt.weights.items() if k not in aliases}
-    newest = reference
+    first = load(paths[0], with_state=False)
+    aliases = _aliases(first.weights)
+    layout = {k: t.to("meta") for k, t in first.weights.items()}  # names, shapes and dtypes, without the data
+    sums = {k: t.double() if t.is_floating_point() else t for k, t in first.weights.items() if k not in aliases}
+    newest = first.meta
     for path in paths[1:]:
         ckpt = load(path, with_state=False)
-        _check_compatible(ckpt, paths[0], reference, names)
+        _check_compatible(ckpt, first, layout)
         for key, total in sums.items():
             if total.is_floating_point():
                 total.add_(ckpt.weights[key])
@@ -506,47 +551,77 @@ def average(paths: list[Path]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]
                 raise CheckpointError(f"{path}: {key} differs from {paths[0]}, and integer tensors cannot be averaged")
         if ckpt.meta["step"] > newest["step"]:
             newest = ckpt.meta
-    weights = {k: (t / len(paths)).to(dtypes[k]) if t.is_floating_point() else t for k, t in sums.items()}
+    weights = {k: (t / len(paths)).to(layout[k].dtype) if t.is_floating_point() else t for k, t in sums.items()}
     weights.update({alias: weights[key] for alias, key in aliases.items()})
     meta = {k: v for k, v in newest.items() if k != "validation"}
     return weights, {**meta, "averaged": [str(p) for p in paths]}
 
 
-def _check_compatible(ckpt: Checkpoint, first: Path, meta: dict[str, Any], names: set[str]) -> None:
-    """``ckpt`` must be of the model (settings, tokenizer, weight names) of ``first``, whose meta is given."""
-    if from_dict(ckpt.meta["config"]).model != from_dict(meta["config"]).model:
-        raise CheckpointError(f"{ckpt.path}: model settings differ from those of {first}; cannot average them")
-    if ckpt.meta["tokenizer"] != meta["tokenizer"]:
-        raise CheckpointError(f"{ckpt.path}: tokenizer differs from that of {first}; cannot average them")
-    if set(ckpt.weights) != names:
-        raise CheckpointError(f"{ckpt.path}: weight names differ from those of {first}; cannot average them")
+def _check_compatible(ckpt: Checkpoint, first: Checkpoint, layout: dict[str, torch.Tensor]) -> None:
+    """``ckpt`` must be of the model (settings, tokenizer, weight layout) of ``first``."""
+    if ckpt.cfg.model != first.cfg.model:
+        raise CheckpointError(f"{ckpt.path}: model settings differ from those of {first.path}; cannot average them")
+    if ckpt.meta["tokenizer"] != first.meta["tokenizer"]:
+        raise CheckpointError(f"{ckpt.path}: tokenizer differs from that of {first.path}; cannot average them")
+    check_weights(layout, ckpt.weights, ckpt.path, f"those of {first.path}")
 
 
-def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], path: Path) -> None:
-    """``model.load_state_dict(weights)``, with a one-line CheckpointError naming the first misfit tensor."""
-    expected = model.state_dict()
+def check_weights(
+    expected: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], path: Path, other: str = "this model"
+) -> None:
+    """``weights`` have the names, shapes and dtypes of ``expected`` (tensors of any device, meta too).
+
+    A dtype is checked as well as a shape: float32 values read as int32 would load without complaint.
+    """
     missing = [key for key in expected if key not in weights]
     unexpected = [key for key in weights if key not in expected]
     if missing or unexpected:
         names = ", ".join([*(f"no {k}" for k in missing[:3]), *(f"an extra {k}" for k in unexpected[:3])])
-        raise CheckpointError(f"{path}: its weights are of another architecture ({names})")
+        raise CheckpointError(f"{path}: its weights are of another architecture than {other} ({names})")
     for key, tensor in expected.items():
         if weights[key].shape != tensor.shape:
             raise CheckpointError(
-                f"{path}: its weights do not fit this model: {key} is {tuple(weights[key].shape)} there, "
+                f"{path}: its weights do not fit {other}: {key} is {tuple(weights[key].shape)} there, "
                 f"{tuple(tensor.shape)} here (another vocabulary or model size)"
             )
+        if weights[key].dtype != tensor.dtype:
+            raise CheckpointError(
+                f"{path}: its weights do not fit {other}: {key} is {weights[key].dtype} there, {tensor.dtype} here"
+            )
+
+
+def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], path: Path) -> None:
+    """``model.load_state_dict(weights)``, with a one-line CheckpointError naming the first misfit tensor."""
+    check_weights(model.state_dict(), weights, path)
     model.load_state_dict(weights)
+
+
+def model_holding(
+    cfg: ModelConfig, src_vocab: int, tgt_vocab: int, weights: dict[str, torch.Tensor], path: Path
+) -> Transformer:
+    """The model of ``cfg`` with ``weights`` loaded, built only once a skeleton on the meta device shows they fit.
+
+    So a checkpoint header claiming a huge model is refused before any memory is allocated for it.
+    """
+    with torch.device("meta"):
+        skeleton = build_model(cfg, src_vocab, tgt_vocab, PAD_ID)
+    check_weights(skeleton.state_dict(), weights, path)
+    model = build_model(cfg, src_vocab, tgt_vocab, PAD_ID)
+    model.load_state_dict(weights)
+    return model
 
 
 # -- inference ------------------------------------------------------------------------------
 
 
+TOKENIZER_NAMES = ("spm.model", "spm.src.model", "spm.tgt.model")  # every name a tokenizer file has in mtkit
+
+
 def tokenizer_files(cfg: RunConfig) -> dict[str, str]:
     """File names of the tokenizer model(s) inside a run directory, by side."""
     if cfg.tokenizer.joint:
-        return {"src": "spm.model", "tgt": "spm.model"}
-    return {"src": "spm.src.model", "tgt": "spm.tgt.model"}
+        return {"src": TOKENIZER_NAMES[0], "tgt": TOKENIZER_NAMES[0]}
+    return {"src": TOKENIZER_NAMES[1], "tgt": TOKENIZER_NAMES[2]}
 
 
 def _find_tokenizer(record: dict[str, str], where: Path, name: str) -> Path:
@@ -582,13 +657,11 @@ def load_for_inference(model_path: Path, device: torch.device, dtype: torch.dtyp
     Decoding in bf16/fp16 casts the weights once, rather than at every step as autocast would.
     """
     ckpt = load(resolve(model_path), with_state=False)
-    cfg = from_dict(ckpt.meta["config"])
     where = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
     toks = {
         side: Tokenizer(_find_tokenizer(record, where, ckpt.path.name))
         for side, record in ckpt.meta["tokenizer"].items()
     }
-    model = build_model(cfg.model, toks["src"].vocab_size, toks["tgt"].vocab_size, PAD_ID)
-    load_weights(model, ckpt.weights, ckpt.path)
+    model = model_holding(ckpt.cfg.model, toks["src"].vocab_size, toks["tgt"].vocab_size, ckpt.weights, ckpt.path)
     model.to(device=device, dtype=dtype).eval()
-    return InferenceBundle(model, toks["src"], toks["tgt"], cfg, int(ckpt.meta["step"]))
+    return InferenceBundle(model, toks["src"], toks["tgt"], ckpt.cfg, ckpt.meta["step"])

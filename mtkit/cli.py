@@ -12,6 +12,7 @@ import functools
 import itertools
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -22,10 +23,40 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from typer.core import TyperGroup
 
 from mtkit import __version__
 
+# The base class of Click's usage errors: typer's own copy of Click, or Click itself for older typer.
+_CLICK_ERROR = getattr(typer, "TyperException", None) or __import__("click").ClickException
+
+
+class _OneLineErrors(TyperGroup):
+    """Usage errors (``--beam abc``, a missing option) as one ``error:`` line, as every other error is."""
+
+    def main(self, *args, standalone_mode: bool = True, **kwargs):
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except _CLICK_ERROR as err:
+            message = err.format_message()
+            if "\n" in message.strip():  # the help text a bare command prints (no_args_is_help)
+                err.show()
+            else:
+                ctx = getattr(err, "ctx", None)
+                where = f"{ctx.command_path}: " if ctx is not None else ""
+                hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+                typer.echo(f"error: {where}{message}{hint}", err=True)
+            sys.exit(err.exit_code)
+        except typer.Abort:  # an EOFError no command turned into an error of its own
+            typer.echo("error: input ended unexpectedly", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
 app = typer.Typer(
+    cls=_OneLineErrors,
     help="mtkit: train, run and score Transformer machine-translation models.",
     no_args_is_help=True,
     rich_markup_mode="rich",
@@ -47,7 +78,7 @@ def _user_error(err: Exception) -> bool:
     for module, names in (
         ("mtkit.data", ("DataError",)),
         ("mtkit.tokenizer", ("TokenizerError",)),
-        ("mtkit.checkpoint", ("CheckpointError",)),
+        ("mtkit.checkpoint", ("CheckpointError", "OutputError")),
         ("mtkit.runtime", ("RuntimeSetupError",)),
     ):
         loaded = sys.modules.get(module)
@@ -68,17 +99,32 @@ def user_errors(command):
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
             raise typer.Exit(1) from None
         except OSError as err:
-            from mtkit.checkpoint import os_error_line
+            from mtkit.files import os_error_line
 
-            typer.echo(f"error: {os_error_line(err)}", err=True)
-            raise typer.Exit(1) from None
+            _error_line(os_error_line(err))
         except Exception as err:
             if not _user_error(err):
                 raise
-            typer.echo(f"error: {err}", err=True)
-            raise typer.Exit(1) from None
+            _error_line(str(err))
 
     return wrapper
+
+
+MAX_ERROR_CHARS = 2_000  # an error quoting an untrusted value never floods the terminal
+
+
+def _error_line(message: str) -> None:
+    """Print ``error: MESSAGE`` as one line, cut short if it is huge, and exit with status 1.
+
+    Under torchrun only rank 0 prints: the ranks read the same inputs, so they fail alike.
+    """
+    if os.environ.get("RANK", "0") != "0":
+        raise typer.Exit(1)
+    line = " ".join(message.split("\n"))
+    if len(line) > MAX_ERROR_CHARS:
+        line = line[:MAX_ERROR_CHARS] + f"... ({len(line) - MAX_ERROR_CHARS:,} more characters)"
+    typer.echo(f"error: {line}", err=True)
+    raise typer.Exit(1) from None
 
 
 def _setup_logging(quiet: bool = False) -> None:
@@ -130,7 +176,7 @@ def tokenizer_train(
     model_type: Annotated[str, typer.Option("--type", help="unigram or bpe.")] = "unigram",
     character_coverage: Annotated[float, typer.Option(help="Share of characters covered (0.9995 for CJK).")] = 1.0,
     input_sentence_size: Annotated[int, typer.Option(help="Sentences sampled for training; 0 uses all.")] = 2_000_000,
-    seed: Annotated[int, typer.Option(help="Seed for sentence sampling.")] = 1,
+    seed: Annotated[int, typer.Option(min=0, max=2**32 - 1, help="Seed for sentence sampling.")] = 1,
 ) -> None:
     """Train SentencePiece model(s) with mtkit's special ids (pad 0, unk 1, bos 2, eos 3)."""
     from mtkit.config import TokenizerConfig
@@ -316,6 +362,9 @@ def train(
     if nproc_per_node < 1:
         raise ConfigError(f"--nproc-per-node must be >= 1, got {nproc_per_node}")
     if nproc_per_node > 1 and not launched_by_torchrun():
+        from mtkit.train import check_trainable
+
+        check_trainable(cfg)  # here, once, rather than in every rank
         command = ["train", str(config), "--out", str(out), *(a for o in overrides for a in ("--set", o))]
         _hand_over_to_torchrun(nproc_per_node, [*command, *(["--restart"] if restart else [])])
         return
@@ -336,8 +385,10 @@ def _run_training(cfg, out: Path, restart: bool) -> None:
             typer.echo(f"{stop}: last checkpoint saved in {out}; run the same command to resume", err=True)
         raise typer.Exit(128 + stop.signum) from None
     except (TrainingFailed, DistributedError) as err:
-        typer.echo(f"error: {err}", err=True)
-        raise typer.Exit(1) from None
+        if not dist.is_main:  # rank 0 says what failed; a peer that lost it only notes it
+            log.warning("%s", err)
+            raise typer.Exit(1) from None
+        _error_line(str(err))
     finally:
         dist.close()
     if dist.is_main:
@@ -363,7 +414,8 @@ def _hand_over_to_torchrun(nproc_per_node: int, command: list[str]) -> None:
         raise typer.Exit(128 + stop.sigval) from None
     except ChildFailedError as err:
         codes = sorted({failure.exitcode for failure in err.failures.values()})
-        typer.echo(f"error: training processes failed (exit status {', '.join(map(str, codes))})", err=True)
+        if err.failures.get(0) is None or err.failures[0].exitcode != 1:  # exit 1: rank 0 printed why
+            typer.echo(f"error: training processes failed (exit status {', '.join(map(str, codes))})", err=True)
         raise typer.Exit(1 if codes != [codes[0]] or codes[0] < 0 else codes[0]) from None
 
 
@@ -406,22 +458,23 @@ def _input_chunks(path: Path | None, chunk_lines: int) -> Iterator[list[str]]:
 
 
 def _raw_chunks(path: Path | None, chunk_lines: int) -> Iterator[list[bytes]]:
+    from mtkit.data import DataError, open_binary, reading
+
     if path is None:
+        if sys.stdin is None:  # started with stdin closed (<&-)
+            raise DataError("<stdin>: standard input is closed; give the text with -i FILE")
         try:
             fd = sys.stdin.fileno()
         except (AttributeError, OSError, ValueError):  # a stand-in stdin, as in tests
             fd = None
         if fd is not None and not os.path.isfile(f"/proc/self/fd/{fd}"):
-            yield from _ready_chunks(fd, chunk_lines)
+            with reading("<stdin>"):
+                yield from _ready_chunks(fd, chunk_lines)
             return
-        stream = sys.stdin.buffer
-        yield from _file_chunks(stream, chunk_lines)
+        with reading("<stdin>"):
+            yield from _file_chunks(sys.stdin.buffer, chunk_lines)
         return
-    with open(path, "rb") as f:  # translate checked it is a file before loading the model
-        gzipped = f.read(2) == b"\x1f\x8b"
-    import gzip
-
-    with gzip.open(path, "rb") if gzipped else open(path, "rb") as f:
+    with reading(path), open_binary(path) as f:  # translate checked it exists
         yield from _file_chunks(f, chunk_lines)
 
 
@@ -512,14 +565,12 @@ class _WholeLines:
             signal.signal(signum, handler)
 
 
-def _check_output_file(path: Path) -> None:
-    """Fail before any work if ``path`` cannot be a file to write: its folder is missing, or it is a folder."""
-    from mtkit.data import DataError
+STDIN_NAMES = ("-", "/dev/stdin")  # input paths that mean standard input
 
-    if path.is_dir():
-        raise DataError(f"{path}: is a folder; give a file to write")
-    if not path.parent.is_dir():
-        raise DataError(f"{path}: cannot write it, folder {path.parent} does not exist")
+
+def _stdin_or_path(path: Path | None) -> Path | None:
+    """None (standard input) for ``-`` and ``/dev/stdin``, else the path."""
+    return None if path is None or str(path) in STDIN_NAMES else path
 
 
 class _LineProgress:
@@ -627,9 +678,12 @@ def translate(
     temperature: Annotated[float, typer.Option(help="With --sample: < 1 sharpens, > 1 flattens.")] = 1.0,
     top_k: Annotated[int, typer.Option(help="With --sample: only the k most probable tokens; 0 for all.")] = 0,
     top_p: Annotated[float, typer.Option(help="With --sample: the smallest set holding this probability.")] = 1.0,
-    seed: Annotated[int, typer.Option(help="With --sample: random seed.")] = 1,
+    seed: Annotated[int, typer.Option(min=0, max=2**64 - 1, help="With --sample: random seed.")] = 1,
     batch_size: Annotated[int, typer.Option(help="At most this many sentences per batch.")] = 128,
-    batch_tokens: Annotated[int, typer.Option(help="At most this many padded source tokens per batch.")] = 8192,
+    batch_tokens: Annotated[
+        int,
+        typer.Option(help="At most this many padded source tokens per batch, times the beam (rows per sentence)."),
+    ] = 40_960,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     precision: Annotated[str, typer.Option(help="fp32, bf16 or fp16 (fp16 on GPU only).")] = "fp32",
     engine: Annotated[
@@ -646,14 +700,19 @@ def translate(
     appears as each chunk is done. Lines longer than the model's positions are truncated (with a
     warning), never split.
     """
-    from mtkit.checkpoint import atomic_write
+    from mtkit.checkpoint import check_output_file
     from mtkit.config import ConfigError, DecodeConfig
     from mtkit.data import DataError, check_input_file
+    from mtkit.files import atomic_write
     from mtkit.runtime import compute_dtype, pick_device
     from mtkit.search import Sampling
     from mtkit.translate import CHUNK_LINES, PrefixMismatch
 
     _setup_logging()
+    prefix_on_stdin = prefix is not None and _stdin_or_path(prefix) is None
+    input = _stdin_or_path(input)
+    if prefix_on_stdin and input is None:
+        raise ConfigError("--prefix and the input cannot both be standard input; give one of them as a file")
     if beam < 1:
         raise ConfigError(f"--beam must be >= 1, got {beam}")
     if precision not in ("fp32", "bf16", "fp16"):
@@ -664,8 +723,8 @@ def translate(
         raise ConfigError("--alignments goes with the best translation only, not with --nbest")
     sampling = None
     if sample:
-        if temperature <= 0 or top_k < 0 or not 0 < top_p <= 1:
-            raise ConfigError("--temperature must be > 0, --top-k >= 0 and --top-p in (0, 1]")
+        if not (0 < temperature < math.inf) or top_k < 0 or not 0 < top_p <= 1:
+            raise ConfigError("--temperature must be a finite number > 0, --top-k >= 0 and --top-p in (0, 1]")
         sampling = Sampling(temperature, top_k, top_p)
     decode = DecodeConfig(
         beam=beam,
@@ -694,11 +753,13 @@ def translate(
         ]
         if unsupported or len(model) > 1:
             raise ConfigError(f"--engine ctranslate2 takes one model and no {', '.join(unsupported) or 'ensemble'}")
-    for path in (input, prefix):
+    for path in (input, None if prefix_on_stdin else prefix):
         if path is not None:
-            check_input_file(path)
+            check_input_file(path, stream_ok=True)
+    if output is None and sys.stdout is None:  # started with stdout closed (>&-)
+        raise DataError("<stdout>: standard output is closed; give a file to write with -o")
     if output is not None:
-        _check_output_file(output)
+        check_output_file(output, inputs=[p for p in (input, prefix, *model) if p is not None])
 
     done = 0
     partial = output.with_name(output.name + ".partial") if output is not None else None
@@ -712,7 +773,10 @@ def translate(
             else:
                 translator = _mtkit_translator(model, decode, dev, dtype, nbest, sampling, seed, alignments)
             chunks = _input_chunks(input, CHUNK_LINES)
-            prefixes = (line for chunk in _input_chunks(prefix, CHUNK_LINES) for line in chunk) if prefix else None
+            prefix_path = None if prefix_on_stdin else prefix
+            prefixes = None
+            if prefix is not None:
+                prefixes = (line for chunk in _input_chunks(prefix_path, CHUNK_LINES) for line in chunk)
 
             def write_all(out) -> None:
                 nonlocal done
@@ -812,7 +876,9 @@ def evaluate(
     paired_bs_n: Annotated[int, typer.Option("--paired-bs-n", min=1, help="Bootstrap resamples.")] = 1000,
     paired_bs_seed: Annotated[
         int | None,
-        typer.Option("--paired-bs-seed", min=1, help="Resampling seed (default: $SACREBLEU_SEED, else 12345)."),
+        typer.Option(
+            "--paired-bs-seed", min=1, max=2**32 - 1, help="Resampling seed (default: $SACREBLEU_SEED, else 12345)."
+        ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the scores as JSON to stdout.")] = False,
     more_metrics: Annotated[list[str] | None, typer.Argument(hidden=True)] = None,
@@ -902,10 +968,17 @@ def average(
     ] = None,
 ) -> None:
     """Average the weights of checkpoints of one model; often scores better than the last one alone."""
-    from mtkit.checkpoint import CHECKPOINTS_DIR, WEIGHTS_FILE, CheckpointError, export, run_checkpoints
+    from mtkit.checkpoint import (
+        CHECKPOINTS_DIR,
+        WEIGHTS_FILE,
+        CheckpointError,
+        check_output_file,
+        export,
+        run_checkpoints,
+    )
     from mtkit.checkpoint import average as average_checkpoints
 
-    _check_output_file(output)
+    check_output_file(output, inputs=[*inputs, *(path / WEIGHTS_FILE for path in inputs)])
     if len(inputs) == 1 and inputs[0].is_dir() and not (inputs[0] / WEIGHTS_FILE).is_file():
         paths = run_checkpoints(inputs[0])[-(last or 5) :]
         if not paths:
@@ -946,12 +1019,12 @@ def attention(
     word j, from 0), taken from the head-averaged cross-attention. Needs matplotlib.
     """
     from mtkit.attention import alignment_line, plot_attention, translate_with_attention, word_alignment
-    from mtkit.checkpoint import load_for_inference
+    from mtkit.checkpoint import check_output_file, load_for_inference
     from mtkit.config import DecodeConfig
     from mtkit.runtime import pick_device
 
     _setup_logging()
-    _check_output_file(output)
+    check_output_file(output)
     decode = DecodeConfig(beam=beam)
     bundle = load_for_inference(model, pick_device(device))
     result = translate_with_attention(bundle.model, bundle.src_tok, bundle.tgt_tok, src, decode)

@@ -6,6 +6,7 @@ an unknown key or a value of the wrong type or range is a ``ConfigError`` naming
 """
 
 import dataclasses
+import math
 import re
 import typing
 from dataclasses import asdict, dataclass, field
@@ -13,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from mtkit.untrusted import shown
 
 
 class ConfigError(ValueError):
@@ -53,10 +56,11 @@ class TokenizerConfig:
     tgt_model: str = ""
 
     def __post_init__(self) -> None:
-        _check(self.type in ("unigram", "bpe"), f"tokenizer.type must be unigram or bpe, got {self.type!r}")
+        _check(self.type in ("unigram", "bpe"), f"tokenizer.type must be unigram or bpe, got {shown(self.type)}")
         _check(self.vocab_size >= 16, "tokenizer.vocab_size must be >= 16")
         _check(0.0 < self.character_coverage <= 1.0, "tokenizer.character_coverage must be in (0, 1]")
         _check(self.input_sentence_size >= 0, "tokenizer.input_sentence_size must be >= 0")
+        _check(0 <= self.seed < 2**32, "tokenizer.seed must be in [0, 2**32)")
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -66,6 +70,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Small enough to train on a laptop CPU in an hour (Multi30k-sized corpora).
     "transformer-small": dict(encoder_layers=3, decoder_layers=3, d_model=256, heads=4, ffn=1024, dropout=0.1),
 }
+
+
+# Bounds on what a config (one in a checkpoint header too) can make mtkit build. Position tables are
+# computed, not stored, so a header's max_positions is not checked by the weights it comes with.
+MAX_POSITIONS = 65_536
+MAX_LAYERS = 1_000  # per stack
 
 
 @dataclass(frozen=True)
@@ -89,8 +99,11 @@ class ModelConfig:
     max_positions: int = 1024
 
     def __post_init__(self) -> None:
-        _check(self.preset in PRESETS, f"model.preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
-        _check(self.encoder_layers >= 1 and self.decoder_layers >= 1, "model layers must be >= 1")
+        _check(self.preset in PRESETS, f"model.preset must be one of {', '.join(PRESETS)}, got {shown(self.preset)}")
+        _check(
+            1 <= self.encoder_layers <= MAX_LAYERS and 1 <= self.decoder_layers <= MAX_LAYERS,
+            f"model.encoder_layers and model.decoder_layers must be between 1 and {MAX_LAYERS}",
+        )
         _check(self.d_model >= 1 and self.heads >= 1, "model.d_model and model.heads must be >= 1")
         _check(
             self.d_model % self.heads == 0,
@@ -99,10 +112,10 @@ class ModelConfig:
         _check(self.ffn >= 1, "model.ffn must be >= 1")
         for name in ("dropout", "attention_dropout", "activation_dropout"):
             _check(0.0 <= getattr(self, name) < 1.0, f"model.{name} must be in [0, 1)")
-        _check(self.norm in ("post", "pre"), f"model.norm must be post or pre, got {self.norm!r}")
+        _check(self.norm in ("post", "pre"), f"model.norm must be post or pre, got {shown(self.norm)}")
         _check(
             self.positions in ("sinusoidal", "learned", "relative", "rotary"),
-            f"model.positions must be sinusoidal, learned, relative or rotary, got {self.positions!r}",
+            f"model.positions must be sinusoidal, learned, relative or rotary, got {shown(self.positions)}",
         )
         _check(self.relative_clip >= 1, "model.relative_clip must be >= 1")
         _check(self.attention_window >= 0, "model.attention_window must be >= 0")
@@ -110,7 +123,7 @@ class ModelConfig:
             self.positions != "rotary" or (self.d_model // self.heads) % 2 == 0,
             f"model.positions rotary needs an even head size, and d_model {self.d_model} / heads {self.heads} is odd",
         )
-        _check(self.max_positions >= 8, "model.max_positions must be >= 8")
+        _check(8 <= self.max_positions <= MAX_POSITIONS, f"model.max_positions must be between 8 and {MAX_POSITIONS}")
 
 
 @dataclass(frozen=True)
@@ -151,7 +164,7 @@ class TrainConfig:
             _check(getattr(self, name) >= 0, f"train.{name} must be >= 0")
         _check(
             self.nonfinite in ("rollback", "skip", "stop"),
-            f"train.nonfinite must be rollback, skip or stop, got {self.nonfinite!r}",
+            f"train.nonfinite must be rollback, skip or stop, got {shown(self.nonfinite)}",
         )
         _check(self.max_rollbacks >= 0, "train.max_rollbacks must be >= 0")
         _check(0.0 < self.rollback_lr_factor <= 1.0, "train.rollback_lr_factor must be in (0, 1]")
@@ -159,7 +172,8 @@ class TrainConfig:
         _check(self.lr > 0, "train.lr must be > 0")
         _check(self.max_time >= 0, "train.max_time must be >= 0")
         _check(
-            self.best_metric in ("bleu", "loss"), f"train.best_metric must be bleu or loss, got {self.best_metric!r}"
+            self.best_metric in ("bleu", "loss"),
+            f"train.best_metric must be bleu or loss, got {shown(self.best_metric)}",
         )
         _check(
             self.best_metric == "loss" or self.valid_bleu,
@@ -169,9 +183,11 @@ class TrainConfig:
         _check(self.clip_norm >= 0 and self.weight_decay >= 0, "train.clip_norm and train.weight_decay must be >= 0")
         _check(
             self.precision in ("fp32", "bf16", "fp16"),
-            f"train.precision must be fp32, bf16 or fp16, got {self.precision!r}",
+            f"train.precision must be fp32, bf16 or fp16, got {shown(self.precision)}",
         )
-        _check(self.device in ("auto", "cpu", "cuda"), f"train.device must be auto, cpu or cuda, got {self.device!r}")
+        _check(
+            self.device in ("auto", "cpu", "cuda"), f"train.device must be auto, cpu or cuda, got {shown(self.device)}"
+        )
 
 
 @dataclass(frozen=True)
@@ -183,10 +199,13 @@ class DecodeConfig:
     min_len: int = 0  # no eos before this many output tokens (unless max_len forces one)
     early_stop: bool = True  # also done once the best candidate ended (OpenNMT-py); False: when `beam` have (fairseq)
     batch_size: int = 128  # at most this many sentences per decoding batch...
-    batch_tokens: int = 8192  # ...and at most this many padded source tokens (x beam rows in the search)
+    # ...and at most this many padded source tokens times the beam (the rows the search holds per
+    # sentence), so memory stays bounded at any beam: 40,960 is 8,192 source tokens at beam 5
+    batch_tokens: int = 40_960
 
     def __post_init__(self) -> None:
         _check(self.beam >= 1, "decode.beam must be >= 1")
+        _check(math.isfinite(self.lenpen + self.max_len_a), "decode.lenpen and decode.max_len_a must be finite")
         _check(self.min_len >= 0, "decode.min_len must be >= 0")
         _check(self.batch_tokens >= 1, "decode.batch_tokens must be >= 1")
         _check(self.lenpen >= 0, "decode.lenpen must be >= 0")
@@ -244,22 +263,29 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             return value
     elif hint is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if abs(value) >= 2**63:  # beyond the 64-bit integers torch and numpy take
+                raise ConfigError(f"{key} is too large, got {shown(value)}")
             return value
     elif hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 5e-4 (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
+        number = None
+        try:
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                number = float(value)
+            elif isinstance(value, str):  # YAML 1.1 reads 5e-4 (no dot) as a string
+                number = float(value)
+        except (ValueError, OverflowError):  # not a number, or an int beyond any float
+            pass
+        if number is not None:
+            if not math.isfinite(number):  # .inf and .nan parse, but no setting means them
+                raise ConfigError(f"{key} must be a finite number, got {shown(value)}")
+            return number
     elif hint is str:
         if isinstance(value, str):
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
     name = getattr(hint, "__name__", str(hint))
-    raise ConfigError(f"{key} must be of type {name}, got {value!r}")
+    raise ConfigError(f"{key} must be of type {name}, got {shown(value)}")
 
 
 def _build(cls: type, values: dict[str, Any], prefix: str) -> Any:
@@ -289,16 +315,54 @@ def from_dict(raw: dict[str, Any]) -> RunConfig:
         raise ConfigError("a config must be a mapping of sections (data, tokenizer, model, train, decode)")
     for section, values in raw.items():
         if section not in SECTIONS:
-            raise ConfigError(f"unknown config section {section!r} (known: {', '.join(SECTIONS)})")
+            raise ConfigError(f"unknown config section {shown(section)} (known: {', '.join(SECTIONS)})")
         if values is not None and not isinstance(values, dict):
-            raise ConfigError(f"config section {section} must be a mapping, got {values!r}")
+            raise ConfigError(f"config section {section} must be a mapping, got {shown(values)}")
     model_raw = dict(raw.get("model") or {})
     preset = model_raw.get("preset", ModelConfig.preset)
     if preset not in PRESETS:
-        raise ConfigError(f"model.preset must be one of {', '.join(PRESETS)}, got {preset!r}")
+        raise ConfigError(f"model.preset must be one of {', '.join(PRESETS)}, got {shown(preset)}")
     sections = {name: dict(raw.get(name) or {}) for name in SECTIONS}
     sections["model"] = {**PRESETS[preset], **model_raw}
     return RunConfig(**{name: _build(cls, sections[name], name + ".") for name, cls in SECTIONS.items()})
+
+
+MAX_YAML_NODES = 10_000  # a config has about 100 values; aliases that expand to more are refused
+
+
+def parse_yaml(text: str) -> tuple[Any, yaml.Node | None]:
+    """The value of a YAML document, read with the safe loader, and its node tree (for line numbers).
+
+    No tags that build Python objects; anchors and aliases are allowed as long as the document they
+    expand to has at most MAX_YAML_NODES nodes, so a few hundred bytes of nested aliases cannot take
+    gigabytes. Raises yaml.YAMLError.
+    """
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None, None
+        if _expanded_size(node, {}) > MAX_YAML_NODES:
+            raise yaml.YAMLError(f"its aliases expand to more than {MAX_YAML_NODES:,} values")
+        return loader.construct_document(node), node
+    except RecursionError:  # PyYAML composes recursively
+        raise yaml.YAMLError("nested too deeply") from None
+    finally:
+        loader.dispose()
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int]) -> int:
+    """Nodes in ``node`` with every alias expanded, counted once per distinct node (linear time)."""
+    if id(node) not in sizes:
+        sizes[id(node)] = 1  # a node that contains itself: counted once, not forever
+        if isinstance(node, yaml.SequenceNode):
+            children = node.value
+        elif isinstance(node, yaml.MappingNode):
+            children = [child for pair in node.value for child in pair]
+        else:
+            children = []
+        sizes[id(node)] = 1 + sum(_expanded_size(child, sizes) for child in children)
+    return sizes[id(node)]
 
 
 def apply_override(raw: dict[str, Any], assignment: str) -> None:
@@ -306,9 +370,9 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
     key, sep, text = assignment.partition("=")
     parts = key.strip().split(".")
     if not sep or len(parts) != 2 or not all(parts):
-        raise ConfigError(f"--set expects section.key=value, got {assignment!r}")
+        raise ConfigError(f"--set expects section.key=value, got {shown(assignment)}")
     try:
-        value = yaml.safe_load(text) if text.strip() else ""
+        value = parse_yaml(text)[0] if text.strip() else ""
     except yaml.YAMLError:
         value = text
     section = raw.setdefault(parts[0], {})
@@ -320,25 +384,25 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
 def load(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
     """Read a YAML config (or start from defaults when ``path`` is None) and apply overrides.
 
-    YAML is read with the safe loader (no tags that build Python objects). An error about a key says
-    where that key's value came from: the file and line, or the ``--set`` that gave it.
+    YAML is read with the safe loader and bounded in size (``parse_yaml``). An error about a key
+    says where that key's value came from: the file and line, or the ``--set`` that gave it.
     """
-    raw: dict[str, Any] = {}
+    raw: Any = {}
     origins: dict[str, str] = {}
     if path is not None:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"{path}: config file not found")
         try:
-            text = path.read_text(encoding="utf-8")
-            raw = yaml.safe_load(text) or {}
+            raw, root = parse_yaml(path.read_text(encoding="utf-8"))
         except (yaml.YAMLError, UnicodeDecodeError) as err:
             where = getattr(err, "problem_mark", None)
             line = f" line {where.line + 1}" if where is not None else ""
-            raise ConfigError(f"{path}:{line} not valid YAML ({getattr(err, 'problem', err)})") from None
+            raise ConfigError(f"{path}:{line} not valid YAML ({getattr(err, 'problem', None) or err})") from None
+        raw = raw or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: a config must be a mapping of sections")
-        origins = {key: f"{path}:{line}" for key, line in _key_lines(text).items()}
+        origins = {key: f"{path}:{line}" for key, line in _key_lines(root).items()}
     for assignment in overrides:
         apply_override(raw, assignment)
         origins[assignment.partition("=")[0].strip()] = f"--set {assignment}"
@@ -354,10 +418,9 @@ def load(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
         raise ConfigError(f"{origin}: {err}") from None
 
 
-def _key_lines(text: str) -> dict[str, int]:
-    """The line of each ``section.key`` in a YAML config (1-based), for error messages."""
+def _key_lines(root: yaml.Node | None) -> dict[str, int]:
+    """The line of each ``section.key`` in a YAML config's node tree (1-based), for error messages."""
     lines = {}
-    root = yaml.compose(text)
     if isinstance(root, yaml.MappingNode):
         for section, body in root.value:
             if isinstance(body, yaml.MappingNode):

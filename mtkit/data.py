@@ -6,11 +6,14 @@ batch up to a budget of padded tokens, so padding stays small and batches stay s
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import itertools
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -23,22 +26,48 @@ class DataError(ValueError):
     """Unusable input data; the message names the file (and line) at fault."""
 
 
-def _open_binary(path: Path):
-    with open(path, "rb") as probe:
-        gzipped = probe.read(2) == b"\x1f\x8b"
-    return gzip.open(path, "rb") if gzipped else open(path, "rb")
+@contextlib.contextmanager
+def open_binary(path: str | Path) -> Iterator[BinaryIO]:
+    """``path`` opened for reading bytes, through gzip when its content starts as gzip does.
+
+    The first bytes are peeked at, not read, so a pipe or FIFO (``<(zcat ...)``) works too.
+    """
+    with open(path, "rb") as f:
+        if f.peek(2)[:2] == b"\x1f\x8b":
+            with gzip.GzipFile(fileobj=f, mode="rb") as unzipped:
+                yield unzipped
+        else:
+            yield f
+
+
+@contextlib.contextmanager
+def reading(path: str | Path) -> Iterator[None]:
+    """Errors of reading ``path`` (unreadable, or a corrupt or truncated .gz) as one DataError naming it."""
+    try:
+        yield
+    except (OSError, EOFError, zlib.error) as err:  # gzip.BadGzipFile is an OSError
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err) or type(err).__name__
+        if isinstance(err, (EOFError, zlib.error, gzip.BadGzipFile)):
+            reason = f"corrupt or truncated gzip data: {reason}"
+        raise DataError(f"{path}: cannot read ({reason})") from None
 
 
 UTF8_BOM = b"\xef\xbb\xbf"
 
 
-def check_input_file(path: str | Path) -> None:
-    """DataError unless ``path`` is an existing file (a folder or a missing path are named as such)."""
+def check_input_file(path: str | Path, stream_ok: bool = False) -> None:
+    """DataError unless ``path`` is an existing file (a folder or a missing path are named as such).
+
+    With ``stream_ok`` a pipe, FIFO or device (``/dev/null``, ``<(...)``) will do too: for input that
+    is read once. Training data is read more than once, so it must be a regular file.
+    """
     path = Path(path)
     if path.is_dir():
         raise DataError(f"{path}: is a folder, not a text file")
-    if not path.is_file():
+    if not path.exists():
         raise DataError(f"{path}: file not found")
+    if not stream_ok and not path.is_file():
+        raise DataError(f"{path}: not a regular file (training data is read more than once; copy it to a file)")
 
 
 def iter_lines(path: str | Path, allow_nul: bool = False) -> Iterator[str]:
@@ -49,23 +78,19 @@ def iter_lines(path: str | Path, allow_nul: bool = False) -> Iterator[str]:
     ``allow_nul``: corpora being prepared are cleaned of control characters anyway.
     """
     path = Path(path)
-    check_input_file(path)
-    try:
-        with _open_binary(path) as f:
-            for number, raw in enumerate(f, start=1):
-                if number == 1:
-                    raw = raw.removeprefix(UTF8_BOM)
-                if not allow_nul and b"\0" in raw:
-                    raise DataError(
-                        f"{path}:{number}: NUL byte (byte {raw.index(0) + 1} of the line): binary data, not text"
-                    )
-                try:
-                    yield raw.decode("utf-8").rstrip("\r\n")
-                except UnicodeDecodeError as err:
-                    raise DataError(f"{path}:{number}: invalid UTF-8 (byte {err.start + 1} of the line)") from None
-    except (OSError, EOFError, gzip.BadGzipFile) as err:
-        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
-        raise DataError(f"{path}: cannot read ({reason})") from None
+    check_input_file(path, stream_ok=True)
+    with reading(path), open_binary(path) as f:
+        for number, raw in enumerate(f, start=1):
+            if number == 1:
+                raw = raw.removeprefix(UTF8_BOM)
+            if not allow_nul and b"\0" in raw:
+                raise DataError(
+                    f"{path}:{number}: NUL byte (byte {raw.index(0) + 1} of the line): binary data, not text"
+                )
+            try:
+                yield raw.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError as err:
+                raise DataError(f"{path}:{number}: invalid UTF-8 (byte {err.start + 1} of the line)") from None
 
 
 def read_lines(path: str | Path) -> list[str]:

@@ -31,10 +31,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from mtkit import __version__
-from mtkit.checkpoint import CheckpointError, atomic_write_directory, load_for_inference, resolve
-from mtkit.config import ConfigError, DecodeConfig, ModelConfig
+from mtkit import __version__, untrusted
+from mtkit.checkpoint import TOKENIZER_NAMES, CheckpointError, load_for_inference, resolve
+from mtkit.config import MAX_POSITIONS, ConfigError, DecodeConfig, ModelConfig, from_dict
 from mtkit.data import source_tensor
+from mtkit.files import atomic_write_directory
 from mtkit.model import Decoder, Embedder, Encoder, FeedForward, MultiHeadAttention, Transformer
 from mtkit.search import length_penalty, max_lengths
 from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
@@ -204,7 +205,10 @@ def _check_replaceable(out_dir: Path) -> None:
 
 
 def read_manifest(ct2_dir: Path) -> dict[str, Any]:
-    """The export's ``mtkit.json``: tokenizer file names, max positions, decode settings."""
+    """The export's ``mtkit.json``, checked: tokenizer file names, max positions, decode settings.
+
+    The tokenizer names may only be those mtkit gives tokenizer files, never a path.
+    """
     path = Path(ct2_dir) / MANIFEST
     if not path.is_file():
         raise CheckpointError(
@@ -212,11 +216,21 @@ def read_manifest(ct2_dir: Path) -> dict[str, Any]:
         )
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path}: not readable JSON ({err})") from None
+    except (ValueError, RecursionError) as err:  # JSON, UTF-8 or nesting
+        raise CheckpointError(f"{path}: not readable JSON ({str(err)[:200]})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
         found = manifest.get("format") if isinstance(manifest, dict) else None
-        raise CheckpointError(f"{path}: export format {found} is not supported by mtkit {__version__}")
+        raise CheckpointError(f"{path}: export format {untrusted.shown(found)} is not supported by mtkit {__version__}")
+    try:
+        untrusted.mapping(manifest, "it", required=("tokenizer", "max_positions", "decode"))
+        names = untrusted.mapping(manifest["tokenizer"], "tokenizer", required=("src", "tgt"), optional=())
+        for side in ("src", "tgt"):
+            untrusted.one_of(names[side], f"tokenizer.{side}", TOKENIZER_NAMES)
+        untrusted.integer(manifest["max_positions"], "max_positions", low=8, high=MAX_POSITIONS)
+        untrusted.mapping(manifest["decode"], "decode")
+        manifest["decode"] = from_dict({"decode": manifest["decode"]}).decode
+    except (untrusted.Malformed, ConfigError) as err:
+        raise CheckpointError(f"{path}: malformed export manifest: {err}") from None
     return manifest
 
 
@@ -277,7 +291,7 @@ class CTranslate2Translator:
         """The export in ``ct2_dir`` with its own tokenizers; ``decode`` None uses the run's decode settings."""
         manifest = read_manifest(ct2_dir)
         toks = {side: Tokenizer(Path(ct2_dir) / name) for side, name in manifest["tokenizer"].items()}
-        decode = decode if decode is not None else DecodeConfig(**manifest["decode"])
+        decode = decode if decode is not None else manifest["decode"]
         return cls(Path(ct2_dir), toks["src"], toks["tgt"], decode, device, compute_type, nbest)
 
     def stream(self, chunks: Iterable[list[str]]) -> Iterator[list[Translation]]:
@@ -294,6 +308,9 @@ class CTranslate2Translator:
             return results
         numbers = [first_line + i for i in todo]
         ids = dict(zip(todo, source_ids(self.src_tok, [lines[i] for i in todo], numbers, self.max_positions)))
+        todo = [i for i in todo if ids[i]]  # text of no tokens (U+200B alone) is an empty line too
+        if not todo:
+            return results
         d = self.decode
         _, src_pad_mask = source_tensor([ids[i] for i in todo])
         caps = max_lengths(src_pad_mask, d.max_len_a, d.max_len_b, self.max_positions) - 1  # tokens before eos
@@ -301,7 +318,7 @@ class CTranslate2Translator:
         for i, cap in zip(todo, caps.tolist()):
             groups.setdefault(cap, []).append(i)
         for cap, group in groups.items():
-            for batch in length_batches([len(ids[i]) + 1 for i in group], d.batch_size, d.batch_tokens):
+            for batch in length_batches([len(ids[i]) + 1 for i in group], d.batch_size, d.batch_tokens, d.beam):
                 chunk = [group[b] for b in batch]
                 for i, translations in zip(chunk, self._search([ids[i] for i in chunk], cap)):
                     results[i] = translations

@@ -21,11 +21,12 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 
-from mtkit.checkpoint import atomic_write
+from mtkit import untrusted
 from mtkit.clean import CleanConfig, CleanSummary, clean_pairs
 from mtkit.corpora import Corpus, RemoteFile, Split
 from mtkit.data import DataError, iter_aligned
 from mtkit.download import fetch, resolve
+from mtkit.files import atomic_write
 
 log = logging.getLogger("mtkit")
 
@@ -63,10 +64,15 @@ def prepare(corpus: Corpus, out: Path, mirror: str | None = None, clean: CleanCo
 
 
 def _record(out: Path) -> dict | None:
+    """The prepare.json of an earlier run, if it has the form ``prepare`` writes; None means prepare again."""
     try:
-        return json.loads((out / RECORD).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        record = json.loads((out / RECORD).read_text(encoding="utf-8"))
+        untrusted.mapping(record, RECORD, required=("settings", "splits"))
+        for name, split in untrusted.mapping(record["splits"], "splits").items():
+            untrusted.integer(untrusted.mapping(split, name, required=("lines",))["lines"], f"{name}.lines")
+    except (OSError, ValueError, RecursionError):  # missing, not JSON, or not of that form (Malformed)
         return None
+    return record
 
 
 def _download(file: RemoteFile, folder: Path, mirror: str | None) -> Path:

@@ -3,11 +3,18 @@
 Each stage leaves files in the run directory that the next run recognises, so re-running after an
 interruption (or after changing only the decoding) redoes only what is missing or out of date:
 prepare keeps prepare.json, training resumes from its newest checkpoint (and stops at once when it
-is done), the average and the translation are redone only when older than what they come from.
+is done). The average and the translation are up to date only when RUN/stages.json records that
+their output was made from the inputs they would read now (by SHA-256 of the checkpoint weights,
+the model, the test source) with the settings they would use now (the averaged checkpoints and K;
+every decode.* value); otherwise they are redone. So a new decode.* value, a new
+recipe.average_last, training that added checkpoints, or an edited output redoes what depends on
+it. A missing, damaged or hand-edited RUN/stages.json redoes both stages, never stops the run.
 
 The report (RUN/report.md and RUN/report.json, with RUN/curves.png when matplotlib is installed)
 gives the test scores with their signatures, says whether they fall in the recipe's expected range,
-and lists each stage's wall clock.
+and lists each stage's wall clock. It describes the hypothesis it scores from the record made with
+that hypothesis: the decode settings (the translate note, report.json's test.decode) and the SHA-256
+of the model that wrote it (report.json's test.model_sha256; its first 12 digits in the eval note).
 """
 
 from __future__ import annotations
@@ -18,15 +25,20 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
-from mtkit.checkpoint import atomic_write_text
+from mtkit.checkpoint import WEIGHTS_FILE
 from mtkit.config import ConfigError, RunConfig
+from mtkit.files import atomic_write_text, file_sha256
 
 log = logging.getLogger("mtkit")
 
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
 CURVES = "curves.png"
+STAGE_RECORD = "stages.json"
+RECORD_FORMAT = 1
+_RECORD_MAX_BYTES = 1 << 20  # a record is a few KB; anything larger is not one mtkit wrote
 
 
 @dataclass
@@ -48,17 +60,19 @@ def run_recipe(
     train(cfg, out)
     stages.append(Stage("train", time.perf_counter() - start, True))
 
-    model = _average(cfg, out, stages)
-    hyp_path = _translate(cfg, model, test[0], out, stages)
+    record = StageRecord(out, Digests())
+    model = _average(cfg, out, stages, record)
+    hyp_path, hyp_record = _translate(cfg, model, test[0], out, stages, record)
 
     from mtkit.data import read_lines
     from mtkit.metrics import score
 
     start = time.perf_counter()
     scores = score(read_lines(hyp_path), [read_lines(test[1])], ("bleu", "chrf", "ter"))
-    stages.append(Stage("eval", time.perf_counter() - start, True))
+    note = f"{hyp_path.name} from model sha256 {hyp_record['inputs']['model'][:12]}"
+    stages.append(Stage("eval", time.perf_counter() - start, True, note))
 
-    report = _report(cfg, recipe, out, model, test, hyp_path, scores, stages)
+    report = _report(cfg, recipe, out, model, test, hyp_path, hyp_record, scores, stages)
     _write_report(out, report)
     return report
 
@@ -99,12 +113,87 @@ def _prepare(cfg: RunConfig, out: Path, mirror: str | None, stages: list[Stage])
     return replace(cfg, data=data), (Path(path("test", src)), Path(path("test", tgt)))
 
 
-def _newer(target: Path, *sources: Path) -> bool:
-    """``target`` exists and was written after every one of ``sources``."""
-    return target.exists() and all(target.stat().st_mtime_ns >= s.stat().st_mtime_ns for s in sources if s.exists())
+class Digests:
+    """SHA-256 of files, each file read at most once per `mtkit run` unless this run rewrites it.
+
+    The average's inputs are the weight files of K checkpoints: hashing costs one read of each, 16 ms
+    for a 30 MB file in the page cache (about 2 GB/s on one core), so a second or a few for K checkpoints
+    of a few hundred MB read from disk. Translating the average reuses the digest the average stage took.
+    """
+
+    def __init__(self) -> None:
+        self._known: dict[Path, str] = {}
+
+    def of(self, path: Path) -> str:
+        if path not in self._known:
+            self._known[path] = file_sha256(path)
+        return self._known[path]
+
+    def rewritten(self, path: Path) -> str:
+        """The digest of ``path`` as this run has just written it (any digest known before is stale)."""
+        self._known.pop(path, None)
+        return self.of(path)
 
 
-def _average(cfg: RunConfig, out: Path, stages: list[Stage]) -> Path:
+class StageRecord:
+    """RUN/stages.json: how each stage's output was made, so a re-run can tell whether it is up to date.
+
+    ``{"format": 1, "stages": {STAGE: {"output": NAME, "inputs": {WHAT: SHA256}, "settings": {...},
+    "output_sha256": SHA256}}}``, NAME relative to the run directory. The file is read as untrusted
+    data: whatever it holds can only fail to match, which redoes the stage.
+    """
+
+    def __init__(self, out: Path, digests: Digests) -> None:
+        self.out = out
+        self.path = out / STAGE_RECORD
+        self.digests = digests
+        self._stages = _read_stages(self.path)
+
+    def current(self, stage: str, output: Path, inputs: dict[str, str], settings: dict[str, Any]) -> dict | None:
+        """The entry of ``stage`` if ``output`` is what it wrote from ``inputs`` with ``settings``, else None."""
+        entry = self._stages.get(stage)
+        if not isinstance(entry, dict) or "output_sha256" not in entry:
+            return None
+        made = {key: value for key, value in entry.items() if key != "output_sha256"}
+        if made != self._made(output, inputs, settings) or not output.is_file():
+            return None
+        return entry if entry["output_sha256"] == self.digests.of(output) else None
+
+    def write(self, stage: str, output: Path, inputs: dict[str, str], settings: dict[str, Any]) -> dict:
+        """Record that ``stage`` has just written ``output`` from ``inputs`` with ``settings``; the new entry."""
+        entry = {**self._made(output, inputs, settings), "output_sha256": self.digests.rewritten(output)}
+        self._stages[stage] = entry
+        atomic_write_text(self.path, json.dumps({"format": RECORD_FORMAT, "stages": self._stages}, indent=1) + "\n")
+        return entry
+
+    def _made(self, output: Path, inputs: dict[str, str], settings: dict[str, Any]) -> dict:
+        """An entry less its output digest, as it reads back from JSON (tuples as lists), so it compares equal."""
+        return json.loads(
+            json.dumps({"output": str(output.relative_to(self.out)), "inputs": inputs, "settings": settings})
+        )
+
+
+def _read_stages(path: Path) -> dict:
+    """The stages recorded in ``path``; none when it is missing, or not a record of this format."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_RECORD_MAX_BYTES + 1)
+    except FileNotFoundError:
+        return {}
+    except OSError as err:
+        log.warning("%s: unreadable (%s); redoing the stages it records", path, err.strerror)
+        return {}
+    try:
+        record = json.loads(raw) if len(raw) <= _RECORD_MAX_BYTES else None
+    except (ValueError, RecursionError):  # not JSON (UnicodeDecodeError is a ValueError), or nested too deep
+        record = None
+    if isinstance(record, dict) and record.get("format") == RECORD_FORMAT and isinstance(record.get("stages"), dict):
+        return record["stages"]
+    log.warning("%s: not a stage record mtkit wrote; redoing the stages it records", path)
+    return {}
+
+
+def _average(cfg: RunConfig, out: Path, stages: list[Stage], record: StageRecord) -> Path:
     """The model to score: the mean of the newest ``recipe.average_last`` checkpoints, or best/."""
     from mtkit.checkpoint import average, export, resolve, run_checkpoints
 
@@ -116,50 +205,96 @@ def _average(cfg: RunConfig, out: Path, stages: list[Stage]) -> Path:
         return resolve(out)
     target = out / f"average-last{k}.safetensors"
     start = time.perf_counter()
-    ran = not _newer(target, *checkpoints)
+    weights = [c / WEIGHTS_FILE for c in checkpoints]
+    inputs = {str(w.relative_to(out)): record.digests.of(w) for w in weights}
+    settings = {"average_last": k, "checkpoints": [c.name for c in checkpoints]}
+    entry = record.current("average", target, inputs, settings)
+    ran = entry is None
     if ran:
-        weights, meta = average(checkpoints)
-        export(target, weights, meta, checkpoints[0])
-    note = f"the newest {len(checkpoints)} checkpoints, {checkpoints[0].name} to {checkpoints[-1].name}"
+        mean, meta = average(checkpoints)
+        export(target, mean, meta, checkpoints[0])
+        entry = record.write("average", target, inputs, settings)
+    names = entry["settings"]["checkpoints"]
+    note = f"the newest {len(names)} checkpoints, {names[0]} to {names[-1]}"
     stages.append(Stage("average", time.perf_counter() - start, ran, note))
     return target
 
 
-def _translate(cfg: RunConfig, model: Path, source: Path, out: Path, stages: list[Stage]) -> Path:
+def _weights_file(model: Path) -> Path:
+    """The file holding a model's weights: a checkpoint directory's model.safetensors, or the file itself."""
+    return model / WEIGHTS_FILE if model.is_dir() else model
+
+
+def _translate(
+    cfg: RunConfig, model: Path, source: Path, out: Path, stages: list[Stage], record: StageRecord
+) -> tuple[Path, dict]:
+    """The test set's translation, and the record of the model, source and settings it was made with."""
     hyp_path = out / f"test.hyp.{cfg.data.tgt_lang}"
     start = time.perf_counter()
-    ran = not _newer(hyp_path, model, source)
+    inputs = {"model": record.digests.of(_weights_file(model)), "source": record.digests.of(source)}
+    settings = {"decode": asdict(cfg.decode)}
+    entry = record.current("translate", hyp_path, inputs, settings)
+    ran = entry is None
     if ran:
-        import torch
+        _write_translation(cfg, model, source, hyp_path)
+        entry = record.write("translate", hyp_path, inputs, settings)
+    stages.append(Stage("translate", time.perf_counter() - start, ran, _decode_note(entry["settings"]["decode"])))
+    return hyp_path, entry
 
-        from mtkit.checkpoint import atomic_write, load_for_inference
-        from mtkit.data import read_lines
-        from mtkit.runtime import pick_device
-        from mtkit.translate import Translator, chunked
 
-        device = pick_device(cfg.train.device)
-        bundle = load_for_inference(model, device, torch.float32)
-        translator = Translator(bundle.model, bundle.src_tok, bundle.tgt_tok, cfg.decode, device)
+def _write_translation(cfg: RunConfig, model: Path, source: Path, hyp_path: Path) -> None:
+    import torch
 
-        def write(f) -> None:
-            for best in translator.stream(chunked(read_lines(source))):
-                f.write((best[0].text + "\n").encode("utf-8"))
+    from mtkit.checkpoint import load_for_inference
+    from mtkit.data import read_lines
+    from mtkit.files import atomic_write
+    from mtkit.runtime import pick_device
+    from mtkit.translate import Translator, chunked
 
-        atomic_write(hyp_path, write)
-    stages.append(Stage("translate", time.perf_counter() - start, ran, f"beam {cfg.decode.beam}"))
-    return hyp_path
+    device = pick_device(cfg.train.device)
+    bundle = load_for_inference(model, device, torch.float32)
+    translator = Translator(bundle.model, bundle.src_tok, bundle.tgt_tok, cfg.decode, device)
+
+    def write(f) -> None:
+        for best in translator.stream(chunked(read_lines(source))):
+            f.write((best[0].text + "\n").encode("utf-8"))
+
+    atomic_write(hyp_path, write)
+
+
+def _decode_note(decode: dict[str, Any]) -> str:
+    """The decode settings that shape a translation, in a few words (batching does not)."""
+    max_len = f"{decode['max_len_a']:g} * source + {decode['max_len_b']}"
+    note = f"beam {decode['beam']}, lenpen {decode['lenpen']:g}, max_len {max_len}"
+    if decode["min_len"]:
+        note += f", min_len {decode['min_len']}"
+    return note if decode["early_stop"] else note + ", early_stop false"
 
 
 def _training_curve(out: Path) -> tuple[list[dict], list[dict]]:
+    """The train and valid records of RUN/metrics.jsonl; a torn or edited line is skipped, not fatal."""
     train, valid = [], []
     path = out / "metrics.jsonl"
-    for line in path.read_text(encoding="utf-8").splitlines() if path.exists() else []:
-        record = json.loads(line)
-        (train if record.get("event") == "train" else valid if record.get("event") == "valid" else []).append(record)
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if path.exists() else []:
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError):
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            continue
+        if record.get("event") == "train" and isinstance(record.get("loss"), (int, float)):
+            train.append(record)
+        elif record.get("event") == "valid" and all(
+            isinstance(record.get(key, 0.0 if key == "valid_bleu" else None), (int, float))
+            for key in ("valid_loss", "valid_bleu")
+        ):
+            valid.append(record)
     return train, valid
 
 
-def _report(cfg, recipe: Path, out: Path, model: Path, test, hyp_path: Path, scores, stages: list[Stage]) -> dict:
+def _report(
+    cfg, recipe: Path, out: Path, model: Path, test, hyp_path: Path, hyp_record: dict, scores, stages: list[Stage]
+) -> dict:
     r = cfg.recipe
     train, valid = _training_curve(out)
     bleu = next(s for s in scores if s.name == "BLEU")
@@ -171,7 +306,13 @@ def _report(cfg, recipe: Path, out: Path, model: Path, test, hyp_path: Path, sco
         "corpus": r.corpus,
         "run_dir": str(out),
         "model": str(model),
-        "test": {"source": str(test[0]), "reference": str(test[1]), "hypothesis": str(hyp_path)},
+        "test": {
+            "source": str(test[0]),
+            "reference": str(test[1]),
+            "hypothesis": str(hyp_path),
+            "model_sha256": hyp_record["inputs"]["model"],
+            "decode": hyp_record["settings"]["decode"],
+        },
         "scores": [s.to_dict() for s in scores],
         "expected": {"bleu_min": r.bleu_min, "bleu_max": r.bleu_max, "source": r.expected, "hardware": r.hardware},
         "reproduced": reproduced,

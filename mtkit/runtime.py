@@ -19,11 +19,19 @@ def seed_everything(seed: int) -> None:
 
 
 def pick_device(name: str) -> torch.device:
-    """'auto' is cuda when available, else cpu; asking for cuda without one is an error."""
+    """'auto' is cuda when available, else cpu; 'cpu', 'cuda' and 'cuda:N' must exist here.
+
+    Anything else (a typo, or torch's 'meta', which holds no data) is a RuntimeSetupError.
+    """
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeSetupError("device cuda requested but torch sees no CUDA device (try --device cpu)")
+    kind, _, index = name.partition(":")
+    if name != "cpu" and (kind != "cuda" or (index and not index.isdigit())):
+        raise RuntimeSetupError(f"device must be auto, cpu, cuda or cuda:N, got {name[:40]!r}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise RuntimeSetupError(f"device {name} requested but torch sees no CUDA device (try --device cpu)")
+    if index and int(index) >= torch.cuda.device_count():
+        raise RuntimeSetupError(f"device {name} requested but torch sees {torch.cuda.device_count()} CUDA device(s)")
     return torch.device(name)
 
 

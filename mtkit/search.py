@@ -59,6 +59,11 @@ def prefix_tensor(prefixes: list[list[int]] | None, n: int, device: torch.device
     return out.to(device)
 
 
+def output_caps(src_pad_mask: Tensor, forced: Tensor, a: float, b: int, limit: int) -> Tensor:
+    """``max_lengths``, raised where a forced prefix is longer: the prefix and an eos always fit."""
+    return torch.maximum(max_lengths(src_pad_mask, a, b, limit), (forced >= 0).sum(dim=1) + 1)
+
+
 def _force(lprobs: Tensor, forced: Tensor) -> None:
     """Rows whose ``forced`` id is >= 0 may only continue with that token (forced target prefixes)."""
     rows = (forced >= 0).nonzero().squeeze(1)
@@ -126,7 +131,8 @@ class Sampling:
     top_p: float = 1.0  # nucleus: the smallest set of tokens holding this much probability
 
     def choose(self, lprobs: Tensor, generator: torch.Generator | None) -> Tensor:
-        logits = lprobs / self.temperature
+        # Shifted so the best is 0 before dividing: a temperature near 0 then tends to greedy, not to NaN.
+        logits = (lprobs - lprobs.amax(dim=1, keepdim=True)) / self.temperature
         if self.top_k:
             kth = logits.topk(min(self.top_k, logits.size(1)), dim=1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -156,8 +162,8 @@ def sample_search(
     distribution's), so sampled back-translations can be filtered by it.
     """
     n, device = src.size(0), src.device
-    max_lens = max_lengths(src_pad_mask, max_len_a, max_len_b, model.decoder.embed.max_positions)
     forced = prefix_tensor(prefixes, n, device)
+    max_lens = output_caps(src_pad_mask, forced, max_len_a, max_len_b, model.decoder.embed.max_positions)
     memory = model.encode(src, src_pad_mask)
     cache = DecoderCache()
     tokens = torch.full((n, 1), BOS_ID, dtype=torch.long, device=device)
@@ -231,8 +237,8 @@ def beam_search(
     n_sent = src.size(0)
     device = src.device
     limit = model.decoder.embed.max_positions
-    max_lens = max_lengths(src_pad_mask, max_len_a, max_len_b, limit)
     forced = prefix_tensor(prefixes, n_sent, device)
+    max_lens = output_caps(src_pad_mask, forced, max_len_a, max_len_b, limit)
 
     # A sentence's beams share its encoder output: memory and mask keep one row per sentence, and
     # the decoder's cross-attention serves all of a sentence's rows from it.

@@ -6,17 +6,18 @@ target models of a separate-vocabulary run agree on them and search needs no per
 
 from __future__ import annotations
 
-import hashlib
+import io
 import os
-import shutil
-import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import sentencepiece as spm
 
+from mtkit.files import atomic_write, atomic_write_text, file_sha256
+
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+CHARS_PER_TOKEN = 32  # twice SentencePiece's longest piece (max_sentencepiece_length 16)
 
 
 class TokenizerError(ValueError):
@@ -36,13 +37,11 @@ class SpmOptions:
 def train_spm(sentences: Iterable[str], out_prefix: Path, options: SpmOptions, source: str = "the input") -> Path:
     """Train a SentencePiece model on ``sentences``; writes PREFIX.model and PREFIX.vocab.
 
-    SentencePiece writes into a temporary folder beside them, and the files are renamed into place
-    (the .model last), so a crash never leaves a torn model that a resumed run would pick up.
-    ``source`` names the text in errors.
+    The model is built in memory, so the same sentences and options give a byte-identical file
+    (SentencePiece records the path it writes to inside a model it writes itself). Both files are
+    written atomically, the .model last, so a crash never leaves a torn model that a resumed run
+    would pick up. ``source`` names the text in errors.
     """
-    out_prefix.parent.mkdir(parents=True, exist_ok=True)
-    for leftover in out_prefix.parent.glob(f".{out_prefix.name}.*.tmp"):  # from a run killed while training one
-        shutil.rmtree(leftover, ignore_errors=True)
     spm.set_random_generator_seed(options.seed)
     failures: list[Exception] = []
     given = 0
@@ -62,11 +61,11 @@ def train_spm(sentences: Iterable[str], out_prefix: Path, options: SpmOptions, s
     sampling = {}
     if options.input_sentence_size:
         sampling = dict(input_sentence_size=options.input_sentence_size, shuffle_input_sentence=True)
-    work = Path(tempfile.mkdtemp(dir=out_prefix.parent, prefix=f".{out_prefix.name}.", suffix=".tmp"))
+    model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
             sentence_iterator=nonblank(),
-            model_prefix=str(work / "spm"),
+            model_writer=model,
             vocab_size=options.vocab_size,
             model_type=options.model_type,
             character_coverage=options.character_coverage,
@@ -78,11 +77,6 @@ def train_spm(sentences: Iterable[str], out_prefix: Path, options: SpmOptions, s
             minloglevel=2,
             **sampling,
         )
-        model = out_prefix.with_name(out_prefix.name + ".model")  # not with_suffix: "spm.src" would lose ".src"
-        for name, target in (("spm.vocab", model.with_suffix(".vocab")), ("spm.model", model)):
-            with open(work / name, "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(work / name, target)
     except RuntimeError as err:
         if failures:  # the input was at fault (unreadable, misaligned): its own error says where
             raise failures[0] from None
@@ -90,13 +84,20 @@ def train_spm(sentences: Iterable[str], out_prefix: Path, options: SpmOptions, s
             raise TokenizerError(f"{source}: no text to learn a tokenizer from (every line is empty)") from None
         # e.g. "Vocabulary size too high (8000). Please set it to a value <= 1234."
         raise TokenizerError(f"SentencePiece training failed: {str(err).strip().splitlines()[-1]}") from None
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return model
+    path = out_prefix.with_name(out_prefix.name + ".model")  # not with_suffix: "spm.src" would lose ".src"
+    trained = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    vocab = "".join(f"{trained.id_to_piece(i)}\t{trained.get_score(i):g}\n" for i in range(trained.get_piece_size()))
+    atomic_write_text(path.with_suffix(".vocab"), vocab)
+    atomic_write(path, lambda f: f.write(model.getvalue()))
+    return path
 
 
-def file_sha256(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+def is_sentencepiece_model(path: Path) -> bool:
+    try:
+        spm.SentencePieceProcessor(model_file=str(path))
+    except (RuntimeError, OSError):
+        return False
+    return True
 
 
 class Tokenizer:
@@ -125,6 +126,21 @@ class Tokenizer:
     def encode(self, lines: list[str]) -> list[list[int]]:
         """Ids without bos/eos (the data and search code add them); SentencePiece splits the list over all cores."""
         return self.sp.encode(lines, out_type=int, num_threads=len(os.sched_getaffinity(0)))
+
+    def encode_capped(self, lines: list[str], limit: int) -> list[list[int]]:
+        """Ids of ``lines``, each cut to at most ``limit + 1``: enough to tell a line over ``limit`` tokens.
+
+        A line is encoded from its first ``limit * CHARS_PER_TOKEN`` characters: its first ``limit``
+        tokens come from there (a piece has at most 16 characters), so a 26 MB line costs no more
+        memory than a line just over the limit. Only a line whose start encodes to no more than
+        ``limit`` tokens (runs of whitespace, which encode to nothing) is encoded whole.
+        """
+        cut = limit * CHARS_PER_TOKEN
+        seqs = self.encode([line[:cut] for line in lines])
+        for i, line in enumerate(lines):
+            if len(line) > cut and len(seqs[i]) <= limit:
+                seqs[i] = self.encode([line])[0]
+        return [seq[: limit + 1] for seq in seqs]
 
     def decode(self, ids: list[list[int]]) -> list[str]:
         return self.sp.decode(ids)

@@ -19,24 +19,26 @@ import shutil
 import signal
 import threading
 import time
+import typing
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from mtkit import checkpoint
-from mtkit.config import ConfigError, RunConfig, dump, from_dict
-from mtkit.data import Batch, DataError, collate, iter_parallel, read_parallel, token_batches
+from mtkit import checkpoint, files, untrusted
+from mtkit.config import ConfigError, RunConfig, dump
+from mtkit.data import Batch, DataError, check_input_file, collate, iter_parallel, read_parallel, token_batches
 from mtkit.distributed import Distributed
+from mtkit.files import file_sha256
 from mtkit.loss import TrainingObjective
 from mtkit.metrics import bleu
 from mtkit.model import build_model, count_parameters
 from mtkit.runtime import autocast, compute_dtype, pick_device, seed_everything, set_threads
 from mtkit.token_store import TokenStore, default_cache_dir, open_or_build, store_key
-from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID, SpmOptions, Tokenizer, file_sha256, train_spm
+from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID, SpmOptions, Tokenizer, train_spm
 from mtkit.translate import translate_lines
 
 log = logging.getLogger("mtkit")
@@ -119,32 +121,13 @@ class LogReporter:
 
 @dataclass
 class LogWindow:
-    """Training statistics accumulated since the last metrics-log line."""
+    """Target tokens since a clock start, for throughput; the loss sums live in Progress, to survive a resume."""
 
     tokens: int = 0
-    loss: float = 0.0
-    nll: float = 0.0
-    updates: int = 0
     start: float = field(default_factory=time.perf_counter)
-
-    def add(self, stats: dict) -> None:
-        self.tokens += stats["tokens"]
-        self.loss += stats["loss"]
-        self.nll += stats["nll"]
-        self.updates += 1
 
     def tokens_per_s(self) -> float:
         return self.tokens / max(time.perf_counter() - self.start, 1e-9)
-
-    def summary(self, last: dict) -> dict:
-        """Mean loss over the window, the last update's lr and gradient norm, and throughput."""
-        return {
-            "lr": last["lr"],
-            "loss": self.loss / self.updates,
-            "nll": self.nll / self.updates,
-            "grad_norm": last["grad_norm"],
-            "tgt_tokens_per_s": self.tokens_per_s(),
-        }
 
 
 @dataclass
@@ -162,6 +145,12 @@ class Progress:
     oom_skips: int = 0  # updates skipped because a rank ran out of memory
     overflow_skips: int = 0  # fp16 updates the loss scaler skipped (gradient overflow)
     nonfinite_skips: int = 0  # fp32/bf16 updates skipped under train.nonfinite: skip
+    validated: int = 0  # the update of the newest validation whose outcome best and stale hold
+    # Sums over the updates since the last metrics line, so the first line after a resume is the same
+    # mean an uninterrupted run logs.
+    log_loss: float = 0.0
+    log_nll: float = 0.0
+    log_updates: int = 0
 
     def counters(self) -> dict:
         return {
@@ -192,10 +181,10 @@ def prepare_tokenizers(
             source = Path(given[side])
             if not source.is_file():
                 raise DataError(f"{source}: tokenizer model not found")
-            shutil.copyfile(source, target)
             vocab = source.with_suffix(".vocab")
-            if vocab.is_file():
-                shutil.copyfile(vocab, target.with_suffix(".vocab"))
+            if vocab.is_file():  # the .vocab first: a model in the run directory is always a whole pair
+                files.copy_file(vocab, target.with_suffix(".vocab"))
+            files.copy_file(source, target)
         else:
             if tc.joint:
                 sentences = itertools.chain.from_iterable(pairs())
@@ -209,8 +198,8 @@ def prepare_tokenizers(
                 tc.vocab_size,
                 sample,
             )
-            files = " and ".join(filter(None, (cfg.data.train_src, cfg.data.train_tgt)))
-            train_spm(sentences, target.with_suffix(""), options, source=files)
+            sources = " and ".join(filter(None, (cfg.data.train_src, cfg.data.train_tgt)))
+            train_spm(sentences, target.with_suffix(""), options, source=sources)
     return Tokenizer(out_dir / names["src"]), Tokenizer(out_dir / names["tgt"])
 
 
@@ -230,8 +219,8 @@ def _check_run_tokenizer(path: Path, given: str, vocab_size: int) -> None:
 def open_training_data(cfg: RunConfig, src_tok: Tokenizer, tgt_tok: Tokenizer) -> TokenStore:
     """The training pairs as a memory-mapped token store, encoded now unless an earlier run did it."""
     data = cfg.data
-    files = [data.train_src, data.train_tgt] if data.train_tgt else [data.train_src]
-    key = store_key(files, src_tok, tgt_tok, data.max_tokens, data.max_ratio)
+    paths = [data.train_src, data.train_tgt] if data.train_tgt else [data.train_src]
+    key = store_key(paths, src_tok, tgt_tok, data.max_tokens, data.max_ratio)
     cache_dir = Path(data.cache_dir) if data.cache_dir else default_cache_dir()
     return open_or_build(cache_dir, iter_parallel(data.train_src, data.train_tgt), key, src_tok, tgt_tok)
 
@@ -259,9 +248,7 @@ class Trainer:
         self.dtype = compute_dtype(tc.precision, self.device)
         seed_everything(tc.seed)  # the same initial weights on every rank
 
-        if not cfg.data.train_src:
-            hint = f"; `mtkit run` prepares recipe.corpus {cfg.recipe.corpus} for it" if cfg.recipe.corpus else ""
-            raise ConfigError(f"data.train_src is not set: training needs a parallel corpus{hint}")
+        check_trainable(cfg)
 
         def pairs() -> Iterator[tuple[str, str]]:
             return iter_parallel(cfg.data.train_src, cfg.data.train_tgt)
@@ -273,7 +260,6 @@ class Trainer:
                 remove_run_outputs(self.out_dir)
             checkpoint.recover(self.out_dir)
             src_tok, tgt_tok = prepare_tokenizers(cfg, self.out_dir, pairs)
-            checkpoint.atomic_write_text(self.out_dir / "config.yaml", dump(cfg))
             self.corpus = open_training_data(cfg, src_tok, tgt_tok)
         self.dist.barrier()  # the other ranks read the tokenizer and the encoded pairs rank 0 made (or found)
         self.src_tok, self.tgt_tok = prepare_tokenizers(cfg, self.out_dir, pairs)
@@ -303,9 +289,11 @@ class Trainer:
                     raise
                 raise checkpoint.CheckpointError(f"{err}; delete {latest} to resume from {older[-1]}") from None
             log.info("resuming from %s at update %d (epoch %d)", latest, self.progress.step, self.progress.epoch)
-        if self.is_main:
+        if self.is_main:  # only now: a refused resume leaves the config that describes the checkpoints
+            with self._writing("config.yaml"):
+                files.atomic_write_text(self.out_dir / "config.yaml", dump(cfg))
             with self._writing("metrics.jsonl"):
-                trim_metrics(self.out_dir / "metrics.jsonl", self.progress.step)
+                trim_metrics(self.out_dir / "metrics.jsonl", self.progress.step, self.progress.validated)
         self.forward = self._data_parallel() if self.dist.enabled else self.objective
         if tc.compile:
             self.objective.compile_features()
@@ -313,6 +301,7 @@ class Trainer:
         self._signals: StopSignals | None = None
         self._clock = time.perf_counter()
         self._consecutive_skips = 0
+        self._saved = self.progress.step if latest is not None else -1  # the update of the newest checkpoint
 
     def _read_valid(self) -> tuple[list[str], list[str]]:
         data = self.cfg.data
@@ -321,12 +310,30 @@ class Trainer:
         return read_parallel(data.valid_src, data.valid_tgt)
 
     def _valid_loss_batches(self) -> list[Batch]:
-        """Validation pairs with both sides non-empty, encoded and batched once for the whole run."""
-        pairs = [
-            (s, t) for s, t in zip(self.src_tok.encode(self.valid_src), self.tgt_tok.encode(self.valid_tgt)) if s and t
-        ]
-        if not pairs:
+        """The validation pairs the loss can be computed on, encoded and batched once for the whole run.
+
+        A pair with an empty side, or one longer than the model's positions, is left out of the loss
+        and counted (BLEU still translates every line, truncating as ``translate`` does). A set with
+        no such pair is refused now, before any update, rather than at the first validation.
+        """
+        if not self.valid_src:
             return []
+        limit = self.cfg.model.max_positions - 1  # each side gets an eos or bos
+        src_ids, tgt_ids = self.src_tok.encode(self.valid_src), self.tgt_tok.encode(self.valid_tgt)
+        pairs = [(s, t) for s, t in zip(src_ids, tgt_ids) if s and t and len(s) <= limit and len(t) <= limit]
+        empty = sum(1 for s, t in zip(src_ids, tgt_ids) if not s or not t)
+        too_long = len(src_ids) - len(pairs) - empty
+        where = " and ".join(filter(None, (self.cfg.data.valid_src, self.cfg.data.valid_tgt)))
+        if not pairs:
+            raise DataError(
+                f"{where}: no validation pair to compute a loss on ({empty} with an empty side, "
+                f"{too_long} longer than model.max_positions {self.cfg.model.max_positions} allows)"
+            )
+        if empty or too_long:
+            log.warning(
+                "validation loss leaves out %d of %d pairs of %s: %d with an empty side, %d longer than %d tokens",
+                empty + too_long, len(src_ids), where, empty, too_long, limit,
+            )  # fmt: skip
         src, tgt = [s for s, _ in pairs], [t for _, t in pairs]
         batches = token_batches([len(s) for s in src], [len(t) for t in tgt], self.cfg.train.batch_tokens, seed=0)
         return [collate([src[i] for i in b], [tgt[i] for i in b]) for b in batches]
@@ -351,7 +358,7 @@ class Trainer:
 
     def _load(self, path: Path) -> None:
         saved = checkpoint.load(path)
-        if from_dict(saved.meta["config"]).model != self.cfg.model:
+        if saved.cfg.model != self.cfg.model:
             raise checkpoint.CheckpointError(
                 f"{path}: model settings differ from this config; use a new --out or --restart"
             )
@@ -363,16 +370,24 @@ class Trainer:
                 f"{path}: trained with another tokenizer than the one in {self.out_dir}; use a new --out or --restart"
             )
         checkpoint.load_weights(self.model, saved.weights, path)
-        self.optimizer.load_state_dict(saved.state["optimizer"])
-        self.scaler.load_state_dict(saved.state["scaler"])
-        self._set_rng_state(saved.state["rng"])
-        self.progress = Progress(**saved.state["progress"])
+        progress = resumed_progress(path, saved.state, saved.meta["step"])
+        try:
+            self.optimizer.load_state_dict(saved.state["optimizer"])
+            _check_optimizer_state(self.optimizer)
+            self.scaler.load_state_dict(saved.state["scaler"])
+            self._set_rng_state(saved.state["rng"], progress.step)
+        except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as err:
+            raise checkpoint.CheckpointError(
+                f"{path}: its training state does not fit this model and optimizer "
+                f"({type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''})"
+            ) from None
+        self.progress = progress
 
     def _rng_state(self) -> dict:
         cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
         return {"torch": torch.get_rng_state(), "cuda": cuda}
 
-    def _set_rng_state(self, saved: list[dict] | dict) -> None:
+    def _set_rng_state(self, saved: list[dict] | dict, step: int) -> None:
         per_rank = saved if isinstance(saved, list) else [saved]  # format 1 held rank 0's state alone
         if len(per_rank) != self.dist.world_size:
             log.warning(
@@ -380,7 +395,7 @@ class Trainer:
                 len(per_rank),
                 self.dist.world_size,
             )
-            torch.manual_seed(self.cfg.train.seed + 1_000_003 * self.dist.rank + self.progress.step)
+            torch.manual_seed(self.cfg.train.seed + 1_000_003 * self.dist.rank + step)
             return
         state = per_rank[self.dist.rank]
         torch.set_rng_state(state["torch"])
@@ -396,9 +411,15 @@ class Trainer:
         return {"config": self.cfg.to_dict(), "tokenizer": tokenizer, "step": self.progress.step}
 
     def save_last(self) -> None:
-        """Write the full training state; every rank calls this, since rank 0 stores all ranks' RNG states."""
+        """Write the full training state; every rank calls this, since rank 0 stores all ranks' RNG states.
+
+        Nothing is written when the newest checkpoint already holds this update.
+        """
+        if self._saved == self.progress.step:  # agreed by all ranks: they count updates alike
+            return
         rng = self.dist.gather(self._rng_state())
         if not self.is_main:
+            self._saved = self.progress.step
             return
         state = {
             "optimizer": self.optimizer.state_dict(),
@@ -410,6 +431,7 @@ class Trainer:
             checkpoint.save_in_run(
                 self.out_dir, self.progress.step, self.model.state_dict(), self._meta(), state, self.cfg.train.keep_last
             )
+        self._saved = self.progress.step
 
     @contextlib.contextmanager
     def _writing(self, what: str) -> Iterator[None]:
@@ -420,7 +442,7 @@ class Trainer:
             latest = checkpoint.latest(self.out_dir)
             kept = f"{latest} is intact" if latest is not None else "no checkpoint was saved before"
             raise TrainingFailed(
-                f"cannot write {what} in {self.out_dir} ({checkpoint.os_error_line(err)}); {kept}: fix the cause, "
+                f"cannot write {what} in {self.out_dir} ({files.os_error_line(err)}); {kept}: fix the cause, "
                 "then run the same command to resume"
             ) from None
 
@@ -583,6 +605,23 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self) -> dict:
+        """Loss and (with train.valid_bleu) BLEU on the validation set; {} without one.
+
+        Out of memory skips this validation with a warning: training goes on, and best/ keeps the
+        last model validated.
+        """
+        try:
+            return self._validate()
+        except torch.OutOfMemoryError:
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            log.warning(
+                "validation at update %d ran out of memory and is skipped: lower decode.batch_tokens "
+                "or train.valid_beam", self.progress.step,
+            )  # fmt: skip
+            return {}
+
+    def _validate(self) -> dict:
         self.model.eval()
         result: dict = {}
         if not self.valid_src:
@@ -604,14 +643,23 @@ class Trainer:
         return result
 
     def _validate_and_log(self) -> dict:
-        """Rank 0 validates and tells the others, so best-checkpoint and patience decisions agree."""
+        """Rank 0 validates and tells the others, so best-checkpoint and patience decisions agree.
+
+        The checkpoint of this update, when there is one, was saved before: the validation's
+        outcome is added to it, so a run resumed from it knows this validation was done.
+        """
         start = time.perf_counter()
         result = self.dist.broadcast(self.validate() if self.is_main else None)
+        p = self.progress
         if result:
             self._after_validation(result)
             result["valid_seconds"] = time.perf_counter() - start
-            self._log_metrics({"event": "valid", "step": self.progress.step, "epoch": self.progress.epoch, **result})
-            log.info("validation at update %d: %s", self.progress.step, _describe(result))
+            self._log_metrics({"event": "valid", "step": p.step, "epoch": p.epoch, **result})
+            log.info("validation at update %d: %s", p.step, _describe(result))
+        p.validated = p.step
+        if self.is_main and self._saved == p.step:
+            with self._writing(f"the validation outcome of update {p.step}"):
+                checkpoint.record_validation(self.out_dir, p.step, {"best": p.best, "stale": p.stale})
         return result
 
     def _after_validation(self, result: dict) -> None:
@@ -625,6 +673,11 @@ class Trainer:
             result["new_best"] = True
         else:
             p.stale += 1
+
+    def _validation_due(self) -> bool:
+        """Whether this update is one to validate at (train.valid_every, or the last) and has not been yet."""
+        p, every = self.progress, self.cfg.train.valid_every
+        return p.validated < p.step and ((every and p.step % every == 0) or self.stop_reason() is not None)
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -668,16 +721,22 @@ class Trainer:
             yield mine, sum(map(self.corpus.target_tokens, group))
 
     def run(self) -> dict:
-        """Train to the configured budget; returns the last validation result."""
+        """Train to the configured budget; returns the last validation result.
+
+        A checkpoint is saved before the validation of the same update, so a validation that fails
+        or is killed costs no training; a run resumed from a checkpoint whose validation did not
+        finish does it first.
+        """
         tc = self.cfg.train
         self.reporter.start(tc.max_steps, self.progress.step)
         last_result: dict = {}
         window = LogWindow()
         self._clock = time.perf_counter()
-        first_step = self.progress.step
         try:
             with StopSignals() as signals:
                 self._signals = signals
+                if self.progress.step and self._validation_due():
+                    last_result = self._validate_and_log()
                 for batches, group_tokens in self._update_groups():
                     stats = self.train_step(batches, group_tokens)
                     if stats["skipped"]:
@@ -685,19 +744,18 @@ class Trainer:
                     else:
                         self._consecutive_skips = 0
                         window = self._after_update(stats, window)
-                        if tc.valid_every and self.progress.step % tc.valid_every == 0:
-                            last_result = self._validate_and_log()
-                            window.start = time.perf_counter()  # throughput counts training time only
                         if tc.save_every and self.progress.step % tc.save_every == 0:
                             self.save_last()
+                        if tc.valid_every and self.progress.step % tc.valid_every == 0:
+                            last_result = self._validate_and_log()
+                            window = LogWindow()  # throughput counts training time only
                     if stats["stop"]:
                         self.save_last()
                         raise TrainingStopped(signals.received or signal.SIGTERM, self.progress.step)
                 log.info("training done: %s", self.stop_reason())
-                if self.progress.step > first_step:  # a finished run resumed again has nothing new to keep
-                    if not tc.valid_every or self.progress.step % tc.valid_every:
-                        last_result = self._validate_and_log()
-                    self.save_last()
+                self.save_last()
+                if self._validation_due():
+                    last_result = self._validate_and_log()
         finally:
             self._signals = None
             if self._lock is not None:
@@ -711,16 +769,28 @@ class Trainer:
         """Count an applied update, report it, and write a metrics line every ``log_every`` updates."""
         p = self.progress
         p.step += 1
-        window.add(stats)
-        # The window's mean loss, as in metrics.jsonl: one update's loss swings with its batch's lengths.
-        shown = {**stats, "loss": window.loss / window.updates, "tok_s": window.tokens_per_s(), "epoch": p.epoch}
+        p.log_loss, p.log_nll, p.log_updates = p.log_loss + stats["loss"], p.log_nll + stats["nll"], p.log_updates + 1
+        window.tokens += stats["tokens"]
+        # The mean loss since the last line, as in metrics.jsonl: one update's loss swings with its batch's lengths.
+        shown = {**stats, "loss": p.log_loss / p.log_updates, "tok_s": window.tokens_per_s(), "epoch": p.epoch}
         self.reporter.update(p.step, shown)
         if p.step % self.cfg.train.log_every:
             return window
-        record = {"event": "train", "step": p.step, "epoch": p.epoch, **window.summary(stats), **p.counters()}
+        record = {
+            "event": "train",
+            "step": p.step,
+            "epoch": p.epoch,
+            "lr": stats["lr"],
+            "loss": p.log_loss / p.log_updates,
+            "nll": p.log_nll / p.log_updates,
+            "grad_norm": stats["grad_norm"],
+            "tgt_tokens_per_s": window.tokens_per_s(),
+            **p.counters(),
+        }
         if self.device.type == "cuda":
             record["peak_gpu_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         self._log_metrics(record)
+        p.log_loss, p.log_nll, p.log_updates = 0.0, 0.0, 0
         return LogWindow()
 
 
@@ -744,23 +814,26 @@ def remove_run_outputs(out_dir: Path) -> None:
     """Delete what training wrote into ``out_dir`` (for ``--restart``), leaving anything else alone."""
     for name in (checkpoint.CHECKPOINTS_DIR, checkpoint.BEST_DIR, "tensorboard"):  # not .lock: it is held
         shutil.rmtree(out_dir / name, ignore_errors=True)
-    files = [checkpoint.LEGACY_LAST, checkpoint.LEGACY_BEST, "metrics.jsonl", "config.yaml"]
-    for path in [*(out_dir / name for name in files), *out_dir.glob("spm*.model"), *out_dir.glob("spm*.vocab")]:
+    names = [checkpoint.LEGACY_LAST, checkpoint.LEGACY_BEST, "metrics.jsonl", "config.yaml"]
+    for path in [*(out_dir / name for name in names), *out_dir.glob("spm*.model"), *out_dir.glob("spm*.vocab")]:
         path.unlink(missing_ok=True)
 
 
-def trim_metrics(path: Path, step: int) -> None:
+def trim_metrics(path: Path, step: int, validated: int | None = None) -> None:
     """Keep the records of updates up to ``step``, where training resumes; drop a line torn by a crash.
 
-    The updates after the checkpoint are done again, and logged again, so the file keeps one record each.
+    The updates after the checkpoint are done again, and logged again, so the file keeps one record
+    each. So are validations after ``validated`` (the checkpoint's own, when it was cut short).
     """
     if not path.is_file():
         return
+    validated = step if validated is None else validated
     kept, changed = [], False
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             record = json.loads(line)
-            keep = isinstance(record, dict) and record.get("step", 0) <= step
+            at = record.get("step", 0) if isinstance(record, dict) else None
+            keep = isinstance(at, int) and at <= (validated if record.get("event") == "valid" else step)
         except json.JSONDecodeError:
             keep = False
         if keep:
@@ -768,7 +841,72 @@ def trim_metrics(path: Path, step: int) -> None:
         else:
             changed = True
     if changed:
-        checkpoint.atomic_write_text(path, "".join(line + "\n" for line in kept))
+        files.atomic_write_text(path, "".join(line + "\n" for line in kept))
+
+
+def check_trainable(cfg: RunConfig) -> None:
+    """ConfigError or DataError for what every training would fail on (settings, missing files), before any work.
+
+    ``mtkit train --nproc-per-node N`` calls it before starting the ranks, so such an error is one
+    line from one process.
+    """
+    data, model, tok = cfg.data, cfg.model, cfg.tokenizer
+    if not data.train_src:
+        hint = f"; `mtkit run` prepares recipe.corpus {cfg.recipe.corpus} for it" if cfg.recipe.corpus else ""
+        raise ConfigError(f"data.train_src is not set: training needs a parallel corpus{hint}")
+    if data.max_tokens >= model.max_positions:
+        raise ConfigError(
+            f"data.max_tokens {data.max_tokens} must be below model.max_positions {model.max_positions}: "
+            "a training sentence of data.max_tokens pieces and its bos or eos must fit the model's positions"
+        )
+    for path in (data.train_src, data.train_tgt, data.valid_src, data.valid_tgt):
+        if path:
+            check_input_file(path)
+    for path in (tok.model, tok.src_model, tok.tgt_model):
+        if path and not Path(path).is_file():
+            raise DataError(f"{path}: tokenizer model not found")
+
+
+def resumed_progress(path: Path, state: Any, step: int) -> Progress:
+    """The Progress a checkpoint's training state holds, each field checked, plus the outcome of a
+    validation recorded after the checkpoint was saved."""
+    hints = typing.get_type_hints(Progress)
+    try:
+        state = untrusted.mapping(state, "its training state", required=("optimizer", "scaler", "rng", "progress"))
+        values = untrusted.mapping(state["progress"], "progress", optional=list(hints))
+        for name, value in values.items():
+            what = f"progress.{name}"
+            if hints[name] is int:
+                untrusted.integer(value, what)
+            elif value is not None or hints[name] is float:
+                untrusted.number(value, what)
+        if values.get("step", 0) != step:
+            raise untrusted.Malformed(f"progress.step {values.get('step', 0)} is not the header's step {step}")
+    except untrusted.Malformed as err:
+        raise checkpoint.CheckpointError(f"{path}: malformed checkpoint: {err}") from None
+    progress = Progress(**values)
+    if "validated" not in values:  # saved before this field existed, and after its own validation
+        progress.validated = progress.step
+    outcome = checkpoint.read_validation(path)
+    if outcome is not None:
+        try:
+            untrusted.mapping(outcome, "validation outcome", required=("best", "stale"), optional=())
+            best = None if outcome["best"] is None else untrusted.number(outcome["best"], "best")
+            stale = untrusted.integer(outcome["stale"], "stale")
+        except untrusted.Malformed as err:
+            log.warning("%s: %s; validating update %d again", path, err, step)
+        else:
+            progress.best, progress.stale, progress.validated = best, stale, step
+    return progress
+
+
+def _check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Each parameter's optimizer state has the parameter's shape (a misfit would fail only at the next step)."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            for name, value in optimizer.state.get(param, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() and value.shape != param.shape:
+                    raise ValueError(f"optimizer {name} is {tuple(value.shape)}, its parameter {tuple(param.shape)}")
 
 
 def train(

@@ -51,22 +51,24 @@ class PrefixMismatch(ValueError):
 def source_ids(tok: Tokenizer, lines: list[str], numbers: list[int], max_positions: int) -> list[list[int]]:
     """Token ids of ``lines`` (numbered ``numbers`` for warnings), truncated to leave the source eos a position."""
     limit = max_positions - 1
-    seqs = tok.encode(lines)
+    seqs = tok.encode_capped(lines, limit)
     for number, seq in zip(numbers, seqs):
         if len(seq) > limit:
-            log.warning("line %d: %d source tokens truncated to %d (model.max_positions)", number, len(seq), limit)
+            log.warning("line %d: over %d source tokens, truncated to %d (model.max_positions)", number, limit, limit)
     return [seq[:limit] for seq in seqs]
 
 
-def length_batches(lengths: list[int], batch_size: int, batch_tokens: int) -> list[list[int]]:
+def length_batches(lengths: list[int], batch_size: int, batch_tokens: int, rows: int = 1) -> list[list[int]]:
     """Indices sorted by length (longest first), cut into batches of at most ``batch_size`` sentences
-    and ``batch_tokens`` padded source tokens (a longer sentence still forms a batch of one)."""
+    and ``batch_tokens`` padded source tokens, each sentence counted ``rows`` times (its beam) since
+    the search holds that many rows for it (a longer sentence still forms a batch of one)."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    budget = batch_tokens / rows
     batches: list[list[int]] = []
     for i in order:
         current = batches[-1] if batches else None
         # The first sentence of a batch is its longest, so the padded size is count x that length.
-        if current and len(current) < batch_size and (len(current) + 1) * lengths[current[0]] <= batch_tokens:
+        if current and len(current) < batch_size and (len(current) + 1) * lengths[current[0]] <= budget:
             current.append(i)
         else:
             batches.append([i])
@@ -121,14 +123,22 @@ class Translator:
         self, lines: list[str], first_line: int, prefixes: list[str] | None
     ) -> list[list[Translation]]:
         results: list[list[Translation]] = [[EMPTY] for _ in lines]
-        forced = self.tgt_tok.encode(prefixes) if prefixes is not None else None
+        forced = self.tgt_tok.encode_capped(prefixes, self.model.decoder.embed.max_positions) if prefixes else None
+        for i, prefix in enumerate(forced or []):
+            if len(prefix) >= self.model.decoder.embed.max_positions:  # no position left for its eos
+                raise PrefixMismatch(
+                    f"line {first_line + i}: the prefix is longer than the model's outputs can be "
+                    f"({self.model.decoder.embed.max_positions - 1} tokens, model.max_positions)"
+                )
         todo = [i for i, line in enumerate(lines) if line.strip()]
         max_positions = self.model.encoder.embed.max_positions
         ids = dict(
             zip(todo, source_ids(self.src_tok, [lines[i] for i in todo], [first_line + i for i in todo], max_positions))
         )
+        todo = [i for i in todo if ids[i]]  # text of no tokens (U+200B alone) is an empty line too
         d = self.decode
-        for batch in length_batches([len(ids[i]) + 1 for i in todo], d.batch_size, d.batch_tokens):
+        rows = self.nbest if self.sampling is not None else d.beam
+        for batch in length_batches([len(ids[i]) + 1 for i in todo], d.batch_size, d.batch_tokens, rows):
             chunk = [todo[b] for b in batch]
             src, src_pad_mask = source_tensor([ids[i] for i in chunk])
             src, src_pad_mask = src.to(self.device), src_pad_mask.to(self.device)

@@ -151,7 +151,7 @@ def test_missing_or_unreadable_files(tmp_path, multi30k_slice, spm_model, traine
     monkeypatch.setattr(builtins, "open", open_as_unprivileged)
     result = train_on(tmp_path, multi30k_slice, spm_model, "c", train_src=str(locked))
     one_line_error(result, "locked.en: cannot read (Permission denied)")
-    one_line_error(invoke("translate", trained_run, "-i", locked), "locked.en: Permission denied")
+    one_line_error(invoke("translate", trained_run, "-i", locked), "locked.en: cannot read (Permission denied)")
 
 
 # -- translation input and output ------------------------------------------------------------

@@ -13,7 +13,7 @@ import torch
 from conftest import tiny_model, tiny_model_config
 from typer.testing import CliRunner
 
-from mtkit import checkpoint
+from mtkit import checkpoint, files
 from mtkit.checkpoint import CheckpointError
 from mtkit.cli import app
 from mtkit.config import RunConfig
@@ -316,14 +316,14 @@ def test_average_command_errors_are_one_line(fake_run, tmp_path, args, message):
 
 def test_a_failed_file_write_leaves_the_old_file_and_no_temporary(tmp_path):
     target = tmp_path / "out.txt"
-    checkpoint.atomic_write_text(target, "old\n")
+    files.atomic_write_text(target, "old\n")
 
     def failing_write(f):
         f.write(b"partial")
         raise OSError("disk full")
 
     with pytest.raises(OSError):
-        checkpoint.atomic_write(target, failing_write)
+        files.atomic_write(target, failing_write)
     assert target.read_text() == "old\n"
     assert [p.name for p in tmp_path.iterdir()] == ["out.txt"]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -42,6 +43,12 @@ class Site:
     cut_first: bool = False  # first request: send CUT bytes of the body, then close the connection
     stall_first: bool = False  # first request: send CUT bytes of the body, then go silent until released
     wrong_range: bool = False  # answer range requests with 206 but the whole file (Content-Range 0-)
+    no_length: bool = False  # 200 and 206 answers carry no Content-Length: the body ends when the connection closes
+    short_first: int = 0  # the first answer's Content-Length falls this many bytes short of the file
+    later_payload: bytes | None = None  # the file after the first request (it changed on the server)
+    no_content_range: bool = False  # 206 and 416 answers carry no Content-Range
+    range_short_end: bool = False  # 206 answers stop one byte before the end (and their Content-Range says so)
+    range_trailer: bytes = b""  # sent after the range in a 206 answer (and counted in its Content-Length)
     requests: list[tuple[str, str | None]] = field(default_factory=list)
     release: threading.Event = field(default_factory=threading.Event)
 
@@ -54,29 +61,34 @@ class _Handler(BaseHTTPRequestHandler):
     site: Site
 
     def do_GET(self) -> None:
-        site, data = self.site, self.site.payload
+        site = self.site
         site.requests.append((self.path, self.headers.get("Range")))
         first = len(site.requests) == 1
+        data = site.payload if first or site.later_payload is None else site.later_payload
         if first and site.first_status:
             self.send_error(site.first_status)
             return
-        start = 0
         if self.headers.get("Range") and site.honour_range:
             start = int(self.headers["Range"].removeprefix("bytes=").removesuffix("-"))
             if start >= len(data):
                 self.send_response(416)
-                self.send_header("Content-Range", f"bytes */{len(data)}")
+                if not site.no_content_range:
+                    self.send_header("Content-Range", f"bytes */{len(data)}")
                 self.send_header("Content-Length", "0")
                 self.end_headers()
                 return
             self.send_response(206)
             if site.wrong_range:
                 start = 0
-            self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+            end = len(data) - 1 - site.range_short_end
+            if not site.no_content_range:
+                self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
+            body = data[start : end + 1] + site.range_trailer
         else:
             self.send_response(200)
-        body = data[start:]
-        self.send_header("Content-Length", str(len(body)))
+            body = data
+        if not site.no_length:
+            self.send_header("Content-Length", str(len(body) - (site.short_first if first else 0)))
         self.end_headers()
         if first and (site.cut_first or site.stall_first):
             self.wfile.write(body[:CUT])
@@ -197,7 +209,6 @@ def test_existing_dest_is_kept_if_its_checksum_matches_and_fetched_again_if_not(
     dest = tmp_path / "val.de.gz"
     dest.write_bytes(payload)
     fetch(url, dest, sha256=sha(payload))
-    fetch(url, dest)  # no checksum: any existing file will do
     assert site.requests == []
     dest.write_bytes(b"stale")
     fetch(url, dest, sha256=sha(payload))
@@ -251,3 +262,125 @@ def test_killed_transfer_leaves_only_the_part_and_the_next_fetch_completes_it(se
     fetch(url, dest, sha256=sha(payload))
     assert site.ranges == [None, f"bytes={CUT}-"]
     assert dest.read_bytes() == payload and not part.exists()
+
+
+def fetch_again(site: Site, url: str, dest: Path) -> list[str | None]:
+    """A second fetch of the same file; returns the Range headers it sent ([] when it kept DEST)."""
+    seen = len(site.requests)
+    fetch(url, dest)
+    return site.ranges[seen:]
+
+
+def test_body_without_length_cut_short_is_resumed_to_the_size_its_range_declares(serve, payload, tmp_path):
+    site = Site(payload, no_length=True, cut_first=True)
+    url = serve(site)
+    dest = fetch(url, tmp_path / "val.de.gz")
+    assert dest.read_bytes() == payload
+    assert site.ranges == [None, f"bytes={CUT}-"]  # an early close looks like the end: the range request tells
+    assert fetch_again(site, url, dest) == []
+
+
+@pytest.mark.parametrize(
+    "misbehaviour", [{"honour_range": False}, {"no_content_range": True}], ids=["no-ranges", "416-without-total"]
+)
+def test_body_whose_size_no_answer_reveals_is_kept_with_a_warning(serve, payload, tmp_path, caplog, misbehaviour):
+    site = Site(payload, no_length=True, **misbehaviour)
+    url = serve(site)
+    with caplog.at_level(logging.WARNING, logger="mtkit"):
+        dest = fetch(url, tmp_path / "val.de.gz")
+    assert site.ranges == [None, f"bytes={len(payload)}-"]
+    assert dest.read_bytes() == payload
+    assert any("cannot check" in m and url in m for m in caplog.messages)
+    assert fetch_again(site, url, dest) == []
+
+
+@pytest.mark.parametrize("no_content_range", [False, True], ids=["416-with-total", "416-without-total"])
+def test_416_to_a_resume_promotes_the_part_only_if_its_total_is_its_size(serve, payload, tmp_path, no_content_range):
+    site = Site(payload, no_content_range=no_content_range)
+    url = serve(site)
+    dest = tmp_path / "val.de.gz"
+    dest.with_name("val.de.gz.part").write_bytes(payload + b"junk")  # e.g. left by a fetch of another version
+    fetch(url, dest)
+    assert dest.read_bytes() == payload
+    assert site.ranges == [f"bytes={len(payload) + 4}-", None]
+    assert fetch_again(site, url, dest) == []
+
+
+def test_206_without_content_range_is_not_appended(serve, payload, tmp_path):
+    site = Site(payload, cut_first=True, wrong_range=True, no_content_range=True)
+    url = serve(site)
+    dest = fetch(url, tmp_path / "val.de.gz")
+    assert dest.read_bytes() == payload
+    assert site.ranges == [None, f"bytes={CUT}-", None]
+    assert fetch_again(site, url, dest) == []
+
+
+@pytest.mark.parametrize(
+    "misbehaviour",
+    [{"range_short_end": True}, {"range_trailer": b"junk"}, {"range_trailer": b"junk", "no_length": True}],
+    ids=["short-end", "long-body", "long-body-without-length"],
+)
+def test_206_that_stops_short_of_the_end_or_runs_past_its_range_is_discarded(serve, payload, tmp_path, misbehaviour):
+    site = Site(payload, cut_first=True, **misbehaviour)
+    url = serve(site)
+    dest = fetch(url, tmp_path / "val.de.gz")
+    assert dest.read_bytes() == payload
+    assert site.ranges[:3] == [None, f"bytes={CUT}-", None]  # the part was dropped: the third asks from byte 0
+    assert fetch_again(site, url, dest) == []
+
+
+def test_file_changed_between_the_cut_and_the_resume_is_refused_and_fetched_whole_next_time(serve, payload, tmp_path):
+    changed = payload + payload[:100]
+    site = Site(payload, cut_first=True, later_payload=changed)
+    url = serve(site)
+    dest = tmp_path / "val.de.gz"
+    with pytest.raises(DownloadError) as err:
+        fetch(url, dest)
+    assert site.ranges == [None, f"bytes={CUT}-"]
+    message = str(err.value)
+    assert url in message and str(len(payload)) in message and str(len(changed)) in message and "\n" not in message
+    assert list(tmp_path.iterdir()) == []
+    assert fetch_again(site, url, dest) == [None]
+    assert dest.read_bytes() == changed
+
+
+def test_short_content_length_contradicted_by_a_range_total_is_refused(serve, payload, tmp_path):
+    site = Site(payload, cut_first=True, short_first=100)
+    url = serve(site)
+    dest = tmp_path / "val.de.gz"
+    with pytest.raises(DownloadError, match=f"{len(payload) - 100} bytes, then {len(payload)}"):
+        fetch(url, dest)
+    assert site.ranges == [None, f"bytes={CUT}-"]
+    assert list(tmp_path.iterdir()) == []
+    assert fetch_again(site, url, dest) == [None]
+    assert dest.read_bytes() == payload
+
+
+def test_existing_dest_without_checksum_is_kept_only_if_its_size_was_recorded_by_a_fetch(serve, payload, tmp_path):
+    site = Site(payload)
+    url = serve(site)
+    dest = tmp_path / "val.de.gz"
+    dest.write_bytes(payload[:CUT])  # a file no fetch recorded, e.g. a truncated one from an older mtkit
+    fetch(url, dest)
+    assert dest.read_bytes() == payload
+    assert site.ranges == [None]
+    assert dest.with_name("val.de.gz.size").read_text() == f"{len(payload)}\n"
+    assert fetch_again(site, url, dest) == []
+    dest.write_bytes(payload[:-1])  # changed since: its size no longer matches the record
+    assert fetch_again(site, url, dest) == [None]
+    assert dest.read_bytes() == payload
+
+
+def test_failed_copy_leaves_neither_dest_nor_part(payload, tmp_path, monkeypatch):
+    def copy_some_then_fail(source: Path, target: Path) -> None:
+        Path(target).write_bytes(Path(source).read_bytes()[:CUT])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    dest = tmp_path / "val.de.gz"
+    with monkeypatch.context() as patch:
+        patch.setattr(download.shutil, "copyfile", copy_some_then_fail)
+        with pytest.raises(DownloadError) as err:
+            fetch(str(VAL_DE), dest)
+    assert str(err.value) == f"{VAL_DE}: cannot copy (No space left on device)"
+    assert list(tmp_path.iterdir()) == []
+    assert fetch(str(VAL_DE), dest).read_bytes() == payload

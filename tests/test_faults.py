@@ -447,11 +447,11 @@ def test_a_failing_disk_write_keeps_the_last_checkpoint_and_stops_with_the_reaso
     error = result.stderr.strip().splitlines()[-1]
     what = "the checkpoint of update 4" if target == "checkpoints" else "the best checkpoint"
     assert error.startswith(f"error: cannot write {what} in {run}") and "No space left on device" in error, error
-    assert f"{run / 'checkpoints' / 'update-00000002'} is intact" in error and "Traceback" not in result.output
-    assert [p.name for p in checkpoint.run_checkpoints(run)] == ["update-00000002"]
-    assert checkpoint.load(checkpoint.latest(run)).state["progress"]["step"] == 2
-    best_step = 2 if target == "best" else 4  # validation at update 4 came before its checkpoint
-    assert checkpoint.load(run / "best", with_state=False).meta["step"] == best_step
+    saved = [2] if target == "checkpoints" else [2, 4]  # update 4 is saved before its validation writes best/
+    assert f"{run / 'checkpoints' / f'update-{saved[-1]:08d}'} is intact" in error and "Traceback" not in result.output
+    assert [p.name for p in checkpoint.run_checkpoints(run)] == [f"update-{step:08d}" for step in saved]
+    assert checkpoint.load(checkpoint.latest(run)).state["progress"]["step"] == saved[-1]
+    assert checkpoint.load(run / "best", with_state=False).meta["step"] == 2
     leftovers = [p for folder in (run, run / "checkpoints") for p in folder.iterdir() if p.is_dir()]
     assert not [p for p in leftovers if p.name.startswith(".")]
 

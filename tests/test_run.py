@@ -1,8 +1,11 @@
-"""`mtkit run`: a tiny recipe end to end on Multi30k from its mirror, then again with nothing to redo."""
+"""`mtkit run`: a tiny recipe end to end on Multi30k from its mirror, then again with nothing to redo,
+and again after changing what the average or the translation depends on."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
 
 import pytest
 import yaml
@@ -86,6 +89,125 @@ def test_a_second_run_redoes_nothing_and_judges_a_new_range(first_run, tiny_reci
     }
     assert (out / "test.hyp.de").stat().st_mtime_ns == hyp_stamp
     assert report["reproduced"] is False and "**NOT reproduced** (expected 30-100" in result.stdout
+
+
+def _copy_run(first_run, tmp_path):
+    """A copy of the first run's directory, so a test may change it without touching the others'."""
+    out = tmp_path / "tiny"
+    shutil.copytree(first_run[0], out)
+    return out
+
+
+def _rerun(tiny_recipe, out, *settings):
+    """``mtkit run`` again into ``out`` with ``--set`` ``settings``; its report.json and its stdout."""
+    args = [a for setting in settings for a in ("--set", setting)]
+    result = invoke("run", tiny_recipe, "--out", out, "--mirror", MULTI30K, *args)
+    assert result.exit_code == 0, result.output
+    return json.loads((out / "report.json").read_text()), result.stdout
+
+
+def _ran(report):
+    return {s["name"]: s["ran"] for s in report["stages"] if s["name"] in ("average", "translate")}
+
+
+def _note(report, stage):
+    return next(s["note"] for s in report["stages"] if s["name"] == stage)
+
+
+def _sha256(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_the_report_names_the_model_and_settings_the_hypothesis_came_from(first_run):
+    out, _ = first_run
+    report = json.loads((out / "report.json").read_text())
+    assert report["test"]["model_sha256"] == _sha256(out / "average-last2.safetensors")
+    assert report["test"]["decode"]["beam"] == 1 and report["test"]["decode"]["max_len_b"] == 4
+    assert _note(report, "translate") == "beam 1, lenpen 1, max_len 0 * source + 4"
+    assert report["test"]["model_sha256"][:12] in _note(report, "eval")
+
+
+def test_new_decode_settings_translate_again_and_the_report_shows_them(first_run, tiny_recipe, tmp_path):
+    out = _copy_run(first_run, tmp_path)
+    before = (out / "test.hyp.de").read_text()
+    report, stdout = _rerun(tiny_recipe, out, "decode.beam=2", "decode.max_len_b=2")
+    assert _ran(report) == {"average": False, "translate": True}
+    assert _note(report, "translate") == "beam 2, lenpen 1, max_len 0 * source + 2"
+    assert "beam 2, lenpen 1, max_len 0 * source + 2" in stdout
+    assert report["test"]["decode"]["beam"] == 2
+    assert (out / "test.hyp.de").read_text() != before  # at most 2 tokens now: shorter lines
+
+
+def test_scoring_best_instead_of_the_average_translates_again(first_run, tiny_recipe, tmp_path):
+    out = _copy_run(first_run, tmp_path)
+    report, _ = _rerun(tiny_recipe, out, "recipe.average_last=0")
+    assert _ran(report) == {"average": False, "translate": True}
+    assert report["model"].endswith("best")
+    assert report["test"]["model_sha256"] == _sha256(out / "best" / "model.safetensors")
+
+
+def test_more_checkpoints_and_a_longer_average_redo_the_average_then_nothing(first_run, tiny_recipe, tmp_path):
+    out = _copy_run(first_run, tmp_path)
+    settings = ("train.max_steps=9", "recipe.average_last=3")
+    report, _ = _rerun(tiny_recipe, out, *settings)
+    assert report["training"]["updates"] == 9
+    assert _ran(report) == {"average": True, "translate": True}
+    assert _note(report, "average") == "the newest 3 checkpoints, update-00000003 to update-00000009"
+    assert report["test"]["model_sha256"] == _sha256(out / "average-last3.safetensors")
+    hyp_stamp = (out / "test.hyp.de").stat().st_mtime_ns
+    again, _ = _rerun(tiny_recipe, out, *settings)
+    assert _ran(again) == {"average": False, "translate": False}
+    assert (out / "test.hyp.de").stat().st_mtime_ns == hyp_stamp
+    assert again["test"]["model_sha256"] == report["test"]["model_sha256"]
+
+
+def _truncated(text: str) -> bytes:
+    return text.encode()[: len(text) // 2]
+
+
+def _wrong_shape(text: str) -> bytes:
+    record = json.loads(text)
+    record["stages"] = {"average": ["update-3", 2], "translate": {"inputs": None, "settings": 5}}
+    return json.dumps(record).encode()
+
+
+def _edited(text: str) -> bytes:
+    record = json.loads(text)
+    for entry in record["stages"].values():
+        entry["settings"]["edited"] = True
+    return json.dumps(record).encode()
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda text: b"\x00\xff\xfe not json \x80",
+        _truncated,
+        lambda text: b"[1, 2, 3]",
+        _wrong_shape,
+        _edited,
+    ],
+    ids=["garbage", "truncated", "a list", "wrong shape", "edited"],
+)
+def test_a_damaged_stage_record_redoes_the_stages_instead_of_failing(first_run, tiny_recipe, tmp_path, damage):
+    out = _copy_run(first_run, tmp_path)
+    record = out / "stages.json"
+    record.write_bytes(damage(record.read_text()))
+    report, _ = _rerun(tiny_recipe, out)
+    assert _ran(report) == {"average": True, "translate": True}
+    assert json.loads(record.read_text())["stages"]["translate"]["settings"]["decode"]["beam"] == 1
+    again, _ = _rerun(tiny_recipe, out)
+    assert _ran(again) == {"average": False, "translate": False}
+
+
+def test_an_edited_hypothesis_is_translated_again(first_run, tiny_recipe, tmp_path):
+    out = _copy_run(first_run, tmp_path)
+    hyp = out / "test.hyp.de"
+    original = hyp.read_text()
+    hyp.write_text("edited\n" * 1000)
+    report, _ = _rerun(tiny_recipe, out)
+    assert _ran(report) == {"average": False, "translate": True}
+    assert hyp.read_text() == original
 
 
 def test_a_config_without_a_corpus_is_a_one_line_error(tmp_path):

@@ -1,0 +1,153 @@
+"""Files that appear whole or not at all: written beside their final name, fsynced, then renamed.
+
+A crash (or SIGKILL) at any moment leaves the old file or the new one, never a torn one; a folder
+is swapped in the same way, the old one set aside first and put back if the new one never arrived.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+
+def atomic_write(path: Path, write, partial: Path | None = None) -> None:
+    """Call ``write(file_object)`` on a temporary file beside ``path``, fsync it, then rename over ``path``.
+
+    A crash at any point leaves either the old file or the new one, never a torn one. With ``partial``,
+    a ``write`` interrupted by KeyboardInterrupt keeps what it wrote so far there instead of losing it.
+    A symlink is followed, as shell redirection follows it: the file it points to is replaced.
+    """
+    path = Path(os.path.realpath(path)) if Path(path).is_symlink() else Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            try:
+                write(f)
+            except KeyboardInterrupt:
+                if partial is not None:
+                    f.flush()
+                    os.fsync(f.fileno())
+                    _publish(Path(tmp), Path(partial))
+                raise
+            f.flush()
+            os.fsync(f.fileno())
+        _publish(Path(tmp), path)
+    except OSError as err:
+        Path(tmp).unlink(missing_ok=True)
+        if err.filename in (None, tmp):  # the temporary name means nothing to the user: name the file
+            err.filename = str(path)
+        raise
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def os_error_line(err: OSError) -> str:
+    """'PATH: reason' for an error of the file system (disk full, permission denied, ...)."""
+    if err.filename is not None and err.strerror:
+        return f"{err.filename}: {err.strerror}"
+    return str(err)
+
+
+def _publish(tmp: Path, path: Path) -> None:
+    """Rename a finished temporary file to ``path``, durably."""
+    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file ordinary permissions
+    os.replace(tmp, path)
+    fsync_path(path.parent)  # make the rename itself durable
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def copy_file(source: Path, target: Path) -> None:
+    """Copy ``source`` to ``target`` atomically: a crash never leaves a torn copy that passes for the file."""
+    with open(source, "rb") as f:
+        atomic_write(target, lambda out: shutil.copyfileobj(f, out))
+
+
+def atomic_write_directory(directory: Path, fill) -> None:
+    """Call ``fill(tmp)`` on a temporary folder beside ``directory``, fsync it all, then swap it in whole.
+
+    Folders an earlier crash left beside ``directory`` are cleaned up first.
+    """
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(directory)
+    tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.", suffix=".tmp"))
+    try:
+        fill(tmp)
+        for path in tmp.iterdir():
+            fsync_path(path)
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700
+        fsync_path(tmp)
+        _swap_in(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _remove_leftovers(directory: Path) -> None:
+    """Delete temporary and set-aside copies of ``directory`` that an earlier crash left behind.
+
+    A crash between the two renames of ``_swap_in`` leaves no ``directory`` but its set-aside copy:
+    that copy is whole, so it is put back first.
+    """
+    restore_set_aside(directory)
+    for path in directory.parent.iterdir():
+        if path.name.startswith(f".{directory.name}.") and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def set_aside(directory: Path) -> Path:
+    return directory.with_name(f".{directory.name}.old")
+
+
+def restore_set_aside(directory: Path) -> None:
+    old = set_aside(directory)
+    if not directory.exists() and old.is_dir():
+        os.rename(old, directory)
+        fsync_path(directory.parent)
+
+
+def _swap_in(tmp: Path, directory: Path) -> None:
+    """Rename the finished ``tmp`` to ``directory``; an existing one is set aside first and deleted last."""
+    if not directory.exists():
+        os.rename(tmp, directory)
+        fsync_path(directory.parent)
+        return
+    old = set_aside(directory)
+    os.rename(directory, old)
+    try:
+        os.rename(tmp, directory)
+    except BaseException:
+        os.rename(old, directory)
+        raise
+    fsync_path(directory.parent)
+    shutil.rmtree(old)
+
+
+def file_sha256(path: Path) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB blocks: checkpoint weights can be large to hold twice."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
