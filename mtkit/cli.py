@@ -406,6 +406,8 @@ def _hand_over_to_torchrun(nproc_per_node: int, command: list[str]) -> None:
     from mtkit.distributed import torchrun_arguments
 
     args = get_args_parser().parse_args(torchrun_arguments(nproc_per_node, command))
+    # The launcher's own log of a failed rank repeats what the rank printed and what is said below.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
         run(args)
     except SignalException as stop:  # torchrun has passed the signal on; the ranks save and exit

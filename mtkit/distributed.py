@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -95,12 +96,15 @@ class Distributed:
     def _diagnose(self, name: str, err: RuntimeError) -> str:
         """Which rank is to blame: rank 0 learns who missed a monitored barrier; the others blame rank 0."""
         prefix = f"rank {self.rank}: {name} failed after up to {self.timeout_s:g} s (train.ddp_timeout)"
+        start = time.monotonic()
         try:
             dist.monitored_barrier(group=self.health, timeout=timedelta(seconds=self.timeout_s), wait_all_ranks=True)
         except RuntimeError as barrier_err:
             missing = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", str(barrier_err))
             if missing:
                 return f"{prefix}: rank(s) {missing.group(1).strip()} stopped responding (hung or dead); stopping"
+            if time.monotonic() - start < self.timeout_s / 2:  # its connection closed: it ended, it did not hang
+                return f"rank {self.rank}: {name} failed: rank 0 has exited (its own message says why); stopping"
             return f"{prefix}: rank 0 stopped responding (hung or dead); stopping"
         return f"{prefix}: {str(err).splitlines()[0]}"
 

@@ -7,8 +7,14 @@ can still read (invalid UTF-8, NUL bytes, a huge line) is repaired with a warnin
 from __future__ import annotations
 
 import builtins
+import errno
+import gzip
+import os
 import re
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import safetensors.torch
@@ -312,3 +318,214 @@ def test_weights_saved_by_safetensors_without_mtkit_metadata(tmp_path):
     foreign = tmp_path / "foreign.safetensors"
     safetensors.torch.save_file({"w": torch.zeros(2)}, foreign)
     one_line_error(invoke("translate", foreign, input="A dog.\n"), "not an mtkit checkpoint")
+
+
+# -- damaged archives -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def damaged_gz(tmp_path, multi30k_slice) -> dict[str, Path]:
+    """The training slice gzipped, then cut in half, and with bytes in its middle overwritten."""
+    data = gzip.compress(multi30k_slice["train.en"].read_bytes())
+    cut, corrupt = tmp_path / "cut.en.gz", tmp_path / "corrupt.en.gz"
+    cut.write_bytes(data[: len(data) // 2])
+    middle = len(data) // 2
+    corrupt.write_bytes(data[:middle] + bytes(64) + data[middle + 64 :])
+    return {"truncated": cut, "corrupt": corrupt}
+
+
+@pytest.mark.parametrize("kind", ["truncated", "corrupt"])
+def test_a_damaged_gz_is_one_line_naming_it_in_every_command(tmp_path, multi30k_slice, spm_model, trained_run,  # noqa: F811
+                                                             damaged_gz, kind):  # fmt: skip
+    """Each once gave a zlib.error or EOFError traceback, or Click's bare 'Aborted.'."""
+    bad = damaged_gz[kind]
+    expected = f"{bad.name}: cannot read (corrupt or truncated gzip data"
+    one_line_error(train_on(tmp_path, multi30k_slice, spm_model, "run", train_src=str(bad)), expected)
+    one_line_error(invoke("translate", trained_run, "-i", bad, "--beam", 1), expected)
+    one_line_error(invoke("eval", "--hyp", bad, "--ref", multi30k_slice["train.de"]), expected)
+    one_line_error(invoke("tokenizer", "train", "--src", bad, "-o", tmp_path / "tok", "--vocab-size", 100), expected)
+
+
+# -- settings that cannot work together ---------------------------------------------------------
+
+
+def test_positions_fewer_than_the_longest_training_sentence(tmp_path, multi30k_slice, spm_model):
+    """model.max_positions below data.max_tokens once crashed in the forward pass."""
+    config = write_config(
+        tmp_path / "c.yaml", multi30k_slice, tokenizer={"model": str(spm_model.path)}, model={"max_positions": 16}
+    )
+    one_line_error(
+        invoke("train", config, "--out", tmp_path / "run"), "data.max_tokens 200 must be below model.max_positions 16"
+    )
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("device", ["foo", "meta", "cuda:0", "cuda:x", "cpu:0"])
+def test_a_device_that_is_not_here(trained_run, device):  # noqa: F811
+    if torch.cuda.is_available() and device == "cuda:0":
+        pytest.skip("this machine has CUDA")
+    message = "no CUDA device" if device == "cuda:0" else "device must be auto, cpu, cuda or cuda:N"
+    one_line_error(invoke("translate", trained_run, "--device", device, input="A dog.\n"), message)
+
+
+def test_sampling_settings_at_their_limits(trained_run, val_lines):  # noqa: F811
+    text = "".join(line + "\n" for line in val_lines)
+    greedy = translate_lines(trained_run, val_lines, "--beam", "1")
+    cold = invoke("translate", trained_run, "--sample", "--temperature", "1e-45", input=text)
+    assert cold.exit_code == 0, cold.output
+    assert cold.stdout.split("\n")[:-1] == greedy  # a temperature near 0 tends to greedy search, not to NaN
+    for value in ("inf", "nan", "0"):
+        one_line_error(
+            invoke("translate", trained_run, "--sample", "--temperature", value, input=text), "--temperature"
+        )
+    too_big = invoke("translate", trained_run, "--sample", "--seed", str(2**70), input=text)
+    assert too_big.exit_code == 2 and "Traceback" not in too_big.output
+    assert [line for line in too_big.stderr.splitlines() if line] == [too_big.stderr.strip()]
+    assert too_big.stderr.startswith("error: ") and "translate: Invalid value for '--seed'" in too_big.stderr
+
+
+def test_usage_errors_are_one_line(trained_run):  # noqa: F811
+    """Click's usage errors once printed a box of several lines."""
+    for args, fragment in (
+        (["translate", trained_run, "--beam", "abc"], "Invalid value for '--beam'"),
+        (["translate"], "Missing argument"),
+        (["translate", trained_run, "--no-such-option"], "No such option"),
+        (["no-such-command"], "No such command"),
+    ):
+        result = invoke(*args, input="A dog.\n")
+        assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.stderr
+        assert result.stderr.startswith("error: ") and fragment in result.stderr
+
+
+@pytest.mark.parametrize("value", ["inf", "nan"])
+def test_an_infinite_length_cap_is_refused(trained_run, value):  # noqa: F811
+    """--max-len-a inf was accepted and emptied every translation."""
+    one_line_error(invoke("translate", trained_run, "--max-len-a", value, input="A dog.\n"), "must be finite")
+
+
+def test_inputs_that_are_not_regular_files(tmp_path, trained_run, val_lines):  # noqa: F811
+    """/dev/null, a FIFO, process substitution, /dev/stdin and - were once refused as 'file not found'."""
+    assert invoke("translate", trained_run, "-i", "/dev/null").stdout == ""
+    text = "".join(line + "\n" for line in val_lines)
+    expected = translate_lines(trained_run, val_lines)
+    for name in ("-", "/dev/stdin"):
+        result = invoke("translate", trained_run, "-i", name, "--beam", 2, input=text)
+        assert result.exit_code == 0 and result.stdout.split("\n")[:-1] == expected, result.output
+    source = tmp_path / "in.en"
+    source.write_text(text)
+    command = (
+        f"{sys.executable} -m mtkit translate {trained_run} --beam 2 -i <(cat {source}) --prefix <(yes '' | head -5)"
+    )
+    piped = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120)
+    assert piped.returncode == 0 and piped.stdout.split("\n")[:-1] == expected, piped.stderr
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    writer = subprocess.Popen(["bash", "-c", f"cat {source} > {fifo}"])
+    result = invoke("translate", trained_run, "-i", fifo, "--beam", 2)
+    writer.wait(timeout=60)
+    assert result.exit_code == 0 and result.stdout.split("\n")[:-1] == expected, result.output
+    one_line_error(invoke("translate", trained_run, "-i", "-", "--prefix", "-", input=text), "both be standard input")
+
+
+@pytest.mark.parametrize("closed", ["stdin", "stdout"])
+def test_closed_standard_streams(trained_run, closed):  # noqa: F811
+    """`<&-` and `>&-` once ended in an AttributeError traceback."""
+    redirect = "<&-" if closed == "stdin" else ">&- < /dev/null"
+    command = f"{sys.executable} -m mtkit translate {trained_run} --beam 1 {redirect}"
+    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[
+        -1
+    ] == f"error: <{closed}>: standard {'input' if closed == 'stdin' else 'output'} is closed; " + (
+        "give the text with -i FILE" if closed == "stdin" else "give a file to write with -o"
+    )
+
+
+def test_lines_of_invisible_characters_only_stay_empty(trained_run):  # noqa: F811
+    """A line of U+FEFF or U+200B alone encodes to no token and once got a made-up translation."""
+    hyps = translate_lines(trained_run, ["A dog.", "\ufeff", "\u200b\u200b", "\u2060", "A cat."])
+    assert hyps[1:4] == ["", "", ""] and hyps[0] and hyps[4]
+
+
+def test_a_prefix_longer_than_the_length_cap_is_kept_whole(tmp_path, trained_run):  # noqa: F811
+    """The cap (max_len_a * length + max_len_b) once cut a forced prefix short."""
+    prefix = "Ein Mann mit einem großen Hut und einer roten Jacke steht vor dem Haus"
+    (tmp_path / "prefix.de").write_text(prefix + "\n")
+    args = ["--prefix", tmp_path / "prefix.de", "--max-len-a", "0", "--max-len-b", "3", "--beam", "2"]
+    result = invoke("translate", trained_run, *args, input="A dog.\n")
+    assert result.exit_code == 0 and result.stdout.startswith(prefix), result.output
+
+
+# -- output paths ---------------------------------------------------------------------------------
+
+
+def test_output_paths_that_must_not_be_replaced(tmp_path, trained_run):  # noqa: F811
+    """Each case decided: a symlink is followed; a read-only file, the input itself and a checkpoint are refused."""
+    source = tmp_path / "in.en"
+    source.write_text("A dog.\n")
+    target, link = tmp_path / "target.de", tmp_path / "link.de"
+    target.write_text("old\n")
+    link.symlink_to(target)
+    assert invoke("translate", trained_run, "-i", source, "-o", link, "--beam", 1).exit_code == 0
+    assert link.is_symlink() and target.read_text() != "old\n"  # the link stays, its file holds the output
+
+    locked = tmp_path / "locked.de"
+    locked.write_text("keep me\n")
+    locked.chmod(0o444)
+    real_access = os.access
+    with pytest.MonkeyPatch.context() as patch:  # root may write anything; answer as the kernel would a user
+        patch.setattr(
+            os, "access", lambda p, mode: not (str(p) == str(locked) and mode & os.W_OK) and real_access(p, mode)
+        )
+        one_line_error(invoke("translate", trained_run, "-i", source, "-o", locked), "locked.de: is read-only")
+    assert locked.read_text() == "keep me\n"
+
+    one_line_error(invoke("translate", trained_run, "-i", source, "-o", source), "in.en: is also an input")
+    one_line_error(invoke("translate", trained_run, "-i", link, "-o", target), "is also an input")
+    newest = checkpoint.latest(trained_run)
+    before = (newest / checkpoint.WEIGHTS_FILE).read_bytes()
+    one_line_error(invoke("average", trained_run, "-o", newest / checkpoint.WEIGHTS_FILE), "is inside the checkpoint")
+    assert (newest / checkpoint.WEIGHTS_FILE).read_bytes() == before
+
+
+def test_a_failed_output_write_names_the_output_not_its_temporary_file(tmp_path, trained_run, monkeypatch):  # noqa: F811
+    out = tmp_path / "out.de"
+    real_fsync = os.fsync
+
+    def full_disk(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(tmp_path / ".out.de.")):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    one_line_error(invoke("translate", trained_run, "-o", out, input="A dog.\n"), f"error: {out}: No space left")
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- memory bounds ------------------------------------------------------------------------------
+
+
+def peak_rss_mib(command: str, stdin: bytes) -> tuple[int, subprocess.CompletedProcess]:
+    """Peak resident memory of ``python -m mtkit COMMAND`` run as a child, in MiB."""
+    code = (
+        "import resource, runpy, sys; sys.argv = ['mtkit', *sys.argv[1:]]\n"
+        "try:\n    runpy.run_module('mtkit', run_name='__main__')\n"
+        "finally:\n    print('peak', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024, file=sys.stderr)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, *command.split()], input=stdin, capture_output=True, timeout=300
+    )
+    peak = int(re.search(rb"peak (\d+)", result.stderr)[1])
+    return peak, result
+
+
+def test_a_huge_line_and_a_huge_beam_keep_memory_bounded(trained_run):  # noqa: F811
+    """A 26 MB line once took 1.2 GB; 64 lines at beam 1000 took 2.4 GB (--batch-tokens ignored the beam)."""
+    baseline, _ = peak_rss_mib(f"translate {trained_run} --beam 1", b"A dog.\n")
+    huge, result = peak_rss_mib(f"translate {trained_run} --beam 1", b"A man is walking. " * 1_450_000 + b"\n")
+    assert result.returncode == 0 and result.stdout.count(b"\n") == 1
+    assert huge - baseline < 400, (baseline, huge)
+    lines = b"".join(b"A man in a red jacket is walking his dog.\n" for _ in range(64))
+    wide, result = peak_rss_mib(f"translate {trained_run} --beam 1000 --max-len-a 0 --max-len-b 8", lines)
+    assert result.returncode == 0 and result.stdout.count(b"\n") == 64
+    assert wide - baseline < 400, (baseline, wide)

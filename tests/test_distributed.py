@@ -205,3 +205,36 @@ def test_stopping_the_launcher_makes_the_ranks_save_and_exit(tmp_path, multi30k_
     logged = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert checkpoint.latest(run) is not None, err
     assert checkpoint.load(checkpoint.latest(run)).meta["step"] == logged[-1]
+
+
+@pytest.mark.parametrize("fault", ["missing-file", "bad-line"])
+def test_bad_input_under_nproc_per_node_is_one_error_line(tmp_path, multi30k_slice, fault):
+    """A missing file once gave three error lines and a false 'rank 0 stopped responding (hung or dead)'.
+
+    A missing file is found before the ranks start; a bad line only while rank 0 trains the tokenizer,
+    with the other rank waiting: rank 0 says what is wrong, the others and the launcher stay quiet.
+    """
+    bad = tmp_path / "bad.de"
+    if fault == "bad-line":
+        lines = multi30k_slice["train.de"].read_bytes().split(b"\n")
+        lines[100] = b"\xff\xfe not UTF-8"
+        bad.write_bytes(b"\n".join(lines))
+    config = write_config(tmp_path / "c.yaml", multi30k_slice, data={"train_tgt": str(bad)}, train={"max_steps": 2})
+    command = [
+        sys.executable,
+        "-m",
+        "mtkit",
+        "train",
+        str(config),
+        "--out",
+        str(tmp_path / "run"),
+        "--nproc-per-node",
+        "2",
+    ]
+    done = subprocess.run(
+        command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300
+    )
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error")]
+    assert done.returncode == 1 and len(errors) == 1, done.stderr
+    expected = "bad.de: file not found" if fault == "missing-file" else "bad.de:101: invalid UTF-8"
+    assert errors[0].startswith("error: ") and expected in errors[0] and "hung or dead" not in done.stderr

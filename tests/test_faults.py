@@ -10,6 +10,9 @@ from __future__ import annotations
 import errno
 import json
 import math
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -463,3 +466,151 @@ def test_a_failing_disk_write_keeps_the_last_checkpoint_and_stops_with_the_reaso
     assert resumed.meta["step"] == 6 and all(
         torch.equal(resumed.weights[k], reference.weights[k]) for k in reference.weights
     )
+
+
+# -- validation data, saving order, what a resume keeps ---------------------------------------------
+
+
+def cli_train(config, run, *args):
+    return CliRunner().invoke(app, ["train", str(config), "--out", str(run), *map(str, args)])
+
+
+def test_a_validation_pair_longer_than_the_positions_is_left_out_of_the_loss(tmp_path, multi30k_slice, spm_model):
+    """Such a pair once crashed every first validation with a ValueError, so the run could never pass it."""
+    long_valid = tmp_path / "val.de"
+    lines = multi30k_slice["val.de"].read_text().splitlines()
+    lines[3] = " ".join(lines[:40])  # far over 64 positions
+    long_valid.write_text("\n".join(lines) + "\n")
+    cfg = small_config(multi30k_slice, spm_model, max_steps=4, valid_every=2, valid_bleu=True, best_metric="bleu")
+    raw = cfg.to_dict()
+    raw["data"].update(valid_tgt=str(long_valid), max_tokens=60)
+    raw["model"]["max_positions"] = 64
+    result = cli_train(write_config(tmp_path / "c.yaml", from_dict(raw)), tmp_path / "run")
+    assert result.exit_code == 0, result.output
+    left_out = re.search(
+        r"validation loss leaves out (\d+) of 40 pairs .*: 0 with an empty side, (\d+) longer than 63", result.stderr
+    )
+    assert left_out and left_out[1] == left_out[2] and int(left_out[1]) >= 1, result.stderr
+    assert [e["step"] for e in events(tmp_path / "run", "valid")] == [2, 4]
+
+
+def test_a_validation_set_with_an_empty_side_is_refused_before_any_update(tmp_path, multi30k_slice, spm_model):
+    """All-blank references once ended the first validation in a ZeroDivisionError."""
+    blank = tmp_path / "blank.de"
+    blank.write_text("\n" * 40)
+    raw = small_config(multi30k_slice, spm_model, max_steps=4, valid_every=2).to_dict()
+    raw["data"]["valid_tgt"] = str(blank)
+    result = cli_train(write_config(tmp_path / "c.yaml", from_dict(raw)), tmp_path / "run")
+    assert result.exit_code == 1 and result.stderr.strip().splitlines()[-1].startswith("error: "), result.output
+    assert "blank.de: no validation pair to compute a loss on (40 with an empty side" in result.stderr
+    assert checkpoint.latest(tmp_path / "run") is None
+
+
+def test_the_checkpoint_of_an_update_is_saved_before_its_validation(tmp_path, multi30k_slice, spm_model, monkeypatch):
+    """A validation that fails costs no training: the resumed run validates that update first, then goes on
+    exactly as an uninterrupted run does."""
+    cfg = small_config(multi30k_slice, spm_model, max_steps=6, valid_every=2, save_every=2, log_every=1)
+    config = write_config(tmp_path / "c.yaml", without_dropout(cfg))
+    original = Trainer.validate
+
+    def fails_at_update_4(trainer):
+        if trainer.progress.step == 4:
+            raise KeyboardInterrupt("killed while validating")
+        return original(trainer)
+
+    monkeypatch.setattr(Trainer, "validate", fails_at_update_4)
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(from_dict(yaml.safe_load(config.read_text())), tmp_path / "run").run()
+    assert checkpoint.load(checkpoint.latest(tmp_path / "run")).meta["step"] == 4  # saved before validating
+    monkeypatch.setattr(Trainer, "validate", original)
+    assert cli_train(config, tmp_path / "run").exit_code == 0
+    assert cli_train(config, tmp_path / "straight").exit_code == 0
+    assert [e["step"] for e in events(tmp_path / "run", "valid")] == [2, 4, 6]
+    assert events(tmp_path / "run") == [
+        {**e, **{k: r[k] for k in ("tgt_tokens_per_s", "valid_seconds") if k in e}}
+        for e, r in zip(events(tmp_path / "straight"), events(tmp_path / "run"))
+    ]
+    assert checkpoint_bytes(tmp_path / "run").keys() == checkpoint_bytes(tmp_path / "straight").keys()
+    for name in ("best", checkpoint.latest(tmp_path / "run").relative_to(tmp_path / "run")):
+        a = checkpoint.load(tmp_path / "run" / name, with_state=False).weights
+        assert_same_weights(a, checkpoint.load(tmp_path / "straight" / name, with_state=False).weights)
+    again = cli_train(config, tmp_path / "run")  # a finished run has nothing left to validate
+    assert again.exit_code == 0 and [e["step"] for e in events(tmp_path / "run", "valid")] == [2, 4, 6]
+
+
+def test_the_last_checkpoint_is_written_once(tmp_path, multi30k_slice, spm_model, monkeypatch):
+    """With train.max_steps a multiple of train.save_every (the shipped recipe) it was written twice."""
+    saved = []
+    real_save = checkpoint.save_in_run
+    monkeypatch.setattr(checkpoint, "save_in_run", lambda run, step, *a: saved.append(step) or real_save(run, step, *a))
+    cfg = small_config(multi30k_slice, spm_model, max_steps=6, valid_every=3, save_every=3)
+    assert cli_train(write_config(tmp_path / "c.yaml", cfg), tmp_path / "run").exit_code == 0
+    assert saved == [3, 6]
+
+
+def test_a_disk_that_fills_up_inside_torch_save_stops_training_with_the_reason(tmp_path, multi30k_slice, spm_model):
+    """torch.save reports a failed write as RuntimeError 'unexpected pos', which once became a traceback.
+
+    The file-size limit of the process (RLIMIT_FSIZE) makes the kernel fail writes beyond it, as a full
+    disk does; it sits between the weights' size and the training state's, so the state fails.
+    """
+    raw = small_config(multi30k_slice, spm_model, max_steps=2, save_every=2).to_dict()
+    raw["model"].update(d_model=128, ffn=512)  # weights well above the tokenizer's size, which is copied too
+    cfg = from_dict(raw)
+    config = write_config(tmp_path / "c.yaml", cfg)
+    run = tmp_path / "run"
+    weights_size = sum(p.numel() * 4 for p in build_model_of(cfg).parameters())  # tied weights stored once
+    assert weights_size > 2 * spm_model.path.stat().st_size
+    code = (
+        "import resource, signal, sys\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        f"resource.setrlimit(resource.RLIMIT_FSIZE, ({int(weights_size * 1.5)}, resource.RLIM_INFINITY))\n"
+        "from mtkit.cli import main\n"
+        f"sys.argv = ['mtkit', 'train', {str(config)!r}, '--out', {str(run)!r}]\n"
+        "main()\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith(f"error: cannot write the checkpoint of update 2 in {run}") and "File too large" in error
+    assert checkpoint.latest(run) is None and not [p for p in (run / "checkpoints").iterdir()]
+
+
+def build_model_of(cfg):
+    from mtkit.model import build_model
+
+    return build_model(cfg.model, 300, 300, 0)
+
+
+def test_a_refused_resume_leaves_the_config_that_describes_the_checkpoints(tmp_path, multi30k_slice, spm_model):
+    config = write_config(tmp_path / "c.yaml", small_config(multi30k_slice, spm_model, max_steps=2))
+    run = tmp_path / "run"
+    assert cli_train(config, run).exit_code == 0
+    before = (run / "config.yaml").read_text()
+    result = cli_train(config, run, "--set", "model.d_model=64")
+    assert result.exit_code == 1 and "model settings differ" in result.stderr
+    assert (run / "config.yaml").read_text() == before
+
+
+def test_starting_a_training_leaves_other_programs_temporary_files_alone(tmp_path, multi30k_slice, spm_model):
+    """It once deleted every .*.tmp in the run directory, so a `translate -o RUN/x` running beside it lost its work."""
+    config = write_config(tmp_path / "c.yaml", small_config(multi30k_slice, spm_model, max_steps=2))
+    run = tmp_path / "run"
+    assert cli_train(config, run).exit_code == 0
+    others = [run / ".test.hyp.de.k2j4x9q1.tmp", run / ".avg.safetensors.abcdefgh.tmp"]
+    mine = [run / ".config.yaml.zzzzzzzz.tmp", run / "checkpoints" / ".update-00000004.q1w2e3r4.tmp"]
+    for path in others + mine:
+        path.write_text("half written")
+    assert cli_train(config, run, "--set", "train.max_steps=4").exit_code == 0
+    assert all(path.exists() for path in others) and not any(path.exists() for path in mine)
+
+
+def test_the_first_log_line_after_a_resume_is_the_mean_an_uninterrupted_run_logs(tmp_path, multi30k_slice, spm_model):
+    """It once averaged only the updates since the resume."""
+    cfg = without_dropout(small_config(multi30k_slice, spm_model, max_steps=8, save_every=3, log_every=4))
+    config = write_config(tmp_path / "c.yaml", cfg)
+    assert cli_train(config, tmp_path / "straight").exit_code == 0
+    assert cli_train(config, tmp_path / "run", "--set", "train.max_steps=3").exit_code == 0  # stops at update 3
+    assert cli_train(config, tmp_path / "run").exit_code == 0  # resumes there; the line at update 4 covers 1-4
+    line = lambda run: {(e["step"], e["loss"], e["nll"]) for e in events(run, "train")}  # noqa: E731
+    assert line(tmp_path / "run") == line(tmp_path / "straight")

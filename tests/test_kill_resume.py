@@ -2,7 +2,7 @@
 
 A kill -9 runs no handler and flushes nothing: it is what atomic writes and resuming are for. Each
 faulty run is a subprocess that wraps one phase (an update, a validation, a checkpoint save; at the
-start of a run, the tokenizer training, the config write and the data encoding) and, in the phase's
+start of a run, the tokenizer training, the data encoding and the config write) and, in the phase's
 K-th call, counts Python profile events and kills itself at event N, or when the call returns. N is
 drawn from the events one call makes, as counted by a first run. A random half of the kills count
 every call and return (of C functions too), so they land anywhere in the phase; the others count
@@ -51,7 +51,7 @@ PHASES = {
     "validation": "mtkit.train:Trainer._validate_and_log",  # decoding, best/ and the metrics line
     "checkpoint": "mtkit.train:Trainer.save_last",  # the state, its rename into place, pruning
     "spm": "mtkit.train:train_spm",
-    "config": "mtkit.checkpoint:atomic_write_text",  # first called for RUN/config.yaml
+    "config": "mtkit.files:atomic_write_text",  # first called for RUN/config.yaml
     "encode": "mtkit.train:open_training_data",
 }
 LOOP_PHASES = ("step", "validation", "checkpoint")
@@ -213,7 +213,7 @@ def test_sigkill_at_random_moments_then_resume_reproduces_the_uninterrupted_run(
 def test_sigkill_while_a_run_starts_then_resume(kill_setup, tmp_path):
     rng = random.Random(SEED)
     run, fresh_cache = tmp_path / "run", f"data.cache_dir={tmp_path / 'encoded'}"
-    for phase in ("spm", "config", "encode"):  # in the order a start goes through them, so each is reached
+    for phase in ("spm", "encode", "config"):  # in the order a start goes through them, so each is reached
         fault = draw_kill(kill_setup.events, phase, 1, rng)
         where = f"MTKIT_KILL_SEED={SEED}: {fault}"
         print(where)

@@ -6,10 +6,17 @@ plain data) and that the marker never appears.
 
 from __future__ import annotations
 
+import gzip
+import hashlib
+import json
 import os
 import shutil
+import time
+import zipfile
 
 import pytest
+import safetensors
+import safetensors.torch
 import torch
 from test_cli import invoke, one_line_error, trained_run, write_config  # noqa: F401  (trained_run is a fixture)
 
@@ -104,3 +111,141 @@ def test_translating_hostile_text_writes_the_output_file_and_nothing_else(tmp_pa
     text = source.read_bytes()
     one_line_error(invoke("translate", trained_run, "-i", source, "-o", source), "in.txt: is also an input")
     assert source.read_bytes() == text
+
+
+# -- what checkpoint headers and manifests may say ------------------------------------------------
+
+
+def with_header(source, target, edit) -> None:
+    """Copy the safetensors checkpoint ``source`` to ``target`` with ``edit(meta)`` applied to its mtkit header."""
+    with safetensors.safe_open(source, framework="pt") as f:
+        header = dict(f.metadata())
+        tensors = {key: f.get_tensor(key) for key in f.keys()}
+    meta = json.loads(header["mtkit"])
+    edit(meta)
+    header["mtkit"] = json.dumps(meta)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(safetensors.torch.save(tensors, metadata=header))
+
+
+def test_a_tokenizer_name_in_a_header_cannot_lead_outside_the_checkpoint(tmp_path, trained_run):  # noqa: F811
+    """A header naming ../conftest.py (with its true SHA-256) once made `average` write conftest.py outside runs/."""
+    shipped = tmp_path / "shipped"
+    (shipped / "conftest.py").parent.mkdir(parents=True)
+    (shipped / "conftest.py").write_text("import os; os.system('touch ran')\n")
+    digest = hashlib.sha256((shipped / "conftest.py").read_bytes()).hexdigest()
+
+    def point_outside(meta):
+        meta["tokenizer"]["src"] = {"file": "../conftest.py", "sha256": digest}
+
+    for name in ("a", "b"):
+        with_header(
+            checkpoint.latest(trained_run) / checkpoint.WEIGHTS_FILE,
+            shipped / name / "model.safetensors",
+            point_outside,
+        )
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    result = invoke("average", shipped / "a", shipped / "b", "-o", runs / "avg.safetensors")
+    one_line_error(result, "malformed checkpoint header: tokenizer.src.file must be one of", "'../conftest.py'")
+    one_line_error(invoke("translate", shipped / "a", input="A dog.\n"), "tokenizer.src.file must be one of")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs", "shipped"] and not any(runs.iterdir())
+
+
+def test_a_name_in_an_export_manifest_cannot_lead_outside_the_export(tmp_path, trained_run):  # noqa: F811
+    export = tmp_path / "ct2"
+    assert invoke("export", trained_run, "-o", export).exit_code == 0
+    manifest = json.loads((export / "mtkit.json").read_text())
+    manifest["tokenizer"]["src"] = "../../etc/passwd"
+    (export / "mtkit.json").write_text(json.dumps(manifest))
+    result = invoke("translate", export, "--engine", "ctranslate2", input="A dog.\n")
+    one_line_error(result, "malformed export manifest: tokenizer.src must be one of", "../../etc/passwd")
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda meta: meta.pop("config"), "its metadata has no 'config'"),
+        (lambda meta: meta.pop("tokenizer"), "its metadata has no 'tokenizer'"),
+        (lambda meta: meta.update(step="12"), "step must be an integer, got '12'"),
+        (lambda meta: meta.update(step=-1), "step must be at least 0"),
+        (lambda meta: meta["tokenizer"]["tgt"].update(sha256=7), "tokenizer.tgt.sha256 must be a SHA-256"),
+        (lambda meta: meta["config"]["model"].update(heads="four"), "model.heads must be of type int"),
+        (lambda meta: meta["config"]["model"].update(max_positions=10**9), "model.max_positions must be between 8"),
+        (lambda meta: meta["config"]["model"].update(d_model=65536, heads=1), "do not fit this model"),
+    ],
+    ids=["no-config", "no-tokenizer", "step-text", "step-negative", "sha-number", "heads-text", "huge-positions",
+         "huge-width"],
+)  # fmt: skip
+def test_a_malformed_header_is_one_line_before_anything_is_built(tmp_path, trained_run, edit, message):  # noqa: F811
+    """Each of these once ended in a KeyError, TypeError or ValueError traceback, or allocated gigabytes first."""
+    model = tmp_path / "model.safetensors"
+    with_header(trained_run / "best" / checkpoint.WEIGHTS_FILE, model, edit)
+    shutil.copyfile(trained_run / "spm.model", tmp_path / "spm.model")
+    started = time.perf_counter()
+    one_line_error(invoke("translate", model, input="A dog.\n"), f"{tmp_path}", message)
+    assert time.perf_counter() - started < 30  # refused from the header, not after building a huge model
+
+
+def test_a_tensor_whose_dtype_was_changed_in_the_header_is_refused(tmp_path, trained_run):  # noqa: F811
+    """float32 bytes read as int32 (same size) once loaded silently and translated garbage."""
+    data = (trained_run / "best" / checkpoint.WEIGHTS_FILE).read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + size])
+    key = next(k for k in header if k != "__metadata__" and header[k]["dtype"] == "F32")
+    header[key]["dtype"] = "I32"
+    text = json.dumps(header, separators=(",", ":")).encode().ljust(size)
+    model = tmp_path / "model.safetensors"
+    model.write_bytes(data[:8] + text + data[8 + size :])
+    shutil.copyfile(trained_run / "spm.model", tmp_path / "spm.model")
+    one_line_error(invoke("translate", model, input="A dog.\n"), f"{key} is torch.int32 there, torch.float32 here")
+
+
+def test_a_zip_bombed_training_state_is_refused_before_it_expands(tmp_path, multi30k_slice, trained_run):  # noqa: F811
+    """A 1 MB state.pt whose compressed entry expands to 800 MB, as torch.load would expand it."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    state = checkpoint.latest(run) / checkpoint.STATE_FILE
+    with zipfile.ZipFile(state) as original:
+        entries = [(info, original.read(info)) for info in original.infolist()]
+    bombed = next(info.filename for info, _ in entries if "/data/" in info.filename)
+    with zipfile.ZipFile(state, "w") as bomb:
+        for info, content in entries:
+            big = info.filename == bombed
+            bomb.writestr(info, bytes(200_000_000) if big else content, zipfile.ZIP_DEFLATED if big else None)
+    assert state.stat().st_size < 2_000_000
+    config = write_config(tmp_path / "c.yaml", multi30k_slice, train={"max_steps": 40})
+    one_line_error(invoke("train", config, "--out", run), "state.pt: refused: it holds compressed entries")
+
+
+@pytest.mark.parametrize("kind", ["text", "tokenizer", "gzip", "empty"])
+def test_a_file_that_is_no_checkpoint_is_named_for_what_it_is(tmp_path, trained_run, kind):  # noqa: F811
+    """Any such file was once reported as holding pickled objects that could run code."""
+    path = tmp_path / "model.pt"
+    content, what = {
+        "text": (b"A dog runs on the beach.\n", "a text file"),
+        "tokenizer": ((trained_run / "spm.model").read_bytes(), "a SentencePiece model"),
+        "gzip": (gzip.compress(b"text\n"), "a gzip file"),
+        "empty": (b"", "an empty file"),
+    }[kind]
+    path.write_bytes(content)
+    one_line_error(invoke("translate", path, input="A dog.\n"), f"model.pt: {what}, not a checkpoint")
+    one_line_error(invoke("translate", trained_run / "spm.model", input="A dog.\n"), "a SentencePiece model")
+
+
+def test_a_yaml_alias_bomb_is_refused_at_once_with_a_short_error(tmp_path):
+    """421 bytes of nested aliases once took 38 s and 4 GB, and printed an 800 MB error line."""
+    levels = ['&a ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    for name, previous in zip("bcdefgh", "abcdefg"):
+        levels.append(f"&{name} [" + ", ".join([f"*{previous}"] * 9) + "]")
+    config = tmp_path / "bomb.yaml"
+    config.write_text("train:\n  max_steps: [" + ", ".join(levels) + "]\n")  # all under one key
+    started = time.perf_counter()
+    error = one_line_error(invoke("train", config, "--out", tmp_path / "run"), "aliases expand to more than")
+    assert time.perf_counter() - started < 10 and len(error) < 300
+    config.write_text("train: {max_steps: " + "[" * 50_000 + "]" * 50_000 + "}\n")
+    one_line_error(invoke("train", config, "--out", tmp_path / "run"), "not valid YAML (nested too deeply)")
+    anchors = tmp_path / "anchors.yaml"  # anchors used as they are meant to be still work
+    anchors.write_text("train: {lr: &lr 0.002, max_steps: 10}\ndecode: {lenpen: *lr}\n")
+    result = invoke("train", anchors, "--dry-run")
+    assert result.exit_code == 0 and "lenpen: 0.002" in result.stdout

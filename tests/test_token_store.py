@@ -150,3 +150,39 @@ def test_a_damaged_store_is_encoded_again(tmp_path, multi30k_slice, spm_model):
     again = build(tmp_path, multi30k_slice, spm_model)
     assert again.directory == store.directory
     assert [(again.sentence("src", i), again.sentence("tgt", i)) for i in range(len(again))] == pairs
+
+
+def test_ids_overwritten_in_place_are_caught_when_the_store_opens(tmp_path, multi30k_slice, spm_model):
+    """Ids beyond the vocabulary (a store edited or damaged in place, same size) once crashed training
+    with an IndexError; now the store is found damaged and encoded again."""
+    store = build(tmp_path, multi30k_slice, spm_model)
+    pairs = [(store.sentence("src", i), store.sentence("tgt", i)) for i in range(len(store))]
+    ids = np.memmap(store.directory / "src.ids", dtype=np.uint16, mode="r+")
+    ids[10] = 65_000
+    ids.flush()
+    del ids
+    with pytest.raises(DataError, match=r"damaged token store \(src ids outside the vocabulary of 300\)"):
+        TokenStore(store.directory, (spm_model.vocab_size, spm_model.vocab_size))
+    again = build(tmp_path, multi30k_slice, spm_model)
+    assert [(again.sentence("src", i), again.sentence("tgt", i)) for i in range(len(again))] == pairs
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda meta: meta["dtype"].update(src="object"),
+        lambda meta: meta["dtype"].update(src="../../x"),
+        lambda meta: meta.update(pairs="many"),
+        lambda meta: meta.pop("filter"),
+        lambda meta: meta["filter"].update(kept=None),
+    ],
+    ids=["dtype-object", "dtype-path", "pairs-text", "no-filter", "kept-none"],
+)
+def test_an_edited_meta_json_makes_the_store_one_to_encode_again(tmp_path, multi30k_slice, spm_model, edit):
+    store = build(tmp_path, multi30k_slice, spm_model)
+    meta = json.loads((store.directory / "meta.json").read_text())
+    edit(meta)
+    (store.directory / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(DataError, match="unreadable token store"):
+        TokenStore(store.directory)
+    assert len(build(tmp_path, multi30k_slice, spm_model)) == len(store)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from test_cli import invoke, write_config
 
 from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, SpmOptions, Tokenizer, TokenizerError, train_spm
 
@@ -36,3 +37,32 @@ def test_foreign_model_is_rejected(tmp_path):
     path.write_bytes(b"not a model")
     with pytest.raises(TokenizerError, match="not a SentencePiece model"):
         Tokenizer(path)
+
+
+def test_the_same_text_and_settings_give_a_byte_identical_model(tmp_path, multi30k_slice):
+    """SentencePiece once stored its random temporary output folder inside the model, so no two were equal."""
+    src, tgt = multi30k_slice["train.en"], multi30k_slice["train.de"]
+    for name in ("a", "b"):
+        result = invoke("tokenizer", "train", "--src", src, "--tgt", tgt, "-o", tmp_path / name, "--vocab-size", 250)
+        assert result.exit_code == 0, result.output
+    for suffix in ("model", "vocab"):
+        assert (tmp_path / "a" / f"spm.{suffix}").read_bytes() == (tmp_path / "b" / f"spm.{suffix}").read_bytes()
+    vocab = (tmp_path / "a" / "spm.vocab").read_text().splitlines()
+    assert len(vocab) == 250 and vocab[:4] == ["<pad>\t0", "<unk>\t0", "<s>\t0", "</s>\t0"]
+
+
+def test_runs_of_one_recipe_with_other_seeds_share_tokenizer_and_store_so_they_ensemble(tmp_path, multi30k_slice):
+    """Two runs differing only in train.seed once had tokenizers of different SHA-256: their ensemble was
+    refused and each encoded the corpus into a store of its own."""
+    cache = tmp_path / "encoded"
+    config = write_config(tmp_path / "c.yaml", multi30k_slice, data={"cache_dir": str(cache)}, train={"max_steps": 2})
+    for seed in (1, 2):
+        result = invoke("train", config, "--out", tmp_path / f"seed{seed}", "--set", f"train.seed={seed}")
+        assert result.exit_code == 0, result.output
+    assert (tmp_path / "seed1" / "spm.model").read_bytes() == (tmp_path / "seed2" / "spm.model").read_bytes()
+    assert len([p for p in cache.iterdir() if p.is_dir()]) == 1
+    result = invoke("translate", tmp_path / "seed1", tmp_path / "seed2", "--beam", 2, input="A dog runs.\n")
+    assert result.exit_code == 0 and result.stdout.count("\n") == 1, result.output
+    last = [tmp_path / f"seed{seed}" / "checkpoints" / "update-00000002" for seed in (1, 2)]
+    average = invoke("average", *last, "-o", tmp_path / "avg.safetensors")
+    assert average.exit_code == 0, average.output
