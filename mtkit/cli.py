@@ -120,7 +120,7 @@ def _error_line(message: str) -> None:
     """
     if os.environ.get("RANK", "0") != "0":
         raise typer.Exit(1)
-    line = " ".join(message.split("\n"))
+    line = " ".join(message.splitlines())  # \r, U+2028 and the like too: one line, whatever it quotes
     if len(line) > MAX_ERROR_CHARS:
         line = line[:MAX_ERROR_CHARS] + f"... ({len(line) - MAX_ERROR_CHARS:,} more characters)"
     typer.echo(f"error: {line}", err=True)

@@ -294,7 +294,8 @@ def _build(cls: type, values: dict[str, Any], prefix: str) -> Any:
     kwargs = {}
     for key, value in values.items():
         if key not in known:
-            raise ConfigError(f"unknown config key {prefix}{key} (known: {', '.join(sorted(known))})")
+            name = key if isinstance(key, str) and key.isprintable() else shown(key)
+            raise ConfigError(f"unknown config key {prefix}{name} (known: {', '.join(sorted(known))})")
         kwargs[key] = _coerce(prefix + key, value, hints[key])
     return cls(**kwargs)
 
@@ -320,7 +321,7 @@ def from_dict(raw: dict[str, Any]) -> RunConfig:
             raise ConfigError(f"config section {section} must be a mapping, got {shown(values)}")
     model_raw = dict(raw.get("model") or {})
     preset = model_raw.get("preset", ModelConfig.preset)
-    if preset not in PRESETS:
+    if not isinstance(preset, str) or preset not in PRESETS:
         raise ConfigError(f"model.preset must be one of {', '.join(PRESETS)}, got {shown(preset)}")
     sections = {name: dict(raw.get(name) or {}) for name in SECTIONS}
     sections["model"] = {**PRESETS[preset], **model_raw}

@@ -76,7 +76,7 @@ def sha256(value: Any, what: str) -> str:
 
 def one_of(value: Any, what: str, allowed: Collection[str]) -> str:
     """One of the strings mtkit writes in this place. For a file name this refuses any path."""
-    if value not in allowed or not isinstance(value, str):
+    if not isinstance(value, str) or value not in allowed:
         raise Malformed(f"{what} must be one of {', '.join(sorted(allowed))}, got {shown(value)}")
     return value
 
