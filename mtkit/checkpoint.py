@@ -191,6 +191,7 @@ def save(
 _TRAINING_NAMES = {
     "": r"config\.yaml|metrics\.jsonl|best|spm(?:\.src|\.tgt)?(?:\.model|\.vocab)?",
     CHECKPOINTS_DIR: r"update-\d+",
+    f"{CHECKPOINTS_DIR}/update-*": re.escape(VALIDATION_FILE),  # added to a checkpoint after its save
 }
 
 
@@ -203,21 +204,21 @@ def recover(run_dir: Path) -> None:
     writes only: another program's temporary file in the run directory (``translate -o RUN/x``
     writing ``.x.*.tmp``) is left alone.
     """
-    for folder, names in _TRAINING_NAMES.items():
-        parent = Path(run_dir) / folder
-        if not parent.is_dir():
-            continue
+    for pattern, names in _TRAINING_NAMES.items():
         leftover = re.compile(rf"\.(?:{names})\.(?:.+\.tmp|old|pruned)")
-        for old in parent.glob(".*.old"):
-            if leftover.fullmatch(old.name):
-                restore_set_aside(old.with_name(old.name[1 : -len(".old")]))
-        for path in parent.glob(".*"):
-            if not leftover.fullmatch(path.name):
+        for parent in Path(run_dir).glob(pattern) if pattern else [Path(run_dir)]:
+            if not parent.is_dir():
                 continue
-            if path.is_dir():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
+            for old in parent.glob(".*.old"):
+                if leftover.fullmatch(old.name):
+                    restore_set_aside(old.with_name(old.name[1 : -len(".old")]))
+            for path in parent.glob(".*"):
+                if not leftover.fullmatch(path.name):
+                    continue
+                if path.is_dir():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
 
 
 def _delete(directory: Path) -> None:

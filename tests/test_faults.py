@@ -599,6 +599,7 @@ def test_starting_a_training_leaves_other_programs_temporary_files_alone(tmp_pat
     assert cli_train(config, run).exit_code == 0
     others = [run / ".test.hyp.de.k2j4x9q1.tmp", run / ".avg.safetensors.abcdefgh.tmp"]
     mine = [run / ".config.yaml.zzzzzzzz.tmp", run / "checkpoints" / ".update-00000004.q1w2e3r4.tmp"]
+    mine.append(run / "checkpoints" / "update-00000002" / ".validation.json.k3j4h5g6.tmp")
     for path in others + mine:
         path.write_text("half written")
     assert cli_train(config, run, "--set", "train.max_steps=4").exit_code == 0
