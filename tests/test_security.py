@@ -160,6 +160,9 @@ def test_a_name_in_an_export_manifest_cannot_lead_outside_the_export(tmp_path, t
     (export / "mtkit.json").write_text(json.dumps(manifest))
     result = invoke("translate", export, "--engine", "ctranslate2", input="A dog.\n")
     one_line_error(result, "malformed export manifest: tokenizer.src must be one of", "../../etc/passwd")
+    (export / "mtkit.json").write_text('{"format": 1}')  # once a KeyError traceback
+    result = invoke("translate", export, "--engine", "ctranslate2", input="A dog.\n")
+    one_line_error(result, "malformed export manifest: it has no 'tokenizer', 'max_positions', 'decode'")
 
 
 @pytest.mark.parametrize(
