@@ -85,6 +85,7 @@ class _Files(BaseHTTPRequestHandler):
     files: dict[str, bytes]
     cut: str
     seen: list[tuple[str, str | None]]
+    unsized: str = ""  # the first request for it gets half the file, with no Content-Length, then a close
 
     def do_GET(self) -> None:
         name = self.path.rsplit("/", 1)[-1]
@@ -93,6 +94,12 @@ class _Files(BaseHTTPRequestHandler):
             self.send_error(404)
             return
         data = self.files[name]
+        if name == self.unsized and [n for n, _ in self.seen].count(name) == 1:
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(data[: len(data) // 2])
+            self.close_connection = True
+            return
         start = int(self.headers["Range"].removeprefix("bytes=").removesuffix("-")) if self.headers["Range"] else 0
         self.send_response(206 if start else 200)
         if start:
@@ -160,6 +167,34 @@ def test_hub_corpora_prepare_from_a_parquet_mirror(tmp_path, name):
     train_src = lines(out / f"train.{corpus.src_lang}")
     assert train_src[0].endswith(" second line")  # the line break became a space: alignment holds
     assert len(train_src) == len(lines(out / f"train.{corpus.tgt_lang}")) <= len(expected["train"])
+
+
+def test_a_download_of_unknown_size_cut_short_is_completed_not_kept(tmp_path):
+    """A body without Content-Length that ended early was once taken as the whole file, and kept in OUT/raw,
+    so every later prepare failed on it; now mtkit asks for what follows, and the file is completed."""
+    corpus = CORPORA["wmt16_en_ro"]
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    english = read_gz(WMT22 / "generaltest2022.en-de.src.en.gz")
+    for split, spec in corpus.splits.items():
+        for i, file in enumerate(spec.files):
+            write_parquet(
+                mirror / file.filename, [(e, e[::-1]) for e in english[i * 200 : (i + 1) * 200]], corpus.langs
+            )
+    files = {path.name: path.read_bytes() for path in mirror.iterdir()}
+    unsized = corpus.splits["train"].files[0].filename
+    handler = type("Handler", (_Files,), {"files": files, "cut": "", "seen": [], "unsized": unsized})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}/mirror"
+        result = invoke("prepare", "wmt16_en_ro", "--out", tmp_path / "out", "--mirror", base)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "out" / "raw" / unsized).read_bytes() == files[unsized]
+    assert [r for n, r in handler.seen if n == unsized] == [None, f"bytes={len(files[unsized]) // 2}-"]
 
 
 def test_parquet_is_read_in_order_across_row_groups_and_a_missing_side_names_the_row(tmp_path):

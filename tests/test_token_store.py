@@ -10,6 +10,8 @@ import tracemalloc
 import numpy as np
 import pytest
 import torch
+import yaml
+from test_cli import invoke
 from test_train import small_config
 
 from mtkit import token_store
@@ -186,3 +188,20 @@ def test_an_edited_meta_json_makes_the_store_one_to_encode_again(tmp_path, multi
     with pytest.raises(DataError, match="unreadable token store"):
         TokenStore(store.directory)
     assert len(build(tmp_path, multi30k_slice, spm_model)) == len(store)
+
+
+def test_training_on_a_store_with_ids_beyond_the_vocabulary_encodes_it_again(tmp_path, multi30k_slice, spm_model):
+    """Through the command line: such a store once crashed `mtkit train` with an IndexError."""
+    raw = small_config(multi30k_slice, spm_model, max_steps=2).to_dict()
+    raw["data"]["cache_dir"] = str(tmp_path / "encoded")
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    assert invoke("train", config, "--out", tmp_path / "a").exit_code == 0
+    (store,) = [path for path in (tmp_path / "encoded").iterdir() if path.is_dir()]
+    ids = np.memmap(store / "tgt.ids", dtype=np.uint16, mode="r+")
+    ids[:] = 60_000
+    ids.flush()
+    del ids
+    result = invoke("train", config, "--out", tmp_path / "b")
+    assert result.exit_code == 0, result.output
+    assert "damaged token store (tgt ids outside the vocabulary of 300); encoding it again" in result.stderr
