@@ -174,7 +174,7 @@ def phase_compile_equivalence(out: Path, data: list[str], base: Path) -> None:
 def phase_oom(out: Path, data_dir: Path, base: Path) -> None:
     """A group of batches far over a capped memory budget is skipped; the next update trains."""
     from mtkit.config import load
-    from mtkit.train import Trainer
+    from mtkit.trainer import Trainer
 
     overrides = [
         f"data.train_src={data_dir / 'train.en.gz'}",

@@ -7,7 +7,7 @@ on Multi30k task 1 en-de with the recipe's 4,096-token batches):
    torch thread count in effect; 8192 on a GPU, fp32 without TF32), best of a few repeats after a
    warm-up. This is the yardstick for MFU.
 2. Training: real (non-pad) target tokens/s, updates/s and seconds/update over ``--steps`` timed
-   updates of the real ``mtkit.train.Trainer`` on the corpus's batches, after ``--warmup`` updates.
+   updates of the real ``mtkit.trainer.Trainer`` on the corpus's batches, after ``--warmup`` updates.
    MFU is the analytic training FLOPs (see ``train_flops``) per second over each measured peak.
 3. Peak memory: each precision trains in its own child process, which reports its peak RSS
    (and on a GPU its peak allocated GPU memory).
@@ -141,7 +141,7 @@ def bench_config(
 
 def measure_training(cfg: RunConfig, work: Path, steps: int, warmup: int) -> dict:
     """Throughput of ``steps`` Trainer updates on the corpus's first batches, after ``warmup`` updates."""
-    from mtkit.train import Trainer
+    from mtkit.trainer import Trainer
 
     trainer = Trainer(cfg, work)
     indices = trainer.corpus.batch_indices(cfg.train.batch_tokens, seed=cfg.train.seed)
@@ -217,7 +217,7 @@ def run_tokenizer(args: argparse.Namespace, work: Path) -> Path:
     if args.run:
         return args.run / "spm.model"
     from mtkit.data import iter_parallel
-    from mtkit.train import prepare_tokenizers
+    from mtkit.trainer import prepare_tokenizers
 
     print("training the SentencePiece model (no --run or --tokenizer given) ...", file=sys.stderr, flush=True)
     cfg = config_for(args, "fp32", "")

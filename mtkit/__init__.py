@@ -1,3 +1,18 @@
-"""mtkit: a readable, fast machine-translation toolkit (Transformer NMT from tokenizer to sacreBLEU)."""
+"""mtkit: a readable, fast machine-translation toolkit (Transformer NMT from tokenizer to sacreBLEU).
+
+The Python API (``mtkit.load``, ``mtkit.train``, ``mtkit.evaluate``, ``mtkit.prepare``,
+``mtkit.read_config``; see mtkit/api.py) is imported on first use, so ``mtkit --help`` stays instant.
+"""
+
+from mtkit.errors import MtkitError
 
 __version__ = "0.1.0"
+__all__ = ["MtkitError", "evaluate", "load", "prepare", "read_config", "train"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from mtkit import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'mtkit' has no attribute {name!r}")

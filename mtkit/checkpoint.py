@@ -41,6 +41,7 @@ import torch
 
 from mtkit import __version__, untrusted
 from mtkit.config import ConfigError, ModelConfig, RunConfig, from_dict
+from mtkit.errors import MtkitError
 from mtkit.files import (
     atomic_write,
     atomic_write_directory,
@@ -63,7 +64,7 @@ _META_KEY, _ALIASES_KEY = "mtkit", "mtkit.aliases"  # safetensors header entries
 _UPDATE_DIR = re.compile(r"update-(\d+)")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(MtkitError, ValueError):
     """A checkpoint that is missing, unreadable or inconsistent with its run directory."""
 
 
@@ -102,7 +103,7 @@ def check_output_file(path: Path, inputs: Iterable[Path] = ()) -> None:
                 raise OutputError(f"{path}: is also an input{also}; write the output to another file")
 
 
-class OutputError(ValueError):
+class OutputError(MtkitError, ValueError):
     """An output path that cannot or must not be written; the command has done nothing yet."""
 
 

@@ -16,8 +16,6 @@ import math
 import os
 import signal
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -26,6 +24,7 @@ from rich.console import Console
 from typer.core import TyperGroup
 
 from mtkit import __version__
+from mtkit.errors import MtkitError
 
 # The base class of Click's usage errors: typer's own copy of Click, or Click itself for older typer.
 _CLICK_ERROR = getattr(typer, "TyperException", None) or __import__("click").ClickException
@@ -70,25 +69,9 @@ stderr = Console(stderr=True)
 log = logging.getLogger("mtkit")
 
 
-def _user_error(err: Exception) -> bool:
-    """Errors caused by input (files, config, checkpoints) rather than by a bug in mtkit."""
-    from mtkit.config import ConfigError
-
-    known: tuple[type, ...] = (ConfigError,)
-    for module, names in (
-        ("mtkit.data", ("DataError",)),
-        ("mtkit.tokenizer", ("TokenizerError",)),
-        ("mtkit.checkpoint", ("CheckpointError", "OutputError")),
-        ("mtkit.runtime", ("RuntimeSetupError",)),
-    ):
-        loaded = sys.modules.get(module)
-        if loaded is not None:
-            known += tuple(getattr(loaded, name) for name in names)
-    return isinstance(err, known)
-
-
 def user_errors(command):
-    """Turn input errors, and the file system's (a full disk, a denied permission), into one line and exit status 1."""
+    """Turn mtkit's errors (``MtkitError``: input, settings, machine) and the file system's (a full disk, a
+    denied permission) into one line and exit status 1."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
@@ -102,9 +85,7 @@ def user_errors(command):
             from mtkit.files import os_error_line
 
             _error_line(os_error_line(err))
-        except Exception as err:
-            if not _user_error(err):
-                raise
+        except MtkitError as err:
             _error_line(str(err))
 
     return wrapper
@@ -280,7 +261,7 @@ def prepare(
     from mtkit.config import ConfigError
     from mtkit.corpora import CORPORA
     from mtkit.corpora import corpus as find_corpus
-    from mtkit.prepare import prepare as prepare_corpus
+    from mtkit.preparation import prepare as prepare_corpus
 
     _setup_logging()
     if list_corpora:
@@ -348,7 +329,7 @@ def train(
     cfg = load(config, overrides)
     out = out or Path("runs") / config.stem
     if dry_run:
-        from mtkit.train import schedule_preview
+        from mtkit.trainer import schedule_preview
 
         tc = cfg.train
         typer.echo(dump(cfg), nl=False)
@@ -362,7 +343,7 @@ def train(
     if nproc_per_node < 1:
         raise ConfigError(f"--nproc-per-node must be >= 1, got {nproc_per_node}")
     if nproc_per_node > 1 and not launched_by_torchrun():
-        from mtkit.train import check_trainable
+        from mtkit.trainer import check_trainable
 
         check_trainable(cfg)  # here, once, rather than in every rank
         command = ["train", str(config), "--out", str(out), *(a for o in overrides for a in ("--set", o))]
@@ -374,8 +355,8 @@ def train(
 
 def _run_training(cfg, out: Path, restart: bool) -> None:
     from mtkit.distributed import DistributedError, from_environment
-    from mtkit.train import TrainingFailed, TrainingStopped
-    from mtkit.train import train as run_training
+    from mtkit.trainer import TrainingStopped
+    from mtkit.trainer import train as run_training
 
     dist = from_environment(cfg.train.device, cfg.train.ddp_timeout)
     try:
@@ -384,11 +365,11 @@ def _run_training(cfg, out: Path, restart: bool) -> None:
         if dist.is_main:
             typer.echo(f"{stop}: last checkpoint saved in {out}; run the same command to resume", err=True)
         raise typer.Exit(128 + stop.signum) from None
-    except (TrainingFailed, DistributedError) as err:
+    except DistributedError as err:
         if not dist.is_main:  # rank 0 says what failed; a peer that lost it only notes it
             log.warning("%s", err)
             raise typer.Exit(1) from None
-        _error_line(str(err))
+        raise
     finally:
         dist.close()
     if dist.is_main:
@@ -424,205 +405,9 @@ def _hand_over_to_torchrun(nproc_per_node: int, command: list[str]) -> None:
 # -- translate ------------------------------------------------------------------------------
 
 
-def _input_chunks(path: Path | None, chunk_lines: int) -> Iterator[list[str]]:
-    """Input lines in chunks of up to ``chunk_lines``; invalid UTF-8 and NUL bytes are replaced, with a warning.
-
-    Lines end at ``\\n`` only, never at other characters Python would split on (form feed, U+2028),
-    so the output keeps one line per input line as ``wc -l`` counts them. A CR before the newline and
-    a byte-order mark are dropped. On a pipe or terminal a chunk also ends whenever no more input is
-    waiting, so an interactive producer gets its answers.
-    """
-    from mtkit.data import UTF8_BOM
-
-    name = str(path) if path else "<stdin>"
-    number = 0
-
-    def decoded(raw_lines: list[bytes]) -> list[str]:
-        nonlocal number
-        out = []
-        for raw in raw_lines:
-            number += 1
-            raw = raw.removesuffix(b"\r")
-            if number == 1:
-                raw = raw.removeprefix(UTF8_BOM)
-            if b"\0" in raw:
-                log.warning("%s:%d: NUL bytes replaced by spaces", name, number)
-                raw = raw.replace(b"\0", b" ")
-            try:
-                out.append(raw.decode("utf-8"))
-            except UnicodeDecodeError:
-                log.warning("%s:%d: invalid UTF-8 replaced", name, number)
-                out.append(raw.decode("utf-8", errors="replace"))
-        return out
-
-    for raw_chunk in _raw_chunks(path, chunk_lines):
-        yield decoded(raw_chunk)
-
-
-def _raw_chunks(path: Path | None, chunk_lines: int) -> Iterator[list[bytes]]:
-    from mtkit.data import DataError, open_binary, reading
-
-    if path is None:
-        if sys.stdin is None:  # started with stdin closed (<&-)
-            raise DataError("<stdin>: standard input is closed; give the text with -i FILE")
-        try:
-            fd = sys.stdin.fileno()
-        except (AttributeError, OSError, ValueError):  # a stand-in stdin, as in tests
-            fd = None
-        if fd is not None and not os.path.isfile(f"/proc/self/fd/{fd}"):
-            with reading("<stdin>"):
-                yield from _ready_chunks(fd, chunk_lines)
-            return
-        with reading("<stdin>"):
-            yield from _file_chunks(sys.stdin.buffer, chunk_lines)
-        return
-    with reading(path), open_binary(path) as f:  # translate checked it exists
-        yield from _file_chunks(f, chunk_lines)
-
-
-def _file_chunks(stream, chunk_lines: int) -> Iterator[list[bytes]]:
-    chunk: list[bytes] = []
-    for raw in stream:
-        chunk.append(raw.removesuffix(b"\n"))
-        if len(chunk) == chunk_lines:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
-
-
-def _ready_chunks(fd: int, chunk_lines: int) -> Iterator[list[bytes]]:
-    """Lines from a pipe or terminal, cut into a chunk when it is full or nothing more is waiting."""
-    import select
-
-    pending, lines = b"", []
-    while True:
-        if lines and (len(lines) >= chunk_lines or not select.select([fd], [], [], 0)[0]):
-            yield lines[:chunk_lines]
-            lines = lines[chunk_lines:]
-            continue
-        data = os.read(fd, 1 << 16)
-        if not data:
-            break
-        *complete, pending = (pending + data).split(b"\n")
-        lines.extend(complete)
-    if pending:
-        lines.append(pending)
-    for start in range(0, len(lines), chunk_lines):
-        yield lines[start : start + chunk_lines]
-
-
-def _format(index: int, translations, nbest: int, scores: bool, aligned: bool) -> str:
-    """The output line(s) of one input line; translations never contain a newline."""
-    if nbest > 1:
-        return "".join(
-            f"{index} ||| {t.text.replace(chr(10), ' ')} ||| {t.score:.4f} ||| {t.logprob:.4f}\n" for t in translations
-        )
-    best = translations[0]
-    text = best.text.replace("\n", " ") + (f" ||| {best.alignment}" if aligned else "")
-    return f"{best.logprob:.4f}\t{text}\n" if scores else text + "\n"
-
-
-class Interrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM during translation; a KeyboardInterrupt, so ``atomic_write`` keeps the lines done."""
-
-    def __init__(self, signum: int) -> None:
-        self.signum = signum
-        self.name = signal.Signals(signum).name
-        super().__init__(self.name)
-
-
-class _WholeLines:
-    """SIGINT and SIGTERM stop translation at once, except while a line is being written: then as soon as
-    it is out. So the output (a file or a pipe) always ends with a complete line. Later signals are ignored
-    while the lines done are being saved."""
-
-    def __enter__(self) -> _WholeLines:
-        self._writing, self._pending, self._stopping = False, None, False
-        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def _handle(self, signum: int, frame) -> None:
-        if self._stopping:
-            return
-        if self._writing:
-            self._pending = signum
-            return
-        self._stopping = True
-        raise Interrupted(signum)
-
-    @contextlib.contextmanager
-    def writing(self) -> Iterator[None]:
-        self._writing = True
-        try:
-            yield
-        finally:
-            self._writing = False
-        if self._pending is not None:
-            self._stopping = True
-            raise Interrupted(self._pending)
-
-    def __exit__(self, *exc) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-
-
-STDIN_NAMES = ("-", "/dev/stdin")  # input paths that mean standard input
-
-
-def _stdin_or_path(path: Path | None) -> Path | None:
-    """None (standard input) for ``-`` and ``/dev/stdin``, else the path."""
-    return None if path is None or str(path) in STDIN_NAMES else path
-
-
-class _LineProgress:
-    """Lines done and lines/s on a terminal's stderr; nothing when stderr is a file or pipe."""
-
-    def __init__(self) -> None:
-        self.progress = None
-        if stderr.is_terminal:
-            from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-            self.progress = Progress(
-                SpinnerColumn(),
-                TextColumn("{task.completed:,} lines  {task.fields[rate]}"),
-                TimeElapsedColumn(),
-                console=stderr,
-                transient=True,
-            )
-            self.task = self.progress.add_task("translate", total=None, rate="")
-            self.start = time.perf_counter()
-
-    def __enter__(self) -> _LineProgress:
-        if self.progress is not None:
-            self.progress.start()
-        return self
-
-    def advance(self) -> None:
-        if self.progress is not None:
-            done = self.progress.tasks[0].completed + 1
-            rate = f"{done / max(time.perf_counter() - self.start, 1e-9):,.1f} lines/s"
-            self.progress.update(self.task, completed=done, rate=rate)
-
-    def __exit__(self, *exc) -> None:
-        if self.progress is not None:
-            self.progress.stop()
-
-
-def _mtkit_translator(models: list[Path], decode, device, dtype, nbest: int, sampling, seed: int, alignments: bool):
-    """A Translator over one model or an ensemble of several that share tokenizers, weights in ``dtype``."""
-    from mtkit.checkpoint import CheckpointError, load_for_inference
-    from mtkit.ensemble import Ensemble
-    from mtkit.translate import Translator
-
-    bundles = [load_for_inference(path, device, dtype) for path in models]
-    first = bundles[0]
-    for path, other in zip(models[1:], bundles[1:]):
-        if (other.src_tok.sha256, other.tgt_tok.sha256) != (first.src_tok.sha256, first.tgt_tok.sha256):
-            raise CheckpointError(f"{path}: its tokenizers differ from those of {models[0]}; cannot ensemble them")
-    network = Ensemble([b.model for b in bundles]) if len(bundles) > 1 else first.model
-    aligner = first.model if alignments else None  # an ensemble aligns with its first member
-    return Translator(network, first.src_tok, first.tgt_tok, decode, device, nbest, sampling, seed, aligner)
+def _given(**options) -> dict:
+    """The options the user gave (not None): the others fall back on the model's saved settings."""
+    return {name: value for name, value in options.items() if value is not None}
 
 
 @app.command()
@@ -635,28 +420,38 @@ def translate(
             "(their log-probabilities averaged; they must share tokenizers)."
         ),
     ],
-    input: Annotated[Path | None, typer.Option("--input", "-i", help="Input text or .gz (default: stdin).")] = None,
+    input: Annotated[Path | None, typer.Option("--input", "-i", help="Input text or .gz; - or none for stdin.")] = None,
     output: Annotated[
         Path | None, typer.Option("--output", "-o", help="Output file, written atomically (default: stdout).")
     ] = None,
-    beam: Annotated[int, typer.Option(help="Beam size; 1 is greedy.")] = 5,
-    lenpen: Annotated[float, typer.Option(help="GNMT length penalty alpha.")] = 1.0,
-    max_len_a: Annotated[float, typer.Option(help="Output length cap: a * source length + b.")] = 1.5,
-    max_len_b: Annotated[int, typer.Option(help="Output length cap: a * source length + b.")] = 10,
-    min_len: Annotated[int, typer.Option(help="No end of sentence before this many output tokens.")] = 0,
+    beam: Annotated[int | None, typer.Option(min=1, help="Beam size; 1 is greedy. [default: the model's]")] = None,
+    lenpen: Annotated[float | None, typer.Option(help="GNMT length penalty alpha. [default: the model's]")] = None,
+    max_len_a: Annotated[
+        float | None, typer.Option(help="Output length cap: a * source length + b. [default: the model's]")
+    ] = None,
+    max_len_b: Annotated[
+        int | None, typer.Option(min=1, help="Output length cap: a * source length + b. [default: the model's]")
+    ] = None,
+    min_len: Annotated[
+        int | None,
+        typer.Option(min=0, help="No end of sentence before this many output tokens. [default: the model's]"),
+    ] = None,
     early_stop: Annotated[
-        bool,
+        bool | None,
         typer.Option(
+            "--early-stop/--no-early-stop",
             help="Stop a sentence once its best-ranked candidate has ended (as OpenNMT-py and CTranslate2 do); "
-            "--no-early-stop searches on until --beam hypotheses have ended (as fairseq does)."
+            "--no-early-stop searches on until --beam hypotheses have ended (as fairseq does). [default: the model's]",
+            show_default=False,
         ),
-    ] = True,
+    ] = None,
     nbest: Annotated[
         int,
         typer.Option(
-            help="Print the N best per input line as 'LINE ||| TRANSLATION ||| SCORE ||| LOGPROB' "
+            min=1,
+            help="Print up to N best per input line as 'LINE ||| TRANSLATION ||| SCORE ||| LOGPROB' "
             "(LINE from 0; SCORE length-normalised; an empty input line gives one empty entry). "
-            "With --sample: N independent samples, best score first (they may repeat)."
+            "With --sample: N independent samples, best score first (they may repeat).",
         ),
     ] = 1,
     scores: Annotated[
@@ -678,15 +473,19 @@ def translate(
         bool, typer.Option("--sample", help="Draw each token at random instead of searching (back-translation).")
     ] = False,
     temperature: Annotated[float, typer.Option(help="With --sample: < 1 sharpens, > 1 flattens.")] = 1.0,
-    top_k: Annotated[int, typer.Option(help="With --sample: only the k most probable tokens; 0 for all.")] = 0,
+    top_k: Annotated[int, typer.Option(min=0, help="With --sample: only the k most probable tokens; 0 for all.")] = 0,
     top_p: Annotated[float, typer.Option(help="With --sample: the smallest set holding this probability.")] = 1.0,
     seed: Annotated[int, typer.Option(min=0, max=2**64 - 1, help="With --sample: random seed.")] = 1,
-    batch_size: Annotated[int, typer.Option(help="At most this many sentences per batch.")] = 128,
+    batch_size: Annotated[
+        int | None, typer.Option(min=1, help="At most this many sentences per batch. [default: the model's]")
+    ] = None,
     batch_tokens: Annotated[
-        int,
-        typer.Option(help="At most this many padded source tokens per batch, times the beam (rows per sentence)."),
-    ] = 40_960,
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+        int | None,
+        typer.Option(
+            min=1, help="At most this many padded source tokens per batch, times the beam. [default: the model's]"
+        ),
+    ] = None,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
     precision: Annotated[str, typer.Option(help="fp32, bf16 or fp16 (fp16 on GPU only).")] = "fp32",
     engine: Annotated[
         str,
@@ -698,114 +497,33 @@ def translate(
 ) -> None:
     """Translate one sentence per line, streaming: one output line for every input line, in order.
 
-    Input is read and translated in chunks of 10,000 lines, so memory stays bounded and output
-    appears as each chunk is done. Lines longer than the model's positions are truncated (with a
-    warning), never split.
+    Decoding follows the settings saved with the model (its recipe's decode section) unless an
+    option here says otherwise. Input is read and translated in chunks of 10,000 lines, so memory
+    stays bounded and output appears as each chunk is done. Lines longer than the model's positions
+    are truncated (with a warning), never split.
     """
-    from mtkit.checkpoint import check_output_file
-    from mtkit.config import ConfigError, DecodeConfig
-    from mtkit.data import DataError, check_input_file
-    from mtkit.files import atomic_write
-    from mtkit.runtime import compute_dtype, pick_device
+    from mtkit.config import ConfigError
+    from mtkit.lines import Interrupted, translate_file
     from mtkit.search import Sampling
-    from mtkit.translate import CHUNK_LINES, PrefixMismatch
 
     _setup_logging()
-    prefix_on_stdin = prefix is not None and _stdin_or_path(prefix) is None
-    input = _stdin_or_path(input)
-    if prefix_on_stdin and input is None:
-        raise ConfigError("--prefix and the input cannot both be standard input; give one of them as a file")
-    if beam < 1:
-        raise ConfigError(f"--beam must be >= 1, got {beam}")
-    if precision not in ("fp32", "bf16", "fp16"):
-        raise ConfigError(f"--precision must be fp32, bf16 or fp16, got {precision!r}")
-    if nbest < 1 or (nbest > beam and not sample):
-        raise ConfigError(f"--nbest must be between 1 and --beam ({beam}), got {nbest}")
     if alignments and nbest > 1:
         raise ConfigError("--alignments goes with the best translation only, not with --nbest")
-    sampling = None
-    if sample:
-        if not (0 < temperature < math.inf) or top_k < 0 or not 0 < top_p <= 1:
-            raise ConfigError("--temperature must be a finite number > 0, --top-k >= 0 and --top-p in (0, 1]")
-        sampling = Sampling(temperature, top_k, top_p)
-    decode = DecodeConfig(
-        beam=beam,
-        lenpen=lenpen,
-        max_len_a=max_len_a,
-        max_len_b=max_len_b,
-        min_len=min_len,
-        early_stop=early_stop,
-        batch_size=batch_size,
-        batch_tokens=batch_tokens,
-    )
-    dev = pick_device(device)
-    dtype = compute_dtype(precision, dev)
-    if engine not in ("mtkit", "ctranslate2"):
-        raise ConfigError(f"--engine must be mtkit or ctranslate2, got {engine!r}")
-    if engine == "ctranslate2":
-        unsupported = [
-            name
-            for name, used in (
-                ("--sample", sample),
-                ("--prefix", prefix),
-                ("--alignments", alignments),
-                ("--no-early-stop", not early_stop),  # CTranslate2 applies its own stopping rule
-            )
-            if used
-        ]
-        if unsupported or len(model) > 1:
-            raise ConfigError(f"--engine ctranslate2 takes one model and no {', '.join(unsupported) or 'ensemble'}")
-    for path in (input, None if prefix_on_stdin else prefix):
-        if path is not None:
-            check_input_file(path, stream_ok=True)
-    if output is None and sys.stdout is None:  # started with stdout closed (>&-)
-        raise DataError("<stdout>: standard output is closed; give a file to write with -o")
-    if output is not None:
-        check_output_file(output, inputs=[p for p in (input, prefix, *model) if p is not None])
-
-    done = 0
-    partial = output.with_name(output.name + ".partial") if output is not None else None
+    decode = _given(
+        beam=beam, lenpen=lenpen, max_len_a=max_len_a, max_len_b=max_len_b, min_len=min_len,
+        early_stop=early_stop, batch_size=batch_size, batch_tokens=batch_tokens,
+    )  # fmt: skip
+    if sample and (not (0 < temperature < math.inf) or not 0 < top_p <= 1):
+        raise ConfigError("--temperature must be a finite number > 0 and --top-p in (0, 1]")
+    sampling = Sampling(temperature, top_k, top_p) if sample else None
     try:
-        with _WholeLines() as whole_lines:
-            if engine == "ctranslate2":
-                from mtkit.export import CTranslate2Translator
-
-                compute_type = {"fp32": "default", "bf16": "bfloat16", "fp16": "float16"}[precision]
-                translator = CTranslate2Translator.from_dir(model[0], decode, dev.type, compute_type, nbest)
-            else:
-                translator = _mtkit_translator(model, decode, dev, dtype, nbest, sampling, seed, alignments)
-            chunks = _input_chunks(input, CHUNK_LINES)
-            prefix_path = None if prefix_on_stdin else prefix
-            prefixes = None
-            if prefix is not None:
-                prefixes = (line for chunk in _input_chunks(prefix_path, CHUNK_LINES) for line in chunk)
-
-            def write_all(out) -> None:
-                nonlocal done
-                with _LineProgress() as progress:
-                    stream = translator.stream(chunks, prefixes) if prefixes is not None else translator.stream(chunks)
-                    for index, translations in enumerate(stream):
-                        text = _format(index, translations, nbest, scores, alignments).encode("utf-8")
-                        with whole_lines.writing():  # counted inside: a signal during the write waits for both
-                            out.write(text)
-                            if output is None:
-                                out.flush()  # a pipeline downstream sees each line as soon as it is done
-                            done += 1
-                        progress.advance()
-
-            if output is not None:
-                atomic_write(output, write_all, partial)
-            else:
-                write_all(sys.stdout.buffer)
-    except PrefixMismatch as err:
-        raise DataError(f"{prefix}: {err}") from None
+        translate_file(
+            model, input, output, prefix, nbest=nbest, scores=scores, alignments=alignments, sampling=sampling,
+            seed=seed, device=device, precision=precision, engine=engine, **decode,
+        )  # fmt: skip
     except Interrupted as stop:
-        kept = ""
-        if partial is not None and done:
-            kept = f": they are in {partial}, and {output} is not written"
-        elif partial is not None:
-            partial.unlink(missing_ok=True)
-        typer.echo(f"stopped by {stop.name} after {done:,} complete lines{kept}", err=True)
+        kept = f": they are in {stop.partial}, and {output} is not written" if stop.partial else ""
+        typer.echo(f"stopped by {stop.name} after {stop.done:,} complete lines{kept}", err=True)
         raise typer.Exit(128 + stop.signum) from None
 
 
@@ -1012,8 +730,8 @@ def attention(
         typer.Option(help="Draw only this layer (from 0) and align with it; default: all, align with the penultimate."),
     ] = None,
     encoder: Annotated[bool, typer.Option("--encoder", help="Also draw the encoder self-attention.")] = False,
-    beam: Annotated[int, typer.Option(help="Beam size; 1 is greedy.")] = 5,
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    beam: Annotated[int | None, typer.Option(min=1, help="Beam size; 1 is greedy. [default: the model's]")] = None,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
 ) -> None:
     """Translate one sentence and draw its attention as heatmaps, one per layer and head.
 
@@ -1022,13 +740,13 @@ def attention(
     """
     from mtkit.attention import alignment_line, plot_attention, translate_with_attention, word_alignment
     from mtkit.checkpoint import check_output_file, load_for_inference
-    from mtkit.config import DecodeConfig
     from mtkit.runtime import pick_device
+    from mtkit.translate import with_overrides
 
     _setup_logging()
     check_output_file(output)
-    decode = DecodeConfig(beam=beam)
     bundle = load_for_inference(model, pick_device(device))
+    decode = with_overrides(bundle.cfg.decode, _given(beam=beam))
     result = translate_with_attention(bundle.model, bundle.src_tok, bundle.tgt_tok, src, decode)
     plot_attention(result.maps, result.src_pieces, result.tgt_pieces, output, layer, encoder)
     typer.echo(result.translation)

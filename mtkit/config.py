@@ -15,10 +15,11 @@ from typing import Any
 
 import yaml
 
+from mtkit.errors import MtkitError
 from mtkit.untrusted import shown
 
 
-class ConfigError(ValueError):
+class ConfigError(MtkitError, ValueError):
     """A bad config file, key or value; the CLI prints it as one line."""
 
 

@@ -19,10 +19,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from mtkit.errors import MtkitError
 from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 
-class DataError(ValueError):
+class DataError(MtkitError, ValueError):
     """Unusable input data; the message names the file (and line) at fault."""
 
 

@@ -23,12 +23,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mtkit.errors import MtkitError
+
 log = logging.getLogger("mtkit")
 
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
-class DistributedError(RuntimeError):
+class DistributedError(MtkitError, RuntimeError):
     """A collective that failed or timed out; the message names the rank(s) that stopped answering."""
 
 

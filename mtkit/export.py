@@ -39,7 +39,15 @@ from mtkit.files import atomic_write_directory
 from mtkit.model import Decoder, Embedder, Encoder, FeedForward, MultiHeadAttention, Transformer
 from mtkit.search import length_penalty, max_lengths
 from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
-from mtkit.translate import EMPTY, Translation, length_batches, source_ids
+from mtkit.translate import (
+    EMPTY,
+    LineTranslator,
+    Translation,
+    check_nbest,
+    length_batches,
+    source_ids,
+    with_overrides,
+)
 
 log = logging.getLogger("mtkit")
 
@@ -237,7 +245,7 @@ def read_manifest(ct2_dir: Path) -> dict[str, Any]:
 # -- translating ----------------------------------------------------------------------------
 
 
-class CTranslate2Translator:
+class CTranslate2Translator(LineTranslator):
     """An exported model, its tokenizers and decoding settings, with ``mtkit.translate.Translator``'s interface.
 
     Decoding follows mtkit's search: eos is appended to the source, decoding starts from bos, pad and
@@ -269,8 +277,7 @@ class CTranslate2Translator:
         compute_type: str = "default",
         nbest: int = 1,
     ) -> None:
-        if nbest > decode.beam:
-            raise ValueError(f"nbest {nbest} needs a beam of at least {nbest} (beam is {decode.beam})")
+        check_nbest(nbest, decode)
         ctranslate2 = _ctranslate2()
         self.max_positions = read_manifest(ct2_dir)["max_positions"]
         self.engine = ctranslate2.Translator(str(ct2_dir), device=device, compute_type=compute_type)
@@ -283,16 +290,17 @@ class CTranslate2Translator:
     def from_dir(
         cls,
         ct2_dir: Path,
-        decode: DecodeConfig | None = None,
+        decode: DecodeConfig | dict[str, Any] | None = None,
         device: str = "cpu",
         compute_type: str = "default",
         nbest: int = 1,
     ) -> CTranslate2Translator:
-        """The export in ``ct2_dir`` with its own tokenizers; ``decode`` None uses the run's decode settings."""
+        """The export in ``ct2_dir`` with its own tokenizers. ``decode``: whole settings (a DecodeConfig), or
+        changes (a dict) to the run's, which None keeps."""
         manifest = read_manifest(ct2_dir)
         toks = {side: Tokenizer(Path(ct2_dir) / name) for side, name in manifest["tokenizer"].items()}
-        decode = decode if decode is not None else manifest["decode"]
-        return cls(Path(ct2_dir), toks["src"], toks["tgt"], decode, device, compute_type, nbest)
+        settings = decode if isinstance(decode, DecodeConfig) else with_overrides(manifest["decode"], decode or {})
+        return cls(Path(ct2_dir), toks["src"], toks["tgt"], settings, device, compute_type, nbest)
 
     def stream(self, chunks: Iterable[list[str]]) -> Iterator[list[Translation]]:
         """The ``nbest`` translations of each line, best first, in input order, chunk by chunk."""

@@ -83,7 +83,7 @@ def _prepare(cfg: RunConfig, out: Path, mirror: str | None, stages: list[Stage])
     if not r.corpus:
         raise ConfigError("recipe.corpus is not set: `mtkit run` needs a corpus from `mtkit prepare --list`")
     from mtkit.corpora import corpus
-    from mtkit.prepare import RECORD, prepare
+    from mtkit.preparation import RECORD, prepare
 
     spec = corpus(r.corpus)
     if (spec.src_lang, spec.tgt_lang) != (cfg.data.src_lang, cfg.data.tgt_lang):

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import torch
 
+from mtkit.errors import MtkitError
 
-class RuntimeSetupError(ValueError):
+
+class RuntimeSetupError(MtkitError, ValueError):
     """A device or precision that this machine cannot provide."""
 
 

@@ -14,13 +14,14 @@ from pathlib import Path
 
 import sentencepiece as spm
 
+from mtkit.errors import MtkitError
 from mtkit.files import atomic_write, atomic_write_text, file_sha256
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 CHARS_PER_TOKEN = 32  # twice SentencePiece's longest piece (max_sentencepiece_length 16)
 
 
-class TokenizerError(ValueError):
+class TokenizerError(MtkitError, ValueError):
     """A tokenizer model that cannot be trained or used."""
 
 

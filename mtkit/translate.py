@@ -12,16 +12,22 @@ without touching the model, and lines longer than the model's positions are trun
 
 from __future__ import annotations
 
+import copy
 import logging
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, replace
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, fields, replace
 from itertools import islice
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from mtkit.attention import align_batch
-from mtkit.config import DecodeConfig
+from mtkit.checkpoint import CheckpointError, load_for_inference
+from mtkit.config import ConfigError, DecodeConfig
 from mtkit.data import source_tensor
+from mtkit.ensemble import Ensemble
 from mtkit.model import Transformer
 from mtkit.search import Sampling, beam_options, beam_search, sample_search
 from mtkit.tokenizer import Tokenizer
@@ -75,7 +81,53 @@ def length_batches(lengths: list[int], batch_size: int, batch_tokens: int, rows:
     return batches
 
 
-class Translator:
+class LineTranslator(ABC):
+    """What every translator offers on top of ``stream``: a list in, a list out, and settings per call."""
+
+    decode: DecodeConfig
+    sampling: Sampling | None = None  # engines that draw samples set it
+
+    @abstractmethod
+    def stream(self, chunks: Iterable[list[str]]) -> Iterator[list[Translation]]:
+        """The translations of each line of each chunk, in order: each engine translates its own way."""
+
+    nbest: int
+
+    def using(self, nbest: int | None = None, **decode: Any) -> LineTranslator:
+        """This translator with ``nbest`` or some decode settings changed (``beam=4, lenpen=0.6``); the model
+        is shared."""
+        changed = copy.copy(self)
+        changed.decode = with_overrides(self.decode, decode)
+        changed.nbest = self.nbest if nbest is None else nbest
+        check_nbest(changed.nbest, changed.decode, changed.sampling)
+        return changed
+
+    def translate(self, lines: Iterable[str], **decode: Any) -> list[str]:
+        """The best translation of each line, in order: one string per line, "" for an empty line."""
+        return [best[0].text for best in self.hypotheses(lines, **decode)]
+
+    def hypotheses(self, lines: Iterable[str], **decode: Any) -> Iterator[list[Translation]]:
+        """The translations of each line (``nbest`` of them, best first, with scores and alignments when
+        asked for), streamed: lines are read and translated in chunks, so any iterable will do."""
+        yield from self.using(**decode).stream(chunked(lines))
+
+
+def check_nbest(nbest: int, decode: DecodeConfig, sampling: Sampling | None = None) -> None:
+    """A search keeps ``beam`` hypotheses, so it has at most that many to give (samples are drawn anew)."""
+    if sampling is None and nbest > decode.beam:
+        raise ConfigError(f"nbest {nbest} needs a beam of at least {nbest} (the beam is {decode.beam})")
+
+
+def with_overrides(decode: DecodeConfig, overrides: dict[str, Any]) -> DecodeConfig:
+    """``decode`` with the given settings replaced, checked as a config is."""
+    known = {f.name for f in fields(DecodeConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ConfigError(f"unknown decode setting {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    return replace(decode, **overrides)
+
+
+class Translator(LineTranslator):
     """A model, its tokenizers and decoding settings: translates lines, streaming or all at once."""
 
     def __init__(
@@ -91,8 +143,7 @@ class Translator:
         aligner: Transformer | None = None,
     ) -> None:
         """``aligner``: the model whose cross-attention gives each best translation a word alignment."""
-        if sampling is None and nbest > decode.beam:
-            raise ValueError(f"nbest {nbest} needs a beam of at least {nbest} (beam is {decode.beam})")
+        check_nbest(nbest, decode, sampling)
         self.model, self.src_tok, self.tgt_tok = model, src_tok, tgt_tok
         self.decode, self.device, self.nbest = decode, device, nbest
         self.sampling = sampling
@@ -164,6 +215,50 @@ class Translator:
                 results[i] = [Translation(t, h.score, h.logprob) for t, h in zip(texts, sentence)]
                 results[i][0] = replace(results[i][0], alignment=alignment)
         return results
+
+
+def load_translator(
+    models: Sequence[str | Path],
+    device: str = "auto",
+    precision: str = "fp32",
+    engine: str = "mtkit",
+    nbest: int = 1,
+    sampling: Sampling | None = None,
+    seed: int = 1,
+    alignments: bool = False,
+    **decode: Any,
+) -> LineTranslator:
+    """A translator over ``models``: run directories (their best/), checkpoints or .safetensors files,
+    several of them an ensemble that averages their log-probabilities; with ``engine="ctranslate2"``,
+    one folder that `mtkit export` wrote.
+
+    Decoding follows the settings saved with the (first) model, then ``decode`` (``beam=4``,
+    ``lenpen=0.6``, ...). Weights are cast to ``precision`` once; ``alignments`` adds word alignments
+    from the first model's cross-attention; ``sampling`` draws tokens instead of searching.
+    """
+    from mtkit.runtime import compute_dtype, pick_device
+
+    models = [Path(m) for m in ([models] if isinstance(models, (str, Path)) else models)]
+    dev = pick_device(device)
+    dtype = compute_dtype(precision, dev)
+    if engine == "ctranslate2":
+        from mtkit.export import CTranslate2Translator
+
+        if len(models) != 1 or sampling is not None or alignments:
+            raise ConfigError("the ctranslate2 engine takes one model, and no sampling or alignments")
+        compute_type = {"fp32": "default", "bf16": "bfloat16", "fp16": "float16"}[precision]
+        return CTranslate2Translator.from_dir(models[0], decode, dev.type, compute_type, nbest)
+    if engine != "mtkit":
+        raise ConfigError(f"engine must be mtkit or ctranslate2, got {engine!r}")
+    bundles = [load_for_inference(path, dev, dtype) for path in models]
+    first = bundles[0]
+    for path, other in zip(models[1:], bundles[1:]):
+        if (other.src_tok.sha256, other.tgt_tok.sha256) != (first.src_tok.sha256, first.tgt_tok.sha256):
+            raise CheckpointError(f"{path}: its tokenizers differ from those of {models[0]}; cannot ensemble them")
+    network = Ensemble([b.model for b in bundles]) if len(bundles) > 1 else first.model
+    aligner = first.model if alignments else None  # an ensemble aligns with its first member
+    settings = with_overrides(first.cfg.decode, decode)
+    return Translator(network, first.src_tok, first.tgt_tok, settings, dev, nbest, sampling, seed, aligner)
 
 
 def translate_lines(

@@ -37,7 +37,7 @@ def train_on_task(model: Transformer, pairs, steps: int, peak_lr: float, warmup:
     from mtkit.data import collate
     from mtkit.loss import linear_cross_entropy
     from mtkit.tokenizer import PAD_ID
-    from mtkit.train import lr_at
+    from mtkit.trainer import lr_at
 
     model.train()
     optimizer = torch.optim.Adam(model.parameters(), betas=(0.9, 0.98), eps=1e-9)

@@ -208,7 +208,9 @@ def test_an_output_path_in_a_missing_folder(tmp_path, trained_run, multi30k_slic
 
 
 def test_beam_0(trained_run):  # noqa: F811
-    one_line_error(invoke("translate", trained_run, "--beam", 0, input="A dog.\n"), "--beam must be >= 1, got 0")
+    result = invoke("translate", trained_run, "--beam", 0, input="A dog.\n")
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1 and "Traceback" not in result.output
+    assert result.stderr.startswith("error: ") and "Invalid value for '--beam'" in result.stderr
 
 
 def test_cuda_asked_for_on_a_machine_without_it(tmp_path, trained_run, multi30k_slice):  # noqa: F811

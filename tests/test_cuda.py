@@ -16,7 +16,7 @@ from mtkit.data import source_tensor
 from mtkit.loss import linear_cross_entropy
 from mtkit.model import dropout
 from mtkit.search import beam_search, row_topk
-from mtkit.train import Trainer
+from mtkit.trainer import Trainer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 GPU = torch.device("cuda")

@@ -21,7 +21,7 @@ from mtkit import checkpoint
 from mtkit.config import from_dict
 from mtkit.distributed import DistributedError, from_environment
 from mtkit.loss import TrainingObjective
-from mtkit.train import Trainer
+from mtkit.trainer import Trainer
 
 
 def free_port() -> int:

@@ -26,7 +26,7 @@ from mtkit import checkpoint
 from mtkit.cli import app
 from mtkit.config import from_dict
 from mtkit.loss import TrainingObjective
-from mtkit.train import MAX_CONSECUTIVE_OOMS, Trainer, TrainingFailed, lr_at
+from mtkit.trainer import MAX_CONSECUTIVE_OOMS, Trainer, TrainingFailed, lr_at
 
 
 class Faults:

@@ -47,12 +47,12 @@ TRAIN = {
 
 # Where each phase lives, as module:attribute; the trainer looks each one up when it calls it.
 PHASES = {
-    "step": "mtkit.train:Trainer.train_step",
-    "validation": "mtkit.train:Trainer._validate_and_log",  # decoding, best/ and the metrics line
-    "checkpoint": "mtkit.train:Trainer.save_last",  # the state, its rename into place, pruning
-    "spm": "mtkit.train:train_spm",
+    "step": "mtkit.trainer:Trainer.train_step",
+    "validation": "mtkit.trainer:Trainer._validate_and_log",  # decoding, best/ and the metrics line
+    "checkpoint": "mtkit.trainer:Trainer.save_last",  # the state, its rename into place, pruning
+    "spm": "mtkit.trainer:train_spm",
     "config": "mtkit.files:atomic_write_text",  # first called for RUN/config.yaml
-    "encode": "mtkit.train:open_training_data",
+    "encode": "mtkit.trainer:open_training_data",
 }
 LOOP_PHASES = ("step", "validation", "checkpoint")
 KINDS = ("any", "file")  # which events a kill counts: all calls and returns, or the C calls that change files

@@ -198,7 +198,7 @@ def test_a_download_of_unknown_size_cut_short_is_completed_not_kept(tmp_path):
 
 
 def test_parquet_is_read_in_order_across_row_groups_and_a_missing_side_names_the_row(tmp_path):
-    from mtkit.prepare import _parquet_pairs
+    from mtkit.preparation import _parquet_pairs
 
     rows = [{"translation": {"en": f"sentence {i}", "de": f"Satz {i}"}} for i in range(20_000)]
     path = tmp_path / "train.parquet"

@@ -18,7 +18,7 @@ from mtkit import token_store
 from mtkit.data import DataError, collate, iter_parallel, read_parallel
 from mtkit.token_store import TokenStore, open_or_build, store_key
 from mtkit.tokenizer import Tokenizer
-from mtkit.train import Trainer
+from mtkit.trainer import Trainer
 
 
 def build(cache, paths, tok: Tokenizer, pairs=None, max_tokens: int = 30, max_ratio: float = 2.0) -> TokenStore:

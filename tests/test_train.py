@@ -12,7 +12,7 @@ import torch
 
 from mtkit import checkpoint
 from mtkit.config import from_dict
-from mtkit.train import StopSignals, Trainer, lr_at, train, trim_metrics
+from mtkit.trainer import StopSignals, Trainer, lr_at, train, trim_metrics
 
 
 def test_lr_warms_up_linearly_then_decays_as_inverse_sqrt():

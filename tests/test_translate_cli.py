@@ -55,7 +55,7 @@ def test_scores_put_the_log_probability_before_each_translation(trained_run, lin
 def test_nbest_larger_than_the_beam_is_a_one_line_error(trained_run):  # noqa: F811
     result = invoke("translate", trained_run, "--beam", 2, "--nbest", 3, input="A dog.\n")
     assert result.exit_code == 1
-    assert result.stderr.strip() == "error: --nbest must be between 1 and --beam (2), got 3"
+    assert result.stderr.strip() == "error: nbest 3 needs a beam of at least 3 (the beam is 2)"
 
 
 def test_small_chunks_give_the_same_output_as_one_chunk(trained_run, lines, monkeypatch):  # noqa: F811
@@ -235,10 +235,10 @@ def test_sigint_while_translating_a_file_keeps_the_lines_done_in_a_partial_file(
 
 
 def test_a_signal_during_a_line_write_waits_for_the_line(monkeypatch):
-    from mtkit.cli import Interrupted, _WholeLines
+    from mtkit.lines import Interrupted, WholeLines
 
     written = []
-    with pytest.raises(Interrupted) as stop, _WholeLines() as whole_lines:
+    with pytest.raises(Interrupted) as stop, WholeLines() as whole_lines:
         with whole_lines.writing():
             os.kill(os.getpid(), signal.SIGTERM)
             written.append("the rest of the line")

@@ -32,6 +32,7 @@ from mtkit import checkpoint, files, untrusted
 from mtkit.config import ConfigError, RunConfig, dump
 from mtkit.data import Batch, DataError, check_input_file, collate, iter_parallel, read_parallel, token_batches
 from mtkit.distributed import Distributed
+from mtkit.errors import MtkitError
 from mtkit.files import file_sha256
 from mtkit.loss import TrainingObjective
 from mtkit.metrics import bleu
@@ -62,7 +63,7 @@ class TrainingStopped(Exception):
         self.signum = signum
 
 
-class TrainingFailed(RuntimeError):
+class TrainingFailed(MtkitError, RuntimeError):
     """Training cannot go on (divergence, repeated out-of-memory); the last good checkpoint is kept."""
 
 

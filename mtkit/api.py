@@ -1,0 +1,86 @@
+"""The Python API: the functions ``import mtkit`` offers, each a few lines over the module doing the work.
+
+    import mtkit
+
+    translator = mtkit.load("runs/m30k", device="cpu", precision="bf16")   # the run's decode settings
+    translator.translate(["A dog runs on the beach."], beam=5)             # -> ["Ein Hund läuft ..."]
+    for best, *others in translator.hypotheses(open("test.en"), nbest=3): ...  # streamed, with scores
+    mtkit.train("m30k.yaml", "runs/m30k", overrides=["train.max_steps=200"])
+    mtkit.evaluate(hypotheses, [references], metrics=("bleu", "chrf"))   # scores with signatures
+    mtkit.prepare("multi30k_en_de", "data/m30k", mirror="../shared/data/multi30k")
+
+Errors about the input (a file, a setting, a checkpoint) are ``mtkit.MtkitError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from mtkit.config import RunConfig, apply_override, from_dict
+from mtkit.config import load as read_config
+from mtkit.metrics import Options, Score, score
+from mtkit.translate import LineTranslator, load_translator
+
+
+def load(
+    models: str | Path | Sequence[str | Path],
+    device: str = "auto",
+    precision: str = "fp32",
+    engine: str = "mtkit",
+    **settings: Any,
+) -> LineTranslator:
+    """A translator over a run directory, checkpoint or .safetensors file (several: an ensemble), or with
+    ``engine="ctranslate2"`` an `mtkit export` folder. ``settings``: ``nbest``, ``alignments``,
+    ``sampling``, ``seed``, and decode settings (``beam``, ``lenpen``, ...) over the model's saved ones."""
+    return load_translator(models, device, precision, engine, **settings)
+
+
+def train(
+    config: RunConfig | dict | str | Path, out: str | Path, overrides: Sequence[str] = (), restart: bool = False
+) -> dict:
+    """Train ``config`` (a RunConfig, a dict of sections or a YAML file, with ``section.key=value``
+    overrides) into the run directory ``out``, resuming from its newest checkpoint unless ``restart``.
+    Returns the last validation result."""
+    from mtkit.trainer import train as run
+
+    if isinstance(config, (str, Path)):
+        cfg = read_config(config, list(overrides))
+    else:
+        raw = config.to_dict() if isinstance(config, RunConfig) else config
+        cfg = _with_overrides(raw, overrides)
+    return run(cfg, Path(out), restart=restart)
+
+
+def _with_overrides(raw: dict, overrides: Sequence[str]) -> RunConfig:
+    raw = {section: dict(values or {}) for section, values in raw.items()}
+    for assignment in overrides:
+        apply_override(raw, assignment)
+    return from_dict(raw)
+
+
+def evaluate(
+    hypotheses: Sequence[str],
+    references: Sequence[Sequence[str]],
+    metrics: Sequence[str] = ("bleu", "chrf"),
+    tokenize: str | None = None,
+    lowercase: bool = False,
+    target_language: str = "",
+) -> list[Score]:
+    """Corpus scores through sacreBLEU (bleu, chrf, chrf++, ter), each with its signature.
+
+    ``references`` is a list of reference streams, each as long as ``hypotheses``.
+    """
+    options = Options(tokenize, lowercase, trg_lang=target_language)
+    return score(list(hypotheses), [list(r) for r in references], tuple(metrics), options)
+
+
+def prepare(corpus: str, out: str | Path, mirror: str | None = None, **cleaning: Any) -> dict:
+    """Download (or copy from ``mirror``) a catalogue corpus and write ``out/{train,valid,test}.LANG``;
+    ``cleaning``: ``nfkc``, ``dedupe``, ``min_words``, ``max_words``, ``max_ratio``. Returns prepare.json."""
+    from mtkit.clean import CleanConfig
+    from mtkit.corpora import corpus as find_corpus
+    from mtkit.preparation import prepare as run
+
+    return run(find_corpus(corpus), Path(out), mirror, CleanConfig(**cleaning))

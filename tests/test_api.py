@@ -1,0 +1,84 @@
+"""The Python API (`import mtkit`): what the command line is built on, called directly."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import MULTI30K
+from test_cli import invoke, write_config
+
+import mtkit
+import mtkit.translate
+from mtkit.search import beam_search
+
+
+@pytest.fixture(scope="module")
+def run_with_decode_settings(tmp_path_factory, multi30k_slice):
+    """A run whose recipe says beam 2 and length penalty 0.6, trained through `mtkit.train`."""
+    root = tmp_path_factory.mktemp("api")
+    config = write_config(root / "c.yaml", multi30k_slice, decode={"beam": 2, "lenpen": 0.6})
+    result = mtkit.train(config, root / "run", overrides=["train.max_steps=10", "train.valid_every=0"])
+    assert "valid_loss" in result
+    return root / "run"
+
+
+@pytest.fixture
+def searches(monkeypatch) -> list[dict]:
+    """The settings of every beam search run, as the translator passes them."""
+    seen = []
+
+    def recording(*args, **kwargs):
+        seen.append({k: kwargs[k] for k in ("beam", "lenpen", "max_len_a", "max_len_b")})
+        return beam_search(*args, **kwargs)
+
+    monkeypatch.setattr(mtkit.translate, "beam_search", recording)
+    return seen
+
+
+def test_translate_uses_the_decode_settings_saved_with_the_run(run_with_decode_settings, searches):
+    """`mtkit translate RUN` once searched with beam 5 and length penalty 1.0 whatever the recipe said."""
+    assert invoke("translate", run_with_decode_settings, input="A dog runs.\n").exit_code == 0
+    assert searches[-1]["beam"] == 2 and searches[-1]["lenpen"] == 0.6
+    assert invoke("translate", run_with_decode_settings, "--beam", 3, input="A dog runs.\n").exit_code == 0
+    assert searches[-1]["beam"] == 3 and searches[-1]["lenpen"] == 0.6  # what is not given stays the run's
+    translator = mtkit.load(run_with_decode_settings, device="cpu")
+    assert (translator.decode.beam, translator.decode.lenpen) == (2, 0.6)
+    translator.translate(["A dog runs."], lenpen=0.0)
+    assert searches[-1]["beam"] == 2 and searches[-1]["lenpen"] == 0.0
+
+
+def test_the_api_translates_as_the_command_line_does(run_with_decode_settings, multi30k_slice):
+    lines = multi30k_slice["val.en"].read_text().splitlines()[:8] + ["", "A cat."]
+    translator = mtkit.load(run_with_decode_settings, device="cpu")
+    result = invoke("translate", run_with_decode_settings, input="".join(line + "\n" for line in lines))
+    assert translator.translate(lines) == result.stdout.split("\n")[:-1]
+    assert translator.translate(iter(lines)) == translator.translate(lines)  # any iterable
+
+
+def test_hypotheses_stream_nbest_with_scores_and_alignments(run_with_decode_settings):
+    translator = mtkit.load(run_with_decode_settings, device="cpu", alignments=True)
+    lines = ["A man is walking.", "", "Two dogs play."]
+    results = list(translator.hypotheses(lines))
+    assert len(results) == 3 and results[1][0].text == "" and results[0][0].alignment
+    nbest = list(translator.hypotheses(lines, nbest=2))
+    assert [len(r) for r in nbest] == [2, 1, 2]
+    assert all(r[0].score >= r[1].score and r[0].logprob < 0 for r in (nbest[0], nbest[2]))
+    with pytest.raises(mtkit.MtkitError, match="nbest 3 needs a beam of at least 3"):
+        list(translator.hypotheses(lines, nbest=3))
+
+
+def test_evaluate_and_prepare(tmp_path, multi30k_slice):
+    refs = multi30k_slice["val.de"].read_text().splitlines()
+    scores = mtkit.evaluate(refs, [refs], metrics=["bleu", "chrf"])
+    assert [s.name for s in scores] == ["BLEU", "chrF2"] and scores[0].value == pytest.approx(100.0)
+    assert "version:" in scores[0].signature
+    record = mtkit.prepare("multi30k_en_de", tmp_path / "data", mirror=str(MULTI30K))
+    assert record["splits"]["valid"]["lines"] == 1014 and (tmp_path / "data" / "train.de").is_file()
+
+
+def test_bad_input_raises_the_one_error_type(tmp_path, run_with_decode_settings):
+    with pytest.raises(mtkit.MtkitError, match="checkpoint not found"):
+        mtkit.load(tmp_path / "nothing.safetensors")
+    with pytest.raises(mtkit.MtkitError, match="unknown decode setting bem"):
+        mtkit.load(run_with_decode_settings, device="cpu").translate(["A dog."], bem=3)
+    with pytest.raises(mtkit.MtkitError, match="decode.beam must be >= 1"):
+        mtkit.load(run_with_decode_settings, device="cpu", beam=0)
