@@ -25,11 +25,11 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class DataConfig:
     train_src: str = ""  # source side; a .tsv(.gz) holding both sides when train_tgt is empty
-    train_tgt: str = ""
-    valid_src: str = ""
-    valid_tgt: str = ""
-    src_lang: str = "src"
-    tgt_lang: str = "tgt"
+    train_tgt: str = ""  # target side, line-aligned with train_src
+    valid_src: str = ""  # validation source, or a .tsv(.gz) of both sides; empty: no validation
+    valid_tgt: str = ""  # validation target, line-aligned with valid_src
+    src_lang: str = "src"  # source language code; `mtkit run` checks it against recipe.corpus
+    tgt_lang: str = "tgt"  # target language code; `mtkit run` checks it too and writes test.hyp.<tgt_lang>
     max_tokens: int = 200  # pairs with a longer side (in subword tokens) are dropped from training
     max_ratio: float = 3.0  # ...and pairs whose longer side is more than this many times the shorter
     # Where training pairs are kept encoded (memory-mapped) for reuse by later runs; empty:
@@ -44,16 +44,16 @@ class DataConfig:
 @dataclass(frozen=True)
 class TokenizerConfig:
     type: Literal["unigram", "bpe"] = "unigram"  # SentencePiece model type
-    vocab_size: int = 8000
+    vocab_size: int = 8000  # pieces in each model trained; a model already in the run directory must match
     joint: bool = True  # one model for both languages (needed for tied embeddings)
     character_coverage: float = 1.0  # 0.9995 is usual for scripts with many characters (zh, ja)
     # Sentences sampled to train on (0: every one). SentencePiece needs about 3 KiB of memory per sampled
     # sentence of WMT length: 6 GiB at 2M, whatever the corpus size.
     input_sentence_size: int = 2_000_000
-    seed: int = 1
+    seed: int = 1  # SentencePiece's random generator (which sentences are sampled)
     model: str = ""  # an existing joint .model to use instead of training one
-    src_model: str = ""  # existing separate models (tokenizer.joint: false)
-    tgt_model: str = ""
+    src_model: str = ""  # an existing source .model to use with tokenizer.joint: false
+    tgt_model: str = ""  # an existing target .model to use with tokenizer.joint: false
 
     def __post_init__(self) -> None:
         _check_choices(self, "tokenizer")
@@ -65,8 +65,9 @@ class TokenizerConfig:
 
 Preset = Literal["transformer-base", "transformer-big", "transformer-small"]
 PRESETS: dict[Preset, dict[str, Any]] = {
-    # Vaswani et al. (2017), Table 3: base 65M and big 213M parameters on a 37k joint vocabulary.
+    # Vaswani et al. (2017), Table 3: 65M parameters on a 37k joint vocabulary.
     "transformer-base": dict(encoder_layers=6, decoder_layers=6, d_model=512, heads=8, ffn=2048, dropout=0.1),
+    # Vaswani et al. (2017), Table 3: 213M parameters on a 37k joint vocabulary.
     "transformer-big": dict(encoder_layers=6, decoder_layers=6, d_model=1024, heads=16, ffn=4096, dropout=0.3),
     # Small enough to train on a laptop CPU in an hour (Multi30k-sized corpora).
     "transformer-small": dict(encoder_layers=3, decoder_layers=3, d_model=256, heads=4, ffn=1024, dropout=0.1),
@@ -82,14 +83,14 @@ MAX_LAYERS = 1_000  # per stack
 @dataclass(frozen=True)
 class ModelConfig:
     preset: Preset = "transformer-small"  # sets the defaults below; explicit keys override it
-    encoder_layers: int = 3
-    decoder_layers: int = 3
-    d_model: int = 256
-    heads: int = 4
-    ffn: int = 1024
+    encoder_layers: int = 3  # layers in the encoder stack
+    decoder_layers: int = 3  # layers in the decoder stack
+    d_model: int = 256  # width of the embeddings and of every layer's input and output
+    heads: int = 4  # attention heads per layer; each has d_model / heads dimensions
+    ffn: int = 1024  # hidden width of each layer's feed-forward block
     dropout: float = 0.1  # on embeddings and residual branches
-    attention_dropout: float = 0.0
-    activation_dropout: float = 0.0
+    attention_dropout: float = 0.0  # on attention weights
+    activation_dropout: float = 0.0  # inside the feed-forward block, after its ReLU
     norm: Literal["post", "pre"] = "post"  # post: LN(x + f(x)) as in the paper; pre: x + f(LN(x)), steadier when deep
     tie_embeddings: bool = True  # share source, target and output embeddings (joint vocabulary)
     # sinusoidal or learned: added to the embeddings; relative (Shaw et al., 2018) or rotary (Su et al.,
@@ -97,7 +98,7 @@ class ModelConfig:
     positions: Literal["sinusoidal", "learned", "relative", "rotary"] = "sinusoidal"
     relative_clip: int = 16  # relative: distances beyond this many positions share one vector
     attention_window: int = 0  # self-attention sees only positions at most this far away; 0: all
-    max_positions: int = 1024
+    max_positions: int = 1024  # longest token sequence the model takes, in training and translation
 
     def __post_init__(self) -> None:
         _check_choices(self, "model")
@@ -130,16 +131,16 @@ class TrainConfig:
     accum: int = 1  # batches accumulated per update: effective batch = batch_tokens * accum
     lr: float = 1e-3  # peak learning rate, reached at the end of warm-up
     warmup: int = 4000  # linear warm-up steps, then inverse square-root decay
-    label_smoothing: float = 0.1
+    label_smoothing: float = 0.1  # loss mass spread uniformly over the vocabulary (Szegedy et al., 2016)
     clip_norm: float = 1.0  # global gradient-norm bound; 0 disables clipping
-    weight_decay: float = 0.0
+    weight_decay: float = 0.0  # Adam's L2 penalty, added to the gradients (not decoupled as in AdamW)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16: autocast, CPU and GPU; fp16: GPU, loss scaling
-    seed: int = 1
+    seed: int = 1  # initial weights, dropout masks and batch order
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto picks cuda when available
     threads: int = 0  # CPU threads for torch; 0 keeps torch's default
     valid_every: int = 1000  # validation (loss + BLEU) cadence in updates; 0 validates only at the end
     save_every: int = 1000  # checkpoint cadence in updates; the last checkpoint is also saved at the end
-    log_every: int = 100
+    log_every: int = 100  # metrics line cadence in updates
     valid_beam: int = 5  # beam size for validation BLEU
     valid_bleu: bool = True  # decode the validation set for BLEU (loss is always computed)
     best_metric: Literal["bleu", "loss"] = "bleu"  # what best.pt and early stopping follow
@@ -175,10 +176,10 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    beam: int = 5
+    beam: int = 5  # hypotheses kept per sentence at each step
     lenpen: float = 1.0  # GNMT length penalty alpha: score / ((5 + len) / 6) ** alpha
     max_len_a: float = 1.5  # hypotheses stop at max_len_a * source_length + max_len_b tokens
-    max_len_b: int = 10
+    max_len_b: int = 10  # the constant term of that bound
     min_len: int = 0  # no eos before this many output tokens (unless max_len forces one)
     early_stop: bool = True  # also done once the best candidate ended (OpenNMT-py); False: when `beam` have (fairseq)
     batch_size: int = 128  # at most this many sentences per decoding batch...
@@ -203,9 +204,9 @@ class RecipeConfig:
     corpus: str = ""  # an `mtkit prepare` corpus; its train/valid files become data.*, its test split is scored
     data_dir: str = ""  # where it is prepared; "" for RUN/data
     average_last: int = 5  # score the mean of the newest K checkpoints; 0 scores best/
-    bleu_min: float = 0.0  # the test sacreBLEU range that counts as reproducing the result...
-    bleu_max: float = 100.0
-    expected: str = ""  # ...and where that range comes from (paper, BLEU variant)
+    bleu_min: float = 0.0  # lowest test sacreBLEU that counts as reproducing the result
+    bleu_max: float = 100.0  # highest test sacreBLEU that counts as reproducing the result
+    expected: str = ""  # where that range comes from (paper, BLEU variant)
     hardware: str = ""  # the hardware and time the recipe expects
 
     def __post_init__(self) -> None:
