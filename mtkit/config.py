@@ -1,7 +1,6 @@
 """Typed configuration: the one home for defaults, loaded from YAML plus ``--set`` overrides.
 
-The YAML file mirrors the dataclass tree (``data``, ``tokenizer``, ``model``, ``train``, ``decode``,
-``recipe``);
+The YAML file mirrors the dataclass tree (``data``, ``tokenizer``, ``model``, ``train``, ``decode``, ``recipe``);
 an unknown key or a value of the wrong type or range is a ``ConfigError`` naming the key.
 """
 
@@ -29,7 +28,7 @@ class DataConfig:
     valid_src: str = ""  # validation source, or a .tsv(.gz) of both sides; empty: no validation
     valid_tgt: str = ""  # validation target, line-aligned with valid_src
     src_lang: str = "src"  # source language code; `mtkit run` checks it against recipe.corpus
-    tgt_lang: str = "tgt"  # target language code; `mtkit run` checks it too and writes test.hyp.<tgt_lang>
+    tgt_lang: str = "tgt"  # target language code; `mtkit run` checks it too and names `test.hyp.<tgt_lang>` after it
     max_tokens: int = 200  # pairs with a longer side (in subword tokens) are dropped from training
     max_ratio: float = 3.0  # ...and pairs whose longer side is more than this many times the shorter
     # Where training pairs are kept encoded (memory-mapped) for reuse by later runs; empty:
