@@ -1,7 +1,6 @@
 """Typed configuration: the one home for defaults, loaded from YAML plus ``--set`` overrides.
 
-The YAML file mirrors the dataclass tree (``data``, ``tokenizer``, ``model``, ``train``, ``decode``,
-``recipe``);
+The YAML file mirrors the dataclass tree (``data``, ``tokenizer``, ``model``, ``train``, ``decode``, ``recipe``);
 an unknown key or a value of the wrong type or range is a ``ConfigError`` naming the key.
 """
 
@@ -11,7 +10,7 @@ import re
 import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -26,11 +25,11 @@ class ConfigError(MtkitError, ValueError):
 @dataclass(frozen=True)
 class DataConfig:
     train_src: str = ""  # source side; a .tsv(.gz) holding both sides when train_tgt is empty
-    train_tgt: str = ""
-    valid_src: str = ""
-    valid_tgt: str = ""
-    src_lang: str = "src"
-    tgt_lang: str = "tgt"
+    train_tgt: str = ""  # target side, line-aligned with train_src
+    valid_src: str = ""  # validation source, or a .tsv(.gz) of both sides; empty: no validation
+    valid_tgt: str = ""  # validation target, line-aligned with valid_src
+    src_lang: str = "src"  # source language code; `mtkit run` checks it against recipe.corpus
+    tgt_lang: str = "tgt"  # target language code; `mtkit run` checks it too and names `test.hyp.<tgt_lang>` after it
     max_tokens: int = 200  # pairs with a longer side (in subword tokens) are dropped from training
     max_ratio: float = 3.0  # ...and pairs whose longer side is more than this many times the shorter
     # Where training pairs are kept encoded (memory-mapped) for reuse by later runs; empty:
@@ -44,29 +43,31 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class TokenizerConfig:
-    type: str = "unigram"  # SentencePiece model type: unigram or bpe
-    vocab_size: int = 8000
+    type: Literal["unigram", "bpe"] = "unigram"  # SentencePiece model type
+    vocab_size: int = 8000  # pieces in each model trained; a model already in the run directory must match
     joint: bool = True  # one model for both languages (needed for tied embeddings)
     character_coverage: float = 1.0  # 0.9995 is usual for scripts with many characters (zh, ja)
     # Sentences sampled to train on (0: every one). SentencePiece needs about 3 KiB of memory per sampled
     # sentence of WMT length: 6 GiB at 2M, whatever the corpus size.
     input_sentence_size: int = 2_000_000
-    seed: int = 1
+    seed: int = 1  # SentencePiece's random generator (which sentences are sampled)
     model: str = ""  # an existing joint .model to use instead of training one
-    src_model: str = ""  # existing separate models (tokenizer.joint: false)
-    tgt_model: str = ""
+    src_model: str = ""  # an existing source .model to use with tokenizer.joint: false
+    tgt_model: str = ""  # an existing target .model to use with tokenizer.joint: false
 
     def __post_init__(self) -> None:
-        _check(self.type in ("unigram", "bpe"), f"tokenizer.type must be unigram or bpe, got {shown(self.type)}")
+        _check_choices(self, "tokenizer")
         _check(self.vocab_size >= 16, "tokenizer.vocab_size must be >= 16")
         _check(0.0 < self.character_coverage <= 1.0, "tokenizer.character_coverage must be in (0, 1]")
         _check(self.input_sentence_size >= 0, "tokenizer.input_sentence_size must be >= 0")
         _check(0 <= self.seed < 2**32, "tokenizer.seed must be in [0, 2**32)")
 
 
-PRESETS: dict[str, dict[str, Any]] = {
-    # Vaswani et al. (2017), Table 3: base 65M and big 213M parameters on a 37k joint vocabulary.
+Preset = Literal["transformer-base", "transformer-big", "transformer-small"]
+PRESETS: dict[Preset, dict[str, Any]] = {
+    # Vaswani et al. (2017), Table 3: 65M parameters on a 37k joint vocabulary.
     "transformer-base": dict(encoder_layers=6, decoder_layers=6, d_model=512, heads=8, ffn=2048, dropout=0.1),
+    # Vaswani et al. (2017), Table 3: 213M parameters on a 37k joint vocabulary.
     "transformer-big": dict(encoder_layers=6, decoder_layers=6, d_model=1024, heads=16, ffn=4096, dropout=0.3),
     # Small enough to train on a laptop CPU in an hour (Multi30k-sized corpora).
     "transformer-small": dict(encoder_layers=3, decoder_layers=3, d_model=256, heads=4, ffn=1024, dropout=0.1),
@@ -81,26 +82,26 @@ MAX_LAYERS = 1_000  # per stack
 
 @dataclass(frozen=True)
 class ModelConfig:
-    preset: str = "transformer-small"  # sets the defaults below; explicit keys override it
-    encoder_layers: int = 3
-    decoder_layers: int = 3
-    d_model: int = 256
-    heads: int = 4
-    ffn: int = 1024
+    preset: Preset = "transformer-small"  # sets the defaults below; explicit keys override it
+    encoder_layers: int = 3  # layers in the encoder stack
+    decoder_layers: int = 3  # layers in the decoder stack
+    d_model: int = 256  # width of the embeddings and of every layer's input and output
+    heads: int = 4  # attention heads per layer; each has d_model / heads dimensions
+    ffn: int = 1024  # hidden width of each layer's feed-forward block
     dropout: float = 0.1  # on embeddings and residual branches
-    attention_dropout: float = 0.0
-    activation_dropout: float = 0.0
-    norm: str = "post"  # post: LN(x + f(x)) as in the paper; pre: x + f(LN(x)), steadier when deep
+    attention_dropout: float = 0.0  # on attention weights
+    activation_dropout: float = 0.0  # inside the feed-forward block, after its ReLU
+    norm: Literal["post", "pre"] = "post"  # post: LN(x + f(x)) as in the paper; pre: x + f(LN(x)), steadier when deep
     tie_embeddings: bool = True  # share source, target and output embeddings (joint vocabulary)
     # sinusoidal or learned: added to the embeddings; relative (Shaw et al., 2018) or rotary (Su et al.,
     # 2021): inside encoder and decoder self-attention, so scores depend on distances
-    positions: str = "sinusoidal"
+    positions: Literal["sinusoidal", "learned", "relative", "rotary"] = "sinusoidal"
     relative_clip: int = 16  # relative: distances beyond this many positions share one vector
     attention_window: int = 0  # self-attention sees only positions at most this far away; 0: all
-    max_positions: int = 1024
+    max_positions: int = 1024  # longest token sequence the model takes, in training and translation
 
     def __post_init__(self) -> None:
-        _check(self.preset in PRESETS, f"model.preset must be one of {', '.join(PRESETS)}, got {shown(self.preset)}")
+        _check_choices(self, "model")
         _check(
             1 <= self.encoder_layers <= MAX_LAYERS and 1 <= self.decoder_layers <= MAX_LAYERS,
             f"model.encoder_layers and model.decoder_layers must be between 1 and {MAX_LAYERS}",
@@ -113,11 +114,6 @@ class ModelConfig:
         _check(self.ffn >= 1, "model.ffn must be >= 1")
         for name in ("dropout", "attention_dropout", "activation_dropout"):
             _check(0.0 <= getattr(self, name) < 1.0, f"model.{name} must be in [0, 1)")
-        _check(self.norm in ("post", "pre"), f"model.norm must be post or pre, got {shown(self.norm)}")
-        _check(
-            self.positions in ("sinusoidal", "learned", "relative", "rotary"),
-            f"model.positions must be sinusoidal, learned, relative or rotary, got {shown(self.positions)}",
-        )
         _check(self.relative_clip >= 1, "model.relative_clip must be >= 1")
         _check(self.attention_window >= 0, "model.attention_window must be >= 0")
         _check(
@@ -135,23 +131,24 @@ class TrainConfig:
     accum: int = 1  # batches accumulated per update: effective batch = batch_tokens * accum
     lr: float = 1e-3  # peak learning rate, reached at the end of warm-up
     warmup: int = 4000  # linear warm-up steps, then inverse square-root decay
-    label_smoothing: float = 0.1
+    label_smoothing: float = 0.1  # loss mass spread uniformly over the vocabulary (Szegedy et al., 2016)
     clip_norm: float = 1.0  # global gradient-norm bound; 0 disables clipping
-    weight_decay: float = 0.0
-    precision: str = "fp32"  # fp32, bf16 (autocast; CPU and GPU) or fp16 (GPU, loss scaling)
-    seed: int = 1
-    device: str = "auto"  # auto picks cuda when available
+    weight_decay: float = 0.0  # Adam's L2 penalty, added to the gradients (not decoupled as in AdamW)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16: autocast, CPU and GPU; fp16: GPU, loss scaling
+    seed: int = 1  # initial weights, dropout masks and batch order
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto picks cuda when available
     threads: int = 0  # CPU threads for torch; 0 keeps torch's default
     valid_every: int = 1000  # validation (loss + BLEU) cadence in updates; 0 validates only at the end
     save_every: int = 1000  # checkpoint cadence in updates; the last checkpoint is also saved at the end
-    log_every: int = 100
+    log_every: int = 100  # metrics line cadence in updates
     valid_beam: int = 5  # beam size for validation BLEU
     valid_bleu: bool = True  # decode the validation set for BLEU (loss is always computed)
-    best_metric: str = "bleu"  # what best.pt and early stopping follow: bleu or loss
+    best_metric: Literal["bleu", "loss"] = "bleu"  # what best.pt and early stopping follow
     patience: int = 0  # stop after this many validations without a new best; 0 never stops early
     max_time: float = 0.0  # wall-clock budget in minutes, summed over resumed runs; 0 is no limit
     keep_last: int = 5  # periodic checkpoints kept in RUN_DIR/checkpoints (for resuming and averaging); 0 keeps all
-    nonfinite: str = "rollback"  # fp32/bf16 non-finite loss or gradient: rollback (to the last checkpoint), skip, stop
+    # fp32/bf16 non-finite loss or gradient: rollback (to the last checkpoint), skip, stop
+    nonfinite: Literal["rollback", "skip", "stop"] = "rollback"
     max_rollbacks: int = 3  # rollbacks allowed before training stops
     rollback_lr_factor: float = 0.5  # each rollback multiplies the learning rate by this
     ddp_timeout: float = 1800.0  # seconds a collective may wait for the other ranks (incl. rank 0's validation)
@@ -159,44 +156,30 @@ class TrainConfig:
     tensorboard: bool = False  # also write TensorBoard event files to RUN_DIR/tensorboard
 
     def __post_init__(self) -> None:
+        _check_choices(self, "train")
         for name in ("max_steps", "batch_tokens", "accum", "valid_beam", "log_every"):
             _check(getattr(self, name) >= 1, f"train.{name} must be >= 1")
         for name in ("max_epochs", "warmup", "valid_every", "save_every", "threads", "patience", "keep_last"):
             _check(getattr(self, name) >= 0, f"train.{name} must be >= 0")
-        _check(
-            self.nonfinite in ("rollback", "skip", "stop"),
-            f"train.nonfinite must be rollback, skip or stop, got {shown(self.nonfinite)}",
-        )
         _check(self.max_rollbacks >= 0, "train.max_rollbacks must be >= 0")
         _check(0.0 < self.rollback_lr_factor <= 1.0, "train.rollback_lr_factor must be in (0, 1]")
         _check(self.ddp_timeout > 0, "train.ddp_timeout must be > 0")
         _check(self.lr > 0, "train.lr must be > 0")
         _check(self.max_time >= 0, "train.max_time must be >= 0")
         _check(
-            self.best_metric in ("bleu", "loss"),
-            f"train.best_metric must be bleu or loss, got {shown(self.best_metric)}",
-        )
-        _check(
             self.best_metric == "loss" or self.valid_bleu,
             "train.best_metric bleu needs train.valid_bleu: true (or use best_metric: loss)",
         )
         _check(0.0 <= self.label_smoothing < 1.0, "train.label_smoothing must be in [0, 1)")
         _check(self.clip_norm >= 0 and self.weight_decay >= 0, "train.clip_norm and train.weight_decay must be >= 0")
-        _check(
-            self.precision in ("fp32", "bf16", "fp16"),
-            f"train.precision must be fp32, bf16 or fp16, got {shown(self.precision)}",
-        )
-        _check(
-            self.device in ("auto", "cpu", "cuda"), f"train.device must be auto, cpu or cuda, got {shown(self.device)}"
-        )
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    beam: int = 5
+    beam: int = 5  # hypotheses kept per sentence at each step
     lenpen: float = 1.0  # GNMT length penalty alpha: score / ((5 + len) / 6) ** alpha
     max_len_a: float = 1.5  # hypotheses stop at max_len_a * source_length + max_len_b tokens
-    max_len_b: int = 10
+    max_len_b: int = 10  # the constant term of that bound
     min_len: int = 0  # no eos before this many output tokens (unless max_len forces one)
     early_stop: bool = True  # also done once the best candidate ended (OpenNMT-py); False: when `beam` have (fairseq)
     batch_size: int = 128  # at most this many sentences per decoding batch...
@@ -221,9 +204,9 @@ class RecipeConfig:
     corpus: str = ""  # an `mtkit prepare` corpus; its train/valid files become data.*, its test split is scored
     data_dir: str = ""  # where it is prepared; "" for RUN/data
     average_last: int = 5  # score the mean of the newest K checkpoints; 0 scores best/
-    bleu_min: float = 0.0  # the test sacreBLEU range that counts as reproducing the result...
-    bleu_max: float = 100.0
-    expected: str = ""  # ...and where that range comes from (paper, BLEU variant)
+    bleu_min: float = 0.0  # lowest test sacreBLEU that counts as reproducing the result
+    bleu_max: float = 100.0  # highest test sacreBLEU that counts as reproducing the result
+    expected: str = ""  # where that range comes from (paper, BLEU variant)
     hardware: str = ""  # the hardware and time the recipe expects
 
     def __post_init__(self) -> None:
@@ -257,8 +240,20 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _check_choices(config: Any, section: str) -> None:
+    """Check each ``Literal`` field of a section against its choices, also when it is built in Python."""
+    for name, hint in typing.get_type_hints(type(config)).items():
+        if typing.get_origin(hint) is Literal:
+            _coerce(f"{section}.{name}", getattr(config, name), hint)
+
+
 def _coerce(key: str, value: Any, hint: Any) -> Any:
     """Check ``value`` against a field's type; ints are accepted where floats are expected."""
+    if typing.get_origin(hint) is Literal:
+        choices = typing.get_args(hint)
+        if value in choices:
+            return value
+        raise ConfigError(f"{key} must be one of {', '.join(map(str, choices))}, got {shown(value)}")
     if hint is bool:
         if isinstance(value, bool):
             return value
@@ -321,9 +316,7 @@ def from_dict(raw: dict[str, Any]) -> RunConfig:
         if values is not None and not isinstance(values, dict):
             raise ConfigError(f"config section {section} must be a mapping, got {shown(values)}")
     model_raw = dict(raw.get("model") or {})
-    preset = model_raw.get("preset", ModelConfig.preset)
-    if not isinstance(preset, str) or preset not in PRESETS:
-        raise ConfigError(f"model.preset must be one of {', '.join(PRESETS)}, got {shown(preset)}")
+    preset = _coerce("model.preset", model_raw.get("preset", ModelConfig.preset), Preset)
     sections = {name: dict(raw.get(name) or {}) for name in SECTIONS}
     sections["model"] = {**PRESETS[preset], **model_raw}
     return RunConfig(**{name: _build(cls, sections[name], name + ".") for name, cls in SECTIONS.items()})

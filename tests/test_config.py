@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
+import typing
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
-from mtkit.config import PRESETS, ConfigError, from_dict, load
+from mtkit.config import PRESETS, SECTIONS, ConfigError, ModelConfig, Preset, from_dict, load
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
@@ -58,12 +62,50 @@ def test_overrides_are_typed_and_apply_to_any_key(tmp_path):
         ({"train": {"precision": "fp8"}}, "train.precision"),
         ({"tokenizer": {"joint": False}}, "tie_embeddings needs a joint vocabulary"),
         ({"train": {"valid_bleu": False}}, "best_metric bleu needs train.valid_bleu"),
-        ({"train": {"best_metric": "chrf"}}, "train.best_metric must be bleu or loss"),
+        ({"train": {"best_metric": "chrf"}}, "train.best_metric must be one of bleu, loss, got 'chrf'"),
+        ({"train": {"precision": 16}}, "train.precision must be one of fp32, bf16, fp16, got 16"),
     ],
 )
 def test_bad_keys_and_values_are_named(raw, message):
     with pytest.raises(ConfigError, match=message):
         from_dict(raw)
+
+
+CHOICES = {
+    f"{section}.{f.name}": typing.get_args(hint)
+    for section, cls in SECTIONS.items()
+    for f in dataclasses.fields(cls)
+    if typing.get_origin(hint := typing.get_type_hints(cls)[f.name]) is Literal
+}
+
+
+def test_settings_with_a_fixed_set_of_values_are_literals():
+    assert set(CHOICES) == {
+        "tokenizer.type",
+        "model.preset",
+        "model.norm",
+        "model.positions",
+        "train.precision",
+        "train.device",
+        "train.nonfinite",
+        "train.best_metric",
+    }
+    assert set(PRESETS) == set(typing.get_args(Preset))
+
+
+@pytest.mark.parametrize("key", sorted(CHOICES))
+def test_a_value_outside_the_choices_names_the_key_and_the_choices(tmp_path, key):
+    section, name = key.split(".")
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{section}:\n  {name}: nope\n")
+    message = f"{path}:2: {key} must be one of {', '.join(CHOICES[key])}, got 'nope'"
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load(path)
+
+
+def test_choices_are_checked_when_a_section_is_built_in_python():
+    with pytest.raises(ConfigError, match=re.escape("model.norm must be one of post, pre, got 'mid'")):
+        ModelConfig(norm="mid")
 
 
 def test_bad_override_and_missing_file(tmp_path):
