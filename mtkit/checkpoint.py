@@ -25,7 +25,6 @@ holds a lock on ``RUN_DIR/.lock`` (released by the kernel even if the process is
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
@@ -36,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import filelock
 import safetensors.torch
 import torch
 
@@ -111,29 +111,28 @@ class OutputError(MtkitError, ValueError):
 
 
 class RunLock:
-    """An exclusive lock on a run directory, so two trainings never write checkpoints over each other."""
+    """An exclusive lock on a run directory, so two trainings never write checkpoints over each other.
+
+    The operating system releases it when the process ends, however it ends; ``RUN/.lock`` names the
+    process holding it.
+    """
 
     def __init__(self, run_dir: Path) -> None:
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        self._file = open(run_dir / ".lock", "a+")
+        path = run_dir / ".lock"
+        self._lock = filelock.FileLock(path, timeout=0)
         try:
-            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._file.seek(0)
-            holder = self._file.read().strip() or "unknown"
-            self._file.close()
+            self._lock.acquire()
+        except filelock.Timeout:
+            holder = path.read_text(errors="replace").strip()[:20] or "unknown"
             raise CheckpointError(
                 f"{run_dir}: in use by another training process (pid {holder}); stop it or choose another --out"
             ) from None
-        self._file.truncate(0)
-        self._file.write(f"{os.getpid()}\n")
-        self._file.flush()
+        path.write_text(f"{os.getpid()}\n")
 
     def release(self) -> None:
-        if not self._file.closed:
-            fcntl.flock(self._file, fcntl.LOCK_UN)
-            self._file.close()
+        self._lock.release()
 
 
 # -- saving ---------------------------------------------------------------------------------

@@ -17,7 +17,6 @@ can be removed by hand at any time when no run is starting.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import hashlib
 import itertools
 import json
@@ -27,6 +26,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+import filelock
 import numpy as np
 
 from mtkit import untrusted
@@ -162,8 +162,7 @@ def open_or_build(
     cache_dir = Path(cache_dir)
     directory = cache_dir / _digest(key)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    with open(cache_dir / f".{directory.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with filelock.FileLock(cache_dir / f".{directory.name}.lock"):
         vocab_sizes = (src_tok.vocab_size, tgt_tok.vocab_size)
         store = _open_if_complete(directory, vocab_sizes)
         if store is not None:
