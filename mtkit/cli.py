@@ -17,13 +17,14 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 from rich.console import Console
 from typer.core import TyperGroup
 
 from mtkit import __version__
+from mtkit.config import Precision, SpmType
 from mtkit.errors import MtkitError
 
 # The base class of Click's usage errors: typer's own copy of Click, or Click itself for older typer.
@@ -60,7 +61,7 @@ app = typer.Typer(
     no_args_is_help=True,
     rich_markup_mode="rich",
     pretty_exceptions_enable=False,
-    add_completion=False,
+    add_completion=True,
 )
 tokenizer_app = typer.Typer(help="Train SentencePiece tokenizer models.", no_args_is_help=True)
 app.add_typer(tokenizer_app, name="tokenizer")
@@ -120,8 +121,13 @@ def _setup_logging(quiet: bool = False) -> None:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
     log.addHandler(handler)
-    log.setLevel(logging.WARNING if quiet else logging.INFO)
+    log.setLevel(max(_LOG_LEVEL["level"], logging.WARNING) if quiet else _LOG_LEVEL["level"])
     log.propagate = False
+
+
+def examples(*lines: str) -> str:
+    """A command's --help epilog: one example command per line."""
+    return "Examples:\n\n" + "\n\n".join(f"  {line}" for line in lines)
 
 
 def _version(value: bool) -> None:
@@ -130,31 +136,44 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
+LogLevel = Literal["debug", "info", "warning", "error"]
+_LOG_LEVEL = {"level": logging.INFO}  # set by the global options, read by every command's logging set-up
+
+
 @app.callback()
 def main_options(
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only warnings and errors on stderr.")] = False,
+    log_level: Annotated[LogLevel, typer.Option(help="How much to log on stderr.")] = "info",
 ) -> None:
     """mtkit: train, run and score Transformer machine-translation models."""
+    _LOG_LEVEL["level"] = logging.WARNING if quiet else getattr(logging, log_level.upper())
 
 
 # -- tokenizer ------------------------------------------------------------------------------
 
 
-@tokenizer_app.command("train")
+@tokenizer_app.command(
+    "train",
+    epilog=examples(
+        "mtkit tokenizer train --src train.en --tgt train.de -o tok/ --vocab-size 8000",
+        "mtkit tokenizer train --src train.en --tgt train.de -o tok/ --separate --type bpe",
+    ),
+)
 @user_errors
 def tokenizer_train(
     src: Annotated[Path, typer.Option(help="Source-side training text (plain or .gz).")],
     out_dir: Annotated[
-        Path, typer.Option("--out-dir", "-o", help="Directory for spm.model (joint) or spm.src/tgt.model.")
+        Path, typer.Option("--output", "-o", "--out-dir", help="Folder for spm.model (joint) or spm.src/tgt.model.")
     ],
     tgt: Annotated[Path | None, typer.Option(help="Target-side training text; omit for one monolingual model.")] = None,
     joint: Annotated[
         bool, typer.Option("--joint/--separate", help="One model for both sides, or one per side.")
     ] = True,
     vocab_size: Annotated[int, typer.Option(help="Pieces per model.")] = 8000,
-    model_type: Annotated[str, typer.Option("--type", help="unigram or bpe.")] = "unigram",
+    model_type: Annotated[SpmType, typer.Option("--type", help="SentencePiece model type.")] = "unigram",
     character_coverage: Annotated[float, typer.Option(help="Share of characters covered (0.9995 for CJK).")] = 1.0,
     input_sentence_size: Annotated[int, typer.Option(help="Sentences sampled for training; 0 uses all.")] = 2_000_000,
     seed: Annotated[int, typer.Option(min=0, max=2**32 - 1, help="Seed for sentence sampling.")] = 1,
@@ -232,11 +251,17 @@ class RichReporter:
             self.progress.stop()
 
 
-@app.command()
+@app.command(
+    epilog=examples(
+        "mtkit prepare --list",
+        "mtkit prepare multi30k_en_de -o data/m30k --mirror ../shared/data/multi30k",
+        "mtkit prepare wmt14_en_de -o data/wmt14",
+    )
+)
 @user_errors
 def prepare(
     corpus: Annotated[str | None, typer.Argument(help="A corpus name from --list, e.g. wmt14_en_de.")] = None,
-    out: Annotated[Path | None, typer.Option("--out", "-o", help="Output folder (see below).")] = None,
+    out: Annotated[Path | None, typer.Option("--output", "-o", "--out", help="Output folder (see below).")] = None,
     mirror: Annotated[
         str | None,
         typer.Option(help="Fetch the corpus files from here instead: a directory, a file:// or an http(s):// base."),
@@ -276,15 +301,23 @@ def prepare(
     typer.echo(f"{corpus} in {out}: {counts} lines")
 
 
-@app.command()
+@app.command(
+    epilog=examples(
+        "mtkit train m30k.yaml -o runs/m30k --set train.lr=0.001 --precision bf16",
+        "mtkit train m30k.yaml --dry-run",
+        "mtkit train m30k.yaml -o runs/m30k --nproc-per-node 4",
+    )
+)
 @user_errors
 def train(
     config: Annotated[Path, typer.Argument(help="YAML config with data, tokenizer, model, train and decode sections.")],
     overrides: Annotated[
         list[str], typer.Option("--set", help="Override a key: --set train.lr=0.001 (repeatable).")
     ] = [],
-    out: Annotated[Path | None, typer.Option("--out", help="Run directory (default: runs/<config name>).")] = None,
-    precision: Annotated[str | None, typer.Option(help="fp32, bf16 or fp16 (sets train.precision).")] = None,
+    out: Annotated[
+        Path | None, typer.Option("--output", "-o", "--out", help="Run directory (default: runs/<config name>).")
+    ] = None,
+    precision: Annotated[Precision | None, typer.Option(help="Sets train.precision (fp16 on GPU only).")] = None,
     save_every: Annotated[int | None, typer.Option(help="Checkpoint every N updates (sets train.save_every).")] = None,
     keep_last: Annotated[
         int | None, typer.Option(help="Checkpoints kept for resuming and averaging; 0 keeps all (train.keep_last).")
@@ -410,7 +443,13 @@ def _given(**options) -> dict:
     return {name: value for name, value in options.items() if value is not None}
 
 
-@app.command()
+@app.command(
+    epilog=examples(
+        "mtkit translate runs/m30k -i test.en -o test.hyp.de",
+        'echo "A dog runs." | mtkit translate runs/m30k --beam 1',
+        "mtkit translate runs/a runs/b -i test.en --nbest 5 --beam 5",
+    )
+)
 @user_errors
 def translate(
     model: Annotated[
@@ -486,9 +525,9 @@ def translate(
         ),
     ] = None,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
-    precision: Annotated[str, typer.Option(help="fp32, bf16 or fp16 (fp16 on GPU only).")] = "fp32",
+    precision: Annotated[Precision, typer.Option(help="Number format of the weights (fp16 on GPU only).")] = "fp32",
     engine: Annotated[
-        str,
+        Literal["mtkit", "ctranslate2"],
         typer.Option(
             help="mtkit, or ctranslate2 for a model made by `mtkit export` (MODEL is its folder; "
             "fp32 keeps the export's own weight type, e.g. int8)."
@@ -527,13 +566,21 @@ def translate(
         raise typer.Exit(128 + stop.signum) from None
 
 
-@app.command("run")
+@app.command(
+    "run",
+    epilog=examples(
+        "mtkit run recipes/multi30k_en_de.yaml -o runs/m30k --mirror ../shared/data/multi30k",
+        "mtkit run recipes/multi30k_en_de.yaml -o runs/m30k --set decode.beam=4",
+    ),
+)
 @user_errors
 def run_recipe(
     recipe: Annotated[
         Path, typer.Argument(help="A recipe: a config with a recipe section, e.g. recipes/multi30k_en_de.yaml.")
     ],
-    out: Annotated[Path | None, typer.Option("--out", "-o", help="Run directory (default runs/<recipe name>).")] = None,
+    out: Annotated[
+        Path | None, typer.Option("--output", "-o", "--out", help="Run directory (default runs/<recipe name>).")
+    ] = None,
     mirror: Annotated[
         str | None, typer.Option(help="Fetch the corpus from here (a folder, file:// or http(s):// base).")
     ] = None,
@@ -560,7 +607,14 @@ def run_recipe(
 # -- eval -----------------------------------------------------------------------------------
 
 
-@app.command("eval")
+@app.command(
+    "eval",
+    epilog=examples(
+        "mtkit eval --hyp test.hyp.de --ref test.de --metrics bleu chrf ter",
+        "mtkit eval test.de -i test.hyp.de -m bleu chrf",
+        "mtkit eval --hyp base.de --hyp new.de --ref test.de --paired-bs",
+    ),
+)
 @user_errors
 def evaluate(
     hyp: Annotated[
@@ -675,7 +729,12 @@ def _paired_text(result) -> str:
     return "\n".join([*lines, f"  signature: {result.signature}"])
 
 
-@app.command()
+@app.command(
+    epilog=examples(
+        "mtkit average runs/m30k --last 5 -o runs/m30k/avg5.safetensors",
+        "mtkit average runs/m30k/checkpoints/update-00002000 runs/m30k/checkpoints/update-00002400 -o avg.safetensors",
+    )
+)
 @user_errors
 def average(
     inputs: Annotated[list[Path], typer.Argument(help="One run directory, or two or more checkpoints.")],
@@ -719,7 +778,12 @@ def average(
 # -- attention --------------------------------------------------------------------------------
 
 
-@app.command()
+@app.command(
+    epilog=examples(
+        'mtkit attention runs/m30k --src "A dog runs on the beach." -o attention.png',
+        'mtkit attention runs/m30k --src "A dog runs." -o layer1.png --layer 1 --encoder',
+    )
+)
 @user_errors
 def attention(
     model: Annotated[Path, typer.Argument(help="Run directory (uses best/), checkpoint directory or .safetensors.")],
@@ -740,10 +804,11 @@ def attention(
     """
     from mtkit.attention import alignment_line, plot_attention, translate_with_attention, word_alignment
     from mtkit.checkpoint import check_output_file, load_for_inference
-    from mtkit.runtime import pick_device
+    from mtkit.runtime import pick_device, require
     from mtkit.translate import with_overrides
 
     _setup_logging()
+    require("matplotlib", "drawing attention", "matplotlib")
     check_output_file(output)
     bundle = load_for_inference(model, pick_device(device))
     decode = with_overrides(bundle.cfg.decode, _given(beam=beam))
@@ -754,7 +819,12 @@ def attention(
     typer.echo(f"wrote {output}", err=True)
 
 
-@app.command()
+@app.command(
+    epilog=examples(
+        "mtkit export runs/m30k -o m30k-ct2",
+        "mtkit export runs/m30k -o m30k-ct2-int8 --quantization int8",
+    )
+)
 @user_errors
 def export(
     model: Annotated[Path, typer.Argument(help="Run directory (uses best/), checkpoint directory or .safetensors.")],
@@ -762,18 +832,15 @@ def export(
         Path,
         typer.Option("--output", "-o", help="Folder to write; an earlier export there is replaced, nothing else is."),
     ],
-    fmt: Annotated[str, typer.Option("--format", help="Target runtime: ctranslate2.")] = "ctranslate2",
+    fmt: Annotated[Literal["ctranslate2"], typer.Option("--format", help="Target runtime.")] = "ctranslate2",
     quantization: Annotated[
         str | None,
         typer.Option(help="Stored weight type: int8, int8_float16, int16, float16, bfloat16, float32 (default)..."),
     ] = None,
 ) -> None:
     """Convert a trained model for the CTranslate2 runtime; its tokenizers and decode settings go with it."""
-    from mtkit.config import ConfigError
     from mtkit.export import export_ctranslate2
 
-    if fmt != "ctranslate2":
-        raise ConfigError(f"--format must be ctranslate2, got {fmt!r}")
     written = export_ctranslate2(model, output, quantization)
     typer.echo(f"wrote {written} (CTranslate2, {quantization or 'float32'} weights)", err=True)
 
@@ -781,7 +848,7 @@ def export(
 # -- doctor ---------------------------------------------------------------------------------
 
 
-@app.command()
+@app.command(epilog=examples("mtkit doctor", "mtkit doctor --path runs/ --json"))
 def doctor(
     path: Annotated[Path, typer.Option("--path", help="Where runs will be written (for free disk).")] = Path("."),
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,

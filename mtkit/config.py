@@ -22,6 +22,10 @@ class ConfigError(MtkitError, ValueError):
     """A bad config file, key or value; the CLI prints it as one line."""
 
 
+SpmType = Literal["unigram", "bpe"]  # SentencePiece model types
+Precision = Literal["fp32", "bf16", "fp16"]  # the number formats of training and translation
+
+
 @dataclass(frozen=True)
 class DataConfig:
     train_src: str = ""  # source side; a .tsv(.gz) holding both sides when train_tgt is empty
@@ -43,7 +47,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class TokenizerConfig:
-    type: Literal["unigram", "bpe"] = "unigram"  # SentencePiece model type
+    type: SpmType = "unigram"  # SentencePiece model type
     vocab_size: int = 8000  # pieces in each model trained; a model already in the run directory must match
     joint: bool = True  # one model for both languages (needed for tied embeddings)
     character_coverage: float = 1.0  # 0.9995 is usual for scripts with many characters (zh, ja)
@@ -134,7 +138,7 @@ class TrainConfig:
     label_smoothing: float = 0.1  # loss mass spread uniformly over the vocabulary (Szegedy et al., 2016)
     clip_norm: float = 1.0  # global gradient-norm bound; 0 disables clipping
     weight_decay: float = 0.0  # Adam's L2 penalty, added to the gradients (not decoupled as in AdamW)
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16: autocast, CPU and GPU; fp16: GPU, loss scaling
+    precision: Precision = "fp32"  # bf16: autocast, CPU and GPU; fp16: GPU, loss scaling
     seed: int = 1  # initial weights, dropout masks and batch order
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto picks cuda when available
     threads: int = 0  # CPU threads for torch; 0 keeps torch's default

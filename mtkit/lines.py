@@ -23,6 +23,7 @@ from mtkit.checkpoint import check_output_file
 from mtkit.config import ConfigError
 from mtkit.data import UTF8_BOM, DataError, check_input_file, open_binary, reading
 from mtkit.files import atomic_write
+from mtkit.runtime import require
 from mtkit.search import Sampling
 from mtkit.translate import PrefixMismatch, Translation, load_translator
 
@@ -287,6 +288,7 @@ def translate_file(
         ]
         if unsupported:
             raise ConfigError(f"--engine ctranslate2 takes one model and no {', '.join(unsupported)}")
+        require("ctranslate2", "--engine ctranslate2", "ctranslate2")
     for path in (input, None if prefix_on_stdin else prefix):
         if path is not None:
             check_input_file(path, stream_ok=True)

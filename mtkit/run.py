@@ -19,6 +19,7 @@ of the model that wrote it (report.json's test.model_sha256; its first 12 digits
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import time
@@ -54,6 +55,8 @@ def run_recipe(
 ) -> dict:
     """Run every stage of ``cfg``'s recipe into ``out``; returns the report. ``train(cfg, out)`` trains."""
     stages: list[Stage] = []
+    if importlib.util.find_spec("matplotlib") is None:  # said now, not after an hour of training
+        log.warning("no training curves: pip install matplotlib (or mtkit[plot]) to draw them")
     cfg, test = _prepare(cfg, out, mirror, stages)
 
     start = time.perf_counter()
@@ -335,8 +338,7 @@ def _plot(out: Path, train: list[dict], valid: list[dict]) -> str | None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("no training curves: pip install matplotlib (or mtkit[plot]) to draw them")
+    except ImportError:  # run_recipe has said so
         return None
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
     left.plot([t["step"] for t in train], [t["loss"] for t in train], label="train (label-smoothed)")

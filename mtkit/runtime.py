@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import random
 from pathlib import Path
 
@@ -13,6 +14,12 @@ from mtkit.errors import MtkitError
 
 class RuntimeSetupError(MtkitError, ValueError):
     """A device or precision that this machine cannot provide."""
+
+
+def require(module: str, needed_for: str, install: str) -> None:
+    """RuntimeSetupError now, before any work, when an optional package is not installed."""
+    if importlib.util.find_spec(module) is None:
+        raise RuntimeSetupError(f"{needed_for} needs the {module} package: pip install {install}")
 
 
 def seed_everything(seed: int) -> None:

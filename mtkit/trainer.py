@@ -37,7 +37,7 @@ from mtkit.files import file_sha256
 from mtkit.loss import TrainingObjective
 from mtkit.metrics import bleu
 from mtkit.model import build_model, count_parameters
-from mtkit.runtime import autocast, compute_dtype, pick_device, seed_everything, set_threads
+from mtkit.runtime import autocast, compute_dtype, pick_device, require, seed_everything, set_threads
 from mtkit.token_store import TokenStore, default_cache_dir, open_or_build, store_key
 from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID, SpmOptions, Tokenizer, train_spm
 from mtkit.translate import translate_lines
@@ -349,10 +349,8 @@ class Trainer:
         return DistributedDataParallel(self.objective, device_ids=device_ids, **no_buffer_sync)
 
     def _open_tensorboard(self):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            raise ConfigError("train.tensorboard needs the tensorboard package: pip install tensorboard") from None
+        from torch.utils.tensorboard import SummaryWriter  # check_trainable made sure it is there
+
         return SummaryWriter(str(self.out_dir / "tensorboard"))
 
     # -- checkpoints ------------------------------------------------------------------------
@@ -866,6 +864,8 @@ def check_trainable(cfg: RunConfig) -> None:
     for path in (tok.model, tok.src_model, tok.tgt_model):
         if path and not Path(path).is_file():
             raise DataError(f"{path}: tokenizer model not found")
+    if cfg.train.tensorboard:
+        require("tensorboard", "train.tensorboard", "tensorboard")
 
 
 def resumed_progress(path: Path, state: Any, step: int) -> Progress:

@@ -283,3 +283,32 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tmp_path, multi30k
     a = checkpoint.load(checkpoint.latest(killed)).weights
     b = checkpoint.load(checkpoint.latest(tmp_path / "straight")).weights
     assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["tokenizer", "train"], ["prepare"], ["train"], ["translate"], ["run"], ["eval"], ["average"], ["attention"],
+     ["export"], ["doctor"]],
+)  # fmt: skip
+def test_every_command_help_ends_with_examples(command):
+    result = invoke(*command, "--help")
+    assert result.exit_code == 0 and "Examples:" in result.output and f"mtkit {command[0]}" in result.output
+
+
+def test_output_spellings_and_quiet_logging(tmp_path, multi30k_slice):
+    """-o/--output on every command that writes, the older --out and --out-dir kept; --quiet keeps stderr to
+    warnings and errors."""
+    config = write_config(tmp_path / "c.yaml", multi30k_slice, train={"max_steps": 2, "valid_every": 0})
+    loud = invoke("train", config, "-o", tmp_path / "a")
+    quiet = invoke("--quiet", "train", config, "--output", tmp_path / "b")
+    assert loud.exit_code == quiet.exit_code == 0
+    assert " INFO " in loud.stderr and " INFO " not in quiet.stderr
+    assert invoke("--log-level", "warning", "train", config, "--out", tmp_path / "c").exit_code == 0
+    assert all(checkpoint.latest(tmp_path / name) is not None for name in "abc")
+    s, t = multi30k_slice["train.en"], multi30k_slice["train.de"]
+    for spelling in ("-o", "--output", "--out-dir"):
+        folder = tmp_path / spelling.strip("-")
+        assert (
+            invoke("tokenizer", "train", "--src", s, "--tgt", t, spelling, folder, "--vocab-size", 200).exit_code == 0
+        )
+        assert (folder / "spm.model").is_file()
