@@ -21,7 +21,7 @@ from typing import Annotated, Literal
 
 import typer
 from rich.console import Console
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 from mtkit import __version__
 from mtkit.config import Precision, SpmType
@@ -607,20 +607,62 @@ def run_recipe(
 # -- eval -----------------------------------------------------------------------------------
 
 
+MULTI_VALUE_OPTIONS = ("-i", "--input", "-m", "--metrics")  # sacreBLEU's nargs options: -i A B, -m bleu chrf
+
+
+class _EvalCommand(TyperCommand):
+    """Options of MULTI_VALUE_OPTIONS take each word up to the next option, as sacreBLEU's argparse does.
+
+    A Click option takes one value, so each further word gets its option written before it first.
+    """
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, _repeat_multi_value_options(args))
+
+
+def _repeat_multi_value_options(args: list[str]) -> list[str]:
+    """``-m bleu chrf`` as ``-m bleu -m chrf``; a word after any other option, or after ``--``, stays as it is."""
+    out: list[str] = []
+    option, taken = None, 0
+    for index, arg in enumerate(args):
+        if arg == "--":
+            return out + args[index:]
+        if arg.startswith("-") and arg != "-":
+            option, taken = (arg if arg in MULTI_VALUE_OPTIONS else None), 0
+        elif option is not None:
+            out += [option] if taken else []
+            taken += 1
+        out.append(arg)
+    return out
+
+
 @app.command(
     "eval",
+    cls=_EvalCommand,
     epilog=examples(
-        "mtkit eval --hyp test.hyp.de --ref test.de --metrics bleu chrf ter",
-        "mtkit eval test.de -i test.hyp.de -m bleu chrf",
-        "mtkit eval --hyp base.de --hyp new.de --ref test.de --paired-bs",
+        "mtkit eval test.de -i test.hyp.de -m bleu chrf ter",
+        "mtkit eval --hyp test.hyp.de --ref test.de --metrics bleu chrf",
+        "mtkit eval test.de -i base.de new.de --paired-bs",
     ),
 )
 @user_errors
 def evaluate(
+    ref_files: Annotated[
+        list[Path] | None,
+        typer.Argument(metavar="REF", help="Reference files, as sacreBLEU takes them (the same as --ref)."),
+    ] = None,
     hyp: Annotated[
         list[Path],
-        typer.Option(help="System output, one line per segment; repeat with --paired-bs (the first is the baseline)."),
-    ],
+        typer.Option(help="System output, with mtkit's defaults and output; repeat with --paired-bs (baseline first)."),
+    ] = [],
+    inputs: Annotated[
+        list[Path],
+        typer.Option(
+            "--input",
+            "-i",
+            help="System output(s) with sacreBLEU's defaults and output (default: stdin, one system per column).",
+        ),
+    ] = [],
     ref: Annotated[list[Path], typer.Option(help="Reference file; repeat for several references.")] = [],
     test_set: Annotated[
         str | None,
@@ -628,105 +670,113 @@ def evaluate(
     ] = None,
     langpair: Annotated[
         str | None,
-        typer.Option("--langpair", "-l", help="SRC-TGT; the target language picks BLEU's tokenizer as in sacreBLEU."),
+        typer.Option(
+            "--langpair",
+            "--language-pair",
+            "-l",
+            help="SRC-TGT; the target language picks BLEU's tokenizer as in sacreBLEU.",
+        ),
     ] = None,
     metrics: Annotated[
-        list[str], typer.Option(help="bleu, chrf, chrf++, ter: --metrics bleu chrf ter, or bleu,chrf.")
-    ] = ["bleu", "chrf"],
+        list[str],
+        typer.Option(
+            "--metrics",
+            "-m",
+            help="bleu, chrf, chrf++, ter: -m bleu chrf ter, or bleu,chrf (default: bleu chrf with --hyp, else bleu).",
+        ),
+    ] = [],
     tokenize: Annotated[
-        str | None, typer.Option(help="sacreBLEU BLEU tokenizer: 13a (default), intl, zh, char, none, ...")
+        str | None,
+        typer.Option("--tokenize", "-tok", help="sacreBLEU BLEU tokenizer: 13a (default), intl, zh, char, none, ..."),
     ] = None,
-    lowercase: Annotated[bool, typer.Option(help="Case-insensitive scores.")] = False,
+    lowercase: Annotated[
+        bool,
+        typer.Option("--lowercase/--no-lowercase", "-lc", help="Case-insensitive BLEU; with --hyp chrF and TER too."),
+    ] = False,
+    chrf_lowercase: Annotated[bool, typer.Option("--chrf-lowercase", help="Case-insensitive chrF.")] = False,
+    chrf_word_order: Annotated[
+        int, typer.Option("--chrf-word-order", "-cw", min=0, help="Word n-gram order of chrf; 2 makes it chrF++.")
+    ] = 0,
+    ter_case_sensitive: Annotated[
+        bool,
+        typer.Option("--ter-case-sensitive", help="Case-sensitive TER (with --hyp it is, unless --lowercase)."),
+    ] = False,
     sentence: Annotated[
-        bool, typer.Option("--sentence", help="Per-segment scores: SEGMENT<TAB>METRIC<TAB>SCORE lines.")
+        bool, typer.Option("--sentence", "--sentence-level", "-sl", help="A score per segment and metric.")
     ] = False,
     paper_style: Annotated[
         bool,
         typer.Option("--paper-style", help="Also BLEU on 13a-tokenized, lowercased text, labelled as not sacreBLEU."),
     ] = False,
     paired_bs: Annotated[
-        bool, typer.Option("--paired-bs", help="Paired bootstrap test of each --hyp against the first one.")
+        bool, typer.Option("--paired-bs", "-pbs", help="Paired bootstrap test of each system against the first one.")
     ] = False,
-    paired_bs_n: Annotated[int, typer.Option("--paired-bs-n", min=1, help="Bootstrap resamples.")] = 1000,
+    paired_bs_n: Annotated[int, typer.Option("--paired-bs-n", "-pbsn", min=1, help="Bootstrap resamples.")] = 1000,
     paired_bs_seed: Annotated[
         int | None,
         typer.Option(
             "--paired-bs-seed", min=1, max=2**32 - 1, help="Resampling seed (default: $SACREBLEU_SEED, else 12345)."
         ),
     ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the scores as JSON to stdout.")] = False,
-    more_metrics: Annotated[list[str] | None, typer.Argument(hidden=True)] = None,
+    score_only: Annotated[bool, typer.Option("--score-only", "-b", help="Print only the scores.")] = False,
+    width: Annotated[
+        int | None,
+        typer.Option(
+            "--width", "-w", min=0, help="Decimals (default: 1 with -i; with --hyp 2, 4 per segment, all in JSON)."
+        ),
+    ] = None,
+    output_format: Annotated[
+        str | None,
+        typer.Option(
+            "--format", "-f", help="json (default with -i) or text (with --hyp); latex: sacreBLEU's --paired-bs table."
+        ),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="The same as --format json.")] = False,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", help="Accepted as sacreBLEU's; mtkit eval prints no progress messages.")
+    ] = False,
+    no_color: Annotated[
+        bool, typer.Option("--no-color", "-nc", help="Accepted as sacreBLEU's; mtkit eval prints no colours.")
+    ] = False,
 ) -> None:
-    """Corpus BLEU, chrF, chrF++ and TER through sacreBLEU, each with its signature.
+    """Corpus BLEU, chrF, chrF++ and TER through sacreBLEU, each with its signature; takes sacreBLEU's command line.
 
-    Also per-segment scores (--sentence), paired bootstrap resampling of several systems (--paired-bs)
-    and references of standard test sets (-t wmt22 -l en-de) from sacreBLEU's cache or download.
+    With -i FILE or the hypothesis on stdin, defaults and output are the sacrebleu tool's (mtkit eval REF -i HYP
+    prints what sacrebleu REF -i HYP prints); with --hyp FILE they are mtkit's. Also per-segment scores
+    (--sentence), paired bootstrap resampling of several systems (--paired-bs) and references of standard test
+    sets (-t wmt22 -l en-de) from sacreBLEU's cache or download.
     """
     from mtkit.config import ConfigError
-    from mtkit.data import DataError, read_lines
-    from mtkit.metrics import METRICS, Options, paired_bootstrap, reference_files, score, sentence_scores
+    from mtkit.evaluation import Request
+    from mtkit.evaluation import evaluate as run_eval
 
-    # eval takes no positional arguments, so bare words can only be the rest of `--metrics bleu chrf ter`.
-    names = tuple(m.strip().lower() for item in [*metrics, *(more_metrics or [])] for m in item.split(",") if m.strip())
-    unknown = [m for m in names if m not in METRICS]
-    if unknown or not names:
-        raise ConfigError(f"--metrics takes {', '.join(METRICS)}; got {', '.join(unknown) or 'nothing'}")
-    if len(hyp) > 1 and not paired_bs:
-        raise ConfigError("several --hyp are compared with --paired-bs (the first is the baseline)")
-    if paired_bs and (len(hyp) < 2 or sentence):
-        raise ConfigError("--paired-bs needs two or more --hyp (the baseline first) and no --sentence")
-    if bool(ref) == bool(test_set):
-        raise ConfigError("give references as --ref FILE (repeatable) or as --test-set NAME -l SRC-TGT, not both")
-    if langpair is not None and len(langpair.split("-")) != 2:
-        raise ConfigError(f"--langpair must look like en-de, got {langpair!r}")
-    if test_set and not langpair:
-        raise ConfigError(f"--test-set needs --langpair, e.g. -t {test_set} -l en-de")
-    options = Options(tokenize, lowercase, trg_lang=langpair.split("-")[1] if langpair else "")
-    ref_paths = reference_files(test_set, langpair) if test_set else ref
-    refs = [read_lines(path) for path in ref_paths]
-    systems = [(str(path), read_lines(path)) for path in hyp]
-    for path, lines in systems:
-        if not lines:
-            raise DataError(f"{path}: empty file, nothing to score")
-        for ref_path, ref_lines in zip(ref_paths, refs):
-            if len(ref_lines) != len(lines):
-                raise DataError(f"{path} has {len(lines)} lines but {ref_path} has {len(ref_lines)}")
-
-    if paired_bs:
-        results = paired_bootstrap(systems, refs, names, options, paper_style, paired_bs_n, paired_bs_seed)
-        typer.echo(_to_json(results) if as_json else "\n".join(map(_paired_text, results)))
-    elif sentence:
-        per_metric = sentence_scores(systems[0][1], refs, names, options, paper_style)
-        if as_json:
-            typer.echo(_to_json(per_metric))
-            return
-        for scores in per_metric:
-            typer.echo(f"{scores.name} signature: {scores.signature}", err=True)
-        segments = zip(*(scores.values for scores in per_metric))
-        lines = (f"{i}\t{s.name}\t{v:.4f}" for i, values in enumerate(segments, 1) for s, v in zip(per_metric, values))
-        typer.echo("\n".join(lines))
-    else:
-        scores = score(systems[0][1], refs, names, options, paper_style)
-        typer.echo(
-            _to_json(scores) if as_json else "\n".join(f"{s.details}\n  signature: {s.signature}" for s in scores)
-        )
-
-
-def _to_json(results) -> str:
-    return json.dumps([r.to_dict() for r in results], indent=1)
-
-
-def _paired_text(result) -> str:
-    """One metric's block: each system's score, (bootstrap mean ± 95% CI) and p-value, then the signature."""
-    width = max(len(row.system) for row in result.systems)
-    lines = [f"{result.name}: score (bootstrap mean ± 95% CI), p-value against the baseline"]
-    for row in result.systems:
-        line = f"  {row.system:<{width}}  {row.score:6.2f} ({row.mean:.2f} ± {row.ci:.2f})"
-        if row.p_value is None:
-            lines.append(line + "  baseline")
-        else:
-            lines.append(line + f"  p = {row.p_value:.4f}" + ("*" if row.p_value < 0.05 else ""))
-    return "\n".join([*lines, f"  signature: {result.signature}"])
+    if as_json and output_format not in (None, "json"):
+        raise ConfigError(f"--json and --format {output_format} ask for different outputs; give one of them")
+    request = Request(
+        hyps=tuple(hyp),
+        inputs=tuple(inputs),
+        refs=(*(ref_files or ()), *ref),
+        test_set=test_set,
+        langpair=langpair,
+        metrics=tuple(metrics),
+        tokenize=tokenize,
+        lowercase=lowercase,
+        chrf_lowercase=chrf_lowercase,
+        chrf_word_order=chrf_word_order,
+        ter_case_sensitive=ter_case_sensitive,
+        sentence=sentence,
+        paper_style=paper_style,
+        paired_bs=paired_bs,
+        paired_bs_n=paired_bs_n,
+        paired_bs_seed=paired_bs_seed,
+        width=width,
+        score_only=score_only,
+        format="json" if as_json else output_format,
+    )
+    report = run_eval(request, sys.stdin)
+    if report.stderr:
+        typer.echo(report.stderr, err=True)
+    typer.echo(report.stdout)
 
 
 @app.command(

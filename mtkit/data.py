@@ -81,17 +81,20 @@ def iter_lines(path: str | Path, allow_nul: bool = False) -> Iterator[str]:
     path = Path(path)
     check_input_file(path, stream_ok=True)
     with reading(path), open_binary(path) as f:
-        for number, raw in enumerate(f, start=1):
-            if number == 1:
-                raw = raw.removeprefix(UTF8_BOM)
-            if not allow_nul and b"\0" in raw:
-                raise DataError(
-                    f"{path}:{number}: NUL byte (byte {raw.index(0) + 1} of the line): binary data, not text"
-                )
-            try:
-                yield raw.decode("utf-8").rstrip("\r\n")
-            except UnicodeDecodeError as err:
-                raise DataError(f"{path}:{number}: invalid UTF-8 (byte {err.start + 1} of the line)") from None
+        yield from iter_stream_lines(f, path, allow_nul)
+
+
+def iter_stream_lines(stream: BinaryIO, name: str | Path, allow_nul: bool = False) -> Iterator[str]:
+    """The lines of an open binary stream (standard input), checked and decoded as ``iter_lines`` does a file's."""
+    for number, raw in enumerate(stream, start=1):
+        if number == 1:
+            raw = raw.removeprefix(UTF8_BOM)
+        if not allow_nul and b"\0" in raw:
+            raise DataError(f"{name}:{number}: NUL byte (byte {raw.index(0) + 1} of the line): binary data, not text")
+        try:
+            yield raw.decode("utf-8").rstrip("\r\n")
+        except UnicodeDecodeError as err:
+            raise DataError(f"{name}:{number}: invalid UTF-8 (byte {err.start + 1} of the line)") from None
 
 
 def read_lines(path: str | Path) -> list[str]:

@@ -12,7 +12,7 @@ import os
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from mtkit.config import ConfigError
@@ -35,8 +35,11 @@ class Options:
     """How every metric of one evaluation compares text."""
 
     tokenize: str | None = None  # BLEU's tokenizer; None: 13a, or what sacreBLEU picks for trg_lang
-    lowercase: bool = False  # case-insensitive BLEU, chrF and TER; otherwise all three are case-sensitive
+    lowercase: bool = False  # case-insensitive BLEU, and chrF and TER unless their own settings say otherwise
     trg_lang: str = ""  # from --langpair: sacreBLEU then picks zh, ja-mecab or ko-mecab for BLEU, as its CLI does
+    chrf_lowercase: bool | None = None  # None: as ``lowercase``
+    ter_case_sensitive: bool | None = None  # None: the opposite of ``lowercase``
+    chrf_word_order: int = 0  # word n-grams of the "chrf" metric (2 is chrF++); "chrf++" always has 2
 
     def __post_init__(self) -> None:
         if self.tokenize is None:
@@ -54,6 +57,7 @@ class Score:
     signature: str
     details: str  # sacreBLEU's full score line (n-gram precisions, brevity penalty, ...)
     comparable: bool = True  # False for the paper-style BLEU
+    verbose: str = ""  # what sacreBLEU prints after the score: BLEU's n-gram precisions and brevity penalty
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -65,9 +69,10 @@ class SentenceScores:
     signature: str
     values: list[float]  # one per segment, in input order
     comparable: bool = True
+    verbose: list[str] = field(default_factory=list)  # per segment, as Score.verbose
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {"name": self.name, "signature": self.signature, "values": self.values, "comparable": self.comparable}
 
 
 @dataclass(frozen=True)
@@ -115,9 +120,12 @@ def _metric(name: str, options: Options, sentence: bool, references: list[list[s
             tokenizer = options.tokenize or f"(sacreBLEU's choice for {options.trg_lang})"
             raise ConfigError(f"--tokenize {tokenizer}: {' '.join(str(err).split())}") from None
     if name in ("chrf", "chrf++"):
-        return CHRF(word_order=2 if name == "chrf++" else 0, lowercase=options.lowercase, references=references)
+        lowercase = options.lowercase if options.chrf_lowercase is None else options.chrf_lowercase
+        word_order = 2 if name == "chrf++" else options.chrf_word_order
+        return CHRF(word_order=word_order, lowercase=lowercase, references=references)
     if name == "ter":
-        return TER(case_sensitive=not options.lowercase, references=references)
+        case_sensitive = not options.lowercase if options.ter_case_sensitive is None else options.ter_case_sensitive
+        return TER(case_sensitive=case_sensitive, references=references)
     raise ConfigError(f"unknown metric {name!r} (known: {', '.join(METRICS)})")
 
 
@@ -159,7 +167,7 @@ def score(
         name = scorer.label or result.name
         details = name + str(result)[len(result.name) :]
         signature = str(scorer.metric.get_signature())
-        results.append(Score(name, float(result.score), signature, details, scorer.comparable))
+        results.append(Score(name, float(result.score), signature, details, scorer.comparable, _verbose(result)))
     return results
 
 
@@ -181,8 +189,14 @@ def sentence_scores(
         scores = [scorer.metric.sentence_score(hyp, list(seg_refs)) for hyp, *seg_refs in zip(hyps, *refs)]
         name = scorer.label or scores[0].name
         signature = str(scorer.metric.get_signature())
-        results.append(SentenceScores(name, signature, [float(s.score) for s in scores], scorer.comparable))
+        values = [float(s.score) for s in scores]
+        results.append(SentenceScores(name, signature, values, scorer.comparable, [_verbose(s) for s in scores]))
     return results
+
+
+def _verbose(result) -> str:
+    """The text sacreBLEU prints after a score: its line (``NAME = 12.34 VERBOSE``) less the name and score."""
+    return str(result)[len(f"{result.name} = {result.score:.2f}") :].strip()
 
 
 def paired_bootstrap(

@@ -1,4 +1,5 @@
-"""`mtkit eval` gives the numbers the sacrebleu tool gives on the same WMT22 files, and one-line errors."""
+"""`mtkit eval` gives the numbers the sacrebleu tool gives on the same files, prints what it prints for the same
+command line, and fails with one-line errors."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import tarfile
 import xml.etree.ElementTree as ET
 
 import pytest
-from conftest import DATA, read_gz
+from conftest import DATA, MULTI30K, read_gz
 from sacrebleu.metrics import BLEU, CHRF, TER
+from test_cli import invoke as invoke_cli
 from typer.testing import CliRunner
 
 from mtkit.cli import app
@@ -36,11 +38,10 @@ def mtkit_json(*args) -> list[dict]:
     return json.loads(invoke(*args, "--json").stdout)
 
 
-def sacrebleu(*args, env=None) -> str:
+def sacrebleu(*args, env=None, input=None) -> str:
     """The sacrebleu command-line tool's stdout."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "sacrebleu", *map(str, args), "-q"], capture_output=True, text=True, env=env, timeout=120
-    )
+    command = [sys.executable, "-m", "sacrebleu", *map(str, args), "-q"]
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, input=input, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
@@ -75,9 +76,122 @@ def wmt22(tmp_path_factory) -> dict:
     return paths
 
 
+SEGMENTS = 200  # Multi30K captions are short: sacreBLEU's command lines below run in well under a second each
+
+
+@pytest.fixture(scope="module")
+def m30k(tmp_path_factory) -> dict:
+    """The first SEGMENTS German captions of Multi30K val, a second reference and two edited system outputs."""
+    if not (MULTI30K / "val.de.gz").is_file():
+        pytest.skip(f"{MULTI30K} not found (the shared data folder sits beside the repository)")
+    ref = read_gz(MULTI30K / "val.de.gz", SEGMENTS)
+    lines = {
+        "ref": ref,
+        "ref2": [" ".join(s.split()[:-1]) if i % 5 == 0 else s for i, s in enumerate(ref)],
+        # Every third caption without its first word, every fourth in capitals (so case matters).
+        "hyp": [" ".join(s.split()[1:]) if i % 3 == 0 else s.upper() if i % 4 == 1 else s for i, s in enumerate(ref)],
+        "hyp2": [" ".join(s.split()[:-1]) if i % 2 == 0 else s for i, s in enumerate(ref)],
+    }
+    out = tmp_path_factory.mktemp("m30k")
+    files = {"stdin": {name: "\n".join(text) + "\n" for name, text in lines.items()}}  # texts to pipe in
+    for name, text in files["stdin"].items():
+        files[name] = out / f"{name}.de"
+        files[name].write_text(text, encoding="utf-8")
+    files["stdin"]["hyp hyp2"] = "".join(f"{a}\t{b}\n" for a, b in zip(lines["hyp"], lines["hyp2"]))
+    return files
+
+
+def without_comparable(output: str) -> str:
+    """mtkit's JSON less the ``comparable`` key it adds after the last of sacreBLEU's keys of each score."""
+    return re.sub(r',\n *"comparable": (?:true|false)(?=\n)', "", output)
+
+
+# sacreBLEU command lines over the files of m30k; "< NAME" puts that text on stdin instead of giving -i.
+SACREBLEU_COMMAND_LINES = {
+    "ref -i hyp": "ref -i hyp",
+    "three metrics": "ref -i hyp -m bleu chrf ter",
+    "tokenizer": "ref -i hyp -tok intl",
+    "lowercase": "ref -i hyp -m bleu chrf ter -lc",
+    "case flags": "ref -i hyp -m chrf ter bleu --chrf-lowercase --ter-case-sensitive",
+    "score only": "ref -i hyp -b",
+    "scores only": "ref -i hyp -m bleu chrf ter -b",
+    "scores only text": "ref -i hyp -m bleu chrf ter -b -f text",
+    "width": "ref -i hyp -w 4",
+    "json": "ref -i hyp -m bleu chrf -f json",
+    "text": "ref -i hyp -m bleu chrf ter -f text -tok intl -w 3",
+    "long options": "ref --input hyp --metrics bleu chrf --tokenize char --lowercase --width 2 --format text",
+    "two references": "ref ref2 -i hyp -m bleu chrf ter",
+    "stdin": "ref -m bleu chrf < hyp",
+    "chrf++": "ref -i hyp -m chrf --chrf-word-order 2",
+    "chrf++ text": "ref -i hyp -m bleu chrf -cw 2 -f text",
+    "sentence": "ref -i hyp -sl",
+    "sentence chrf": "ref ref2 -i hyp -sl -m chrf -w 2",
+    "paired": "ref -i hyp hyp2 --paired-bs --paired-bs-n 100",
+    "paired table": "ref -i hyp hyp2 -m bleu chrf ter -pbs -pbsn 100 -f text",
+    "paired latex": "ref ref2 -i hyp2 hyp -m chrf bleu --paired-bs --paired-bs-n 100 -f latex -w 2",
+    "paired stdin": "ref --paired-bs --paired-bs-n 100 -f text < hyp hyp2",
+}
+
+
+@pytest.mark.parametrize("command_line", SACREBLEU_COMMAND_LINES.values(), ids=SACREBLEU_COMMAND_LINES)
+def test_a_sacrebleu_command_line_prints_what_sacrebleu_prints(m30k, command_line, monkeypatch):
+    monkeypatch.setenv("SACREBLEU_SEED", "7")  # for both: the bootstrap resamples the same segments
+    words, _, stdin = command_line.partition(" < ")
+    args = [m30k.get(word, word) for word in words.split()]
+    stdin_text = m30k["stdin"][stdin] if stdin else None
+    theirs = sacrebleu(*args, input=stdin_text)
+    result = invoke_cli("eval", *args, "-q", input=stdin_text)
+    assert result.exit_code == 0, result.output
+    ours = result.stdout
+    if ours != theirs:  # only JSON may differ: mtkit adds "comparable" to each score
+        assert without_comparable(ours) == theirs
+        assert ours.count('"comparable": true') == theirs.count('"score"') > 0
+
+
+# With --hyp every metric is case-sensitive unless --lowercase; sacreBLEU sets each metric's case alone.
+SAME_CASE = [
+    ([], ["--ter-case-sensitive"]),
+    (["--lowercase"], ["-lc", "--chrf-lowercase"]),
+    (["-lc", "--ter-case-sensitive"], ["-lc", "--chrf-lowercase", "--ter-case-sensitive"]),
+    (["--chrf-lowercase"], ["--chrf-lowercase", "--ter-case-sensitive"]),
+]
+
+
+@pytest.mark.parametrize("hyp_flags, input_flags", SAME_CASE)
+def test_hyp_keeps_mtkit_case_rules_and_input_takes_sacrebleus(m30k, hyp_flags, input_flags):
+    metrics = ["-m", "bleu", "chrf", "ter", "-w", 4]
+    ours = mtkit_json("--hyp", m30k["hyp"], "--ref", m30k["ref"], *metrics, *hyp_flags)
+    assert ours == json.loads(invoke(m30k["ref"], "-i", m30k["hyp"], *metrics, *input_flags).stdout)
+
+
+def test_hyp_keeps_mtkit_defaults_and_output(m30k):
+    scores = mtkit_json("--hyp", m30k["hyp"], "--ref", m30k["ref"])  # BLEU and chrF, at full precision, in a list
+    assert [s["name"] for s in scores] == ["BLEU", "chrF2"] and f"{scores[0]['score']:.4f}" != f"{scores[0]['score']}"
+    assert [s["name"] for s in mtkit_json("--hyp", m30k["hyp"], "--ref", m30k["ref"], "-m", "ter", "bleu")] == [
+        "TER",
+        "BLEU",
+    ]  # in the order asked; sacreBLEU sorts them
+    one = mtkit_json("--hyp", m30k["hyp"], "--ref", m30k["ref"], "-m", "bleu", "-w", 1)
+    assert one == [json.loads(invoke(m30k["ref"], "-i", m30k["hyp"]).stdout)]
+    text = invoke("--hyp", m30k["hyp"], "--ref", m30k["ref"], "-f", "text", "-w", 3).stdout.splitlines()
+    assert re.fullmatch(r"BLEU = \d+\.\d{3} [\d./]+ \(BP = .*\)", text[0]) and text[1].startswith("  signature: ")
+    assert text[2].startswith("chrF2 = ") and len(text) == 4
+    only = invoke("--hyp", m30k["hyp"], "--ref", m30k["ref"], "-b").stdout.splitlines()
+    assert only == [f"{scores[0]['score']:.2f}", f"{scores[1]['score']:.2f}"]
+    assert mtkit_json("--hyp", m30k["hyp"], "--ref", m30k["ref"], "-b") == [s["score"] for s in scores]
+
+
+def test_tok_is_the_tokenizer_and_t_still_the_test_set(m30k):
+    """Click reads an option of several letters after one dash whole, never as -t with the value "ok"."""
+    bleu = json.loads(invoke(m30k["ref"], "-i", m30k["hyp"], "-tok", "intl").stdout)
+    assert bleu["tok"] == "intl"
+    result = runner.invoke(app, ["eval", "-i", str(m30k["hyp"]), "-t", "no-such-set", "-l", "en-de"])
+    assert result.exit_code == 1 and "unknown test set 'no-such-set'" in result.stderr
+
+
 def assert_equal_scores(ours: list[dict], theirs: dict[str, dict]) -> None:
     for score in ours:
-        assert rounded(score["value"]) == theirs[score["name"]]["score"], score["name"]
+        assert rounded(score["score"]) == theirs[score["name"]]["score"], score["name"]
         assert score["signature"] == theirs[score["name"]]["signature"]
 
 
@@ -150,10 +264,10 @@ def test_paper_style_bleu_is_labelled_and_printed_beside_sacrebleu(wmt22):
     scores = mtkit_json(*args)
     assert [(s["name"], s["comparable"]) for s in scores] == [("BLEU", True), (PAPER_STYLE, False), ("chrF2", True)]
     assert "not sacreBLEU" in PAPER_STYLE
-    assert scores[1]["value"] > scores[0]["value"]  # the capitals no longer cost n-gram matches
+    assert scores[1]["score"] > scores[0]["score"]  # the capitals no longer cost n-gram matches
     # The definition: 13a tokenization and lowercasing, as `sacrebleu -tok 13a -lc`.
     paper = sacrebleu_json(wmt22["ref_a"], "-i", wmt22["shouted"], "-tok", "13a", "-lc")["BLEU"]
-    assert rounded(scores[1]["value"]) == paper["score"] and scores[1]["signature"] == paper["signature"]
+    assert rounded(scores[1]["score"]) == paper["score"] and scores[1]["signature"] == paper["signature"]
     lines = invoke(*args).stdout.splitlines()
     assert lines[0].startswith("BLEU = ")
     assert lines[2].startswith(f"{PAPER_STYLE} = ") and "case:lc" in lines[3]
@@ -246,6 +360,10 @@ def test_test_set_references_come_from_the_sacrebleu_cache(wmt22, tmp_path):
     theirs = sacrebleu_json("-t", "wmt22", "-l", "en-de", "-i", wmt22["ref_b"], "-m", "bleu", "chrf", env=env)
     assert_equal_scores(json.loads(proc.stdout), theirs)
     assert (cache / "wmt22" / "wmt22.en-de.ref-A").is_file()  # sacreBLEU's default reference for en-de
+    command_line = ["-t", "wmt22", "-l", "en-de", "-i", wmt22["clipped"], "-m", "bleu", "chrf", "-f", "text"]
+    proc = mtkit_process(*command_line, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == sacrebleu(*command_line, env=env)
 
 
 def test_bad_input_is_one_line_and_exit_1(wmt22, tmp_path):
@@ -267,9 +385,21 @@ def test_bad_input_is_one_line_and_exit_1(wmt22, tmp_path):
         (["--hyp", hyp], ["--ref"]),
         (["--hyp", hyp, "--hyp", ref, "--ref", ref], ["--paired-bs"]),
         (["--hyp", hyp, "--ref", ref, "--paired-bs"], ["two or more --hyp"]),
+        ([ref, "-i", hyp, "--hyp", hyp], ["--hyp", "-i", "not both"]),
+        ([ref, "-i", hyp, ref], ["several systems", "--paired-bs"]),
+        ([ref, "-i", hyp, ref, "--paired-bs", "-sl"], ["--paired-bs", "--sentence"]),
+        ([ref, "-i", hyp, "-f", "yaml"], ["--format", "json, text, latex", "'yaml'"]),
+        (["--hyp", hyp, "--ref", ref, "-f", "latex"], ["-f latex", "-i"]),
+        (["--hyp", hyp, "--ref", ref, "--json", "-f", "text"], ["--json", "--format text"]),
+        ([ref, "-i", hyp, "-m", "bleu", "chrf", "meteor"], ["--metrics", "meteor"]),
+        ([ref, "-i", hyp, "-tok", "moses"], ["--tokenize", "moses"]),
+        ([ref], ["<stdin>", "empty"], ""),
+        ([ref], ["<stdin>:2: 1 tab-separated systems, but line 1 has 2"], "a\tb\nc\n"),
+        ([ref, "--paired-bs"], [f"<stdin> column 1 has 1 lines but {ref} has {LINES}"], "a\tb\n"),
+        ([ref], ["<stdin>:1: invalid UTF-8"], b"\xff\n"),
     ]
-    for args, fragments in cases:
-        result = runner.invoke(app, ["eval", *map(str, args)])
+    for args, fragments, *stdin in cases:
+        result = runner.invoke(app, ["eval", *map(str, args)], input=stdin[0] if stdin else None)
         assert result.exit_code == 1, (args, result.output)
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: "), (args, result.stderr)
