@@ -207,50 +207,6 @@ def tokenizer_train(
 # -- train ----------------------------------------------------------------------------------
 
 
-class RichReporter:
-    """Live progress on a terminal; a plain line every ``every`` updates when writing to a log."""
-
-    def __init__(self, every: int) -> None:
-        self.every = every
-        self.progress = None
-
-    def start(self, total_steps: int, done_steps: int) -> None:
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
-
-        self.total = total_steps
-        if stderr.is_terminal:
-            self.progress = Progress(
-                TextColumn("update"),
-                MofNCompleteColumn(),
-                BarColumn(),
-                TextColumn("{task.fields[stats]}"),
-                TimeElapsedColumn(),
-                TextColumn("ETA"),
-                TimeRemainingColumn(),
-                console=stderr,
-            )
-            self.task = self.progress.add_task("train", total=total_steps, completed=done_steps, stats="")
-            self.progress.start()
-
-    def update(self, step: int, stats: dict) -> None:
-        text = f"loss {stats['loss']:.3f} lr {stats['lr']:.2e} {stats['tok_s']:,.0f} tok/s epoch {stats['epoch']}"
-        if self.progress is not None:
-            self.progress.update(self.task, completed=step, stats=text)
-        elif step % self.every == 0:
-            log.info("update %d/%d %s", step, self.total, text)
-
-    def finish(self) -> None:
-        if self.progress is not None:
-            self.progress.stop()
-
-
 @app.command(
     epilog=examples(
         "mtkit prepare --list",
@@ -386,17 +342,24 @@ def train(
     _run_training(cfg, out, restart)
 
 
+def _stopped(stop, out: Path) -> typer.Exit:
+    """What a training stopped by a signal says, and the exit status it ends with."""
+    typer.echo(f"{stop}: last checkpoint saved in {out}; run the same command to resume", err=True)
+    return typer.Exit(128 + stop.signum)
+
+
 def _run_training(cfg, out: Path, restart: bool) -> None:
     from mtkit.distributed import DistributedError, from_environment
+    from mtkit.progress import TrainingProgress
     from mtkit.trainer import TrainingStopped
     from mtkit.trainer import train as run_training
 
     dist = from_environment(cfg.train.device, cfg.train.ddp_timeout)
     try:
-        result = run_training(cfg, out, RichReporter(cfg.train.log_every), restart=restart, dist=dist)
+        result = run_training(cfg, out, TrainingProgress(cfg.train.log_every), restart=restart, dist=dist)
     except TrainingStopped as stop:
         if dist.is_main:
-            typer.echo(f"{stop}: last checkpoint saved in {out}; run the same command to resume", err=True)
+            raise _stopped(stop, out) from None
         raise typer.Exit(128 + stop.signum) from None
     except DistributedError as err:
         if not dist.is_main:  # rank 0 says what failed; a peer that lost it only notes it
@@ -593,13 +556,18 @@ def run_recipe(
     The report says whether the test BLEU falls in the recipe's expected range (recipe.bleu_min/max).
     """
     from mtkit.config import load
+    from mtkit.progress import TrainingProgress
     from mtkit.run import render
     from mtkit.run import run_recipe as run_all
+    from mtkit.trainer import TrainingStopped
 
     _setup_logging()
     cfg = load(recipe, overrides)
     out = out or Path("runs") / recipe.stem
-    report = run_all(cfg, recipe, out, mirror, lambda c, o: _run_training(c, o, restart=False))
+    try:
+        report = run_all(cfg, recipe, out, mirror, TrainingProgress(cfg.train.log_every))
+    except TrainingStopped as stop:
+        raise _stopped(stop, out) from None
     typer.echo(render(report))
     typer.echo(f"report: {out / 'report.md'}", err=True)
 

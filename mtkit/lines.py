@@ -12,17 +12,15 @@ import logging
 import os
 import signal
 import sys
-import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-
-from rich.console import Console
 
 from mtkit import translate
 from mtkit.checkpoint import check_output_file
 from mtkit.config import ConfigError
 from mtkit.data import UTF8_BOM, DataError, check_input_file, open_binary, reading
 from mtkit.files import atomic_write
+from mtkit.progress import LineProgress
 from mtkit.runtime import require
 from mtkit.search import Sampling
 from mtkit.translate import PrefixMismatch, Translation, load_translator
@@ -177,41 +175,6 @@ STDIN_NAMES = ("-", "/dev/stdin")  # input paths that mean standard input
 def stdin_or_path(path: Path | None) -> Path | None:
     """None (standard input) for ``-`` and ``/dev/stdin``, else the path."""
     return None if path is None or str(path) in STDIN_NAMES else path
-
-
-class LineProgress:
-    """Lines done and lines/s on a terminal's stderr; nothing when stderr is a file or pipe."""
-
-    def __init__(self) -> None:
-        self.progress = None
-        stderr = Console(stderr=True)
-        if stderr.is_terminal:
-            from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-            self.progress = Progress(
-                SpinnerColumn(),
-                TextColumn("{task.completed:,} lines  {task.fields[rate]}"),
-                TimeElapsedColumn(),
-                console=stderr,
-                transient=True,
-            )
-            self.task = self.progress.add_task("translate", total=None, rate="")
-            self.start = time.perf_counter()
-
-    def __enter__(self) -> LineProgress:
-        if self.progress is not None:
-            self.progress.start()
-        return self
-
-    def advance(self) -> None:
-        if self.progress is not None:
-            done = self.progress.tasks[0].completed + 1
-            rate = f"{done / max(time.perf_counter() - self.start, 1e-9):,.1f} lines/s"
-            self.progress.update(self.task, completed=done, rate=rate)
-
-    def __exit__(self, *exc) -> None:
-        if self.progress is not None:
-            self.progress.stop()
 
 
 def write_lines(texts: Iterable[str], output: Path | None, whole_lines: WholeLines) -> int:

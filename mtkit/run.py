@@ -23,13 +23,15 @@ import importlib.util
 import json
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mtkit.checkpoint import WEIGHTS_FILE
 from mtkit.config import ConfigError, RunConfig
+
+if TYPE_CHECKING:
+    from mtkit.trainer import Reporter
 from mtkit.files import atomic_write_text, file_sha256
 
 log = logging.getLogger("mtkit")
@@ -50,17 +52,18 @@ class Stage:
     note: str = ""
 
 
-def run_recipe(
-    cfg: RunConfig, recipe: Path, out: Path, mirror: str | None, train: Callable[[RunConfig, Path], None]
-) -> dict:
-    """Run every stage of ``cfg``'s recipe into ``out``; returns the report. ``train(cfg, out)`` trains."""
+def run_recipe(cfg: RunConfig, recipe: Path, out: Path, mirror: str | None, reporter: Reporter | None = None) -> dict:
+    """Run every stage of ``cfg``'s recipe into ``out``; returns the report. ``reporter`` shows training's
+    progress; a signal stops training with ``TrainingStopped``, after its checkpoint."""
+    from mtkit.trainer import train
+
     stages: list[Stage] = []
     if importlib.util.find_spec("matplotlib") is None:  # said now, not after an hour of training
         log.warning("no training curves: pip install matplotlib (or mtkit[plot]) to draw them")
     cfg, test = _prepare(cfg, out, mirror, stages)
 
     start = time.perf_counter()
-    train(cfg, out)
+    train(cfg, out, reporter)
     stages.append(Stage("train", time.perf_counter() - start, True))
 
     record = StageRecord(out, Digests())
