@@ -17,8 +17,7 @@ Run directory layout::
     RUN_DIR/metrics.jsonl                            one JSON object per log or validation event
     RUN_DIR/.lock                                    held while a training process writes here
 
-Format 1 run directories (``last.pt``, ``best.pt``: one ``torch.save``'d dict each) still load; they
-are converted in memory. A checkpoint directory appears whole or not at all: it is built under a
+A checkpoint directory appears whole or not at all: it is built under a
 temporary name beside its final one and renamed into place. One writer per run directory: training
 holds a lock on ``RUN_DIR/.lock`` (released by the kernel even if the process is killed).
 """
@@ -57,9 +56,7 @@ FORMAT_VERSION = 2
 WEIGHTS_FILE, STATE_FILE = "model.safetensors", "state.pt"
 VALIDATION_FILE = "validation.json"  # added to a checkpoint once the validation of its update is done
 CHECKPOINTS_DIR, BEST_DIR = "checkpoints", "best"
-LEGACY_LAST, LEGACY_BEST = "last.pt", "best.pt"  # format 1 files
 
-LEGACY_STATE_KEYS = ("optimizer", "scaler", "rng", "progress")
 _META_KEY, _ALIASES_KEY = "mtkit", "mtkit.aliases"  # safetensors header entries
 _UPDATE_DIR = re.compile(r"update-(\d+)")
 
@@ -330,12 +327,9 @@ def run_checkpoints(run_dir: Path) -> list[Path]:
 
 
 def latest(run_dir: Path) -> Path | None:
-    """Where training resumes from: the newest checkpoint, or a format 1 ``last.pt``."""
+    """Where training resumes from: the newest checkpoint, if any."""
     found = run_checkpoints(run_dir)
-    if found:
-        return found[-1]
-    legacy = Path(run_dir) / LEGACY_LAST
-    return legacy if legacy.is_file() else None
+    return found[-1] if found else None
 
 
 def resolve(model_path: Path) -> Path:
@@ -346,13 +340,10 @@ def resolve(model_path: Path) -> Path:
     for best in (model_path / BEST_DIR, set_aside(model_path / BEST_DIR)):  # the latter if a crash left it aside
         if (best / WEIGHTS_FILE).is_file():
             return best
-    if (model_path / LEGACY_BEST).is_file():
-        return model_path / LEGACY_BEST
     found = latest(model_path)
     if found is None:
         raise CheckpointError(
-            f"{model_path}: no checkpoint in this run directory "
-            f"(no {BEST_DIR}/, {CHECKPOINTS_DIR}/update-*/, {LEGACY_BEST} or {LEGACY_LAST})"
+            f"{model_path}: no checkpoint in this run directory (no {BEST_DIR}/ and no {CHECKPOINTS_DIR}/update-*/)"
         )
     return found
 
@@ -361,7 +352,7 @@ def resolve(model_path: Path) -> Path:
 
 
 def load(path: Path, with_state: bool = True) -> Checkpoint:
-    """Read a checkpoint directory, a .safetensors file written by mtkit, or a format 1 .pt file.
+    """Read a checkpoint directory or a .safetensors file written by mtkit.
 
     Its metadata is checked to be what mtkit writes before anything uses it (see ``_check_meta``).
     """
@@ -373,7 +364,11 @@ def load(path: Path, with_state: bool = True) -> Checkpoint:
             return _load_directory(path.parent, with_state)
         meta, weights = _read_weights(path)
         return Checkpoint(path, meta, _check_meta(path, meta), weights, None)
-    return _load_legacy(path, with_state)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: checkpoint not found")
+    raise CheckpointError(
+        f"{path}: {_what_it_is(path)}, not a checkpoint (mtkit reads checkpoint folders and .safetensors files)"
+    )
 
 
 def _load_directory(directory: Path, with_state: bool) -> Checkpoint:
@@ -393,7 +388,7 @@ def _read_weights(path: Path) -> tuple[Any, dict[str, torch.Tensor]]:
             if _META_KEY not in header:
                 raise CheckpointError(f"{path}: not an mtkit checkpoint (no {_META_KEY!r} entry in its header)")
             meta = json.loads(header[_META_KEY])
-            _check_format(path, meta.get("format") if isinstance(meta, dict) else None, FORMAT_VERSION)
+            _check_format(path, meta.get("format") if isinstance(meta, dict) else None)
             weights = {key: f.get_tensor(key) for key in f.keys()}
             aliases = json.loads(header.get(_ALIASES_KEY, "{}"))
     except CheckpointError:
@@ -434,19 +429,6 @@ def _check_meta(path: Path, meta: Any) -> RunConfig:
     except (untrusted.Malformed, ConfigError) as err:
         raise CheckpointError(f"{path}: malformed checkpoint header: {err}") from None
     return cfg
-
-
-def _load_legacy(path: Path, with_state: bool) -> Checkpoint:
-    """A format 1 file, converted: ``model`` becomes the weights, the training state is split off."""
-    payload = _torch_load(path)
-    if not isinstance(payload, dict) or not isinstance(payload.get("model"), dict):
-        raise CheckpointError(f"{path}: not an mtkit checkpoint")
-    _check_format(path, payload.get("format"), 1)
-    if not all(isinstance(k, str) and isinstance(t, torch.Tensor) for k, t in payload["model"].items()):
-        raise CheckpointError(f"{path}: malformed checkpoint: its model holds other things than named tensors")
-    state = {k: payload[k] for k in LEGACY_STATE_KEYS if k in payload} or None
-    meta = {k: v for k, v in payload.items() if k != "model" and k not in LEGACY_STATE_KEYS}
-    return Checkpoint(path, meta, _check_meta(path, meta), payload["model"], state if with_state else None)
 
 
 def _torch_load(path: Path) -> Any:
@@ -498,6 +480,8 @@ def _what_it_is(path: Path) -> str:
         return "an empty file"
     if head.startswith(b"\x1f\x8b"):
         return "a gzip file"
+    if head.startswith(b"PK\x03\x04"):
+        return "a zip archive (a PyTorch file?)"
     if b"\0" not in head:
         try:
             head.decode("utf-8")
@@ -518,11 +502,11 @@ def _unreadable(path: Path, err: Exception) -> UnreadableCheckpoint:
     return UnreadableCheckpoint(f"{path}: not a readable mtkit checkpoint ({reason})")
 
 
-def _check_format(path: Path, found: Any, expected: int) -> None:
-    if found != expected:
+def _check_format(path: Path, found: Any) -> None:
+    if found != FORMAT_VERSION:
         raise CheckpointError(
-            f"{path}: checkpoint format {found} is not supported by mtkit {__version__} "
-            f"(it reads formats 1-{FORMAT_VERSION})"
+            f"{path}: checkpoint format {untrusted.shown(found)} is not supported by mtkit {__version__} "
+            f"(it reads format {FORMAT_VERSION})"
         )
 
 

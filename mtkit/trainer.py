@@ -386,8 +386,7 @@ class Trainer:
         cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
         return {"torch": torch.get_rng_state(), "cuda": cuda}
 
-    def _set_rng_state(self, saved: list[dict] | dict, step: int) -> None:
-        per_rank = saved if isinstance(saved, list) else [saved]  # format 1 held rank 0's state alone
+    def _set_rng_state(self, per_rank: list[dict], step: int) -> None:
         if len(per_rank) != self.dist.world_size:
             log.warning(
                 "checkpoint saved by %d rank(s), resuming on %d: dropout draws differ from an uninterrupted run",
@@ -813,7 +812,7 @@ def remove_run_outputs(out_dir: Path) -> None:
     """Delete what training wrote into ``out_dir`` (for ``--restart``), leaving anything else alone."""
     for name in (checkpoint.CHECKPOINTS_DIR, checkpoint.BEST_DIR, "tensorboard"):  # not .lock: it is held
         shutil.rmtree(out_dir / name, ignore_errors=True)
-    names = [checkpoint.LEGACY_LAST, checkpoint.LEGACY_BEST, "metrics.jsonl", "config.yaml"]
+    names = ["metrics.jsonl", "config.yaml"]
     for path in [*(out_dir / name for name in names), *out_dir.glob("spm*.model"), *out_dir.glob("spm*.vocab")]:
         path.unlink(missing_ok=True)
 

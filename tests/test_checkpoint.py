@@ -1,4 +1,4 @@
-"""Checkpoint format 2: round trips, crash safety, pruning, format 1 migration, averaging, `mtkit average`."""
+"""Checkpoint format 2: round trips, crash safety, pruning, averaging, `mtkit average`."""
 
 from __future__ import annotations
 
@@ -167,46 +167,16 @@ def test_steps_are_ordered_by_number_not_name(tmp_path):
     ]
 
 
-def write_format_1(path, step: int, **extra) -> dict[str, torch.Tensor]:
-    """A checkpoint exactly as mtkit format 1 wrote it: one torch.save'd dict."""
-    weights = weights_of(seed=step)
-    payload = {"format": 1, "mtkit_version": "0.1.0", **meta_for(step=step), "model": weights, **extra}
-    torch.save(payload, path)
-    return weights
-
-
-def test_format_1_run_directory_is_migrated_in_memory(tmp_path):
-    state = {
-        "optimizer": {"state": {}, "param_groups": []},
-        "scaler": {},
-        "rng": {"torch": torch.get_rng_state()},
-        "progress": {"step": 30},
-    }
-    last = write_format_1(tmp_path / "last.pt", 30, **state)
-    best = write_format_1(tmp_path / "best.pt", 20, validation={"valid_bleu": 3.0})
-
-    assert checkpoint.latest(tmp_path) == tmp_path / "last.pt"
-    resumed = checkpoint.load(checkpoint.latest(tmp_path))
-    assert_same_weights(resumed.weights, last)
-    assert resumed.state.keys() == state.keys() and resumed.meta["step"] == 30
-    assert "model" not in resumed.meta and "optimizer" not in resumed.meta
-
-    assert checkpoint.resolve(tmp_path) == tmp_path / "best.pt"
-    kept = checkpoint.load(tmp_path / "best.pt")
-    assert kept.state is None and kept.meta["validation"] == {"valid_bleu": 3.0}
-    tiny_model(seed=1).load_state_dict(kept.weights)
-    assert_same_weights(kept.weights, best)
-
-
-def test_newer_format_names_both_versions(tmp_path):
-    torch.save({"format": 99, "model": {}}, tmp_path / "old-style.pt")
+def test_another_format_names_both_versions_and_a_pt_file_is_not_read(tmp_path):
     header = {"mtkit": json.dumps({"format": 3})}
     (tmp_path / "new.safetensors").write_bytes(safetensors.torch.save({"w": torch.ones(1)}, metadata=header))
+    torch.save({"format": 1, "model": {}}, tmp_path / "old.pt")
 
-    with pytest.raises(CheckpointError, match=r"format 99 is not supported by mtkit \S+ \(it reads formats 1-2\)"):
-        checkpoint.load(tmp_path / "old-style.pt")
-    with pytest.raises(CheckpointError, match=r"new.safetensors: checkpoint format 3 is not supported"):
+    with pytest.raises(CheckpointError, match=r"new.safetensors: checkpoint format 3 is not supported by mtkit \S+ "
+                       r"\(it reads format 2\)"):  # fmt: skip
         checkpoint.load(tmp_path / "new.safetensors")
+    with pytest.raises(CheckpointError, match=r"old.pt: a zip archive \(a PyTorch file\?\), not a checkpoint"):
+        checkpoint.load(tmp_path / "old.pt")
 
 
 def test_missing_and_truncated_checkpoints_are_clear_errors(tmp_path):
