@@ -173,7 +173,7 @@ def phase_compile_equivalence(out: Path, data: list[str], base: Path) -> None:
 
 def phase_oom(out: Path, data_dir: Path, base: Path) -> None:
     """A group of batches far over a capped memory budget is skipped; the next update trains."""
-    from mtkit.config import load
+    from mtkit.config import read_config
     from mtkit.trainer import Trainer
 
     overrides = [
@@ -186,7 +186,7 @@ def phase_oom(out: Path, data_dir: Path, base: Path) -> None:
         "train.precision=bf16",
         "model.preset=transformer-big",
     ]
-    trainer = Trainer(load(RECIPE, overrides), out / "oom_run")
+    trainer = Trainer(read_config(RECIPE, overrides), out / "oom_run")
     torch.cuda.set_per_process_memory_fraction(12 / (torch.cuda.get_device_properties(0).total_memory / 2**30))
     corpus = trainer.corpus
     huge = corpus.batch_indices(400_000, seed=1)[0]

@@ -136,7 +136,7 @@ def bench_config(
     ]
     overrides += [f"model.preset={preset}"] if preset else []
     overrides += [f"train.batch_tokens={batch_tokens}"] if batch_tokens else []
-    return config.load(RECIPE, [*overrides, *extra])
+    return config.read_config(RECIPE, [*overrides, *extra])
 
 
 def measure_training(cfg: RunConfig, work: Path, steps: int, warmup: int) -> dict:

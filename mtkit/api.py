@@ -18,8 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mtkit.config import RunConfig, apply_override, from_dict
-from mtkit.config import load as read_config
+from mtkit.config import RunConfig, apply_override, from_dict, read_config
 from mtkit.metrics import Options, Score, score
 from mtkit.translate import LineTranslator, load_translator
 
@@ -43,14 +42,14 @@ def train(
     """Train ``config`` (a RunConfig, a dict of sections or a YAML file, with ``section.key=value``
     overrides) into the run directory ``out``, resuming from its newest checkpoint unless ``restart``.
     Returns the last validation result."""
-    from mtkit.trainer import train as run
+    from mtkit.trainer import run_training
 
     if isinstance(config, (str, Path)):
         cfg = read_config(config, list(overrides))
     else:
         raw = config.to_dict() if isinstance(config, RunConfig) else config
         cfg = _with_overrides(raw, overrides)
-    return run(cfg, Path(out), restart=restart)
+    return run_training(cfg, Path(out), restart=restart)
 
 
 def _with_overrides(raw: dict, overrides: Sequence[str]) -> RunConfig:
@@ -81,6 +80,6 @@ def prepare(corpus: str, out: str | Path, mirror: str | None = None, **cleaning:
     ``cleaning``: ``nfkc``, ``dedupe``, ``min_words``, ``max_words``, ``max_ratio``. Returns prepare.json."""
     from mtkit.clean import CleanConfig
     from mtkit.corpora import corpus as find_corpus
-    from mtkit.preparation import prepare as run
+    from mtkit.preparation import prepare_corpus
 
-    return run(find_corpus(corpus), Path(out), mirror, CleanConfig(**cleaning))
+    return prepare_corpus(find_corpus(corpus), Path(out), mirror, CleanConfig(**cleaning))

@@ -282,7 +282,7 @@ def read_validation(checkpoint_dir: Path) -> Any:
         return None
 
 
-def export(path: Path, weights: dict[str, torch.Tensor], meta: dict[str, Any], source: Path) -> None:
+def write_model_file(path: Path, weights: dict[str, torch.Tensor], meta: dict[str, Any], source: Path) -> None:
     """Write weights to one .safetensors file with the tokenizer model(s) of ``source`` beside it.
 
     ``translate PATH`` then works wherever the file and its tokenizers are copied together.
@@ -351,7 +351,7 @@ def resolve(model_path: Path) -> Path:
 # -- loading --------------------------------------------------------------------------------
 
 
-def load(path: Path, with_state: bool = True) -> Checkpoint:
+def read_checkpoint(path: Path, with_state: bool = True) -> Checkpoint:
     """Read a checkpoint directory or a .safetensors file written by mtkit.
 
     Its metadata is checked to be what mtkit writes before anything uses it (see ``_check_meta``).
@@ -513,7 +513,7 @@ def _check_format(path: Path, found: Any) -> None:
 # -- averaging ------------------------------------------------------------------------------
 
 
-def average(paths: list[Path]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def average_checkpoints(paths: list[Path]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Element-wise mean of the weights of checkpoints of one model and tokenizer.
 
     Sums are kept in float64, one checkpoint in memory at a time. The metadata is the newest checkpoint's,
@@ -521,13 +521,13 @@ def average(paths: list[Path]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]
     """
     if not paths:
         raise CheckpointError("no checkpoints to average")
-    first = load(paths[0], with_state=False)
+    first = read_checkpoint(paths[0], with_state=False)
     aliases = _aliases(first.weights)
     layout = {k: t.to("meta") for k, t in first.weights.items()}  # names, shapes and dtypes, without the data
     sums = {k: t.double() if t.is_floating_point() else t for k, t in first.weights.items() if k not in aliases}
     newest = first.meta
     for path in paths[1:]:
-        ckpt = load(path, with_state=False)
+        ckpt = read_checkpoint(path, with_state=False)
         _check_compatible(ckpt, first, layout)
         for key, total in sums.items():
             if total.is_floating_point():
@@ -540,6 +540,28 @@ def average(paths: list[Path]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]
     weights.update({alias: weights[key] for alias, key in aliases.items()})
     meta = {k: v for k, v in newest.items() if k != "validation"}
     return weights, {**meta, "averaged": [str(p) for p in paths]}
+
+
+def checkpoints_to_average(inputs: list[Path], last: int | None = None) -> list[Path]:
+    """What ``mtkit average`` averages: the newest ``last`` (default 5) checkpoints of one run directory,
+    or two or more checkpoints given one by one."""
+    if len(inputs) == 1 and inputs[0].is_dir() and not (inputs[0] / WEIGHTS_FILE).is_file():
+        paths = run_checkpoints(inputs[0])[-(last or 5) :]
+        if not paths:
+            raise CheckpointError(f"{inputs[0]}: no checkpoints to average in {inputs[0] / CHECKPOINTS_DIR}")
+        return paths
+    if last is not None:
+        raise CheckpointError("--last applies to a run directory; give it alone, without checkpoint paths")
+    if len(inputs) < 2:
+        raise CheckpointError("give one run directory, or two or more checkpoints to average")
+    return list(inputs)
+
+
+def write_average(paths: list[Path], output: Path) -> dict[str, Any]:
+    """Average ``paths`` into the .safetensors file ``output``, tokenizers beside it; the average's metadata."""
+    weights, meta = average_checkpoints(paths)
+    write_model_file(output, weights, meta, paths[0])
+    return meta
 
 
 def _check_compatible(ckpt: Checkpoint, first: Checkpoint, layout: dict[str, torch.Tensor]) -> None:
@@ -641,7 +663,7 @@ def load_for_inference(model_path: Path, device: torch.device, dtype: torch.dtyp
 
     Decoding in bf16/fp16 casts the weights once, rather than at every step as autocast would.
     """
-    ckpt = load(resolve(model_path), with_state=False)
+    ckpt = read_checkpoint(resolve(model_path), with_state=False)
     where = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
     toks = {
         side: Tokenizer(_find_tokenizer(record, where, ckpt.path.name))

@@ -163,7 +163,7 @@ def main_options(
     ),
 )
 @user_errors
-def tokenizer_train(
+def tokenizer_train_command(
     src: Annotated[Path, typer.Option(help="Source-side training text (plain or .gz).")],
     out_dir: Annotated[
         Path, typer.Option("--output", "-o", "--out-dir", help="Folder for spm.model (joint) or spm.src/tgt.model.")
@@ -208,14 +208,15 @@ def tokenizer_train(
 
 
 @app.command(
+    "prepare",
     epilog=examples(
         "mtkit prepare --list",
         "mtkit prepare multi30k_en_de -o data/m30k --mirror ../shared/data/multi30k",
         "mtkit prepare wmt14_en_de -o data/wmt14",
-    )
+    ),
 )
 @user_errors
-def prepare(
+def prepare_command(
     corpus: Annotated[str | None, typer.Argument(help="A corpus name from --list, e.g. wmt14_en_de.")] = None,
     out: Annotated[Path | None, typer.Option("--output", "-o", "--out", help="Output folder (see below).")] = None,
     mirror: Annotated[
@@ -242,7 +243,7 @@ def prepare(
     from mtkit.config import ConfigError
     from mtkit.corpora import CORPORA
     from mtkit.corpora import corpus as find_corpus
-    from mtkit.preparation import prepare as prepare_corpus
+    from mtkit.preparation import prepare_corpus
 
     _setup_logging()
     if list_corpora:
@@ -258,14 +259,15 @@ def prepare(
 
 
 @app.command(
+    "train",
     epilog=examples(
         "mtkit train m30k.yaml -o runs/m30k --set train.lr=0.001 --precision bf16",
         "mtkit train m30k.yaml --dry-run",
         "mtkit train m30k.yaml -o runs/m30k --nproc-per-node 4",
-    )
+    ),
 )
 @user_errors
-def train(
+def train_command(
     config: Annotated[Path, typer.Argument(help="YAML config with data, tokenizer, model, train and decode sections.")],
     overrides: Annotated[
         list[str], typer.Option("--set", help="Override a key: --set train.lr=0.001 (repeatable).")
@@ -304,7 +306,7 @@ def train(
     Under torchrun (torchrun --nproc-per-node N -m mtkit train CONFIG) every process trains on its
     share of each update's batches with DistributedDataParallel; rank 0 validates and writes.
     """
-    from mtkit.config import ConfigError, dump, load
+    from mtkit.config import ConfigError, dump, read_config
     from mtkit.distributed import launched_by_torchrun
 
     flags = {
@@ -315,7 +317,7 @@ def train(
         "tensorboard": tensorboard or None,
     }
     overrides = [*overrides, *(f"train.{key}={value}" for key, value in flags.items() if value is not None)]
-    cfg = load(config, overrides)
+    cfg = read_config(config, overrides)
     out = out or Path("runs") / config.stem
     if dry_run:
         from mtkit.trainer import schedule_preview
@@ -351,8 +353,7 @@ def _stopped(stop, out: Path) -> typer.Exit:
 def _run_training(cfg, out: Path, restart: bool) -> None:
     from mtkit.distributed import DistributedError, from_environment
     from mtkit.progress import TrainingProgress
-    from mtkit.trainer import TrainingStopped
-    from mtkit.trainer import train as run_training
+    from mtkit.trainer import TrainingStopped, run_training
 
     dist = from_environment(cfg.train.device, cfg.train.ddp_timeout)
     try:
@@ -407,14 +408,15 @@ def _given(**options) -> dict:
 
 
 @app.command(
+    "translate",
     epilog=examples(
         "mtkit translate runs/m30k -i test.en -o test.hyp.de",
         'echo "A dog runs." | mtkit translate runs/m30k --beam 1',
         "mtkit translate runs/a runs/b -i test.en --nbest 5 --beam 5",
-    )
+    ),
 )
 @user_errors
-def translate(
+def translate_command(
     model: Annotated[
         list[Path],
         typer.Argument(
@@ -537,7 +539,7 @@ def translate(
     ),
 )
 @user_errors
-def run_recipe(
+def run_command(
     recipe: Annotated[
         Path, typer.Argument(help="A recipe: a config with a recipe section, e.g. recipes/multi30k_en_de.yaml.")
     ],
@@ -555,20 +557,20 @@ def run_recipe(
     Re-running redoes only what is missing or out of date: training resumes from its newest checkpoint.
     The report says whether the test BLEU falls in the recipe's expected range (recipe.bleu_min/max).
     """
-    from mtkit.config import load
+    from mtkit.config import read_config
     from mtkit.progress import TrainingProgress
-    from mtkit.run import render
+    from mtkit.run import render_report
     from mtkit.run import run_recipe as run_all
     from mtkit.trainer import TrainingStopped
 
     _setup_logging()
-    cfg = load(recipe, overrides)
+    cfg = read_config(recipe, overrides)
     out = out or Path("runs") / recipe.stem
     try:
         report = run_all(cfg, recipe, out, mirror, TrainingProgress(cfg.train.log_every))
     except TrainingStopped as stop:
         raise _stopped(stop, out) from None
-    typer.echo(render(report))
+    typer.echo(render_report(report))
     typer.echo(f"report: {out / 'report.md'}", err=True)
 
 
@@ -614,7 +616,7 @@ def _repeat_multi_value_options(args: list[str]) -> list[str]:
     ),
 )
 @user_errors
-def evaluate(
+def eval_command(
     ref_files: Annotated[
         list[Path] | None,
         typer.Argument(metavar="REF", help="Reference files, as sacreBLEU takes them (the same as --ref)."),
@@ -715,8 +717,7 @@ def evaluate(
     sets (-t wmt22 -l en-de) from sacreBLEU's cache or download.
     """
     from mtkit.config import ConfigError
-    from mtkit.evaluation import Request
-    from mtkit.evaluation import evaluate as run_eval
+    from mtkit.evaluation import Request, score_request
 
     if as_json and output_format not in (None, "json"):
         raise ConfigError(f"--json and --format {output_format} ask for different outputs; give one of them")
@@ -741,20 +742,21 @@ def evaluate(
         score_only=score_only,
         format="json" if as_json else output_format,
     )
-    report = run_eval(request, sys.stdin)
+    report = score_request(request, sys.stdin)
     if report.stderr:
         typer.echo(report.stderr, err=True)
     typer.echo(report.stdout)
 
 
 @app.command(
+    "average",
     epilog=examples(
         "mtkit average runs/m30k --last 5 -o runs/m30k/avg5.safetensors",
         "mtkit average runs/m30k/checkpoints/update-00002000 runs/m30k/checkpoints/update-00002400 -o avg.safetensors",
-    )
+    ),
 )
 @user_errors
-def average(
+def average_command(
     inputs: Annotated[list[Path], typer.Argument(help="One run directory, or two or more checkpoints.")],
     output: Annotated[
         Path, typer.Option("--output", "-o", help="The averaged .safetensors file; tokenizers are copied beside it.")
@@ -765,29 +767,11 @@ def average(
     ] = None,
 ) -> None:
     """Average the weights of checkpoints of one model; often scores better than the last one alone."""
-    from mtkit.checkpoint import (
-        CHECKPOINTS_DIR,
-        WEIGHTS_FILE,
-        CheckpointError,
-        check_output_file,
-        export,
-        run_checkpoints,
-    )
-    from mtkit.checkpoint import average as average_checkpoints
+    from mtkit.checkpoint import WEIGHTS_FILE, check_output_file, checkpoints_to_average, write_average
 
     check_output_file(output, inputs=[*inputs, *(path / WEIGHTS_FILE for path in inputs)])
-    if len(inputs) == 1 and inputs[0].is_dir() and not (inputs[0] / WEIGHTS_FILE).is_file():
-        paths = run_checkpoints(inputs[0])[-(last or 5) :]
-        if not paths:
-            raise CheckpointError(f"{inputs[0]}: no checkpoints to average in {inputs[0] / CHECKPOINTS_DIR}")
-    elif last is not None:
-        raise CheckpointError("--last applies to a run directory; give it alone, without checkpoint paths")
-    elif len(inputs) < 2:
-        raise CheckpointError("give one run directory, or two or more checkpoints to average")
-    else:
-        paths = inputs
-    weights, meta = average_checkpoints(paths)
-    export(output, weights, meta, paths[0])
+    paths = checkpoints_to_average(inputs, last)
+    meta = write_average(paths, output)
     for path in paths:
         typer.echo(f"averaged {path}", err=True)
     typer.echo(f"wrote {output} (the average of {len(paths)} checkpoints, newest update {meta['step']})", err=True)
@@ -797,13 +781,14 @@ def average(
 
 
 @app.command(
+    "attention",
     epilog=examples(
         'mtkit attention runs/m30k --src "A dog runs on the beach." -o attention.png',
         'mtkit attention runs/m30k --src "A dog runs." -o layer1.png --layer 1 --encoder',
-    )
+    ),
 )
 @user_errors
-def attention(
+def attention_command(
     model: Annotated[Path, typer.Argument(help="Run directory (uses best/), checkpoint directory or .safetensors.")],
     src: Annotated[str, typer.Option("--src", help="The source sentence to translate.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="The PNG of heatmaps, written atomically.")],
@@ -838,13 +823,14 @@ def attention(
 
 
 @app.command(
+    "export",
     epilog=examples(
         "mtkit export runs/m30k -o m30k-ct2",
         "mtkit export runs/m30k -o m30k-ct2-int8 --quantization int8",
-    )
+    ),
 )
 @user_errors
-def export(
+def export_command(
     model: Annotated[Path, typer.Argument(help="Run directory (uses best/), checkpoint directory or .safetensors.")],
     output: Annotated[
         Path,
@@ -866,8 +852,8 @@ def export(
 # -- doctor ---------------------------------------------------------------------------------
 
 
-@app.command(epilog=examples("mtkit doctor", "mtkit doctor --path runs/ --json"))
-def doctor(
+@app.command("doctor", epilog=examples("mtkit doctor", "mtkit doctor --path runs/ --json"))
+def doctor_command(
     path: Annotated[Path, typer.Option("--path", help="Where runs will be written (for free disk).")] = Path("."),
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:

@@ -380,7 +380,7 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
     section[parts[1]] = value
 
 
-def load(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+def read_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
     """Read a YAML config (or start from defaults when ``path`` is None) and apply overrides.
 
     YAML is read with the safe loader and bounded in size (``parse_yaml``). An error about a key

@@ -90,7 +90,7 @@ class _Learned:
         self.total = total
 
 
-def resolve(url: str, mirror: str | None) -> str:
+def source_url(url: str, mirror: str | None) -> str:
     """Where to fetch ``url`` from: itself, or with a mirror (a local directory, a file:// URL, or an http(s) base
     URL) the file of the same basename there (mirror/<basename of url path>)."""
     if mirror is None:
@@ -117,7 +117,7 @@ def fetch(
     ``timeout`` bounds each socket operation; transient failures are retried ``retries`` times.
     """
     dest = Path(dest)
-    source = resolve(url, mirror)
+    source = source_url(url, mirror)
     expected = _check_digest(sha256, source)
     if dest.is_file() and _known_complete(dest, expected):
         return dest

@@ -72,7 +72,7 @@ class Report:
     stderr: str = ""  # the signatures beside mtkit's per-segment table
 
 
-def evaluate(request: Request, stdin: TextIO | None) -> Report:
+def score_request(request: Request, stdin: TextIO | None) -> Report:
     """Score the request's systems against its references and render them in its dialect and format."""
     names = _check(request)
     ref_paths = reference_files(request.test_set, request.langpair) if request.test_set else list(request.refs)

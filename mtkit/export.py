@@ -129,7 +129,7 @@ def _fill_decoder(spec, decoder: Decoder, output: nn.Linear) -> None:
     _fill_linear(spec.projection, output)  # tied weights are stored once: CTranslate2 aliases equal tensors
 
 
-def pieces(tok: Tokenizer) -> list[str]:
+def vocabulary(tok: Tokenizer) -> list[str]:
     """The tokenizer's pieces in id order: CTranslate2's vocabulary, so that row i stays id i."""
     return tok.sp.id_to_piece(list(range(tok.vocab_size)))
 
@@ -145,8 +145,8 @@ def build_spec(model: Transformer, cfg: ModelConfig, src_tok: Tokenizer, tgt_tok
     )
     _fill_encoder(spec.encoder, model.encoder)
     _fill_decoder(spec.decoder, model.decoder, model.output)
-    spec.register_source_vocabulary(pieces(src_tok))
-    spec.register_target_vocabulary(pieces(tgt_tok))
+    spec.register_source_vocabulary(vocabulary(src_tok))
+    spec.register_target_vocabulary(vocabulary(tgt_tok))
     special = tgt_tok.sp.id_to_piece([UNK_ID, BOS_ID, EOS_ID])
     if src_tok.sp.id_to_piece([UNK_ID, BOS_ID, EOS_ID]) != special:
         raise CheckpointError(

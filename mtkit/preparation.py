@@ -25,7 +25,7 @@ from mtkit import untrusted
 from mtkit.clean import CleanConfig, CleanSummary, clean_pairs
 from mtkit.corpora import Corpus, RemoteFile, Split
 from mtkit.data import DataError, iter_aligned
-from mtkit.download import fetch, resolve
+from mtkit.download import fetch, source_url
 from mtkit.files import atomic_write
 
 log = logging.getLogger("mtkit")
@@ -35,7 +35,7 @@ RECORD = "prepare.json"
 _LINE_BREAKS = str.maketrans({c: " " for c in "\r\n\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"})
 
 
-def prepare(corpus: Corpus, out: Path, mirror: str | None = None, clean: CleanConfig = CleanConfig()) -> dict:
+def prepare_corpus(corpus: Corpus, out: Path, mirror: str | None = None, clean: CleanConfig = CleanConfig()) -> dict:
     """Prepare ``corpus`` into ``out`` (see the module docstring); returns the prepare.json record."""
     settings = {
         "corpus": corpus.name,
@@ -76,7 +76,7 @@ def _record(out: Path) -> dict | None:
 
 
 def _download(file: RemoteFile, folder: Path, mirror: str | None) -> Path:
-    source = resolve(file.filename, mirror) if mirror else file.url
+    source = source_url(file.filename, mirror) if mirror else file.url
     return fetch(source, folder / file.filename, file.sha256)
 
 

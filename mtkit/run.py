@@ -55,7 +55,7 @@ class Stage:
 def run_recipe(cfg: RunConfig, recipe: Path, out: Path, mirror: str | None, reporter: Reporter | None = None) -> dict:
     """Run every stage of ``cfg``'s recipe into ``out``; returns the report. ``reporter`` shows training's
     progress; a signal stops training with ``TrainingStopped``, after its checkpoint."""
-    from mtkit.trainer import train
+    from mtkit.trainer import run_training
 
     stages: list[Stage] = []
     if importlib.util.find_spec("matplotlib") is None:  # said now, not after an hour of training
@@ -63,7 +63,7 @@ def run_recipe(cfg: RunConfig, recipe: Path, out: Path, mirror: str | None, repo
     cfg, test = _prepare(cfg, out, mirror, stages)
 
     start = time.perf_counter()
-    train(cfg, out, reporter)
+    run_training(cfg, out, reporter)
     stages.append(Stage("train", time.perf_counter() - start, True))
 
     record = StageRecord(out, Digests())
@@ -89,7 +89,7 @@ def _prepare(cfg: RunConfig, out: Path, mirror: str | None, stages: list[Stage])
     if not r.corpus:
         raise ConfigError("recipe.corpus is not set: `mtkit run` needs a corpus from `mtkit prepare --list`")
     from mtkit.corpora import corpus
-    from mtkit.preparation import RECORD, prepare
+    from mtkit.preparation import RECORD, prepare_corpus
 
     spec = corpus(r.corpus)
     if (spec.src_lang, spec.tgt_lang) != (cfg.data.src_lang, cfg.data.tgt_lang):
@@ -101,7 +101,7 @@ def _prepare(cfg: RunConfig, out: Path, mirror: str | None, stages: list[Stage])
     record = data_dir / RECORD
     before = record.stat().st_mtime_ns if record.exists() else None
     start = time.perf_counter()
-    prepare(spec, data_dir, mirror)
+    prepare_corpus(spec, data_dir, mirror)
     stages.append(Stage("prepare", time.perf_counter() - start, record.stat().st_mtime_ns != before, str(data_dir)))
 
     def path(split: str, lang: str) -> str:
@@ -201,7 +201,7 @@ def _read_stages(path: Path) -> dict:
 
 def _average(cfg: RunConfig, out: Path, stages: list[Stage], record: StageRecord) -> Path:
     """The model to score: the mean of the newest ``recipe.average_last`` checkpoints, or best/."""
-    from mtkit.checkpoint import average, export, resolve, run_checkpoints
+    from mtkit.checkpoint import resolve, run_checkpoints, write_average
 
     k = cfg.recipe.average_last
     checkpoints = run_checkpoints(out)[-k:] if k else []
@@ -217,8 +217,7 @@ def _average(cfg: RunConfig, out: Path, stages: list[Stage], record: StageRecord
     entry = record.current("average", target, inputs, settings)
     ran = entry is None
     if ran:
-        mean, meta = average(checkpoints)
-        export(target, mean, meta, checkpoints[0])
+        write_average(checkpoints, target)
         entry = record.write("average", target, inputs, settings)
     names = entry["settings"]["checkpoints"]
     note = f"the newest {len(names)} checkpoints, {names[0]} to {names[-1]}"
@@ -361,10 +360,10 @@ def _plot(out: Path, train: list[dict], valid: list[dict]) -> str | None:
 
 def _write_report(out: Path, report: dict) -> None:
     atomic_write_text(out / REPORT_JSON, json.dumps(report, indent=1) + "\n")
-    atomic_write_text(out / REPORT_MD, render(report))
+    atomic_write_text(out / REPORT_MD, render_report(report))
 
 
-def render(report: dict) -> str:
+def render_report(report: dict) -> str:
     """The report as Markdown."""
     e = report["expected"]
     bleu = next(s for s in report["scores"] if s["name"] == "BLEU")

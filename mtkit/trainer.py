@@ -356,7 +356,7 @@ class Trainer:
     # -- checkpoints ------------------------------------------------------------------------
 
     def _load(self, path: Path) -> None:
-        saved = checkpoint.load(path)
+        saved = checkpoint.read_checkpoint(path)
         if saved.cfg.model != self.cfg.model:
             raise checkpoint.CheckpointError(
                 f"{path}: model settings differ from this config; use a new --out or --restart"
@@ -909,7 +909,7 @@ def _check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                     raise ValueError(f"optimizer {name} is {tuple(value.shape)}, its parameter {tuple(param.shape)}")
 
 
-def train(
+def run_training(
     cfg: RunConfig,
     out_dir: Path,
     reporter: Reporter | None = None,

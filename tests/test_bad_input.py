@@ -37,7 +37,7 @@ def train_on(tmp_path, multi30k_slice, spm_model, name: str, **data) -> object:
 
 
 def final_weights(run) -> dict[str, torch.Tensor]:
-    return checkpoint.load(checkpoint.latest(run), with_state=False).weights
+    return checkpoint.read_checkpoint(checkpoint.latest(run), with_state=False).weights
 
 
 def translate_lines(run, lines: list[str], *args) -> list[str]:
@@ -284,11 +284,11 @@ def test_resuming_from_a_checkpoint_of_another_vocabulary_or_architecture(
 
 
 def test_translating_weights_that_do_not_fit_their_config(tmp_path, trained_run):  # noqa: F811
-    ckpt = checkpoint.load(trained_run / "best", with_state=False)
+    ckpt = checkpoint.read_checkpoint(trained_run / "best", with_state=False)
     weights = dict(ckpt.weights)
     weights["output.weight"] = torch.zeros(299, weights["output.weight"].shape[1])
     model = tmp_path / "model.safetensors"
-    checkpoint.export(model, {k: v.clone() for k, v in weights.items()}, ckpt.meta, trained_run / "best")
+    checkpoint.write_model_file(model, {k: v.clone() for k, v in weights.items()}, ckpt.meta, trained_run / "best")
     one_line_error(invoke("translate", model, input="A dog.\n"), "output.weight is (299, 32) there, (300, 32) here")
 
 
@@ -306,7 +306,7 @@ def test_truncated_checkpoints(tmp_path, multi30k_slice, trained_run):  # noqa: 
     assert error.endswith(f"; delete {newest} to resume from {older}")
     shutil.rmtree(newest)  # as the message says
     assert invoke("train", config, "--out", run).exit_code == 0
-    assert checkpoint.load(checkpoint.latest(run)).meta["step"] == 22
+    assert checkpoint.read_checkpoint(checkpoint.latest(run)).meta["step"] == 22
 
 
 def test_a_tokenizer_that_does_not_match_the_checkpoint(tmp_path, trained_run, other_vocabulary_run):  # noqa: F811

@@ -42,7 +42,7 @@ def test_round_trip_restores_every_key_and_stores_tied_weights_once(tmp_path, ti
     weights = weights_of(tie_embeddings=tie)
     checkpoint.save(tmp_path / "ck", weights, meta_for({"tie_embeddings": tie}))
 
-    loaded = checkpoint.load(tmp_path / "ck")
+    loaded = checkpoint.read_checkpoint(tmp_path / "ck")
     fresh = tiny_model(seed=1, tie_embeddings=tie)
     fresh.load_state_dict(loaded.weights, strict=True)
     assert_same_weights(fresh.state_dict(), weights)
@@ -66,11 +66,11 @@ def test_state_loads_with_plain_torch_load_and_meta_survives(tmp_path):
 
     plain = torch.load(tmp_path / "ck" / checkpoint.STATE_FILE, weights_only=True)
     assert plain["progress"] == state["progress"] and torch.equal(plain["rng"]["torch"], state["rng"]["torch"])
-    loaded = checkpoint.load(tmp_path / "ck" / checkpoint.WEIGHTS_FILE)
+    loaded = checkpoint.read_checkpoint(tmp_path / "ck" / checkpoint.WEIGHTS_FILE)
     assert loaded.path == tmp_path / "ck"
     assert loaded.meta == {**meta, "format": checkpoint.FORMAT_VERSION, "mtkit_version": loaded.meta["mtkit_version"]}
     torch.optim.Adam(model.parameters()).load_state_dict(loaded.state["optimizer"])
-    assert checkpoint.load(tmp_path / "ck", with_state=False).state is None
+    assert checkpoint.read_checkpoint(tmp_path / "ck", with_state=False).state is None
 
 
 def test_failed_save_keeps_the_previous_checkpoint_and_leaves_nothing_behind(tmp_path, monkeypatch):
@@ -88,7 +88,7 @@ def test_failed_save_keeps_the_previous_checkpoint_and_leaves_nothing_behind(tmp
 
     assert [p.name for p in (run / checkpoint.CHECKPOINTS_DIR).iterdir()] == [first.name]
     assert checkpoint.latest(run) == first
-    assert_same_weights(checkpoint.load(first).weights, weights_of(0))
+    assert_same_weights(checkpoint.read_checkpoint(first).weights, weights_of(0))
 
 
 def test_failed_swap_puts_the_old_checkpoint_back(tmp_path, monkeypatch):
@@ -104,7 +104,7 @@ def test_failed_swap_puts_the_old_checkpoint_back(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint.os, "rename", rename)
     with pytest.raises(OSError, match="rename failed"):
         checkpoint.save(target, weights_of(1), meta_for(step=2))
-    assert checkpoint.load(target).meta["step"] == 1
+    assert checkpoint.read_checkpoint(target).meta["step"] == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best"]
 
 
@@ -134,12 +134,12 @@ def test_a_kill_between_the_two_renames_of_a_swap_loses_no_checkpoint(tmp_path):
     (run / ".keep-me").write_text("not mtkit's")
     checkpoint.recover(run)  # what training does first
     assert sorted(p.name for p in run.iterdir()) == [".keep-me", "best", "checkpoints"]
-    assert_same_weights(checkpoint.load(checkpoint.resolve(run)).weights, weights_of(0))
+    assert_same_weights(checkpoint.read_checkpoint(checkpoint.resolve(run)).weights, weights_of(0))
 
     (run / "best").rename(run / ".best.old")  # the same crash again; this time the next save finds it
     checkpoint.save_best(run, weights_of(1), meta_for(step=20))
     assert sorted(p.name for p in run.iterdir()) == [".keep-me", "best", "checkpoints"]
-    assert checkpoint.load(run / "best").meta["step"] == 20
+    assert checkpoint.read_checkpoint(run / "best").meta["step"] == 20
 
 
 @pytest.mark.parametrize("keep_last, kept", [(2, [4, 5]), (1, [5]), (0, [1, 2, 3, 4, 5])])
@@ -148,7 +148,7 @@ def test_keep_last_keeps_exactly_the_newest(tmp_path, keep_last, kept):
     for step in range(1, 6):
         checkpoint.save_in_run(tmp_path, step, weights, meta_for(), {"progress": {"step": step}}, keep_last)
     found = checkpoint.run_checkpoints(tmp_path)
-    assert [checkpoint.load(p).meta["step"] for p in found] == kept
+    assert [checkpoint.read_checkpoint(p).meta["step"] for p in found] == kept
 
 
 def test_pruning_never_deletes_the_checkpoint_just_written(tmp_path):
@@ -160,7 +160,7 @@ def test_pruning_never_deletes_the_checkpoint_just_written(tmp_path):
 def test_steps_are_ordered_by_number_not_name(tmp_path):
     for step in (99_999_999, 100_000_000, 5):
         checkpoint.save_in_run(tmp_path, step, weights_of(), meta_for(), None, keep_last=0)
-    assert [checkpoint.load(p).meta["step"] for p in checkpoint.run_checkpoints(tmp_path)] == [
+    assert [checkpoint.read_checkpoint(p).meta["step"] for p in checkpoint.run_checkpoints(tmp_path)] == [
         5,
         99_999_999,
         100_000_000,
@@ -174,9 +174,9 @@ def test_another_format_names_both_versions_and_a_pt_file_is_not_read(tmp_path):
 
     with pytest.raises(CheckpointError, match=r"new.safetensors: checkpoint format 3 is not supported by mtkit \S+ "
                        r"\(it reads format 2\)"):  # fmt: skip
-        checkpoint.load(tmp_path / "new.safetensors")
+        checkpoint.read_checkpoint(tmp_path / "new.safetensors")
     with pytest.raises(CheckpointError, match=r"old.pt: a zip archive \(a PyTorch file\?\), not a checkpoint"):
-        checkpoint.load(tmp_path / "old.pt")
+        checkpoint.read_checkpoint(tmp_path / "old.pt")
 
 
 def test_missing_and_truncated_checkpoints_are_clear_errors(tmp_path):
@@ -185,9 +185,9 @@ def test_missing_and_truncated_checkpoints_are_clear_errors(tmp_path):
     weights_file.write_bytes(weights_file.read_bytes()[:-100])
 
     with pytest.raises(CheckpointError, match="not a readable mtkit checkpoint"):
-        checkpoint.load(tmp_path / "ck")
+        checkpoint.read_checkpoint(tmp_path / "ck")
     with pytest.raises(CheckpointError, match="checkpoint not found"):
-        checkpoint.load(tmp_path / "nothing-here")
+        checkpoint.read_checkpoint(tmp_path / "nothing-here")
     with pytest.raises(CheckpointError, match="no checkpoint in this run directory"):
         checkpoint.resolve(tmp_path)
 
@@ -197,7 +197,7 @@ def test_average_is_the_mean_and_keeps_tied_weights_shared(tmp_path):
     checkpoint.save(tmp_path / "a", a, {**meta_for(step=20), "validation": {"valid_bleu": 1.0}})
     checkpoint.save(tmp_path / "b", b, meta_for(step=10))
 
-    weights, meta = checkpoint.average([tmp_path / "a", tmp_path / "b"])
+    weights, meta = checkpoint.average_checkpoints([tmp_path / "a", tmp_path / "b"])
     for key in a:
         torch.testing.assert_close(weights[key], (a[key] + b[key]) / 2)
     assert weights["output.weight"] is weights["encoder.embed.tokens.weight"]
@@ -211,9 +211,9 @@ def test_average_refuses_a_different_model(tmp_path):
     checkpoint.save(tmp_path / "c", weights_of(), meta_for(sha="1" * 64))
 
     with pytest.raises(CheckpointError, match=r"b: model settings differ"):
-        checkpoint.average([tmp_path / "a", tmp_path / "b"])
+        checkpoint.average_checkpoints([tmp_path / "a", tmp_path / "b"])
     with pytest.raises(CheckpointError, match=r"c: tokenizer differs"):
-        checkpoint.average([tmp_path / "a", tmp_path / "c"])
+        checkpoint.average_checkpoints([tmp_path / "a", tmp_path / "c"])
 
 
 # -- mtkit average ---------------------------------------------------------------------------
@@ -313,6 +313,6 @@ def test_a_checkpoint_killed_while_being_pruned_is_never_taken_for_a_whole_one(t
         checkpoint.save_in_run(run, 3, weights_of(0), meta_for(step=3), {"progress": {}}, keep_last=2)
     monkeypatch.undo()
     assert [p.name for p in checkpoint.run_checkpoints(run)] == ["update-00000002", "update-00000003"]
-    assert all(checkpoint.load(p).state is not None for p in checkpoint.run_checkpoints(run))
+    assert all(checkpoint.read_checkpoint(p).state is not None for p in checkpoint.run_checkpoints(run))
     checkpoint.recover(run)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["update-00000002", "update-00000003"]

@@ -232,13 +232,13 @@ def test_sigterm_saves_a_whole_update_and_the_same_command_resumes(tmp_path, mul
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "stopped by SIGTERM" in err and "Traceback" not in err
 
-    saved = checkpoint.load(checkpoint.latest(run)).meta["step"]
+    saved = checkpoint.read_checkpoint(checkpoint.latest(run)).meta["step"]
     logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert saved == logged[-1]  # the checkpoint holds exactly the updates that were logged
     resumed = subprocess.run(command + ["--set", f"train.max_steps={saved + 2}"], capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
     assert f"resuming from {checkpoint.run_checkpoints(run)[-2]} at update {saved}" in resumed.stderr
-    assert checkpoint.load(checkpoint.latest(run)).meta["step"] == saved + 2
+    assert checkpoint.read_checkpoint(checkpoint.latest(run)).meta["step"] == saved + 2
 
 
 def test_doctor_reports_the_machine(tmp_path):
@@ -273,15 +273,15 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tmp_path, multi30k
     wait_for_logged_updates(proc, killed / "metrics.jsonl", 5)
     proc.kill()
     proc.wait()
-    saved = checkpoint.load(checkpoint.latest(killed)).meta["step"]
+    saved = checkpoint.read_checkpoint(checkpoint.latest(killed)).meta["step"]
     assert saved >= 2 and saved % 2 == 0
     target = f"train.max_steps={saved + 4}"
     for out in (killed, tmp_path / "straight"):
         done = subprocess.run(command + ["--out", str(out), "--set", target], capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
     assert per_step_losses(killed / "metrics.jsonl") == per_step_losses(tmp_path / "straight" / "metrics.jsonl")
-    a = checkpoint.load(checkpoint.latest(killed)).weights
-    b = checkpoint.load(checkpoint.latest(tmp_path / "straight")).weights
+    a = checkpoint.read_checkpoint(checkpoint.latest(killed)).weights
+    b = checkpoint.read_checkpoint(checkpoint.latest(tmp_path / "straight")).weights
     assert all(torch.equal(a[name], b[name]) for name in a)
 
 

@@ -10,7 +10,7 @@ from typing import Literal
 
 import pytest
 
-from mtkit.config import PRESETS, SECTIONS, ConfigError, ModelConfig, Preset, from_dict, load
+from mtkit.config import PRESETS, SECTIONS, ConfigError, ModelConfig, Preset, from_dict, read_config
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
@@ -19,7 +19,7 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 def test_every_shipped_recipe_loads(recipe):
     from mtkit.corpora import CORPORA
 
-    cfg = load(recipe)
+    cfg = read_config(recipe)
     corpus = CORPORA[cfg.recipe.corpus]
     assert (corpus.src_lang, corpus.tgt_lang) == (cfg.data.src_lang, cfg.data.tgt_lang)
     assert cfg.recipe.expected and cfg.recipe.hardware and 0 < cfg.recipe.bleu_min < cfg.recipe.bleu_max
@@ -35,7 +35,7 @@ def test_preset_sets_defaults_and_explicit_keys_win():
 def test_overrides_are_typed_and_apply_to_any_key(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("train:\n  lr: 0.001\n")
-    cfg = load(
+    cfg = read_config(
         path,
         [
             "train.lr=5e-4",
@@ -100,7 +100,7 @@ def test_a_value_outside_the_choices_names_the_key_and_the_choices(tmp_path, key
     path.write_text(f"{section}:\n  {name}: nope\n")
     message = f"{path}:2: {key} must be one of {', '.join(CHOICES[key])}, got 'nope'"
     with pytest.raises(ConfigError, match=re.escape(message)):
-        load(path)
+        read_config(path)
 
 
 def test_choices_are_checked_when_a_section_is_built_in_python():
@@ -110,10 +110,10 @@ def test_choices_are_checked_when_a_section_is_built_in_python():
 
 def test_bad_override_and_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="section.key=value"):
-        load(None, ["lr=3"])
+        read_config(None, ["lr=3"])
     with pytest.raises(ConfigError, match="config file not found"):
-        load(tmp_path / "none.yaml")
+        read_config(tmp_path / "none.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("train: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
-        load(bad)
+        read_config(bad)

@@ -127,7 +127,7 @@ def test_two_ranks_make_the_updates_of_one_process_with_the_same_global_batch(tm
     assert ranks[0]["result"]["valid_loss"] == pytest.approx(single_result["valid_loss"], rel=1e-5)
     assert ranks[0]["progress"] == ranks[1]["progress"]
     assert [p.name for p in checkpoint.run_checkpoints(tmp_path / "two")] == ["update-00000003", "update-00000006"]
-    saved = checkpoint.load(checkpoint.latest(tmp_path / "two"))
+    saved = checkpoint.read_checkpoint(checkpoint.latest(tmp_path / "two"))
     assert len(saved.state["rng"]) == 2  # each rank's dropout stream, for an exact resume
 
 
@@ -162,7 +162,7 @@ def test_nproc_per_node_trains_validates_and_resumes_through_torchrun(tmp_path, 
     )
     assert more.returncode == 0, more.stderr
     assert "at update 4" in more.stderr
-    assert checkpoint.load(checkpoint.latest(run)).meta["step"] == 6
+    assert checkpoint.read_checkpoint(checkpoint.latest(run)).meta["step"] == 6
 
 
 def processes_mentioning(text: str) -> list[int]:
@@ -204,7 +204,7 @@ def test_stopping_the_launcher_makes_the_ranks_save_and_exit(tmp_path, multi30k_
         time.sleep(0.1)
     logged = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert checkpoint.latest(run) is not None, err
-    assert checkpoint.load(checkpoint.latest(run)).meta["step"] == logged[-1]
+    assert checkpoint.read_checkpoint(checkpoint.latest(run)).meta["step"] == logged[-1]
 
 
 @pytest.mark.parametrize("fault", ["missing-file", "bad-line"])

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from mtkit import download
-from mtkit.download import DownloadError, fetch, resolve
+from mtkit.download import DownloadError, fetch, source_url
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 VAL_DE = DATA / "multi30k" / "val.de.gz"
@@ -223,10 +223,10 @@ def test_file_url_is_copied(payload, tmp_path):
 
 def test_resolve_points_at_the_same_basename_in_the_mirror(tmp_path):
     url = "https://example.org/wmt/2014/val.de.gz?download=1"
-    assert resolve(url, None) == url
-    assert resolve(url, str(tmp_path)) == str(tmp_path / "val.de.gz")
-    assert resolve(url, "file:///srv/corpora/") == "file:///srv/corpora/val.de.gz"
-    assert resolve(url, "http://mirror.local/mt") == "http://mirror.local/mt/val.de.gz"
+    assert source_url(url, None) == url
+    assert source_url(url, str(tmp_path)) == str(tmp_path / "val.de.gz")
+    assert source_url(url, "file:///srv/corpora/") == "file:///srv/corpora/val.de.gz"
+    assert source_url(url, "http://mirror.local/mt") == "http://mirror.local/mt/val.de.gz"
 
 
 def test_local_directory_mirror_is_used_instead_of_the_url(payload, tmp_path):

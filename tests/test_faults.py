@@ -124,7 +124,7 @@ def test_nonfinite_loss_rolls_back_to_the_checkpoint_with_a_lower_learning_rate(
     assert again["loss"] == pytest.approx(first["loss"], rel=1e-6)
     assert (first["rollbacks"], again["rollbacks"], train[-1]["rollbacks"]) == (0, 1, 1)
 
-    saved = checkpoint.load(checkpoint.latest(tmp_path))
+    saved = checkpoint.read_checkpoint(checkpoint.latest(tmp_path))
     assert saved.meta["step"] == 6
     assert saved.state["progress"]["lr_scale"] == 0.25 and saved.state["progress"]["rollbacks"] == 1
     resumed = Trainer(small_config(multi30k_slice, spm_model, max_steps=8), tmp_path)
@@ -146,7 +146,7 @@ def test_no_rollbacks_left_fails_and_keeps_the_checkpoint(tmp_path, multi30k_sli
     assert "update-00000002" in str(failure.value)  # names the last good checkpoint
     assert [d.name for d in checkpoint.run_checkpoints(tmp_path)] == ["update-00000002"]
     assert checkpoint_bytes(tmp_path) == on_disk
-    saved = checkpoint.load(checkpoint.latest(tmp_path))
+    saved = checkpoint.read_checkpoint(checkpoint.latest(tmp_path))
     assert saved.meta["step"] == 2 and saved.state["progress"]["step"] == 2
     assert not events(tmp_path, "rollback")
 
@@ -160,7 +160,7 @@ def test_nan_on_every_update_uses_up_the_rollbacks_then_fails(tmp_path, multi30k
     assert (trainer.progress.step, trainer.progress.rollbacks, trainer.progress.lr_scale) == (2, 2, 0.25)
     assert [r["lr_scale"] for r in events(tmp_path, "rollback")] == [0.5, 0.25]
     assert [d.name for d in checkpoint.run_checkpoints(tmp_path)] == ["update-00000002"]
-    saved = checkpoint.load(checkpoint.latest(tmp_path))
+    saved = checkpoint.read_checkpoint(checkpoint.latest(tmp_path))
     assert saved.meta["step"] == 2 and saved.state["progress"]["rollbacks"] == 0
 
 
@@ -187,7 +187,7 @@ def test_nonfinite_skip_drops_the_update_and_counts_it(tmp_path, multi30k_slice,
     assert [r["step"] for r in train] == [1, 2, 3, 4]
     assert all(math.isfinite(r["loss"]) for r in train)
     assert [r["nonfinite_skips"] for r in train] == [0, 0, 1, 1]
-    assert checkpoint.load(checkpoint.latest(tmp_path)).state["progress"]["nonfinite_skips"] == 1
+    assert checkpoint.read_checkpoint(checkpoint.latest(tmp_path)).state["progress"]["nonfinite_skips"] == 1
 
 
 def test_nonfinite_stop_fails_at_once(tmp_path, multi30k_slice, spm_model, monkeypatch):
@@ -391,7 +391,7 @@ def test_fp16_overflow_steps_are_skipped_and_counted(tmp_path, multi30k_slice, s
     assert trainer.progress.nonfinite_skips == 0 and trainer.progress.rollbacks == 0  # not treated as divergence
     assert trainer.scaler.get_scale() == 2.0**15  # halved once by the overflow
     assert events(tmp_path, "train")[-1]["overflow_skips"] == 1
-    after_skip = checkpoint.load(checkpoint.latest(tmp_path)).state["optimizer"]["state"][0]["step"]
+    after_skip = checkpoint.read_checkpoint(checkpoint.latest(tmp_path)).state["optimizer"]["state"][0]["step"]
     assert int(after_skip) == 4  # Adam stepped 4 times in 5 micro-batches
 
 
@@ -453,8 +453,8 @@ def test_a_failing_disk_write_keeps_the_last_checkpoint_and_stops_with_the_reaso
     saved = [2] if target == "checkpoints" else [2, 4]  # update 4 is saved before its validation writes best/
     assert f"{run / 'checkpoints' / f'update-{saved[-1]:08d}'} is intact" in error and "Traceback" not in result.output
     assert [p.name for p in checkpoint.run_checkpoints(run)] == [f"update-{step:08d}" for step in saved]
-    assert checkpoint.load(checkpoint.latest(run)).state["progress"]["step"] == saved[-1]
-    assert checkpoint.load(run / "best", with_state=False).meta["step"] == 2
+    assert checkpoint.read_checkpoint(checkpoint.latest(run)).state["progress"]["step"] == saved[-1]
+    assert checkpoint.read_checkpoint(run / "best", with_state=False).meta["step"] == 2
     leftovers = [p for folder in (run, run / "checkpoints") for p in folder.iterdir() if p.is_dir()]
     assert not [p for p in leftovers if p.name.startswith(".")]
 
@@ -462,7 +462,8 @@ def test_a_failing_disk_write_keeps_the_last_checkpoint_and_stops_with_the_reaso
     assert CliRunner().invoke(app, ["train", str(config), "--out", str(run)]).exit_code == 0
     straight = tmp_path / "straight"
     assert CliRunner().invoke(app, ["train", str(config), "--out", str(straight)]).exit_code == 0
-    resumed, reference = checkpoint.load(checkpoint.latest(run)), checkpoint.load(checkpoint.latest(straight))
+    resumed = checkpoint.read_checkpoint(checkpoint.latest(run))
+    reference = checkpoint.read_checkpoint(checkpoint.latest(straight))
     assert resumed.meta["step"] == 6 and all(
         torch.equal(resumed.weights[k], reference.weights[k]) for k in reference.weights
     )
@@ -521,7 +522,7 @@ def test_the_checkpoint_of_an_update_is_saved_before_its_validation(tmp_path, mu
     monkeypatch.setattr(Trainer, "validate", fails_at_update_4)
     with pytest.raises(KeyboardInterrupt):
         Trainer(from_dict(yaml.safe_load(config.read_text())), tmp_path / "run").run()
-    assert checkpoint.load(checkpoint.latest(tmp_path / "run")).meta["step"] == 4  # saved before validating
+    assert checkpoint.read_checkpoint(checkpoint.latest(tmp_path / "run")).meta["step"] == 4  # saved before validating
     monkeypatch.setattr(Trainer, "validate", original)
     assert cli_train(config, tmp_path / "run").exit_code == 0
     assert cli_train(config, tmp_path / "straight").exit_code == 0
@@ -532,8 +533,8 @@ def test_the_checkpoint_of_an_update_is_saved_before_its_validation(tmp_path, mu
     ]
     assert checkpoint_bytes(tmp_path / "run").keys() == checkpoint_bytes(tmp_path / "straight").keys()
     for name in ("best", checkpoint.latest(tmp_path / "run").relative_to(tmp_path / "run")):
-        a = checkpoint.load(tmp_path / "run" / name, with_state=False).weights
-        assert_same_weights(a, checkpoint.load(tmp_path / "straight" / name, with_state=False).weights)
+        a = checkpoint.read_checkpoint(tmp_path / "run" / name, with_state=False).weights
+        assert_same_weights(a, checkpoint.read_checkpoint(tmp_path / "straight" / name, with_state=False).weights)
     again = cli_train(config, tmp_path / "run")  # a finished run has nothing left to validate
     assert again.exit_code == 0 and [e["step"] for e in events(tmp_path / "run", "valid")] == [2, 4, 6]
 

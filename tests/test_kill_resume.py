@@ -150,13 +150,14 @@ def check_run_directory(run: Path, previous_step: int, where: str) -> int:
     """What a kill must leave: loadable checkpoints, the step not gone back, a best model, parseable metrics."""
     latest = checkpoint.latest(run)
     assert latest is not None, f"{where}: no checkpoint left in {run}"
-    step = checkpoint.load(latest).meta["step"]
+    step = checkpoint.read_checkpoint(latest).meta["step"]
     assert step >= previous_step, f"{where}: the newest checkpoint went back from update {previous_step} to {step}"
     for path in checkpoint.run_checkpoints(run):
-        assert checkpoint.load(path).state is not None, f"{where}: {path} has no training state"
+        assert checkpoint.read_checkpoint(path).state is not None, f"{where}: {path} has no training state"
     if (run / "best").exists() or (run / ".best.old").exists():
         best = checkpoint.resolve(run)
-        assert "validation" in checkpoint.load(best, with_state=False).meta, f"{where}: the best model is lost: {best}"
+        meta = checkpoint.read_checkpoint(best, with_state=False).meta
+        assert "validation" in meta, f"{where}: the best model is lost: {best}"
     lines = (run / "metrics.jsonl").read_text().split("\n")
     for number, line in enumerate(lines[:-1], 1):  # the last one is empty, or a line torn by the kill
         try:
@@ -178,7 +179,8 @@ def files(run: Path) -> list[str]:
 
 
 def assert_same_weights(a: Path, b: Path) -> None:
-    mine, theirs = checkpoint.load(a, with_state=False).weights, checkpoint.load(b, with_state=False).weights
+    mine = checkpoint.read_checkpoint(a, with_state=False).weights
+    theirs = checkpoint.read_checkpoint(b, with_state=False).weights
     assert mine.keys() == theirs.keys()
     different = [name for name in mine if not torch.equal(mine[name], theirs[name])]
     assert not different, f"{a} and {b} differ in {different}"
@@ -200,7 +202,7 @@ def test_sigkill_at_random_moments_then_resume_reproduces_the_uninterrupted_run(
     done = mtkit_train(kill_setup.config, run)
     assert done.returncode == 0, tail(done)
     last = checkpoint.latest(run)
-    assert checkpoint.load(last).meta["step"] == TRAIN["max_steps"]
+    assert checkpoint.read_checkpoint(last).meta["step"] == TRAIN["max_steps"]
     assert_same_weights(last, checkpoint.latest(kill_setup.reference))
     assert_same_weights(checkpoint.resolve(run), checkpoint.resolve(kill_setup.reference))
     assert logged(run) == logged(kill_setup.reference)
@@ -221,6 +223,6 @@ def test_sigkill_while_a_run_starts_then_resume(kill_setup, tmp_path):
         assert proc.returncode == -9, f"{where}: exit status {proc.returncode}, not SIGKILL\n{tail(proc)}"
     done = mtkit_train(kill_setup.bare_config, run, None, fresh_cache, "train.max_steps=2")
     assert done.returncode == 0, tail(done)
-    assert checkpoint.load(checkpoint.latest(run)).meta["step"] == 2
+    assert checkpoint.read_checkpoint(checkpoint.latest(run)).meta["step"] == 2
     left = [path for path in [*run.glob(".*"), *(tmp_path / "encoded").glob(".*")] if not path.name.endswith(".lock")]
     assert not left, f"leftovers of the killed runs: {left}"

@@ -12,7 +12,7 @@ import torch
 
 from mtkit import checkpoint
 from mtkit.config import from_dict
-from mtkit.trainer import StopSignals, Trainer, lr_at, train, trim_metrics
+from mtkit.trainer import StopSignals, Trainer, lr_at, run_training, trim_metrics
 
 
 def test_lr_warms_up_linearly_then_decays_as_inverse_sqrt():
@@ -60,7 +60,7 @@ def test_loss_goes_down_and_checkpoints_are_written(tmp_path, multi30k_slice, sp
     assert "valid_bleu" in result and "bleu_signature" in result
     for name in ("best/model.safetensors", "config.yaml", "spm.model"):
         assert (tmp_path / name).is_file()
-    assert checkpoint.load(checkpoint.latest(tmp_path)).meta["step"] == 30
+    assert checkpoint.read_checkpoint(checkpoint.latest(tmp_path)).meta["step"] == 30
 
 
 def test_resumed_training_equals_uninterrupted_training(tmp_path, multi30k_slice, spm_model):
@@ -102,10 +102,10 @@ def test_optimizer_sees_gradients_clipped_to_clip_norm(tmp_path, multi30k_slice,
 
 def test_restart_starts_over_instead_of_resuming(tmp_path, multi30k_slice, spm_model):
     cfg = small_config(multi30k_slice, spm_model, max_steps=2)
-    train(cfg, tmp_path)
-    assert checkpoint.load(checkpoint.latest(tmp_path)).meta["step"] == 2
+    run_training(cfg, tmp_path)
+    assert checkpoint.read_checkpoint(checkpoint.latest(tmp_path)).meta["step"] == 2
     assert Trainer(cfg, tmp_path).progress.step == 2  # would resume
-    train(cfg, tmp_path, restart=True)
+    run_training(cfg, tmp_path, restart=True)
     events = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert events[0] == 1  # the old log went with the old checkpoints
 
@@ -115,7 +115,7 @@ def test_wall_clock_budget_stops_training(tmp_path, multi30k_slice, spm_model):
     trainer.run()
     assert trainer.progress.step == 1
     assert "train.max_time" in trainer.stop_reason()
-    assert checkpoint.load(checkpoint.latest(tmp_path)).state["progress"]["seconds"] > 0
+    assert checkpoint.read_checkpoint(checkpoint.latest(tmp_path)).state["progress"]["seconds"] > 0
 
 
 def test_patience_stops_after_validations_without_a_new_best(tmp_path, multi30k_slice, spm_model, monkeypatch):
@@ -124,7 +124,7 @@ def test_patience_stops_after_validations_without_a_new_best(tmp_path, multi30k_
     trainer.run()
     assert trainer.progress.step == 6  # best at update 2, no better at 4 and 6
     assert "train.patience" in trainer.stop_reason()
-    assert checkpoint.load(tmp_path / "best").meta["step"] == 2
+    assert checkpoint.read_checkpoint(tmp_path / "best").meta["step"] == 2
 
 
 def test_a_second_training_on_the_same_run_directory_is_refused(tmp_path, multi30k_slice, spm_model):
