@@ -108,8 +108,9 @@ class LineTranslator(ABC):
 
     def hypotheses(self, lines: Iterable[str], **decode: Any) -> Iterator[list[Translation]]:
         """The translations of each line (``nbest`` of them, best first, with scores and alignments when
-        asked for), streamed: lines are read and translated in chunks, so any iterable will do."""
-        yield from self.using(**decode).stream(chunked(lines))
+        asked for), streamed: lines are read and translated in chunks, so any iterable will do, an open
+        file too (a line's ending newline is not part of it)."""
+        yield from self.using(**decode).stream(chunked(line.removesuffix("\n").removesuffix("\r") for line in lines))
 
 
 def check_nbest(nbest: int, decode: DecodeConfig, sampling: Sampling | None = None) -> None:

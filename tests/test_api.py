@@ -52,6 +52,7 @@ def test_the_api_translates_as_the_command_line_does(run_with_decode_settings, m
     result = invoke("translate", run_with_decode_settings, input="".join(line + "\n" for line in lines))
     assert translator.translate(lines) == result.stdout.split("\n")[:-1]
     assert translator.translate(iter(lines)) == translator.translate(lines)  # any iterable
+    assert translator.translate(line + "\n" for line in lines) == translator.translate(lines)  # an open file
 
 
 def test_hypotheses_stream_nbest_with_scores_and_alignments(run_with_decode_settings):
