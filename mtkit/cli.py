@@ -805,7 +805,7 @@ def attention_command(
     Prints the translation, then its word alignment in Pharaoh format ('i-j': source word i, target
     word j, from 0), taken from the head-averaged cross-attention. Needs matplotlib.
     """
-    from mtkit.attention import alignment_line, plot_attention, translate_with_attention, word_alignment
+    from mtkit.alignment import alignment_line, plot_attention, translate_with_attention, word_alignment
     from mtkit.checkpoint import check_output_file, load_for_inference
     from mtkit.runtime import pick_device, require
     from mtkit.translate import with_overrides

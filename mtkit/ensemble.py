@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mtkit.model import DecoderCache, LayerCache, Transformer
+from mtkit.attention import DecoderCache, LayerCache
+from mtkit.model import Transformer
 
 
 class Ensemble:

@@ -32,11 +32,12 @@ import torch
 from torch import nn
 
 from mtkit import __version__, untrusted
+from mtkit.attention import MultiHeadAttention
 from mtkit.checkpoint import TOKENIZER_NAMES, CheckpointError, load_for_inference, resolve
 from mtkit.config import MAX_POSITIONS, ConfigError, DecodeConfig, ModelConfig, from_dict
 from mtkit.data import source_tensor
 from mtkit.files import atomic_write_directory
-from mtkit.model import Decoder, Embedder, Encoder, FeedForward, MultiHeadAttention, Transformer
+from mtkit.model import Decoder, Embedder, Encoder, FeedForward, Transformer
 from mtkit.search import length_penalty, max_lengths
 from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 from mtkit.translate import (

@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mtkit.attention import DecoderCache
 from mtkit.config import DecodeConfig
-from mtkit.model import DecoderCache, Transformer
+from mtkit.model import Transformer
 from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 TOPK_BLOCK = 64  # columns per block in row_topk: the fastest of 50-400 on an 8k vocabulary

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from mtkit.attention import align_batch
+from mtkit.alignment import align_batch
 from mtkit.checkpoint import CheckpointError, load_for_inference
 from mtkit.config import ConfigError, DecodeConfig
 from mtkit.data import source_tensor

@@ -12,9 +12,9 @@ import torch
 from conftest import tiny_model
 from test_train import small_config
 
+from mtkit.attention import dropout
 from mtkit.data import source_tensor
 from mtkit.loss import linear_cross_entropy
-from mtkit.model import dropout
 from mtkit.search import beam_search, row_topk
 from mtkit.trainer import Trainer
 

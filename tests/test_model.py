@@ -10,15 +10,9 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_model
 
+from mtkit.attention import DecoderCache, MultiHeadAttention, _explicit_attention, dropout
 from mtkit.config import from_dict
-from mtkit.model import (
-    DecoderCache,
-    MultiHeadAttention,
-    _explicit_attention,
-    build_model,
-    count_parameters,
-    dropout,
-)
+from mtkit.model import build_model, count_parameters
 from mtkit.tokenizer import PAD_ID
 
 VOCAB = 40

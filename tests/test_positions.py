@@ -16,7 +16,8 @@ import torch
 from conftest import tiny_model_config
 from test_cli import invoke, write_config
 
-from mtkit.model import DecoderCache, MultiHeadAttention, build_model
+from mtkit.attention import DecoderCache, MultiHeadAttention
+from mtkit.model import build_model
 from mtkit.positions import RelativePositions, Rotary
 
 VARIANTS = ["sinusoidal", "learned", "relative", "rotary"]

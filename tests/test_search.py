@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_model
 
+from mtkit.attention import DecoderCache
 from mtkit.data import source_tensor
-from mtkit.model import DecoderCache
 from mtkit.search import Sampling, beam_search, greedy_search, length_penalty, row_topk, sample_search
 from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID
 

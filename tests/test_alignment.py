@@ -12,7 +12,7 @@ import torch
 from conftest import tiny_model, train_on_task
 from test_checkpoint import invoke, run_dir_with
 
-from mtkit.attention import (
+from mtkit.alignment import (
     align_batch,
     alignment_layer,
     alignment_line,
@@ -21,8 +21,8 @@ from mtkit.attention import (
     recording,
     word_alignment,
 )
+from mtkit.attention import MultiHeadAttention
 from mtkit.data import pad, source_tensor
-from mtkit.model import MultiHeadAttention
 from mtkit.tokenizer import BOS_ID
 
 VOCAB = 40
@@ -243,7 +243,7 @@ def test_attention_command_without_matplotlib_says_how_to_get_it(tiny_run, tmp_p
 
 
 def test_a_lone_word_start_piece_is_space_not_a_word():
-    from mtkit.attention import word_index
+    from mtkit.alignment import word_index
 
     # "▁" "(" "a" ")" detokenizes to "(a)": one word; "▁" "▁" runs of space count for nothing.
     assert word_index(["▁", "(", "a", ")", "▁", "▁", "▁b"]) == [-1, 0, 0, 0, -1, -1, 1]
