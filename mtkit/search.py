@@ -123,6 +123,26 @@ def _best_extensions(
     return row_topk(lprobs, min(count, lprobs.size(1)))
 
 
+def beam_step(scores: Tensor, row_lprobs: Tensor, row_tok: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The best 2k extensions of each sentence's live hypotheses: (score, beam, token), each (n, 2k), best first.
+
+    ``scores`` (n, width) is the log-probability of each of a sentence's ``width`` live hypotheses;
+    ``row_lprobs`` and ``row_tok`` (n * width, m) are each hypothesis's m best next tokens. Twice the
+    beam, as fairseq takes: candidates that end with eos still leave k that go on. ``beam`` is the
+    index of the extended hypothesis among its sentence's; with fewer than 2k candidates (a tiny
+    vocabulary) the rest score -inf.
+    """
+    n, width = scores.shape
+    per_row = row_tok.size(1)
+    cand = (scores[:, :, None] + row_lprobs.view(n, width, per_row)).view(n, width * per_row)
+    tokens = row_tok.reshape(n, width * per_row)
+    if cand.size(1) < 2 * k:
+        cand = F.pad(cand, (0, 2 * k - cand.size(1)), value=float("-inf"))
+        tokens = F.pad(tokens, (0, 2 * k - tokens.size(1)), value=PAD_ID)
+    cand_scores, cand_idx = cand.topk(2 * k, dim=1)
+    return cand_scores, (cand_idx // per_row).clamp(max=width - 1), tokens.gather(1, cand_idx)
+
+
 @dataclass(frozen=True)
 class Sampling:
     """Random choice of each next token, for back-translation and diverse outputs."""
@@ -261,14 +281,7 @@ def beam_search(
         row_lprobs, row_tok = _best_extensions(
             logits, 2 * k, eos_allowed=step >= min_len, forced=forced_now, must_end=must_end.repeat_interleave(width)
         )
-        per_row = row_tok.size(1)
-        cand = (scores[:, :, None] + row_lprobs.view(n, width, per_row)).view(n, width * per_row)
-        if cand.size(1) < 2 * k:  # tiny vocabularies: fewer candidates than slots
-            cand = F.pad(cand, (0, 2 * k - cand.size(1)), value=float("-inf"))
-            row_tok = F.pad(row_tok.view(n, -1), (0, 2 * k - width * per_row), value=PAD_ID)
-        cand_scores, cand_idx = cand.topk(2 * k, dim=1)  # (n, 2k), best first
-        cand_beam = (cand_idx // per_row).clamp(max=width - 1)
-        cand_tok = row_tok.reshape(n, -1).gather(1, cand_idx)
+        cand_scores, cand_beam, cand_tok = beam_step(scores, row_lprobs, row_tok, k)
         cand_eos = cand_tok == EOS_ID
 
         # File eos candidates that rank among the best k as finished hypotheses.

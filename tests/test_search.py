@@ -12,7 +12,7 @@ from conftest import tiny_model
 
 from mtkit.attention import DecoderCache
 from mtkit.data import source_tensor
-from mtkit.search import Sampling, beam_search, greedy_search, length_penalty, row_topk, sample_search
+from mtkit.search import Sampling, beam_search, beam_step, greedy_search, length_penalty, row_topk, sample_search
 from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 A, B, C = 4, 5, 6
@@ -358,3 +358,19 @@ def test_row_topk_gives_torch_topk_values_on_wide_rows():
         assert torch.equal(values, x.topk(k, dim=1).values)
         assert torch.equal(x.gather(1, index), values)
         assert all(len(set(row)) == k for row in index.tolist())  # k different columns
+
+
+def test_beam_step_ranks_every_extension_of_every_hypothesis():
+    """Scripted: two hypotheses (log-probabilities -1 and -2) with their best next tokens; k = 2 asks for 4."""
+    scores = torch.tensor([[-1.0, -2.0]])
+    row_lprobs = torch.tensor([[-0.1, -3.0, -4.0, -5.0], [-0.2, -0.3, -6.0, -7.0]])
+    row_tok = torch.tensor([[A, B, C, EOS_ID], [C, EOS_ID, A, B]])
+    cand_scores, beams, tokens = beam_step(scores, row_lprobs, row_tok, k=2)
+    assert cand_scores[0].tolist() == pytest.approx([-1.1, -2.2, -2.3, -4.0])
+    assert beams.tolist() == [[0, 1, 1, 0]] and tokens.tolist() == [[A, C, EOS_ID, B]]
+
+
+def test_beam_step_pads_a_tiny_vocabulary_with_impossible_candidates():
+    cand_scores, beams, tokens = beam_step(torch.zeros(1, 1), torch.tensor([[-0.5, -1.0]]), torch.tensor([[A, B]]), k=2)
+    assert cand_scores[0, :2].tolist() == [-0.5, -1.0] and torch.isinf(cand_scores[0, 2:]).all()
+    assert tokens.tolist() == [[A, B, PAD_ID, PAD_ID]] and beams.tolist() == [[0, 0, 0, 0]]
