@@ -78,7 +78,7 @@ def evaluate(
 def prepare(corpus: str, out: str | Path, mirror: str | None = None, **cleaning: Any) -> dict:
     """Download (or copy from ``mirror``) a catalogue corpus and write ``out/{train,valid,test}.LANG``;
     ``cleaning``: ``nfkc``, ``dedupe``, ``min_words``, ``max_words``, ``max_ratio``. Returns prepare.json."""
-    from mtkit.clean import CleanConfig
+    from mtkit.config import CleanConfig
     from mtkit.corpora import corpus as find_corpus
     from mtkit.preparation import prepare_corpus
 

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from mtkit.config import ConfigError
+from mtkit.config import CleanConfig
 
 # Format characters (Unicode category Cf) that real text needs, kept while every other Cf is removed:
 # ZWNJ and ZWJ shape Persian, Arabic and Indic words and join emoji sequences (👩‍💻); the tag characters
@@ -49,23 +49,6 @@ def _invisible() -> re.Pattern[str]:
             ranges.append([c, c])
     # A class of ranges, not of single characters: matching is about five times faster.
     return re.compile("[" + "".join(f"{re.escape(chr(a))}-{re.escape(chr(b))}" for a, b in ranges) + "]")
-
-
-@dataclass(frozen=True)
-class CleanConfig:
-    nfkc: bool = False  # Unicode NFKC normalisation (off by default: it changes e.g. full-width forms and ligatures)
-    dedupe: bool = True  # drop exact duplicate (source, target) pairs after normalisation
-    min_words: int = 1  # whitespace-separated words per side
-    max_words: int = 250  # as Moses clean-corpus-n
-    max_ratio: float = 3.0  # longer side / shorter side in words (Moses' default is 9; fairseq's examples use 1.5)
-
-    def __post_init__(self) -> None:
-        if self.min_words < 1:
-            raise ConfigError(f"clean.min_words must be >= 1, got {self.min_words}")
-        if self.max_words < self.min_words:
-            raise ConfigError(f"clean.max_words must be >= clean.min_words ({self.min_words}), got {self.max_words}")
-        if not self.max_ratio >= 1.0:  # also rejects NaN
-            raise ConfigError(f"clean.max_ratio must be >= 1, got {self.max_ratio}")
 
 
 @dataclass

@@ -181,16 +181,16 @@ def tokenizer_train_command(
     """Train SentencePiece model(s) with mtkit's special ids (pad 0, unk 1, bos 2, eos 3)."""
     from mtkit.config import TokenizerConfig
     from mtkit.data import iter_lines
-    from mtkit.tokenizer import SpmOptions, train_spm
+    from mtkit.tokenizer import train_spm
 
-    TokenizerConfig(
+    options = TokenizerConfig(
         type=model_type,
         vocab_size=vocab_size,
         character_coverage=character_coverage,
         input_sentence_size=input_sentence_size,
-    )  # validates the values
+        seed=seed,
+    )  # checks the values
     _setup_logging()
-    options = SpmOptions(vocab_size, model_type, character_coverage, input_sentence_size, seed)
     # Streamed: SentencePiece keeps its own sample of input_sentence_size sentences.
     if tgt is None or joint:
         sentences = itertools.chain(iter_lines(src), iter_lines(tgt) if tgt else ())
@@ -239,8 +239,7 @@ def prepare_command(
     ratio, deduplicated); valid and test are written as published. OUT/prepare.json records what was
     done, and a re-run with the same settings does nothing.
     """
-    from mtkit.clean import CleanConfig
-    from mtkit.config import ConfigError
+    from mtkit.config import CleanConfig, ConfigError
     from mtkit.corpora import CORPORA
     from mtkit.corpora import corpus as find_corpus
     from mtkit.preparation import prepare_corpus

@@ -221,6 +221,26 @@ class RecipeConfig:
 
 
 @dataclass(frozen=True)
+class CleanConfig:
+    """How `mtkit prepare` cleans a training split (its --nfkc, --dedupe, --min-words, --max-words and
+    --max-ratio); valid and test are written as published."""
+
+    nfkc: bool = False  # Unicode NFKC normalisation (off by default: it changes e.g. full-width forms and ligatures)
+    dedupe: bool = True  # drop exact duplicate (source, target) pairs after normalisation
+    min_words: int = 1  # whitespace-separated words per side
+    max_words: int = 250  # as Moses clean-corpus-n
+    max_ratio: float = 3.0  # longer side / shorter side in words (Moses' default is 9; fairseq's examples use 1.5)
+
+    def __post_init__(self) -> None:
+        _check(self.min_words >= 1, f"clean.min_words must be >= 1, got {self.min_words}")
+        _check(
+            self.max_words >= self.min_words,
+            f"clean.max_words must be >= clean.min_words ({self.min_words}), got {self.max_words}",
+        )
+        _check(self.max_ratio >= 1.0, f"clean.max_ratio must be >= 1, got {self.max_ratio}")  # False for NaN too
+
+
+@dataclass(frozen=True)
 class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
@@ -308,6 +328,9 @@ SECTIONS: dict[str, type] = {
     "decode": DecodeConfig,
     "recipe": RecipeConfig,
 }
+
+# Settings given as command-line options rather than in a run's YAML file, by the command that takes them.
+COMMAND_OPTIONS: dict[str, type] = {"mtkit prepare": CleanConfig}
 
 
 def from_dict(raw: dict[str, Any]) -> RunConfig:

@@ -135,6 +135,7 @@ def render() -> str:
         "Each section is a mapping in the YAML file; `--set section.key=value` overrides one key.",
     ]
     sections = [_section(name, cls, classes[cls.__name__], why) for name, cls in config.SECTIONS.items()]
+    sections += [_section(name, cls, classes[cls.__name__], why) for name, cls in config.COMMAND_OPTIONS.items()]
     return "\n\n".join(intro + sections) + "\n"
 
 

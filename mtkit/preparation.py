@@ -22,7 +22,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from mtkit import untrusted
-from mtkit.clean import CleanConfig, CleanSummary, clean_pairs
+from mtkit.clean import CleanSummary, clean_pairs
+from mtkit.config import CleanConfig
 from mtkit.corpora import Corpus, RemoteFile, Split
 from mtkit.data import DataError, iter_aligned
 from mtkit.download import fetch, source_url

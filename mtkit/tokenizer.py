@@ -9,11 +9,11 @@ from __future__ import annotations
 import io
 import os
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import sentencepiece as spm
 
+from mtkit.config import TokenizerConfig
 from mtkit.errors import MtkitError
 from mtkit.files import atomic_write, atomic_write_text, file_sha256
 
@@ -25,17 +25,9 @@ class TokenizerError(MtkitError, ValueError):
     """A tokenizer model that cannot be trained or used."""
 
 
-@dataclass(frozen=True)
-class SpmOptions:
-    vocab_size: int = 8000
-    model_type: str = "unigram"  # or bpe
-    character_coverage: float = 1.0
-    input_sentence_size: int = 2_000_000  # sentences sampled for training; 0: all of them
-    seed: int = 1
-    threads: int = 2
-
-
-def train_spm(sentences: Iterable[str], out_prefix: Path, options: SpmOptions, source: str = "the input") -> Path:
+def train_spm(
+    sentences: Iterable[str], out_prefix: Path, options: TokenizerConfig, source: str = "the input", threads: int = 2
+) -> Path:
     """Train a SentencePiece model on ``sentences``; writes PREFIX.model and PREFIX.vocab.
 
     The model is built in memory, so the same sentences and options give a byte-identical file
@@ -68,13 +60,13 @@ def train_spm(sentences: Iterable[str], out_prefix: Path, options: SpmOptions, s
             sentence_iterator=nonblank(),
             model_writer=model,
             vocab_size=options.vocab_size,
-            model_type=options.model_type,
+            model_type=options.type,
             character_coverage=options.character_coverage,
             pad_id=PAD_ID,
             unk_id=UNK_ID,
             bos_id=BOS_ID,
             eos_id=EOS_ID,
-            num_threads=options.threads,
+            num_threads=threads,
             minloglevel=2,
             **sampling,
         )

@@ -39,7 +39,7 @@ from mtkit.metrics import bleu
 from mtkit.model import build_model, count_parameters
 from mtkit.runtime import autocast, compute_dtype, pick_device, require, seed_everything, set_threads
 from mtkit.token_store import TokenStore, default_cache_dir, open_or_build, store_key
-from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID, SpmOptions, Tokenizer, train_spm
+from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_spm
 from mtkit.translate import translate_lines
 
 log = logging.getLogger("mtkit")
@@ -172,7 +172,6 @@ def prepare_tokenizers(
     names = checkpoint.tokenizer_files(cfg)
     tc = cfg.tokenizer
     given = {"src": tc.model, "tgt": tc.model} if tc.joint else {"src": tc.src_model, "tgt": tc.tgt_model}
-    options = SpmOptions(tc.vocab_size, tc.type, tc.character_coverage, tc.input_sentence_size, tc.seed)
     for side in ("src", "tgt"):
         target = out_dir / names[side]
         if target.is_file():
@@ -200,7 +199,7 @@ def prepare_tokenizers(
                 sample,
             )
             sources = " and ".join(filter(None, (cfg.data.train_src, cfg.data.train_tgt)))
-            train_spm(sentences, target.with_suffix(""), options, source=sources)
+            train_spm(sentences, target.with_suffix(""), tc, source=sources)
     return Tokenizer(out_dir / names["src"]), Tokenizer(out_dir / names["tgt"])
 
 

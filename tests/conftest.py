@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mtkit.config import ModelConfig
+from mtkit.config import ModelConfig, TokenizerConfig
 from mtkit.model import Transformer, build_model
-from mtkit.tokenizer import PAD_ID, SpmOptions, Tokenizer, train_spm
+from mtkit.tokenizer import PAD_ID, Tokenizer, train_spm
 
 # The shared corpora: ../shared/data beside the repository, or MTKIT_TEST_DATA (a GPU machine has no ../shared).
 DATA = Path(os.environ.get("MTKIT_TEST_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data")
@@ -86,5 +86,5 @@ def multi30k_slice(tmp_path_factory) -> dict[str, Path]:
 def spm_model(tmp_path_factory, multi30k_slice) -> Tokenizer:
     """A joint 300-piece unigram model over the training slice."""
     lines = multi30k_slice["train.en"].read_text().splitlines() + multi30k_slice["train.de"].read_text().splitlines()
-    path = train_spm(lines, tmp_path_factory.mktemp("spm") / "spm", SpmOptions(vocab_size=300))
+    path = train_spm(lines, tmp_path_factory.mktemp("spm") / "spm", TokenizerConfig(vocab_size=300))
     return Tokenizer(path)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from mtkit.clean import CleanConfig, CleanSummary, SeenDigests, clean_pairs, normalize
-from mtkit.config import ConfigError
+from mtkit.clean import CleanSummary, SeenDigests, clean_pairs, normalize
+from mtkit.config import CleanConfig, ConfigError
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 MULTI30K = DATA / "multi30k"

@@ -25,7 +25,7 @@ from mtkit.data import source_tensor
 from mtkit.export import MANIFEST, CTranslate2Translator, export_ctranslate2
 from mtkit.model import Transformer, build_model
 from mtkit.search import greedy_search, max_lengths
-from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID, SpmOptions, Tokenizer, train_spm
+from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_spm
 from mtkit.translate import EMPTY, Translation, Translator
 
 # CTranslate2 brings its own OpenMP, whose threads spin for a while after each call: alternating it with torch
@@ -75,7 +75,11 @@ def joint_post_norm_run(root: Path, spm_model: Tokenizer) -> Path:
 def separate_pre_norm_run(root: Path, slice_paths: dict[str, Path]) -> Path:
     """Pre-norm (final LayerNorms), learned positions, untied embeddings, separate vocabularies of two sizes."""
     for side, lang, size in (("src", "en", 300), ("tgt", "de", 250)):
-        train_spm(slice_paths[f"train.{lang}"].read_text().splitlines(), root / f"spm.{side}", SpmOptions(size))
+        train_spm(
+            slice_paths[f"train.{lang}"].read_text().splitlines(),
+            root / f"spm.{side}",
+            TokenizerConfig(vocab_size=size),
+        )
     src, tgt = Tokenizer(root / "spm.src.model"), Tokenizer(root / "spm.tgt.model")
     cfg = RunConfig(
         tokenizer=TokenizerConfig(joint=False),

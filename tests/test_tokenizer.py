@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from test_cli import invoke, write_config
 
-from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, SpmOptions, Tokenizer, TokenizerError, train_spm
+from mtkit.config import TokenizerConfig
+from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, TokenizerError, train_spm
 
 
 def test_round_trip_and_special_ids(spm_model, multi30k_slice):
@@ -19,7 +20,7 @@ def test_round_trip_and_special_ids(spm_model, multi30k_slice):
 
 def test_bpe_and_seeded_sampling_are_reproducible(tmp_path, multi30k_slice):
     lines = multi30k_slice["train.en"].read_text().splitlines()
-    options = SpmOptions(vocab_size=200, model_type="bpe", input_sentence_size=150, seed=7)
+    options = TokenizerConfig(vocab_size=200, type="bpe", input_sentence_size=150, seed=7)
     a = train_spm(lines, tmp_path / "a", options)
     b = train_spm(lines, tmp_path / "b", options)
     pieces_a, pieces_b = (Tokenizer(p).sp for p in (a, b))
@@ -29,7 +30,7 @@ def test_bpe_and_seeded_sampling_are_reproducible(tmp_path, multi30k_slice):
 
 def test_too_large_vocabulary_is_a_clear_error(tmp_path):
     with pytest.raises(TokenizerError, match="SentencePiece training failed"):
-        train_spm(["a b c", "d e f"], tmp_path / "x", SpmOptions(vocab_size=5000))
+        train_spm(["a b c", "d e f"], tmp_path / "x", TokenizerConfig(vocab_size=5000))
 
 
 def test_foreign_model_is_rejected(tmp_path):
