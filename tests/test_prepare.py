@@ -116,17 +116,23 @@ class _Files(BaseHTTPRequestHandler):
         pass
 
 
-def test_http_mirror_with_an_interrupted_transfer_resumes_it(tmp_path):
-    files = {p.name: p.read_bytes() for p in MULTI30K.glob("*.gz")}
-    handler = type("Handler", (_Files,), {"files": files, "cut": "train.de.gz", "seen": []})
+def prepare_from_server(handler: type, corpus: str, out: Path):
+    """`mtkit prepare CORPUS` with a loopback server of ``handler`` as the mirror."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True).start()
     try:
-        base = f"http://127.0.0.1:{server.server_address[1]}/mirror"
-        result = invoke("prepare", "multi30k_en_de", "--out", tmp_path / "out", "--mirror", base)
+        return invoke(
+            "prepare", corpus, "--out", out, "--mirror", f"http://127.0.0.1:{server.server_address[1]}/mirror"
+        )
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_http_mirror_with_an_interrupted_transfer_resumes_it(tmp_path):
+    files = {p.name: p.read_bytes() for p in MULTI30K.glob("*.gz")}
+    handler = type("Handler", (_Files,), {"files": files, "cut": "train.de.gz", "seen": []})
+    result = prepare_from_server(handler, "multi30k_en_de", tmp_path / "out")
     assert result.exit_code == 0, result.output
     resumed = [r for n, r in handler.seen if n == "train.de.gz"]
     assert resumed == [None, f"bytes={len(files['train.de.gz']) // 2}-"]
@@ -184,14 +190,7 @@ def test_a_download_of_unknown_size_cut_short_is_completed_not_kept(tmp_path):
     files = {path.name: path.read_bytes() for path in mirror.iterdir()}
     unsized = corpus.splits["train"].files[0].filename
     handler = type("Handler", (_Files,), {"files": files, "cut": "", "seen": [], "unsized": unsized})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True).start()
-    try:
-        base = f"http://127.0.0.1:{server.server_address[1]}/mirror"
-        result = invoke("prepare", "wmt16_en_ro", "--out", tmp_path / "out", "--mirror", base)
-    finally:
-        server.shutdown()
-        server.server_close()
+    result = prepare_from_server(handler, "wmt16_en_ro", tmp_path / "out")
     assert result.exit_code == 0, result.output
     assert (tmp_path / "out" / "raw" / unsized).read_bytes() == files[unsized]
     assert [r for n, r in handler.seen if n == unsized] == [None, f"bytes={len(files[unsized]) // 2}-"]
