@@ -40,7 +40,7 @@ from mtkit.model import build_model, count_parameters
 from mtkit.runtime import autocast, compute_dtype, pick_device, require, seed_everything, set_threads
 from mtkit.token_store import TokenStore, default_cache_dir, open_or_build, store_key
 from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_spm
-from mtkit.translate import translate_lines
+from mtkit.translate import Translator
 
 log = logging.getLogger("mtkit")
 
@@ -634,7 +634,8 @@ class Trainer:
         if self.cfg.train.valid_bleu:
             decode = replace(self.cfg.decode, beam=self.cfg.train.valid_beam)
             with autocast(self.device, self.dtype):
-                hyps = translate_lines(self.model, self.src_tok, self.tgt_tok, self.valid_src, decode, self.device)
+                translator = Translator(self.model, self.src_tok, self.tgt_tok, decode, self.device)
+                hyps = translator.translate(self.valid_src)
             score = bleu(hyps, self.valid_tgt)
             result.update(valid_bleu=score.value, bleu_signature=score.signature)
         return result

@@ -262,19 +262,6 @@ def load_translator(
     return Translator(network, first.src_tok, first.tgt_tok, settings, dev, nbest, sampling, seed, aligner)
 
 
-def translate_lines(
-    model: Transformer,
-    src_tok: Tokenizer,
-    tgt_tok: Tokenizer,
-    lines: list[str],
-    decode: DecodeConfig,
-    device: torch.device,
-) -> list[str]:
-    """The best translation of each of ``lines``, in the same order."""
-    translator = Translator(model, src_tok, tgt_tok, decode, device)
-    return [best[0].text for best in translator.stream([lines])]
-
-
 def chunked(lines: Iterable[str], size: int = CHUNK_LINES) -> Iterator[list[str]]:
     """Consecutive lists of up to ``size`` lines."""
     it = iter(lines)
