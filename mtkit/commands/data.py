@@ -1,0 +1,114 @@
+"""``mtkit prepare`` and ``mtkit tokenizer train``: corpora and tokenizers before training."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from mtkit.commands.common import examples, setup_logging, user_errors
+from mtkit.config import SpmType
+
+commands = typer.Typer()
+tokenizer_commands = typer.Typer(help="Train SentencePiece tokenizer models.", no_args_is_help=True)
+
+
+@tokenizer_commands.command(
+    "train",
+    epilog=examples(
+        "mtkit tokenizer train --src train.en --tgt train.de -o tok/ --vocab-size 8000",
+        "mtkit tokenizer train --src train.en --tgt train.de -o tok/ --separate --type bpe",
+    ),
+)
+@user_errors
+def tokenizer_train_command(
+    src: Annotated[Path, typer.Option(help="Source-side training text (plain or .gz).")],
+    out_dir: Annotated[
+        Path, typer.Option("--output", "-o", "--out-dir", help="Folder for spm.model (joint) or spm.src/tgt.model.")
+    ],
+    tgt: Annotated[Path | None, typer.Option(help="Target-side training text; omit for one monolingual model.")] = None,
+    joint: Annotated[
+        bool, typer.Option("--joint/--separate", help="One model for both sides, or one per side.")
+    ] = True,
+    vocab_size: Annotated[int, typer.Option(help="Pieces per model.")] = 8000,
+    model_type: Annotated[SpmType, typer.Option("--type", help="SentencePiece model type.")] = "unigram",
+    character_coverage: Annotated[float, typer.Option(help="Share of characters covered (0.9995 for CJK).")] = 1.0,
+    input_sentence_size: Annotated[int, typer.Option(help="Sentences sampled for training; 0 uses all.")] = 2_000_000,
+    seed: Annotated[int, typer.Option(min=0, max=2**32 - 1, help="Seed for sentence sampling.")] = 1,
+) -> None:
+    """Train SentencePiece model(s) with mtkit's special ids (pad 0, unk 1, bos 2, eos 3)."""
+    from mtkit.config import TokenizerConfig
+    from mtkit.data import iter_lines
+    from mtkit.tokenizer import train_spm
+
+    options = TokenizerConfig(
+        type=model_type,
+        vocab_size=vocab_size,
+        character_coverage=character_coverage,
+        input_sentence_size=input_sentence_size,
+        seed=seed,
+    )  # checks the values
+    setup_logging()
+    # Streamed: SentencePiece keeps its own sample of input_sentence_size sentences.
+    if tgt is None or joint:
+        sentences = itertools.chain(iter_lines(src), iter_lines(tgt) if tgt else ())
+        written = [train_spm(sentences, out_dir / "spm", options, " and ".join(str(p) for p in (src, tgt) if p))]
+    else:
+        written = [
+            train_spm(iter_lines(src), out_dir / "spm.src", options, str(src)),
+            train_spm(iter_lines(tgt), out_dir / "spm.tgt", options, str(tgt)),
+        ]
+    for path in written:
+        typer.echo(f"wrote {path} and {path.with_suffix('.vocab')}", err=True)
+
+
+@commands.command(
+    "prepare",
+    epilog=examples(
+        "mtkit prepare --list",
+        "mtkit prepare multi30k_en_de -o data/m30k --mirror ../shared/data/multi30k",
+        "mtkit prepare wmt14_en_de -o data/wmt14",
+    ),
+)
+@user_errors
+def prepare_command(
+    corpus: Annotated[str | None, typer.Argument(help="A corpus name from --list, e.g. wmt14_en_de.")] = None,
+    out: Annotated[Path | None, typer.Option("--output", "-o", "--out", help="Output folder (see below).")] = None,
+    mirror: Annotated[
+        str | None,
+        typer.Option(help="Fetch the corpus files from here instead: a directory, a file:// or an http(s):// base."),
+    ] = None,
+    nfkc: Annotated[bool, typer.Option(help="Unicode NFKC normalisation of the training split.")] = False,
+    dedupe: Annotated[bool, typer.Option(help="Drop repeated training pairs.")] = True,
+    min_words: Annotated[int, typer.Option(help="Training pairs need this many words on each side.")] = 1,
+    max_words: Annotated[int, typer.Option(help="...and at most this many.")] = 250,
+    max_ratio: Annotated[
+        float, typer.Option(help="...and at most this ratio of the longer side to the shorter.")
+    ] = 3.0,
+    list_corpora: Annotated[bool, typer.Option("--list", help="List the corpora and exit.")] = False,
+) -> None:
+    """Download a standard corpus and write line-aligned plain text: OUT/{train,valid,test}.LANG.
+
+    Downloads resume where they stopped and are checked against their SHA-256 where mtkit knows it;
+    they stay in OUT/raw. Only the training split is cleaned (normalised, filtered by length and
+    ratio, deduplicated); valid and test are written as published. OUT/prepare.json records what was
+    done, and a re-run with the same settings does nothing.
+    """
+    from mtkit.config import CleanConfig, ConfigError
+    from mtkit.corpora import CORPORA
+    from mtkit.corpora import corpus as find_corpus
+    from mtkit.preparation import prepare_corpus
+
+    setup_logging()
+    if list_corpora:
+        for c in CORPORA.values():
+            typer.echo(f"{c.name:<16} {c.about}")
+        return
+    if corpus is None or out is None:
+        raise ConfigError("give a corpus and --out, e.g. mtkit prepare multi30k_en_de --out data/multi30k_en_de")
+    clean = CleanConfig(nfkc=nfkc, dedupe=dedupe, min_words=min_words, max_words=max_words, max_ratio=max_ratio)
+    record = prepare_corpus(find_corpus(corpus), out, mirror, clean)
+    counts = ", ".join(f"{name} {split['lines']:,}" for name, split in record["splits"].items())
+    typer.echo(f"{corpus} in {out}: {counts} lines")

@@ -1,0 +1,42 @@
+"""``mtkit doctor``: what a run would use on this machine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from mtkit.commands.common import examples
+
+commands = typer.Typer()
+
+
+@commands.command("doctor", epilog=examples("mtkit doctor", "mtkit doctor --path runs/ --json"))
+def doctor_command(
+    path: Annotated[Path, typer.Option("--path", help="Where runs will be written (for free disk).")] = Path("."),
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """What a run will use here: torch, CUDA/NCCL, GPUs, bf16/fp16 support, threads, memory, disk."""
+    from mtkit.runtime import environment_report
+
+    report = environment_report(path)
+    if as_json:
+        typer.echo(json.dumps(report, indent=1))
+        return
+    gpus = ", ".join(f"{g['name']} ({g['memory_gib']} GiB)" for g in report["gpus"]) or "none"
+    backends = ", ".join(name for name, ok in report["distributed_backends"].items() if ok) or "none"
+    rows = [
+        ("torch", f"{report['torch']} (CUDA {report['cuda_version'] or 'not built'})"),
+        ("CPU", f"{report['cpu_capability']}, bf16 instructions: {'yes' if report['cpu_bf16_instructions'] else 'no'}"),
+        ("threads", str(report["threads"])),
+        ("GPUs", gpus),
+        ("distributed backends", backends),
+        ("precisions", "; ".join(f"{dev}: {', '.join(p) or '-'}" for dev, p in report["precisions"].items())),
+        ("memory available", f"{report['memory_available_gib']} GiB"),
+        ("disk free", f"{report['disk_free_gib']} GiB at {path.resolve()}"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        typer.echo(f"{name:<{width}}  {value}")

@@ -1,0 +1,236 @@
+"""``mtkit translate`` and the commands around a trained model: ``average``, ``attention``, ``export``."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Annotated, Literal
+
+import typer
+
+from mtkit.commands.common import Beam, Device, ModelPath, examples, given, setup_logging, user_errors
+from mtkit.config import Precision
+
+commands = typer.Typer()
+
+
+@commands.command(
+    "translate",
+    epilog=examples(
+        "mtkit translate runs/m30k -i test.en -o test.hyp.de",
+        'echo "A dog runs." | mtkit translate runs/m30k --beam 1',
+        "mtkit translate runs/a runs/b -i test.en --nbest 5 --beam 5",
+    ),
+)
+@user_errors
+def translate_command(
+    model: Annotated[
+        list[Path],
+        typer.Argument(
+            help="Run directory (uses best/), checkpoint directory or .safetensors; several make an ensemble "
+            "(their log-probabilities averaged; they must share tokenizers)."
+        ),
+    ],
+    input: Annotated[Path | None, typer.Option("--input", "-i", help="Input text or .gz; - or none for stdin.")] = None,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Output file, written atomically (default: stdout).")
+    ] = None,
+    beam: Beam = None,
+    lenpen: Annotated[float | None, typer.Option(help="GNMT length penalty alpha. [default: the model's]")] = None,
+    max_len_a: Annotated[
+        float | None, typer.Option(help="Output length cap: a * source length + b. [default: the model's]")
+    ] = None,
+    max_len_b: Annotated[
+        int | None, typer.Option(min=1, help="Output length cap: a * source length + b. [default: the model's]")
+    ] = None,
+    min_len: Annotated[
+        int | None,
+        typer.Option(min=0, help="No end of sentence before this many output tokens. [default: the model's]"),
+    ] = None,
+    early_stop: Annotated[
+        bool | None,
+        typer.Option(
+            "--early-stop/--no-early-stop",
+            help="Stop a sentence once its best-ranked candidate has ended (as OpenNMT-py and CTranslate2 do); "
+            "--no-early-stop searches on until --beam hypotheses have ended (as fairseq does). [default: the model's]",
+            show_default=False,
+        ),
+    ] = None,
+    nbest: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Print up to N best per input line as 'LINE ||| TRANSLATION ||| SCORE ||| LOGPROB' "
+            "(LINE from 0; SCORE length-normalised; an empty input line gives one empty entry). "
+            "With --sample: N independent samples, best score first (they may repeat).",
+        ),
+    ] = 1,
+    scores: Annotated[
+        bool, typer.Option("--scores", help="Print 'LOGPROB<tab>TRANSLATION': the output's log-probability.")
+    ] = False,
+    alignments: Annotated[
+        bool,
+        typer.Option(
+            "--alignments",
+            help="Append ' ||| i-j ...' to each translation: source word i aligned to target word j "
+            "(Pharaoh format, from 0), read from the cross-attention.",
+        ),
+    ] = False,
+    prefix: Annotated[
+        Path | None,
+        typer.Option(help="Target prefixes, one per input line ('' for none): each translation starts with its own."),
+    ] = None,
+    sample: Annotated[
+        bool, typer.Option("--sample", help="Draw each token at random instead of searching (back-translation).")
+    ] = False,
+    temperature: Annotated[float, typer.Option(help="With --sample: < 1 sharpens, > 1 flattens.")] = 1.0,
+    top_k: Annotated[int, typer.Option(min=0, help="With --sample: only the k most probable tokens; 0 for all.")] = 0,
+    top_p: Annotated[float, typer.Option(help="With --sample: the smallest set holding this probability.")] = 1.0,
+    seed: Annotated[int, typer.Option(min=0, max=2**64 - 1, help="With --sample: random seed.")] = 1,
+    batch_size: Annotated[
+        int | None, typer.Option(min=1, help="At most this many sentences per batch. [default: the model's]")
+    ] = None,
+    batch_tokens: Annotated[
+        int | None,
+        typer.Option(
+            min=1, help="At most this many padded source tokens per batch, times the beam. [default: the model's]"
+        ),
+    ] = None,
+    device: Device = "auto",
+    precision: Annotated[Precision, typer.Option(help="Number format of the weights (fp16 on GPU only).")] = "fp32",
+    engine: Annotated[
+        Literal["mtkit", "ctranslate2"],
+        typer.Option(
+            help="mtkit, or ctranslate2 for a model made by `mtkit export` (MODEL is its folder; "
+            "fp32 keeps the export's own weight type, e.g. int8)."
+        ),
+    ] = "mtkit",
+) -> None:
+    """Translate one sentence per line, streaming: one output line for every input line, in order.
+
+    Decoding follows the settings saved with the model (its recipe's decode section) unless an
+    option here says otherwise. Input is read and translated in chunks of 10,000 lines, so memory
+    stays bounded and output appears as each chunk is done. Lines longer than the model's positions
+    are truncated (with a warning), never split.
+    """
+    from mtkit.config import ConfigError
+    from mtkit.lines import Interrupted, translate_file
+    from mtkit.search import Sampling
+
+    setup_logging()
+    if alignments and nbest > 1:
+        raise ConfigError("--alignments goes with the best translation only, not with --nbest")
+    decode = given(
+        beam=beam, lenpen=lenpen, max_len_a=max_len_a, max_len_b=max_len_b, min_len=min_len,
+        early_stop=early_stop, batch_size=batch_size, batch_tokens=batch_tokens,
+    )  # fmt: skip
+    if sample and (not (0 < temperature < math.inf) or not 0 < top_p <= 1):
+        raise ConfigError("--temperature must be a finite number > 0 and --top-p in (0, 1]")
+    sampling = Sampling(temperature, top_k, top_p) if sample else None
+    try:
+        translate_file(
+            model, input, output, prefix, nbest=nbest, scores=scores, alignments=alignments, sampling=sampling,
+            seed=seed, device=device, precision=precision, engine=engine, **decode,
+        )  # fmt: skip
+    except Interrupted as stop:
+        kept = f": they are in {stop.partial}, and {output} is not written" if stop.partial else ""
+        typer.echo(f"stopped by {stop.name} after {stop.done:,} complete lines{kept}", err=True)
+        raise typer.Exit(128 + stop.signum) from None
+
+
+@commands.command(
+    "average",
+    epilog=examples(
+        "mtkit average runs/m30k --last 5 -o runs/m30k/avg5.safetensors",
+        "mtkit average runs/m30k/checkpoints/update-00002000 runs/m30k/checkpoints/update-00002400 -o avg.safetensors",
+    ),
+)
+@user_errors
+def average_command(
+    inputs: Annotated[list[Path], typer.Argument(help="One run directory, or two or more checkpoints.")],
+    output: Annotated[
+        Path, typer.Option("--output", "-o", help="The averaged .safetensors file; tokenizers are copied beside it.")
+    ],
+    last: Annotated[
+        int | None,
+        typer.Option("--last", min=1, help="With a run directory: average its newest K checkpoints (default 5)."),
+    ] = None,
+) -> None:
+    """Average the weights of checkpoints of one model; often scores better than the last one alone."""
+    from mtkit.checkpoint import WEIGHTS_FILE, check_output_file, checkpoints_to_average, write_average
+
+    check_output_file(output, inputs=[*inputs, *(path / WEIGHTS_FILE for path in inputs)])
+    paths = checkpoints_to_average(inputs, last)
+    meta = write_average(paths, output)
+    for path in paths:
+        typer.echo(f"averaged {path}", err=True)
+    typer.echo(f"wrote {output} (the average of {len(paths)} checkpoints, newest update {meta['step']})", err=True)
+
+
+@commands.command(
+    "attention",
+    epilog=examples(
+        'mtkit attention runs/m30k --src "A dog runs on the beach." -o attention.png',
+        'mtkit attention runs/m30k --src "A dog runs." -o layer1.png --layer 1 --encoder',
+    ),
+)
+@user_errors
+def attention_command(
+    model: ModelPath,
+    src: Annotated[str, typer.Option("--src", help="The source sentence to translate.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="The PNG of heatmaps, written atomically.")],
+    layer: Annotated[
+        int | None,
+        typer.Option(help="Draw only this layer (from 0) and align with it; default: all, align with the penultimate."),
+    ] = None,
+    encoder: Annotated[bool, typer.Option("--encoder", help="Also draw the encoder self-attention.")] = False,
+    beam: Beam = None,
+    device: Device = "auto",
+) -> None:
+    """Translate one sentence and draw its attention as heatmaps, one per layer and head.
+
+    Prints the translation, then its word alignment in Pharaoh format ('i-j': source word i, target
+    word j, from 0), taken from the head-averaged cross-attention. Needs matplotlib.
+    """
+    from mtkit.alignment import alignment_line, plot_attention, translate_with_attention, word_alignment
+    from mtkit.checkpoint import check_output_file, load_for_inference
+    from mtkit.runtime import pick_device, require
+    from mtkit.translate import with_overrides
+
+    setup_logging()
+    require("matplotlib", "drawing attention", "matplotlib")
+    check_output_file(output)
+    bundle = load_for_inference(model, pick_device(device))
+    decode = with_overrides(bundle.cfg.decode, given(beam=beam))
+    result = translate_with_attention(bundle.model, bundle.src_tok, bundle.tgt_tok, src, decode)
+    plot_attention(result.maps, result.src_pieces, result.tgt_pieces, output, layer, encoder)
+    typer.echo(result.translation)
+    typer.echo(alignment_line(word_alignment(result.src_pieces, result.tgt_pieces, result.maps.cross, layer)))
+    typer.echo(f"wrote {output}", err=True)
+
+
+@commands.command(
+    "export",
+    epilog=examples(
+        "mtkit export runs/m30k -o m30k-ct2",
+        "mtkit export runs/m30k -o m30k-ct2-int8 --quantization int8",
+    ),
+)
+@user_errors
+def export_command(
+    model: ModelPath,
+    output: Annotated[
+        Path,
+        typer.Option("--output", "-o", help="Folder to write; an earlier export there is replaced, nothing else is."),
+    ],
+    fmt: Annotated[Literal["ctranslate2"], typer.Option("--format", help="Target runtime.")] = "ctranslate2",
+    quantization: Annotated[
+        str | None,
+        typer.Option(help="Stored weight type: int8, int8_float16, int16, float16, bfloat16, float32 (default)..."),
+    ] = None,
+) -> None:
+    """Convert a trained model for the CTranslate2 runtime; its tokenizers and decode settings go with it."""
+    from mtkit.export import export_ctranslate2
+
+    written = export_ctranslate2(model, output, quantization)
+    typer.echo(f"wrote {written} (CTranslate2, {quantization or 'float32'} weights)", err=True)
