@@ -26,7 +26,7 @@ from mtkit.config import ConfigError, DecodeConfig
 from mtkit.data import DataError, pad, source_tensor
 from mtkit.files import atomic_write
 from mtkit.model import Transformer
-from mtkit.search import beam_options, beam_search
+from mtkit.search import beam_search
 from mtkit.tokenizer import BOS_ID, Tokenizer
 
 WORD_START = "\u2581"  # SentencePiece marks the first piece of each word with "▁"
@@ -225,7 +225,7 @@ def translate_with_attention(
         raise DataError(f"the source sentence has {len(ids)} tokens; this model reads at most {limit}")
     device = model.output.weight.device
     src, src_pad_mask = source_tensor([ids])
-    best = beam_search(model, src.to(device), src_pad_mask.to(device), **beam_options(decode))[0][0]
+    best = beam_search(model, src.to(device), src_pad_mask.to(device), decode)[0][0]
     translation = tgt_tok.decode([best.tokens])[0]
     maps = attention_maps(model, ids, best.tokens)
     return AttendedTranslation(translation, pieces(src_tok, ids), pieces(tgt_tok, best.tokens), maps)

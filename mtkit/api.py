@@ -20,20 +20,9 @@ from typing import Any
 
 from mtkit.config import RunConfig, apply_override, from_dict, read_config
 from mtkit.metrics import Options, Score, score
-from mtkit.translate import LineTranslator, load_translator
+from mtkit.translate import load_translator
 
-
-def load(
-    models: str | Path | Sequence[str | Path],
-    device: str = "auto",
-    precision: str = "fp32",
-    engine: str = "mtkit",
-    **settings: Any,
-) -> LineTranslator:
-    """A translator over a run directory, checkpoint or .safetensors file (several: an ensemble), or with
-    ``engine="ctranslate2"`` an `mtkit export` folder. ``settings``: ``nbest``, ``alignments``,
-    ``sampling``, ``seed``, and decode settings (``beam``, ``lenpen``, ...) over the model's saved ones."""
-    return load_translator(models, device, precision, engine, **settings)
+load = load_translator  # mtkit.load("runs/m30k", device="cpu", beam=4): see translate.load_translator
 
 
 def train(

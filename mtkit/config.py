@@ -202,6 +202,23 @@ class DecodeConfig:
 
 
 @dataclass(frozen=True)
+class SamplingConfig:
+    """How `mtkit translate --sample` draws each next token instead of searching (back-translation,
+    diverse outputs)."""
+
+    temperature: float = 1.0  # < 1 sharpens the distribution, > 1 flattens it
+    top_k: int = 0  # sample among the k most probable tokens; 0: all
+    top_p: float = 1.0  # nucleus: the smallest set of tokens holding this much probability
+    seed: int = 1  # of the random generator: the same seed draws the same samples
+
+    def __post_init__(self) -> None:
+        _check(0 < self.temperature < math.inf, f"--temperature must be a finite number > 0, got {self.temperature}")
+        _check(0 < self.top_p <= 1, f"--top-p must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= 0, f"--top-k must be >= 0, got {self.top_k}")
+        _check(0 <= self.seed < 2**64, f"--seed must be in [0, 2**64), got {self.seed}")
+
+
+@dataclass(frozen=True)
 class RecipeConfig:
     """What `mtkit run` does around training: where the data comes from, what result to expect."""
 

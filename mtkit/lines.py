@@ -17,12 +17,11 @@ from pathlib import Path
 
 from mtkit import translate
 from mtkit.checkpoint import check_output_file
-from mtkit.config import ConfigError
+from mtkit.config import ConfigError, SamplingConfig
 from mtkit.data import UTF8_BOM, DataError, check_input_file, open_binary, reading
 from mtkit.files import atomic_write
 from mtkit.progress import LineProgress
 from mtkit.runtime import require
-from mtkit.search import Sampling
 from mtkit.translate import PrefixMismatch, Translation, load_translator
 
 log = logging.getLogger("mtkit")
@@ -219,8 +218,7 @@ def translate_file(
     nbest: int = 1,
     scores: bool = False,
     alignments: bool = False,
-    sampling: Sampling | None = None,
-    seed: int = 1,
+    sampling: SamplingConfig | None = None,
     device: str = "auto",
     precision: str = "fp32",
     engine: str = "mtkit",
@@ -260,7 +258,7 @@ def translate_file(
     if output is not None:
         check_output_file(output, inputs=[p for p in (input, prefix, *models) if p is not None])
     with WholeLines() as whole_lines:
-        translator = load_translator(models, device, precision, engine, nbest, sampling, seed, alignments, **decode)
+        translator = load_translator(models, device, precision, engine, nbest, sampling, alignments, **decode)
         size = translate.CHUNK_LINES
         chunks = input_chunks(input, size)
         if prefix is None:

@@ -17,9 +17,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mtkit.attention import DecoderCache
-from mtkit.config import DecodeConfig
+from mtkit.config import DecodeConfig, SamplingConfig
 from mtkit.model import Transformer
 from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID
+
+DEFAULT_DECODE = DecodeConfig()  # DecodeConfig's defaults, for a search called without settings
 
 TOPK_BLOCK = 64  # columns per block in row_topk: the fastest of 50-400 on an 8k vocabulary
 
@@ -143,26 +145,19 @@ def beam_step(scores: Tensor, row_lprobs: Tensor, row_tok: Tensor, k: int) -> tu
     return cand_scores, (cand_idx // per_row).clamp(max=width - 1), tokens.gather(1, cand_idx)
 
 
-@dataclass(frozen=True)
-class Sampling:
-    """Random choice of each next token, for back-translation and diverse outputs."""
-
-    temperature: float = 1.0  # < 1 sharpens the distribution, > 1 flattens it
-    top_k: int = 0  # sample among the k most probable tokens; 0: all
-    top_p: float = 1.0  # nucleus: the smallest set of tokens holding this much probability
-
-    def choose(self, lprobs: Tensor, generator: torch.Generator | None) -> Tensor:
-        # Shifted so the best is 0 before dividing: a temperature near 0 then tends to greedy, not to NaN.
-        logits = (lprobs - lprobs.amax(dim=1, keepdim=True)) / self.temperature
-        if self.top_k:
-            kth = logits.topk(min(self.top_k, logits.size(1)), dim=1).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if self.top_p < 1.0:
-            ordered, order = logits.sort(dim=1, descending=True)
-            probs = ordered.softmax(dim=1)
-            outside = probs.cumsum(dim=1) - probs >= self.top_p  # the mass before them already reaches p
-            logits = logits.scatter(1, order, ordered.masked_fill(outside, float("-inf")))
-        return torch.multinomial(logits.softmax(dim=1), 1, generator=generator).squeeze(1)
+def draw_tokens(lprobs: Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> Tensor:
+    """One next token per row, drawn from ``lprobs`` as ``sampling`` says (temperature, top-k, top-p)."""
+    # Shifted so the best is 0 before dividing: a temperature near 0 then tends to greedy, not to NaN.
+    logits = (lprobs - lprobs.amax(dim=1, keepdim=True)) / sampling.temperature
+    if sampling.top_k:
+        kth = logits.topk(min(sampling.top_k, logits.size(1)), dim=1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        ordered, order = logits.sort(dim=1, descending=True)
+        probs = ordered.softmax(dim=1)
+        outside = probs.cumsum(dim=1) - probs >= sampling.top_p  # the mass before them already reaches p
+        logits = logits.scatter(1, order, ordered.masked_fill(outside, float("-inf")))
+    return torch.multinomial(logits.softmax(dim=1), 1, generator=generator).squeeze(1)
 
 
 @torch.inference_mode()
@@ -170,21 +165,20 @@ def sample_search(
     model: Transformer,
     src: Tensor,
     src_pad_mask: Tensor,
-    sampling: Sampling | None = None,
-    max_len_a: float = 1.5,
-    max_len_b: int = 10,
-    min_len: int = 0,
+    sampling: SamplingConfig | None = None,
+    decode: DecodeConfig = DEFAULT_DECODE,
     prefixes: list[list[int]] | None = None,
     generator: torch.Generator | None = None,
 ) -> list[Hypothesis]:
-    """One output per sentence, token by token: the most probable (``sampling`` None, greedy) or drawn.
+    """One output per sentence, token by token: the most probable (``sampling`` None, greedy) or drawn;
+    ``decode`` gives the length bounds (max_len_a, max_len_b, min_len).
 
     Each Hypothesis carries the model's own log-probability of the output (not the sampling
     distribution's), so sampled back-translations can be filtered by it.
     """
     n, device = src.size(0), src.device
     forced = prefix_tensor(prefixes, n, device)
-    max_lens = output_caps(src_pad_mask, forced, max_len_a, max_len_b, model.decoder.embed.max_positions)
+    max_lens = output_caps(src_pad_mask, forced, decode.max_len_a, decode.max_len_b, model.decoder.embed.max_positions)
     memory = model.encode(src, src_pad_mask)
     cache = DecoderCache()
     tokens = torch.full((n, 1), BOS_ID, dtype=torch.long, device=device)
@@ -193,11 +187,11 @@ def sample_search(
     for step in range(int(max_lens.max())):
         lprobs = _step_log_probs(model, tokens, memory, src_pad_mask, cache)
         eos = lprobs[:, EOS_ID].clone()
-        if step < min_len:
+        if step < decode.min_len:
             lprobs[:, EOS_ID] = float("-inf")
         if step < forced.size(1):
             _force(lprobs, forced[:, step])
-        next_tok = lprobs.argmax(dim=1) if sampling is None else sampling.choose(lprobs, generator)
+        next_tok = lprobs.argmax(dim=1) if sampling is None else draw_tokens(lprobs, sampling, generator)
         chosen = lprobs.gather(1, next_tok[:, None]).squeeze(1)
         at_cap = step + 1 >= max_lens
         next_tok[at_cap], chosen[at_cap] = EOS_ID, eos[at_cap]
@@ -215,20 +209,12 @@ def greedy_search(
     model: Transformer,
     src: Tensor,
     src_pad_mask: Tensor,
-    max_len_a: float = 1.5,
-    max_len_b: int = 10,
-    min_len: int = 0,
+    decode: DecodeConfig = DEFAULT_DECODE,
     prefixes: list[list[int]] | None = None,
 ) -> list[list[int]]:
     """Most probable next token at every step; returns ids without bos/eos."""
-    hyps = sample_search(model, src, src_pad_mask, None, max_len_a, max_len_b, min_len, prefixes)
+    hyps = sample_search(model, src, src_pad_mask, None, decode, prefixes)
     return [h.tokens for h in hyps]
-
-
-def beam_options(decode: DecodeConfig) -> dict:
-    """``beam_search``'s settings from a DecodeConfig, so callers pass them alike."""
-    names = ("beam", "lenpen", "max_len_a", "max_len_b", "min_len", "early_stop")
-    return {name: getattr(decode, name) for name in names}
 
 
 @torch.inference_mode()
@@ -236,16 +222,12 @@ def beam_search(
     model: Transformer,
     src: Tensor,
     src_pad_mask: Tensor,
-    beam: int = 5,
-    lenpen: float = 1.0,
-    max_len_a: float = 1.5,
-    max_len_b: int = 10,
+    decode: DecodeConfig = DEFAULT_DECODE,
     nbest: int = 1,
-    min_len: int = 0,
     prefixes: list[list[int]] | None = None,
-    early_stop: bool = True,
 ) -> list[list[Hypothesis]]:
-    """The ``nbest`` best finished hypotheses per sentence, best first.
+    """The ``nbest`` best finished hypotheses per sentence, best first, searched as ``decode`` says (beam,
+    lenpen, max_len_a, max_len_b, min_len, early_stop).
 
     ``early_stop`` also ends a sentence's search once its best-ranked candidate has ended and
     ``nbest`` hypotheses have. That saves steps; without a length penalty it loses nothing (scores
@@ -254,12 +236,12 @@ def beam_search(
     ``min_len`` forbids eos before that many tokens, except where the length cap forces an end.
     ``prefixes`` (one id list per sentence, possibly empty) fixes the first output tokens.
     """
-    k = beam
+    k = decode.beam
     n_sent = src.size(0)
     device = src.device
     limit = model.decoder.embed.max_positions
     forced = prefix_tensor(prefixes, n_sent, device)
-    max_lens = output_caps(src_pad_mask, forced, max_len_a, max_len_b, limit)
+    max_lens = output_caps(src_pad_mask, forced, decode.max_len_a, decode.max_len_b, limit)
 
     # A sentence's beams share its encoder output: memory and mask keep one row per sentence, and
     # the decoder's cross-attention serves all of a sentence's rows from it.
@@ -279,7 +261,11 @@ def beam_search(
         must_end = step + 1 >= max_lens[active]  # (n,)
         forced_now = forced[active, step].repeat_interleave(width) if step < forced.size(1) else None
         row_lprobs, row_tok = _best_extensions(
-            logits, 2 * k, eos_allowed=step >= min_len, forced=forced_now, must_end=must_end.repeat_interleave(width)
+            logits,
+            2 * k,
+            eos_allowed=step >= decode.min_len,
+            forced=forced_now,
+            must_end=must_end.repeat_interleave(width),
         )
         cand_scores, cand_beam, cand_tok = beam_step(scores, row_lprobs, row_tok, k)
         cand_eos = cand_tok == EOS_ID
@@ -294,7 +280,9 @@ def beam_search(
                     history = tokens[r * width + beam_of[r][c], 1:].tolist()
                     logprob = score_of[r][c]
                     length = len(history) + 1
-                    finished[sentence].append(Hypothesis(history, logprob / length_penalty(length, lenpen), logprob))
+                    finished[sentence].append(
+                        Hypothesis(history, logprob / length_penalty(length, decode.lenpen), logprob)
+                    )
 
         # Continue with the best k candidates that did not end.
         scores, pick = cand_scores.masked_fill(cand_eos, float("-inf")).topk(k, dim=1)
@@ -304,7 +292,7 @@ def beam_search(
 
         counts = torch.tensor([len(finished[s]) for s in active.tolist()], device=device)
         done = must_end | (counts >= k)
-        if early_stop:
+        if decode.early_stop:
             top_ended |= cand_eos[:, 0] & torch.isfinite(cand_scores[:, 0])
             done |= top_ended & (counts >= nbest)
         if done.all():

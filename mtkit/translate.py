@@ -25,11 +25,11 @@ import torch
 
 from mtkit.alignment import align_batch
 from mtkit.checkpoint import CheckpointError, load_for_inference
-from mtkit.config import ConfigError, DecodeConfig
+from mtkit.config import ConfigError, DecodeConfig, SamplingConfig
 from mtkit.data import source_tensor
 from mtkit.ensemble import Ensemble
 from mtkit.model import Transformer
-from mtkit.search import Sampling, beam_options, beam_search, sample_search
+from mtkit.search import beam_search, sample_search
 from mtkit.tokenizer import Tokenizer
 
 log = logging.getLogger("mtkit")
@@ -85,7 +85,7 @@ class LineTranslator(ABC):
     """What every translator offers on top of ``stream``: a list in, a list out, and settings per call."""
 
     decode: DecodeConfig
-    sampling: Sampling | None = None  # engines that draw samples set it
+    sampling: SamplingConfig | None = None  # engines that draw samples set it
 
     @abstractmethod
     def stream(self, chunks: Iterable[list[str]]) -> Iterator[list[Translation]]:
@@ -113,7 +113,7 @@ class LineTranslator(ABC):
         yield from self.using(**decode).stream(chunked(line.removesuffix("\n").removesuffix("\r") for line in lines))
 
 
-def check_nbest(nbest: int, decode: DecodeConfig, sampling: Sampling | None = None) -> None:
+def check_nbest(nbest: int, decode: DecodeConfig, sampling: SamplingConfig | None = None) -> None:
     """A search keeps ``beam`` hypotheses, so it has at most that many to give (samples are drawn anew)."""
     if sampling is None and nbest > decode.beam:
         raise ConfigError(f"nbest {nbest} needs a beam of at least {nbest} (the beam is {decode.beam})")
@@ -139,8 +139,7 @@ class Translator(LineTranslator):
         decode: DecodeConfig,
         device: torch.device,
         nbest: int = 1,
-        sampling: Sampling | None = None,
-        seed: int = 1,
+        sampling: SamplingConfig | None = None,
         aligner: Transformer | None = None,
     ) -> None:
         """``aligner``: the model whose cross-attention gives each best translation a word alignment."""
@@ -149,7 +148,7 @@ class Translator(LineTranslator):
         self.decode, self.device, self.nbest = decode, device, nbest
         self.sampling = sampling
         self.aligner = aligner
-        self.generator = torch.Generator(device).manual_seed(seed) if sampling is not None else None
+        self.generator = torch.Generator(device).manual_seed(sampling.seed) if sampling is not None else None
 
     def stream(self, chunks: Iterable[list[str]], prefixes: Iterable[str] | None = None) -> Iterator[list[Translation]]:
         """The ``nbest`` translations of each line, best first, in input order, chunk by chunk.
@@ -198,15 +197,12 @@ class Translator(LineTranslator):
             if self.sampling is not None:  # nbest independent draws per line, each its own batch row
                 n = self.nbest
                 drawn = sample_search(
-                    self.model, src.repeat_interleave(n, 0), src_pad_mask.repeat_interleave(n, 0), self.sampling,
-                    d.max_len_a, d.max_len_b, d.min_len,
+                    self.model, src.repeat_interleave(n, 0), src_pad_mask.repeat_interleave(n, 0), self.sampling, d,
                     [p for p in batch_prefixes for _ in range(n)] if batch_prefixes else None, self.generator,
                 )  # fmt: skip
                 hyps = [sorted(drawn[i : i + n], key=lambda h: -h.score) for i in range(0, len(drawn), n)]
             else:
-                hyps = beam_search(
-                    self.model, src, src_pad_mask, nbest=self.nbest, prefixes=batch_prefixes, **beam_options(d)
-                )
+                hyps = beam_search(self.model, src, src_pad_mask, d, self.nbest, batch_prefixes)
             alignments = [""] * len(chunk)
             if self.aligner is not None:
                 pairs = [(ids[i], sentence[0].tokens) for i, sentence in zip(chunk, hyps)]
@@ -219,13 +215,12 @@ class Translator(LineTranslator):
 
 
 def load_translator(
-    models: Sequence[str | Path],
+    models: str | Path | Sequence[str | Path],
     device: str = "auto",
     precision: str = "fp32",
     engine: str = "mtkit",
     nbest: int = 1,
-    sampling: Sampling | None = None,
-    seed: int = 1,
+    sampling: SamplingConfig | None = None,
     alignments: bool = False,
     **decode: Any,
 ) -> LineTranslator:
@@ -259,7 +254,7 @@ def load_translator(
     network = Ensemble([b.model for b in bundles]) if len(bundles) > 1 else first.model
     aligner = first.model if alignments else None  # an ensemble aligns with its first member
     settings = with_overrides(first.cfg.decode, decode)
-    return Translator(network, first.src_tok, first.tgt_tok, settings, dev, nbest, sampling, seed, aligner)
+    return Translator(network, first.src_tok, first.tgt_tok, settings, dev, nbest, sampling, aligner)
 
 
 def chunked(lines: Iterable[str], size: int = CHUNK_LINES) -> Iterator[list[str]]:

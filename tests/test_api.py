@@ -26,9 +26,9 @@ def searches(monkeypatch) -> list[dict]:
     """The settings of every beam search run, as the translator passes them."""
     seen = []
 
-    def recording(*args, **kwargs):
-        seen.append({k: kwargs[k] for k in ("beam", "lenpen", "max_len_a", "max_len_b")})
-        return beam_search(*args, **kwargs)
+    def recording(model, src, src_pad_mask, decode, *args, **kwargs):
+        seen.append({k: getattr(decode, k) for k in ("beam", "lenpen", "max_len_a", "max_len_b")})
+        return beam_search(model, src, src_pad_mask, decode, *args, **kwargs)
 
     monkeypatch.setattr(mtkit.translate, "beam_search", recording)
     return seen

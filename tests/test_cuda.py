@@ -13,6 +13,7 @@ from conftest import tiny_model
 from test_train import small_config
 
 from mtkit.attention import dropout
+from mtkit.config import DecodeConfig
 from mtkit.data import source_tensor
 from mtkit.loss import linear_cross_entropy
 from mtkit.search import beam_search, row_topk
@@ -42,8 +43,8 @@ def test_beam_search_on_the_gpu_equals_the_cpu():
     with torch.no_grad():
         model.output.weight.mul_(3.0)  # sharper choices: no near-ties for rounding to flip
     src, mask = source_tensor(sources(16, 60))
-    on_cpu = beam_search(model, src, mask, beam=5, nbest=2)
-    on_gpu = beam_search(copy.deepcopy(model).to(GPU), src.to(GPU), mask.to(GPU), beam=5, nbest=2)
+    on_cpu = beam_search(model, src, mask, DecodeConfig(beam=5), nbest=2)
+    on_gpu = beam_search(copy.deepcopy(model).to(GPU), src.to(GPU), mask.to(GPU), DecodeConfig(beam=5), nbest=2)
     for cpu_hyps, gpu_hyps in zip(on_cpu, on_gpu):
         assert [h.tokens for h in cpu_hyps] == [h.tokens for h in gpu_hyps]
         for a, b in zip(cpu_hyps, gpu_hyps):

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from conftest import tiny_model
 from test_search import random_sources
 
+from mtkit.config import DecodeConfig
 from mtkit.data import source_tensor
 from mtkit.ensemble import Ensemble
 from mtkit.search import beam_search, greedy_search
@@ -16,9 +17,9 @@ from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID
 def test_an_ensemble_of_copies_decodes_like_the_model():
     model = tiny_model(30, seed=7)
     src, mask = source_tensor(random_sources(6, 30, seed=4))
-    alone = beam_search(model, src, mask, beam=3, nbest=2)
+    alone = beam_search(model, src, mask, DecodeConfig(beam=3), nbest=2)
     for members in ([model], [model, model]):
-        together = beam_search(Ensemble(members), src, mask, beam=3, nbest=2)
+        together = beam_search(Ensemble(members), src, mask, DecodeConfig(beam=3), nbest=2)
         assert [[h.tokens for h in s] for s in together] == [[h.tokens for h in s] for s in alone]
         for s, t in zip(alone, together):
             assert [round(h.score, 4) for h in s] == [round(h.score, 4) for h in t]
@@ -48,13 +49,13 @@ def test_an_ensemble_of_different_models_follows_their_mean_log_probabilities():
     sources = random_sources(5, 30, seed=5)
     src, mask = source_tensor(sources)
     ensemble = Ensemble(members)
-    cached = greedy_search(ensemble, src, mask, max_len_a=0, max_len_b=6)
+    cached = greedy_search(ensemble, src, mask, DecodeConfig(max_len_a=0, max_len_b=6))
     assert cached == [reference_greedy(members, s, 6) for s in sources]
     bos = torch.full((len(sources), 1), BOS_ID)
     mixed = ensemble.decode(bos, ensemble.encode(src, mask), mask)
     first, second = (F.log_softmax(m.decode(bos, m.encode(src, mask), mask), dim=-1) for m in members)
     assert torch.allclose(mixed, (first + second) / 2, atol=1e-5)
     assert not torch.allclose(mixed, first, atol=1e-2)  # the second model counts
-    batched = beam_search(ensemble, src, mask, beam=4)
+    batched = beam_search(ensemble, src, mask, DecodeConfig(beam=4))
     for sentence, hyps in zip(sources, batched):  # reordering the shared cache follows every member
-        assert hyps[0].tokens == beam_search(ensemble, *source_tensor([sentence]), beam=4)[0][0].tokens
+        assert hyps[0].tokens == beam_search(ensemble, *source_tensor([sentence]), DecodeConfig(beam=4))[0][0].tokens

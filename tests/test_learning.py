@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from conftest import tiny_model, train_on_task
 
+from mtkit.config import DecodeConfig
 from mtkit.data import source_tensor
 from mtkit.search import beam_search, greedy_search
 
@@ -28,6 +29,6 @@ def test_tiny_transformer_learns_to_reverse():
     src, mask = source_tensor(test)
     expected = [s[::-1] for s in test]
     greedy = greedy_search(model, src, mask)
-    beam = [h[0].tokens for h in beam_search(model, src, mask, beam=4)]
+    beam = [h[0].tokens for h in beam_search(model, src, mask, DecodeConfig(beam=4))]
     assert sum(g == e for g, e in zip(greedy, expected)) / len(test) >= 0.95
     assert sum(b == e for b, e in zip(beam, expected)) / len(test) >= 0.95

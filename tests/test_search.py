@@ -11,8 +11,9 @@ import torch.nn.functional as F
 from conftest import tiny_model
 
 from mtkit.attention import DecoderCache
+from mtkit.config import DecodeConfig, SamplingConfig
 from mtkit.data import source_tensor
-from mtkit.search import Sampling, beam_search, beam_step, greedy_search, length_penalty, row_topk, sample_search
+from mtkit.search import beam_search, beam_step, greedy_search, length_penalty, row_topk, sample_search
 from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 A, B, C = 4, 5, 6
@@ -55,7 +56,7 @@ def test_beam_finds_the_sequence_greedy_misses():
     model = ScriptedModel(script)
     src, mask = one_source()
     assert greedy_search(model, src, mask) == [[A]]
-    best = beam_search(model, src, mask, beam=2, lenpen=0.0)[0][0]
+    best = beam_search(model, src, mask, DecodeConfig(beam=2, lenpen=0.0))[0][0]
     assert best.tokens == [B]
     assert math.isclose(best.logprob, math.log(0.36), rel_tol=1e-4)
 
@@ -69,12 +70,12 @@ def test_length_penalty_decides_between_short_and_long():
 
     model = ScriptedModel(script)
     src, mask = one_source()
-    assert beam_search(model, src, mask, beam=2, lenpen=0.0, early_stop=False)[0][0].tokens == []
-    best = beam_search(model, src, mask, beam=2, lenpen=1.0, early_stop=False)[0][0]
+    assert beam_search(model, src, mask, DecodeConfig(beam=2, lenpen=0.0, early_stop=False))[0][0].tokens == []
+    best = beam_search(model, src, mask, DecodeConfig(beam=2, lenpen=1.0, early_stop=False))[0][0]
     assert best.tokens == [A]
     assert math.isclose(best.score, math.log(0.49 * 0.95) / length_penalty(2, 1.0), rel_tol=1e-4)
     # Early stopping ends the search when the best-ranked candidate ([] at step 0) ends: [A] never finishes.
-    assert beam_search(model, src, mask, beam=2, lenpen=1.0)[0][0].tokens == []
+    assert beam_search(model, src, mask, DecodeConfig(beam=2, lenpen=1.0))[0][0].tokens == []
 
 
 def test_output_length_is_capped_and_nbest_sorted_distinct():
@@ -83,7 +84,7 @@ def test_output_length_is_capped_and_nbest_sorted_distinct():
 
     model = ScriptedModel(script)
     src, mask = one_source(length=4)
-    hyps = beam_search(model, src, mask, beam=3, lenpen=1.0, max_len_a=1.0, max_len_b=2, nbest=3)[0]
+    hyps = beam_search(model, src, mask, DecodeConfig(beam=3, lenpen=1.0, max_len_a=1.0, max_len_b=2), nbest=3)[0]
     assert all(len(h.tokens) == 4 + 2 - 1 for h in hyps)  # a * 4 + b tokens, the last being the forced eos
     assert [h.score for h in hyps] == sorted((h.score for h in hyps), reverse=True)
     assert len({tuple(h.tokens) for h in hyps}) == 3
@@ -100,7 +101,7 @@ def test_beam_one_equals_greedy():
     model = tiny_model(30, seed=3)
     src, mask = source_tensor(random_sources(8, 30))
     greedy = greedy_search(model, src, mask)
-    beam = [h[0].tokens for h in beam_search(model, src, mask, beam=1, lenpen=0.0)]
+    beam = [h[0].tokens for h in beam_search(model, src, mask, DecodeConfig(beam=1, lenpen=0.0))]
     assert beam == greedy
 
 
@@ -108,9 +109,9 @@ def test_batched_search_equals_one_sentence_at_a_time():
     model = tiny_model(30, seed=4)
     sources = random_sources(7, 30, seed=1)
     src, mask = source_tensor(sources)
-    batched = beam_search(model, src, mask, beam=4, lenpen=1.0, nbest=2)
+    batched = beam_search(model, src, mask, DecodeConfig(beam=4, lenpen=1.0), nbest=2)
     for sentence, hyps in zip(sources, batched):
-        alone = beam_search(model, *source_tensor([sentence]), beam=4, lenpen=1.0, nbest=2)[0]
+        alone = beam_search(model, *source_tensor([sentence]), DecodeConfig(beam=4, lenpen=1.0), nbest=2)[0]
         assert [h.tokens for h in hyps] == [h.tokens for h in alone]
         for h, a in zip(hyps, alone):
             assert math.isclose(h.score, a.score, rel_tol=1e-4, abs_tol=1e-5)
@@ -172,7 +173,9 @@ def test_exhaustive_cases_are_not_trivial():
             for lenpen in (0.0, 1.0):
                 best = max(logprobs, key=lambda t: normalised(logprobs[t], t, lenpen))
                 optimum_lengths.add(len(best))
-                found = beam_search(model, *source_tensor([source]), beam=2, lenpen=lenpen, max_len_a=0, max_len_b=CAP)
+                found = beam_search(
+                    model, *source_tensor([source]), DecodeConfig(beam=2, lenpen=lenpen, max_len_a=0, max_len_b=CAP)
+                )
                 misses += tuple(found[0][0].tokens) != best
     assert {0, CAP - 1} <= optimum_lengths and len(optimum_lengths) >= 3
     assert misses > 0
@@ -186,11 +189,11 @@ def test_beam_search_against_exhaustive_enumeration(seed, lenpen):
     space = [exhaustive(model, source) for source in EXHAUSTIVE_SOURCES]
     n_prefixes = sum(len(WORDS) ** m for m in range(CAP))  # one live prefix per hypothesis: 1 + 4 + 16 + 64
     assert all(len(s) == n_prefixes for s in space)
-    kwargs = dict(lenpen=lenpen, max_len_a=0.0, max_len_b=CAP)
+    bounds = dict(lenpen=lenpen, max_len_a=0.0, max_len_b=CAP)
 
     # Narrow beams: what beam search returns is real, scored exactly, sorted, and never beats the optimum.
     for beam in (1, 2, 3):
-        results = beam_search(model, src, mask, beam=beam, nbest=beam, **kwargs)
+        results = beam_search(model, src, mask, DecodeConfig(beam=beam, **bounds), nbest=beam)
         for hyps, logprobs in zip(results, space):
             assert 1 <= len(hyps) <= beam
             assert len({tuple(h.tokens) for h in hyps}) == len(hyps)
@@ -205,7 +208,7 @@ def test_beam_search_against_exhaustive_enumeration(seed, lenpen):
             assert hyps[0].score <= best + 1e-5
 
     # A beam as wide as the space of prefixes keeps every prefix alive: beam search becomes exhaustive.
-    results = beam_search(model, src, mask, beam=n_prefixes, nbest=n_prefixes, **kwargs)
+    results = beam_search(model, src, mask, DecodeConfig(beam=n_prefixes, **bounds), nbest=n_prefixes)
     for hyps, logprobs in zip(results, space):
         ranked = sorted(logprobs, key=lambda t: -normalised(logprobs[t], t, lenpen))
         top, runner_up = (normalised(logprobs[t], t, lenpen) for t in ranked[:2])
@@ -232,7 +235,7 @@ def test_early_stop_loses_nothing_without_a_length_penalty():
                 decode = model.decode
                 model.decode = lambda *a, calls=calls, decode=decode: calls.append(1) or decode(*a)
                 found = beam_search(
-                    model, src, mask, beam=beam, lenpen=0.0, max_len_a=0, max_len_b=CAP, early_stop=early
+                    model, src, mask, DecodeConfig(beam=beam, lenpen=0.0, max_len_a=0, max_len_b=CAP, early_stop=early)
                 )
                 del model.decode
                 steps[early] = (len(calls), [h[0].tokens for h in found])
@@ -251,28 +254,30 @@ def eager_to_stop(step, last):
 def test_min_len_delays_eos(min_len):
     model = ScriptedModel(eager_to_stop)
     src, mask = one_source()
-    assert beam_search(model, src, mask, beam=2, lenpen=0.0)[0][0].tokens == []  # without it: stop at once
+    assert (
+        beam_search(model, src, mask, DecodeConfig(beam=2, lenpen=0.0))[0][0].tokens == []
+    )  # without it: stop at once
     assert greedy_search(model, src, mask) == [[]]
-    hyps = beam_search(model, src, mask, beam=3, lenpen=0.0, nbest=3, min_len=min_len)[0]
+    hyps = beam_search(model, src, mask, DecodeConfig(beam=3, lenpen=0.0, min_len=min_len), nbest=3)[0]
     assert len(hyps) == 3
     assert all(len(h.tokens) >= min_len for h in hyps)
     assert hyps[0].tokens == [A] * min_len  # eos as soon as it is allowed
     assert math.isclose(hyps[0].logprob, min_len * math.log(0.06) + math.log(0.9), rel_tol=1e-4)
-    assert greedy_search(model, src, mask, min_len=min_len) == [[A] * min_len]
+    assert greedy_search(model, src, mask, DecodeConfig(min_len=min_len)) == [[A] * min_len]
 
 
 @pytest.mark.parametrize("cap", [1, 2])
 def test_length_cap_outranks_min_len(cap):
     model = ScriptedModel(eager_to_stop)
     src, mask = one_source()
-    kwargs = dict(max_len_a=0.0, max_len_b=cap, min_len=5)
-    hyps = beam_search(model, src, mask, beam=2, lenpen=1.0, nbest=2, **kwargs)[0]
+    bounds = dict(max_len_a=0.0, max_len_b=cap, min_len=5)
+    hyps = beam_search(model, src, mask, DecodeConfig(beam=2, lenpen=1.0, **bounds), nbest=2)[0]
     assert hyps, "the cap must still end a hypothesis"
     assert all(len(h.tokens) == cap - 1 for h in hyps)  # cap - 1 tokens, then the forced eos
     expected = [[A], [B]][: len(hyps)] if cap == 2 else [[]]
     assert [h.tokens for h in hyps] == expected
     assert math.isclose(hyps[0].logprob, (cap - 1) * math.log(0.06) + math.log(0.9), rel_tol=1e-4)
-    assert greedy_search(model, src, mask, **kwargs) == [[A] * (cap - 1)]
+    assert greedy_search(model, src, mask, DecodeConfig(**bounds)) == [[A] * (cap - 1)]
 
 
 # --- n-best ---------------------------------------------------------------------------------------
@@ -283,7 +288,7 @@ def test_nbest_is_the_whole_beam_sorted_distinct_and_scored(lenpen):
     model = tiny_model(30, seed=5)
     src, mask = source_tensor(random_sources(6, 30, seed=2))
     beam = 4
-    for hyps in beam_search(model, src, mask, beam=beam, lenpen=lenpen, nbest=beam):
+    for hyps in beam_search(model, src, mask, DecodeConfig(beam=beam, lenpen=lenpen), nbest=beam):
         assert len(hyps) == beam
         scores = [h.score for h in hyps]
         assert scores == sorted(scores, reverse=True)
@@ -308,20 +313,20 @@ def test_sampling_follows_the_model_and_its_filters():
     def first_tokens(sampling):
         return [h.tokens[0] for h in sample_search(model, src, mask, sampling, generator=g)]
 
-    drawn = first_tokens(Sampling())
+    drawn = first_tokens(SamplingConfig())
     assert abs(drawn.count(A) / len(drawn) - 0.6) < 0.03 and abs(drawn.count(C) / len(drawn) - 0.1) < 0.02
-    assert set(first_tokens(Sampling(top_k=2))) == {A, B}
-    assert set(first_tokens(Sampling(top_p=0.5))) == {A}  # A alone holds 0.6 >= 0.5
-    assert set(first_tokens(Sampling(top_p=0.7))) == {A, B}
-    assert set(first_tokens(Sampling(temperature=0.05))) == {A}
-    hyp = sample_search(model, *one_source(), Sampling(top_k=1), generator=g)[0]
+    assert set(first_tokens(SamplingConfig(top_k=2))) == {A, B}
+    assert set(first_tokens(SamplingConfig(top_p=0.5))) == {A}  # A alone holds 0.6 >= 0.5
+    assert set(first_tokens(SamplingConfig(top_p=0.7))) == {A, B}
+    assert set(first_tokens(SamplingConfig(temperature=0.05))) == {A}
+    hyp = sample_search(model, *one_source(), SamplingConfig(top_k=1), generator=g)[0]
     assert hyp.tokens == [A] and math.isclose(hyp.logprob, math.log(0.6), rel_tol=1e-4)  # the model's own
 
 
 def test_top_k_one_sampling_is_greedy():
     model = tiny_model(30, seed=5)
     src, mask = source_tensor(random_sources(6, 30, seed=2))
-    drawn = sample_search(model, src, mask, Sampling(top_k=1), generator=torch.Generator().manual_seed(1))
+    drawn = sample_search(model, src, mask, SamplingConfig(top_k=1), generator=torch.Generator().manual_seed(1))
     assert [h.tokens for h in drawn] == greedy_search(model, src, mask)
 
 
@@ -332,15 +337,15 @@ def test_prefixes_start_the_output_and_leave_other_sentences_alone():
     src, mask = source_tensor(sources)
     for outputs in (
         greedy_search(model, src, mask, prefixes=prefixes),
-        [h[0].tokens for h in beam_search(model, src, mask, beam=3, prefixes=prefixes)],
+        [h[0].tokens for h in beam_search(model, src, mask, DecodeConfig(beam=3), prefixes=prefixes)],
     ):
         for out, prefix in zip(outputs, prefixes):
             assert out[: len(prefix)] == prefix
-    batched = beam_search(model, src, mask, beam=3, prefixes=prefixes)
+    batched = beam_search(model, src, mask, DecodeConfig(beam=3), prefixes=prefixes)
     for sentence, prefix, hyps in zip(sources, prefixes, batched):
-        alone = beam_search(model, *source_tensor([sentence]), beam=3, prefixes=[prefix])[0]
+        alone = beam_search(model, *source_tensor([sentence]), DecodeConfig(beam=3), prefixes=[prefix])[0]
         assert hyps[0].tokens == alone[0].tokens
-    unforced = [h[0].tokens for h in beam_search(model, src, mask, beam=3)]
+    unforced = [h[0].tokens for h in beam_search(model, src, mask, DecodeConfig(beam=3))]
     assert [h[0].tokens for h in batched][1] == unforced[1]  # an empty prefix changes nothing
 
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Annotated, Literal
 
 import typer
 
 from mtkit.commands.common import Beam, Device, ModelPath, examples, given, setup_logging, user_errors
-from mtkit.config import Precision
+from mtkit.config import Precision, SamplingConfig
 
 commands = typer.Typer()
 
@@ -83,10 +82,28 @@ def translate_command(
     sample: Annotated[
         bool, typer.Option("--sample", help="Draw each token at random instead of searching (back-translation).")
     ] = False,
-    temperature: Annotated[float, typer.Option(help="With --sample: < 1 sharpens, > 1 flattens.")] = 1.0,
-    top_k: Annotated[int, typer.Option(min=0, help="With --sample: only the k most probable tokens; 0 for all.")] = 0,
-    top_p: Annotated[float, typer.Option(help="With --sample: the smallest set holding this probability.")] = 1.0,
-    seed: Annotated[int, typer.Option(min=0, max=2**64 - 1, help="With --sample: random seed.")] = 1,
+    temperature: Annotated[
+        float | None,
+        typer.Option(help="With --sample: < 1 sharpens, > 1 flattens.", show_default=str(SamplingConfig.temperature)),
+    ] = None,
+    top_k: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="With --sample: only the k most probable tokens; 0 for all.",
+            show_default=str(SamplingConfig.top_k),
+        ),
+    ] = None,
+    top_p: Annotated[
+        float | None,
+        typer.Option(
+            help="With --sample: the smallest set holding this probability.", show_default=str(SamplingConfig.top_p)
+        ),
+    ] = None,
+    seed: Annotated[
+        int | None,
+        typer.Option(min=0, max=2**64 - 1, help="With --sample: random seed.", show_default=str(SamplingConfig.seed)),
+    ] = None,
     batch_size: Annotated[
         int | None, typer.Option(min=1, help="At most this many sentences per batch. [default: the model's]")
     ] = None,
@@ -115,7 +132,6 @@ def translate_command(
     """
     from mtkit.config import ConfigError
     from mtkit.lines import Interrupted, translate_file
-    from mtkit.search import Sampling
 
     setup_logging()
     if alignments and nbest > 1:
@@ -124,13 +140,11 @@ def translate_command(
         beam=beam, lenpen=lenpen, max_len_a=max_len_a, max_len_b=max_len_b, min_len=min_len,
         early_stop=early_stop, batch_size=batch_size, batch_tokens=batch_tokens,
     )  # fmt: skip
-    if sample and (not (0 < temperature < math.inf) or not 0 < top_p <= 1):
-        raise ConfigError("--temperature must be a finite number > 0 and --top-p in (0, 1]")
-    sampling = Sampling(temperature, top_k, top_p) if sample else None
+    sampling = SamplingConfig(**given(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)) if sample else None
     try:
         translate_file(
             model, input, output, prefix, nbest=nbest, scores=scores, alignments=alignments, sampling=sampling,
-            seed=seed, device=device, precision=precision, engine=engine, **decode,
+            device=device, precision=precision, engine=engine, **decode,
         )  # fmt: skip
     except Interrupted as stop:
         kept = f": they are in {stop.partial}, and {output} is not written" if stop.partial else ""
