@@ -39,27 +39,28 @@ STDIN = "<stdin>"
 
 @dataclass(frozen=True)
 class Request:
-    """One ``mtkit eval`` command line, as parsed; None and empty values leave the choice to the dialect."""
+    """One ``mtkit eval`` command line, as parsed (its defaults are the command's); None and empty values leave the
+    choice to the dialect."""
 
-    hyps: tuple[Path, ...] = ()  # --hyp: mtkit's dialect
-    inputs: tuple[Path, ...] = ()  # -i; without it or --hyp the systems are stdin's tab-separated columns
-    refs: tuple[Path, ...] = ()
-    test_set: str | None = None
-    langpair: str | None = None
-    metrics: tuple[str, ...] = ()  # as typed: names, or comma-separated lists of them
-    tokenize: str | None = None
-    lowercase: bool = False
-    chrf_lowercase: bool = False
-    chrf_word_order: int = 0
-    ter_case_sensitive: bool = False
-    sentence: bool = False
-    paper_style: bool = False
-    paired_bs: bool = False
-    paired_bs_n: int = 1000
-    paired_bs_seed: int | None = None
-    width: int | None = None  # decimals printed
-    score_only: bool = False
-    format: str | None = None  # one of FORMATS
+    hyps: tuple[Path, ...]  # --hyp: mtkit's dialect
+    inputs: tuple[Path, ...]  # -i; without it or --hyp the systems are stdin's tab-separated columns
+    refs: tuple[Path, ...]
+    test_set: str | None
+    langpair: str | None
+    metrics: tuple[str, ...]  # as typed: names, or comma-separated lists of them
+    tokenize: str | None
+    lowercase: bool
+    chrf_lowercase: bool
+    chrf_word_order: int
+    ter_case_sensitive: bool
+    sentence: bool
+    paper_style: bool
+    paired_bs: bool
+    paired_bs_n: int
+    paired_bs_seed: int | None
+    width: int | None  # decimals printed
+    score_only: bool
+    format: str | None  # one of FORMATS
 
     @property
     def sacrebleu_style(self) -> bool:
