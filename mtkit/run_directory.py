@@ -1,22 +1,27 @@
 """The run directory as training owns it: one writer at a time, tidy after a crash, every write accounted for.
 
 Rank 0 claims the directory (its lock, ``--restart``, tidying what a crash left) and is the one that
-writes to it: config.yaml, metrics.jsonl (and the tensorboard folder), checkpoints and best/. Every
-rank reads its checkpoints. The layout and the checkpoint format are described in checkpoint.py.
+writes to it: config.yaml, metrics.jsonl (and the tensorboard folder), checkpoints and best/; the
+tokenizers are put there by ``trainer.prepare_tokenizers``. Every rank reads its checkpoints. The
+layout and the checkpoint format are described in checkpoint.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import filelock
 import torch
 
 from mtkit import checkpoint, files
+from mtkit.checkpoint import BEST_DIR, CHECKPOINTS_DIR, VALIDATION_FILE
 from mtkit.config import RunConfig, dump
 from mtkit.errors import TrainingFailed
 
@@ -28,15 +33,15 @@ class RunDirectory:
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        self._lock: checkpoint.RunLock | None = None
+        self._lock: RunLock | None = None
         self._tensorboard = None
 
     def claim(self, restart: bool) -> None:
         """Become its one writer: take the lock, remove earlier outputs for ``restart``, tidy after a crash."""
-        self._lock = checkpoint.RunLock(self.path)
+        self._lock = RunLock(self.path)
         if restart:
             remove_run_outputs(self.path)
-        checkpoint.recover(self.path)
+        recover(self.path)
 
     def close(self) -> None:
         if self._lock is not None:
@@ -104,9 +109,68 @@ class RunDirectory:
             ) from None
 
 
+class RunLock:
+    """An exclusive lock on a run directory, so two trainings never write checkpoints over each other.
+
+    The operating system releases it when the process ends, however it ends; ``RUN/.lock`` names the
+    process holding it.
+    """
+
+    def __init__(self, run_dir: Path) -> None:
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        path = run_dir / ".lock"
+        self._lock = filelock.FileLock(path, timeout=0)
+        try:
+            self._lock.acquire()
+        except filelock.Timeout:
+            holder = path.read_text(errors="replace").strip()[:20] or "unknown"
+            raise checkpoint.CheckpointError(
+                f"{run_dir}: in use by another training process (pid {holder}); stop it or choose another --out"
+            ) from None
+        path.write_text(f"{os.getpid()}\n")
+
+    def release(self) -> None:
+        self._lock.release()
+
+
+# What training writes, by folder; a leftover of an interrupted write is .NAME.*.tmp, .NAME.old or .NAME.pruned.
+_TRAINING_NAMES = {
+    "": r"config\.yaml|metrics\.jsonl|best|spm(?:\.src|\.tgt)?(?:\.model|\.vocab)?",
+    CHECKPOINTS_DIR: r"update-\d+",
+    f"{CHECKPOINTS_DIR}/update-*": re.escape(VALIDATION_FILE),  # added to a checkpoint after its save
+}
+
+
+def recover(run_dir: Path) -> None:
+    """Tidy a run directory after a crash: put back what was set aside, delete what was half made.
+
+    A checkpoint set aside while its replacement moved in is put back if the replacement never
+    arrived. Then the temporary files and folders of interrupted writes (``.NAME.*.tmp``), set-aside
+    copies no longer needed and checkpoints caught being pruned are deleted, for the names training
+    writes only: another program's temporary file in the run directory (``translate -o RUN/x``
+    writing ``.x.*.tmp``) is left alone.
+    """
+    for pattern, names in _TRAINING_NAMES.items():
+        leftover = re.compile(rf"\.(?:{names})\.(?:.+\.tmp|old|pruned)")
+        for parent in Path(run_dir).glob(pattern) if pattern else [Path(run_dir)]:
+            if not parent.is_dir():
+                continue
+            for old in parent.glob(".*.old"):
+                if leftover.fullmatch(old.name):
+                    files.restore_set_aside(old.with_name(old.name[1 : -len(".old")]))
+            for path in parent.glob(".*"):
+                if not leftover.fullmatch(path.name):
+                    continue
+                if path.is_dir():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
+
+
 def remove_run_outputs(out_dir: Path) -> None:
     """Delete what training wrote into ``out_dir`` (for ``--restart``), leaving anything else alone."""
-    for name in (checkpoint.CHECKPOINTS_DIR, checkpoint.BEST_DIR, TENSORBOARD_DIR):  # not .lock: it is held
+    for name in (CHECKPOINTS_DIR, BEST_DIR, TENSORBOARD_DIR):  # not .lock: it is held
         shutil.rmtree(out_dir / name, ignore_errors=True)
     names = [METRICS_FILE, CONFIG_FILE]
     for path in [*(out_dir / name for name in names), *out_dir.glob("spm*.model"), *out_dir.glob("spm*.vocab")]:
