@@ -35,6 +35,7 @@ from mtkit.files import file_sha256
 from mtkit.loss import TrainingObjective
 from mtkit.metrics import bleu
 from mtkit.model import build_model, count_parameters
+from mtkit.progress import StageProgress
 from mtkit.run_directory import RunDirectory
 from mtkit.runtime import autocast, compute_dtype, pick_device, require, seed_everything, set_threads
 from mtkit.token_store import TokenStore, default_cache_dir, open_or_build, store_key
@@ -642,25 +643,33 @@ class Trainer:
 
     def _validate(self) -> dict:
         self.model.eval()
-        result: dict = {}
         if not self.valid_src:
-            return result
+            return {}
+        result = self._valid_loss()
+        if self.cfg.train.valid_bleu:
+            score = bleu(self._valid_translations(), self.valid_tgt)
+            result.update(valid_bleu=score.value, bleu_signature=score.signature)
+        return result
+
+    def _valid_loss(self) -> dict:
         loss_sum = nll_sum = tokens = 0.0
         for batch in self.valid_batches:
             b = batch.to(self.device)
             loss, nll = self.objective(b.src, b.src_pad_mask, b.tgt_in, b.tgt_out)
             loss_sum, nll_sum, tokens = loss_sum + loss.item(), nll_sum + nll.item(), tokens + batch.target_tokens
-        result.update(
-            valid_loss=loss_sum / tokens, valid_nll=nll_sum / tokens, valid_ppl=math.exp(min(nll_sum / tokens, 50))
-        )
-        if self.cfg.train.valid_bleu:
-            decode = replace(self.cfg.decode, beam=self.cfg.train.valid_beam)
-            with autocast(self.device, self.dtype):
-                translator = Translator(self.model, self.src_tok, self.tgt_tok, decode, self.device)
-                hyps = translator.translate(self.valid_src)
-            score = bleu(hyps, self.valid_tgt)
-            result.update(valid_bleu=score.value, bleu_signature=score.signature)
-        return result
+        return {
+            "valid_loss": loss_sum / tokens,
+            "valid_nll": nll_sum / tokens,
+            "valid_ppl": math.exp(min(nll_sum / tokens, 50)),
+        }
+
+    def _valid_translations(self) -> list[str]:
+        """The validation set decoded with train.valid_beam, a progress bar counting the sentences done."""
+        decode = replace(self.cfg.decode, beam=self.cfg.train.valid_beam)
+        progress = StageProgress("validation decoding", total=len(self.valid_src), unit="sentences")
+        with autocast(self.device, self.dtype), progress as bar:
+            translator = Translator(self.model, self.src_tok, self.tgt_tok, decode, self.device, on_batch=bar.advance)
+            return translator.translate(self.valid_src)
 
     def _validate_and_log(self) -> dict:
         """Rank 0 validates and tells the others, so best-checkpoint and patience decisions agree.
