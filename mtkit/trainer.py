@@ -242,29 +242,37 @@ def prepare_tokenizers(
             _check_run_tokenizer(target, given[side], tc.vocab_size)
             continue
         if given[side]:
-            source = Path(given[side])
-            if not source.is_file():
-                raise DataError(f"{source}: tokenizer model not found")
-            vocab = source.with_suffix(".vocab")
-            if vocab.is_file():  # the .vocab first: a model in the run directory is always a whole pair
-                files.copy_file(vocab, target.with_suffix(".vocab"))
-            files.copy_file(source, target)
+            _copy_tokenizer(Path(given[side]), target)
         else:
-            if tc.joint:
-                sentences = itertools.chain.from_iterable(pairs())
-            else:
-                sentences = (pair[0 if side == "src" else 1] for pair in pairs())
-            sample = f"a sample of {tc.input_sentence_size:,}" if tc.input_sentence_size else "all"
-            log.info(
-                "training %s SentencePiece %s model (%d pieces) on %s training sentences",
-                "joint" if tc.joint else side,
-                tc.type,
-                tc.vocab_size,
-                sample,
-            )
-            sources = " and ".join(filter(None, (cfg.data.train_src, cfg.data.train_tgt)))
-            train_spm(sentences, target.with_suffix(""), tc, source=sources)
+            _train_tokenizer(cfg, side, target, pairs)
     return Tokenizer(out_dir / names["src"]), Tokenizer(out_dir / names["tgt"])
+
+
+def _copy_tokenizer(source: Path, target: Path) -> None:
+    if not source.is_file():
+        raise DataError(f"{source}: tokenizer model not found")
+    vocab = source.with_suffix(".vocab")
+    if vocab.is_file():  # the .vocab first: a model in the run directory is always a whole pair
+        files.copy_file(vocab, target.with_suffix(".vocab"))
+    files.copy_file(source, target)
+
+
+def _train_tokenizer(cfg: RunConfig, side: str, target: Path, pairs: Callable[[], Iterable[tuple[str, str]]]) -> None:
+    tc = cfg.tokenizer
+    if tc.joint:
+        sentences = itertools.chain.from_iterable(pairs())
+    else:
+        sentences = (pair[0 if side == "src" else 1] for pair in pairs())
+    sample = f"a sample of {tc.input_sentence_size:,}" if tc.input_sentence_size else "all"
+    log.info(
+        "training %s SentencePiece %s model (%d pieces) on %s training sentences",
+        "joint" if tc.joint else side,
+        tc.type,
+        tc.vocab_size,
+        sample,
+    )
+    sources = " and ".join(filter(None, (cfg.data.train_src, cfg.data.train_tgt)))
+    train_spm(sentences, target.with_suffix(""), tc, source=sources)
 
 
 def _check_run_tokenizer(path: Path, given: str, vocab_size: int) -> None:
@@ -754,40 +762,48 @@ class Trainer:
         or is killed costs no training; a run resumed from a checkpoint whose validation did not
         finish does it first.
         """
-        tc = self.cfg.train
-        self.reporter.start(tc.max_steps, self.progress.step)
-        last_result: dict = {}
-        window = LogWindow()
-        self._clock = time.perf_counter()
+        self.reporter.start(self.cfg.train.max_steps, self.progress.step)
         try:
             with StopSignals() as signals:
                 self._signals = signals
-                if self.progress.step and self._validation_due():
-                    last_result = self._validate_and_log()
-                for batches, group_tokens in self._update_groups():
-                    stats = self.train_step(batches, group_tokens)
-                    if stats["skipped"]:
-                        if self.skips.skipped(stats, self.progress):
-                            self._roll_back()
-                    else:
-                        self.skips.reset()
-                        window = self._after_update(stats, window)
-                        if tc.save_every and self.progress.step % tc.save_every == 0:
-                            self.save_last()
-                        if tc.valid_every and self.progress.step % tc.valid_every == 0:
-                            last_result = self._validate_and_log()
-                            window = LogWindow()  # throughput counts training time only
-                    if stats["stop"]:
-                        self.save_last()
-                        raise TrainingStopped(signals.received or signal.SIGTERM, self.progress.step)
-                log.info("training done: %s", self.stop_reason())
-                self.save_last()
-                if self._validation_due():
-                    last_result = self._validate_and_log()
+                return self._train()
         finally:
-            self._signals = None
-            self.run_dir.close()
-            self.reporter.finish()
+            self.cleanup()
+
+    def cleanup(self) -> None:
+        """Give up the run directory and the progress display; ``run`` ends with this, however it ends."""
+        self._signals = None
+        self.run_dir.close()
+        self.reporter.finish()
+
+    def _train(self) -> dict:
+        """Updates, with checkpoints and validations at their cadence, then the last checkpoint and validation."""
+        tc = self.cfg.train
+        last_result: dict = {}
+        window = LogWindow()
+        self._clock = time.perf_counter()
+        if self.progress.step and self._validation_due():
+            last_result = self._validate_and_log()
+        for batches, group_tokens in self._update_groups():
+            stats = self.train_step(batches, group_tokens)
+            if stats["skipped"]:
+                if self.skips.skipped(stats, self.progress):
+                    self._roll_back()
+            else:
+                self.skips.reset()
+                window = self._after_update(stats, window)
+                if tc.save_every and self.progress.step % tc.save_every == 0:
+                    self.save_last()
+                if tc.valid_every and self.progress.step % tc.valid_every == 0:
+                    last_result = self._validate_and_log()
+                    window = LogWindow()  # throughput counts training time only
+            if stats["stop"]:
+                self.save_last()
+                raise TrainingStopped(self._signals.received or signal.SIGTERM, self.progress.step)
+        log.info("training done: %s", self.stop_reason())
+        self.save_last()
+        if self._validation_due():
+            last_result = self._validate_and_log()
         return last_result
 
     def _after_update(self, stats: dict, window: LogWindow) -> LogWindow:
