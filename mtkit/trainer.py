@@ -5,6 +5,10 @@ scaler, progress, every rank's RNG state and the position in the data, so the re
 the same batches. Under torchrun each rank trains on its share of every update's batches and rank 0
 alone validates and writes files; ranks agree after each update on anything that could make them
 part ways (a rank out of memory, a stop signal, a non-finite loss).
+
+``Trainer`` has a recipe's shape: ``__init__`` is a list of named ``_setup_*`` steps, ``run()`` trains
+to the budget and ends with ``cleanup()``. What it writes goes through ``RunDirectory``; what a
+skipped update leads to is decided by ``SkipPolicy``.
 """
 
 from __future__ import annotations
