@@ -19,7 +19,8 @@ Run directory layout::
 
 A checkpoint directory appears whole or not at all: it is built under a
 temporary name beside its final one and renamed into place. One writer per run directory: training
-holds a lock on ``RUN_DIR/.lock`` (released by the kernel even if the process is killed).
+holds a lock on ``RUN_DIR/.lock`` (released by the kernel even if the process is killed); run_directory.py
+owns the directory as training sees it.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import filelock
 import safetensors.torch
 import torch
 
@@ -46,7 +46,6 @@ from mtkit.files import (
     atomic_write_directory,
     atomic_write_text,
     file_sha256,
-    restore_set_aside,
     set_aside,
 )
 from mtkit.model import Transformer, build_model
@@ -104,34 +103,6 @@ class OutputError(MtkitError, ValueError):
     """An output path that cannot or must not be written; the command has done nothing yet."""
 
 
-# -- run directory ownership ----------------------------------------------------------------
-
-
-class RunLock:
-    """An exclusive lock on a run directory, so two trainings never write checkpoints over each other.
-
-    The operating system releases it when the process ends, however it ends; ``RUN/.lock`` names the
-    process holding it.
-    """
-
-    def __init__(self, run_dir: Path) -> None:
-        run_dir = Path(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        path = run_dir / ".lock"
-        self._lock = filelock.FileLock(path, timeout=0)
-        try:
-            self._lock.acquire()
-        except filelock.Timeout:
-            holder = path.read_text(errors="replace").strip()[:20] or "unknown"
-            raise CheckpointError(
-                f"{run_dir}: in use by another training process (pid {holder}); stop it or choose another --out"
-            ) from None
-        path.write_text(f"{os.getpid()}\n")
-
-    def release(self) -> None:
-        self._lock.release()
-
-
 # -- saving ---------------------------------------------------------------------------------
 
 
@@ -182,40 +153,6 @@ def save(
                     raise stream.error from None
 
     atomic_write_directory(Path(directory), fill)
-
-
-# What training writes, by folder; a leftover of an interrupted write is .NAME.*.tmp, .NAME.old or .NAME.pruned.
-_TRAINING_NAMES = {
-    "": r"config\.yaml|metrics\.jsonl|best|spm(?:\.src|\.tgt)?(?:\.model|\.vocab)?",
-    CHECKPOINTS_DIR: r"update-\d+",
-    f"{CHECKPOINTS_DIR}/update-*": re.escape(VALIDATION_FILE),  # added to a checkpoint after its save
-}
-
-
-def recover(run_dir: Path) -> None:
-    """Tidy a run directory after a crash: put back what was set aside, delete what was half made.
-
-    A checkpoint set aside while its replacement moved in is put back if the replacement never
-    arrived. Then the temporary files and folders of interrupted writes (``.NAME.*.tmp``), set-aside
-    copies no longer needed and checkpoints caught being pruned are deleted, for the names training
-    writes only: another program's temporary file in the run directory (``translate -o RUN/x``
-    writing ``.x.*.tmp``) is left alone.
-    """
-    for pattern, names in _TRAINING_NAMES.items():
-        leftover = re.compile(rf"\.(?:{names})\.(?:.+\.tmp|old|pruned)")
-        for parent in Path(run_dir).glob(pattern) if pattern else [Path(run_dir)]:
-            if not parent.is_dir():
-                continue
-            for old in parent.glob(".*.old"):
-                if leftover.fullmatch(old.name):
-                    restore_set_aside(old.with_name(old.name[1 : -len(".old")]))
-            for path in parent.glob(".*"):
-                if not leftover.fullmatch(path.name):
-                    continue
-                if path.is_dir():
-                    shutil.rmtree(path)
-                else:
-                    path.unlink()
 
 
 def _delete(directory: Path) -> None:

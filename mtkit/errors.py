@@ -7,3 +7,7 @@ bug and keeps its traceback. Library users catch ``MtkitError`` for the same dis
 
 class MtkitError(Exception):
     """A problem with what mtkit was given (a file, a setting, a machine), said in one line."""
+
+
+class TrainingFailed(MtkitError, RuntimeError):
+    """Training cannot go on (divergence, repeated out-of-memory, a failed write); the last good checkpoint is kept."""

@@ -5,6 +5,10 @@ scaler, progress, every rank's RNG state and the position in the data, so the re
 the same batches. Under torchrun each rank trains on its share of every update's batches and rank 0
 alone validates and writes files; ranks agree after each update on anything that could make them
 part ways (a rank out of memory, a stop signal, a non-finite loss).
+
+``Trainer`` has a recipe's shape: ``__init__`` is a list of named ``_setup_*`` steps, ``run()`` trains
+to the budget and ends with ``cleanup()``. What it writes goes through ``RunDirectory``; what a
+skipped update leads to is decided by ``SkipPolicy``.
 """
 
 from __future__ import annotations
@@ -12,10 +16,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import itertools
-import json
 import logging
 import math
-import shutil
 import signal
 import threading
 import time
@@ -29,14 +31,16 @@ import numpy as np
 import torch
 
 from mtkit import checkpoint, files, untrusted
-from mtkit.config import ConfigError, RunConfig, dump
+from mtkit.config import ConfigError, RunConfig, TrainConfig
 from mtkit.data import Batch, DataError, check_input_file, collate, iter_parallel, read_parallel, token_batches
 from mtkit.distributed import Distributed
-from mtkit.errors import MtkitError
+from mtkit.errors import TrainingFailed
 from mtkit.files import file_sha256
 from mtkit.loss import TrainingObjective
 from mtkit.metrics import bleu
 from mtkit.model import build_model, count_parameters
+from mtkit.progress import StageProgress
+from mtkit.run_directory import RunDirectory
 from mtkit.runtime import autocast, compute_dtype, pick_device, require, seed_everything, set_threads
 from mtkit.token_store import TokenStore, default_cache_dir, open_or_build, store_key
 from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_spm
@@ -61,10 +65,6 @@ class TrainingStopped(Exception):
     def __init__(self, signum: int, step: int) -> None:
         super().__init__(f"stopped by {signal.Signals(signum).name} at update {step}")
         self.signum = signum
-
-
-class TrainingFailed(MtkitError, RuntimeError):
-    """Training cannot go on (divergence, repeated out-of-memory); the last good checkpoint is kept."""
 
 
 class StopSignals:
@@ -162,6 +162,74 @@ class Progress:
         }
 
 
+class SkipPolicy:
+    """What a skipped update leads to: counted while training goes on, a rollback, or TrainingFailed.
+
+    Runs of skips end training: MAX_CONSECUTIVE_OOMS out-of-memory skips in a row (the batches are
+    too big for the device) or MAX_CONSECUTIVE_SKIPS skips of any kind (training has diverged). A
+    non-finite loss is skipped, rolled back or fatal as train.nonfinite says.
+    """
+
+    def __init__(self, tc: TrainConfig) -> None:
+        self.tc = tc
+        self.in_a_row = 0  # updates skipped since the last applied update or rollback
+
+    def reset(self) -> None:
+        """An update went through, or training rolled back: a run of skips is over."""
+        self.in_a_row = 0
+
+    def skipped(self, stats: dict, progress: Progress) -> bool:
+        """Count the update ``stats`` says was skipped in ``progress``; whether it calls for a rollback."""
+        kind, p, tc = stats["skipped"], progress, self.tc
+        self.in_a_row += 1
+        if kind == "oom":
+            p.oom_skips += 1
+            log.warning(
+                "update %d: out of memory on %d rank(s); its batches are skipped (%d so far)",
+                p.step + 1,
+                stats["oom_ranks"],
+                p.oom_skips,
+            )
+            if self.in_a_row >= MAX_CONSECUTIVE_OOMS:
+                raise TrainingFailed(
+                    f"out of memory in {self.in_a_row} updates in a row: lower train.batch_tokens "
+                    f"(now {tc.batch_tokens}) and raise train.accum to keep the effective batch"
+                )
+        elif kind == "overflow":
+            p.overflow_skips += 1
+        elif tc.nonfinite == "skip":
+            p.nonfinite_skips += 1
+            log.warning("update %d: non-finite loss or gradient; update skipped (train.nonfinite: skip)", p.step + 1)
+        else:
+            return True
+        if self.in_a_row >= MAX_CONSECUTIVE_SKIPS:
+            raise TrainingFailed(
+                f"{self.in_a_row} updates in a row skipped ({kind}) at update {p.step + 1}: "
+                "training has diverged; lower train.lr or use precision fp32"
+            )
+        return False
+
+    def rollback_target(self, progress: Progress, latest: Path | None) -> Path:
+        """The checkpoint to roll back to from a non-finite loss; TrainingFailed where no rollback is allowed."""
+        tc, p = self.tc, progress
+        if tc.nonfinite == "stop" or latest is None or p.rollbacks >= tc.max_rollbacks:
+            if tc.nonfinite == "stop":
+                why = "train.nonfinite is stop"
+            elif latest is None:
+                why = "no checkpoint to roll back to yet"
+            else:
+                why = f"already rolled back {p.rollbacks} times (train.max_rollbacks)"
+            kept = f"; last good checkpoint: {latest}" if latest is not None else ""
+            raise TrainingFailed(
+                f"{_nonfinite_at(p.step + 1, tc.precision)}; {why}{kept}; lower train.lr or use precision fp32"
+            )
+        return latest
+
+
+def _nonfinite_at(step: int, precision: str) -> str:
+    return f"non-finite loss or gradient at update {step} (precision {precision})"
+
+
 def prepare_tokenizers(
     cfg: RunConfig, out_dir: Path, pairs: Callable[[], Iterable[tuple[str, str]]]
 ) -> tuple[Tokenizer, Tokenizer]:
@@ -178,29 +246,37 @@ def prepare_tokenizers(
             _check_run_tokenizer(target, given[side], tc.vocab_size)
             continue
         if given[side]:
-            source = Path(given[side])
-            if not source.is_file():
-                raise DataError(f"{source}: tokenizer model not found")
-            vocab = source.with_suffix(".vocab")
-            if vocab.is_file():  # the .vocab first: a model in the run directory is always a whole pair
-                files.copy_file(vocab, target.with_suffix(".vocab"))
-            files.copy_file(source, target)
+            _copy_tokenizer(Path(given[side]), target)
         else:
-            if tc.joint:
-                sentences = itertools.chain.from_iterable(pairs())
-            else:
-                sentences = (pair[0 if side == "src" else 1] for pair in pairs())
-            sample = f"a sample of {tc.input_sentence_size:,}" if tc.input_sentence_size else "all"
-            log.info(
-                "training %s SentencePiece %s model (%d pieces) on %s training sentences",
-                "joint" if tc.joint else side,
-                tc.type,
-                tc.vocab_size,
-                sample,
-            )
-            sources = " and ".join(filter(None, (cfg.data.train_src, cfg.data.train_tgt)))
-            train_spm(sentences, target.with_suffix(""), tc, source=sources)
+            _train_tokenizer(cfg, side, target, pairs)
     return Tokenizer(out_dir / names["src"]), Tokenizer(out_dir / names["tgt"])
+
+
+def _copy_tokenizer(source: Path, target: Path) -> None:
+    if not source.is_file():
+        raise DataError(f"{source}: tokenizer model not found")
+    vocab = source.with_suffix(".vocab")
+    if vocab.is_file():  # the .vocab first: a model in the run directory is always a whole pair
+        files.copy_file(vocab, target.with_suffix(".vocab"))
+    files.copy_file(source, target)
+
+
+def _train_tokenizer(cfg: RunConfig, side: str, target: Path, pairs: Callable[[], Iterable[tuple[str, str]]]) -> None:
+    tc = cfg.tokenizer
+    if tc.joint:
+        sentences = itertools.chain.from_iterable(pairs())
+    else:
+        sentences = (pair[0 if side == "src" else 1] for pair in pairs())
+    sample = f"a sample of {tc.input_sentence_size:,}" if tc.input_sentence_size else "all"
+    log.info(
+        "training %s SentencePiece %s model (%d pieces) on %s training sentences",
+        "joint" if tc.joint else side,
+        tc.type,
+        tc.vocab_size,
+        sample,
+    )
+    sources = " and ".join(filter(None, (cfg.data.train_src, cfg.data.train_tgt)))
+    train_spm(sentences, target.with_suffix(""), tc, source=sources)
 
 
 def _check_run_tokenizer(path: Path, given: str, vocab_size: int) -> None:
@@ -226,7 +302,7 @@ def open_training_data(cfg: RunConfig, src_tok: Tokenizer, tgt_tok: Tokenizer) -
 
 
 class Trainer:
-    """Owns the model, optimizer and run directory for one training run (one rank's share of it)."""
+    """One training run (one rank's share of it): set up by named steps, then ``run()`` to the budget."""
 
     def __init__(
         self,
@@ -238,70 +314,94 @@ class Trainer:
     ) -> None:
         """Set up data, tokenizer, model and optimizer; resume from the newest checkpoint unless ``restart``."""
         self.cfg = cfg
-        self.out_dir = Path(out_dir)
-        tc = cfg.train
-        self.dist = dist or Distributed(timeout_s=tc.ddp_timeout)
+        self.dist = dist or Distributed(timeout_s=cfg.train.ddp_timeout)
         self.is_main = self.dist.is_main
         self.reporter = (reporter if self.is_main else None) or LogReporter()
+        self.run_dir = RunDirectory(out_dir)
+        self._setup_runtime()
+        check_trainable(cfg)
+        self.valid_src, self.valid_tgt = self._read_valid()
+        if self.is_main:
+            self.run_dir.claim(restart)
+        self._setup_data()
+        self._setup_model()
+        self._setup_optimizer()
+        self.progress, self.skips = Progress(), SkipPolicy(cfg.train)
+        resumed = self._resume()
+        if self.is_main:  # only now: a refused resume leaves the config that describes the checkpoints
+            self.run_dir.start_log(cfg, self.progress.step, self.progress.validated)
+        self._setup_forward()
+        if cfg.train.tensorboard and self.is_main:
+            self.run_dir.open_tensorboard()
+        self._signals: StopSignals | None = None
+        self._clock = time.perf_counter()
+        self._saved = self.progress.step if resumed else -1  # the update of the newest checkpoint
+
+    # -- set-up -----------------------------------------------------------------------------
+
+    def _setup_runtime(self) -> None:
+        """Threads, device and compute dtype; the same seed on every rank, so the same initial weights."""
+        tc = self.cfg.train
         set_threads(tc.threads)
         self.device = self.dist.device(tc.device) or pick_device(tc.device)
         self.dtype = compute_dtype(tc.precision, self.device)
-        seed_everything(tc.seed)  # the same initial weights on every rank
+        seed_everything(tc.seed)
 
-        check_trainable(cfg)
+    def _setup_data(self) -> None:
+        """Tokenizers and the encoded training pairs, made (or found) by rank 0 first; validation batches."""
+        cfg, out_dir = self.cfg, self.run_dir.path
 
         def pairs() -> Iterator[tuple[str, str]]:
             return iter_parallel(cfg.data.train_src, cfg.data.train_tgt)
 
-        self.valid_src, self.valid_tgt = self._read_valid()
-        self._lock = checkpoint.RunLock(self.out_dir) if self.is_main else None
         if self.is_main:
-            if restart:
-                remove_run_outputs(self.out_dir)
-            checkpoint.recover(self.out_dir)
-            src_tok, tgt_tok = prepare_tokenizers(cfg, self.out_dir, pairs)
+            src_tok, tgt_tok = prepare_tokenizers(cfg, out_dir, pairs)
             self.corpus = open_training_data(cfg, src_tok, tgt_tok)
         self.dist.barrier()  # the other ranks read the tokenizer and the encoded pairs rank 0 made (or found)
-        self.src_tok, self.tgt_tok = prepare_tokenizers(cfg, self.out_dir, pairs)
+        self.src_tok, self.tgt_tok = prepare_tokenizers(cfg, out_dir, pairs)
         if not self.is_main:
             self.corpus = open_training_data(cfg, self.src_tok, self.tgt_tok)
         self.valid_batches = self._valid_loss_batches() if self.is_main else []
         self._epoch_indices: tuple[int, list[np.ndarray]] = (0, [])
 
-        self.model = build_model(cfg.model, self.src_tok.vocab_size, self.tgt_tok.vocab_size, PAD_ID).to(self.device)
+    def _setup_model(self) -> None:
+        """The model and its loss; then dropout seeded per rank, so masks differ between ranks."""
+        tc = self.cfg.train
+        self.model = build_model(self.cfg.model, self.src_tok.vocab_size, self.tgt_tok.vocab_size, PAD_ID)
+        self.model.to(self.device)
         log.info("model: %s parameters", f"{count_parameters(self.model):,}")
         self.objective = TrainingObjective(self.model, tc.label_smoothing, self.dtype)
+        if self.dist.enabled:
+            torch.manual_seed(tc.seed + 1_000_003 * self.dist.rank)
+
+    def _setup_optimizer(self) -> None:
+        tc = self.cfg.train
         # fused: one kernel for all parameters; 4.5 ms instead of 12.4 ms per update on the Multi30k model (CPU)
         self.optimizer = torch.optim.Adam(
             self.model.parameters(), lr=tc.lr, betas=(0.9, 0.98), eps=1e-9, weight_decay=tc.weight_decay, fused=True
         )
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=tc.precision == "fp16")
-        self.progress = Progress()
-        if self.dist.enabled:
-            torch.manual_seed(tc.seed + 1_000_003 * self.dist.rank)  # dropout masks differ between ranks
-        latest = checkpoint.latest(self.out_dir)
-        if latest is not None:
-            try:
-                self._load(latest)
-            except checkpoint.UnreadableCheckpoint as err:
-                older = checkpoint.run_checkpoints(self.out_dir)[:-1]
-                if not older:
-                    raise
-                raise checkpoint.CheckpointError(f"{err}; delete {latest} to resume from {older[-1]}") from None
-            log.info("resuming from %s at update %d (epoch %d)", latest, self.progress.step, self.progress.epoch)
-        if self.is_main:  # only now: a refused resume leaves the config that describes the checkpoints
-            with self._writing("config.yaml"):
-                files.atomic_write_text(self.out_dir / "config.yaml", dump(cfg))
-            with self._writing("metrics.jsonl"):
-                trim_metrics(self.out_dir / "metrics.jsonl", self.progress.step, self.progress.validated)
+
+    def _resume(self) -> bool:
+        """Load the newest checkpoint of the run directory, if there is one; whether there was."""
+        latest = self.run_dir.latest()
+        if latest is None:
+            return False
+        try:
+            self._load(latest)
+        except checkpoint.UnreadableCheckpoint as err:
+            older = self.run_dir.checkpoints()[:-1]
+            if not older:
+                raise
+            raise checkpoint.CheckpointError(f"{err}; delete {latest} to resume from {older[-1]}") from None
+        log.info("resuming from %s at update %d (epoch %d)", latest, self.progress.step, self.progress.epoch)
+        return True
+
+    def _setup_forward(self) -> None:
+        """What a training step calls: the loss, wrapped for data parallelism under torchrun, compiled if asked."""
         self.forward = self._data_parallel() if self.dist.enabled else self.objective
-        if tc.compile:
+        if self.cfg.train.compile:
             self.objective.compile_features()
-        self._tensorboard = self._open_tensorboard() if tc.tensorboard and self.is_main else None
-        self._signals: StopSignals | None = None
-        self._clock = time.perf_counter()
-        self._consecutive_skips = 0
-        self._saved = self.progress.step if latest is not None else -1  # the update of the newest checkpoint
 
     def _read_valid(self) -> tuple[list[str], list[str]]:
         data = self.cfg.data
@@ -347,11 +447,6 @@ class Trainer:
         no_buffer_sync = {"forward_sync_buffers": False} if newer else {"broadcast_buffers": False}
         return DistributedDataParallel(self.objective, device_ids=device_ids, **no_buffer_sync)
 
-    def _open_tensorboard(self):
-        from torch.utils.tensorboard import SummaryWriter  # check_trainable made sure it is there
-
-        return SummaryWriter(str(self.out_dir / "tensorboard"))
-
     # -- checkpoints ------------------------------------------------------------------------
 
     def _load(self, path: Path) -> None:
@@ -365,7 +460,8 @@ class Trainer:
         mine = {"src": self.src_tok.sha256, "tgt": self.tgt_tok.sha256}
         if {side: record["sha256"] for side, record in saved.meta["tokenizer"].items()} != mine:
             raise checkpoint.CheckpointError(
-                f"{path}: trained with another tokenizer than the one in {self.out_dir}; use a new --out or --restart"
+                f"{path}: trained with another tokenizer than the one in {self.run_dir.path}; "
+                "use a new --out or --restart"
             )
         checkpoint.load_weights(self.model, saved.weights, path)
         progress = resumed_progress(path, saved.state, saved.meta["step"])
@@ -424,35 +520,14 @@ class Trainer:
             "rng": rng,
             "progress": asdict(self.progress),
         }
-        with self._writing(f"the checkpoint of update {self.progress.step}"):
-            checkpoint.save_in_run(
-                self.out_dir, self.progress.step, self.model.state_dict(), self._meta(), state, self.cfg.train.keep_last
-            )
+        self.run_dir.save_checkpoint(
+            self.progress.step, self.model.state_dict(), self._meta(), state, self.cfg.train.keep_last
+        )
         self._saved = self.progress.step
 
-    @contextlib.contextmanager
-    def _writing(self, what: str) -> Iterator[None]:
-        """A failed write to the run directory (a full disk, say) stops training, naming what stays good."""
-        try:
-            yield
-        except OSError as err:
-            latest = checkpoint.latest(self.out_dir)
-            kept = f"{latest} is intact" if latest is not None else "no checkpoint was saved before"
-            raise TrainingFailed(
-                f"cannot write {what} in {self.out_dir} ({files.os_error_line(err)}); {kept}: fix the cause, "
-                "then run the same command to resume"
-            ) from None
-
     def _log_metrics(self, record: dict) -> None:
-        if not self.is_main:
-            return
-        with self._writing("metrics.jsonl"), open(self.out_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
-        if self._tensorboard is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("step", "epoch"):
-                    self._tensorboard.add_scalar(f"{record['event']}/{key}", value, record["step"])
-            self._tensorboard.flush()
+        if self.is_main:
+            self.run_dir.log(record)
 
     # -- the step ---------------------------------------------------------------------------
 
@@ -538,56 +613,16 @@ class Trainer:
 
     # -- skipped updates --------------------------------------------------------------------
 
-    def _after_skip(self, stats: dict) -> None:
-        """Count a skipped update; roll back or stop when skips say training cannot go on."""
-        kind, p, tc = stats["skipped"], self.progress, self.cfg.train
-        self._consecutive_skips += 1
-        if kind == "oom":
-            p.oom_skips += 1
-            log.warning(
-                "update %d: out of memory on %d rank(s); its batches are skipped (%d so far)",
-                p.step + 1,
-                stats["oom_ranks"],
-                p.oom_skips,
-            )
-            if self._consecutive_skips >= MAX_CONSECUTIVE_OOMS:
-                raise TrainingFailed(
-                    f"out of memory in {self._consecutive_skips} updates in a row: lower train.batch_tokens "
-                    f"(now {tc.batch_tokens}) and raise train.accum to keep the effective batch"
-                )
-        elif kind == "overflow":
-            p.overflow_skips += 1
-        elif tc.nonfinite == "skip":
-            p.nonfinite_skips += 1
-            log.warning("update %d: non-finite loss or gradient; update skipped (train.nonfinite: skip)", p.step + 1)
-        else:
-            self._roll_back()
-            return
-        if self._consecutive_skips >= MAX_CONSECUTIVE_SKIPS:
-            raise TrainingFailed(
-                f"{self._consecutive_skips} updates in a row skipped ({kind}) at update {p.step + 1}: "
-                "training has diverged; lower train.lr or use precision fp32"
-            )
-
     def _roll_back(self) -> None:
-        """Return to the newest checkpoint with a lower learning rate, or stop if that is not allowed."""
+        """Return to the newest checkpoint with a lower learning rate, if the skip policy allows it."""
         tc, p = self.cfg.train, self.progress
-        what = f"non-finite loss or gradient at update {p.step + 1} (precision {tc.precision})"
-        latest = checkpoint.latest(self.out_dir)
-        if tc.nonfinite == "stop" or latest is None or p.rollbacks >= tc.max_rollbacks:
-            if tc.nonfinite == "stop":
-                why = "train.nonfinite is stop"
-            elif latest is None:
-                why = "no checkpoint to roll back to yet"
-            else:
-                why = f"already rolled back {p.rollbacks} times (train.max_rollbacks)"
-            kept = f"; last good checkpoint: {latest}" if latest is not None else ""
-            raise TrainingFailed(f"{what}; {why}{kept}; lower train.lr or use precision fp32")
+        latest = self.skips.rollback_target(p, self.run_dir.latest())
+        what = _nonfinite_at(p.step + 1, tc.precision)
         lr_scale = p.lr_scale * tc.rollback_lr_factor
         carried = {**p.counters(), "seconds": p.seconds, "rollbacks": p.rollbacks + 1, "lr_scale": lr_scale}
         self._load(latest)
         self.progress = replace(self.progress, **carried)
-        self._consecutive_skips = 0
+        self.skips.reset()
         log.warning(
             "%s: rolled back to update %d, learning rate x%g (rollback %d of %d)",
             what,
@@ -620,25 +655,33 @@ class Trainer:
 
     def _validate(self) -> dict:
         self.model.eval()
-        result: dict = {}
         if not self.valid_src:
-            return result
+            return {}
+        result = self._valid_loss()
+        if self.cfg.train.valid_bleu:
+            score = bleu(self._valid_translations(), self.valid_tgt)
+            result.update(valid_bleu=score.value, bleu_signature=score.signature)
+        return result
+
+    def _valid_loss(self) -> dict:
         loss_sum = nll_sum = tokens = 0.0
         for batch in self.valid_batches:
             b = batch.to(self.device)
             loss, nll = self.objective(b.src, b.src_pad_mask, b.tgt_in, b.tgt_out)
             loss_sum, nll_sum, tokens = loss_sum + loss.item(), nll_sum + nll.item(), tokens + batch.target_tokens
-        result.update(
-            valid_loss=loss_sum / tokens, valid_nll=nll_sum / tokens, valid_ppl=math.exp(min(nll_sum / tokens, 50))
-        )
-        if self.cfg.train.valid_bleu:
-            decode = replace(self.cfg.decode, beam=self.cfg.train.valid_beam)
-            with autocast(self.device, self.dtype):
-                translator = Translator(self.model, self.src_tok, self.tgt_tok, decode, self.device)
-                hyps = translator.translate(self.valid_src)
-            score = bleu(hyps, self.valid_tgt)
-            result.update(valid_bleu=score.value, bleu_signature=score.signature)
-        return result
+        return {
+            "valid_loss": loss_sum / tokens,
+            "valid_nll": nll_sum / tokens,
+            "valid_ppl": math.exp(min(nll_sum / tokens, 50)),
+        }
+
+    def _valid_translations(self) -> list[str]:
+        """The validation set decoded with train.valid_beam, a progress bar counting the sentences done."""
+        decode = replace(self.cfg.decode, beam=self.cfg.train.valid_beam)
+        progress = StageProgress("validation decoding", total=len(self.valid_src), unit="sentences")
+        with autocast(self.device, self.dtype), progress as bar:
+            translator = Translator(self.model, self.src_tok, self.tgt_tok, decode, self.device, on_batch=bar.advance)
+            return translator.translate(self.valid_src)
 
     def _validate_and_log(self) -> dict:
         """Rank 0 validates and tells the others, so best-checkpoint and patience decisions agree.
@@ -656,8 +699,7 @@ class Trainer:
             log.info("validation at update %d: %s", p.step, _describe(result))
         p.validated = p.step
         if self.is_main and self._saved == p.step:
-            with self._writing(f"the validation outcome of update {p.step}"):
-                checkpoint.record_validation(self.out_dir, p.step, {"best": p.best, "stale": p.stale})
+            self.run_dir.record_validation(p.step, {"best": p.best, "stale": p.stale})
         return result
 
     def _after_validation(self, result: dict) -> None:
@@ -666,8 +708,7 @@ class Trainer:
         if p.best is None or metric > p.best:
             p.best, p.stale = metric, 0
             if self.is_main:
-                with self._writing("the best checkpoint"):
-                    checkpoint.save_best(self.out_dir, self.model.state_dict(), {**self._meta(), "validation": result})
+                self.run_dir.save_best(self.model.state_dict(), {**self._meta(), "validation": result})
             result["new_best"] = True
         else:
             p.stale += 1
@@ -725,42 +766,48 @@ class Trainer:
         or is killed costs no training; a run resumed from a checkpoint whose validation did not
         finish does it first.
         """
-        tc = self.cfg.train
-        self.reporter.start(tc.max_steps, self.progress.step)
-        last_result: dict = {}
-        window = LogWindow()
-        self._clock = time.perf_counter()
+        self.reporter.start(self.cfg.train.max_steps, self.progress.step)
         try:
             with StopSignals() as signals:
                 self._signals = signals
-                if self.progress.step and self._validation_due():
-                    last_result = self._validate_and_log()
-                for batches, group_tokens in self._update_groups():
-                    stats = self.train_step(batches, group_tokens)
-                    if stats["skipped"]:
-                        self._after_skip(stats)
-                    else:
-                        self._consecutive_skips = 0
-                        window = self._after_update(stats, window)
-                        if tc.save_every and self.progress.step % tc.save_every == 0:
-                            self.save_last()
-                        if tc.valid_every and self.progress.step % tc.valid_every == 0:
-                            last_result = self._validate_and_log()
-                            window = LogWindow()  # throughput counts training time only
-                    if stats["stop"]:
-                        self.save_last()
-                        raise TrainingStopped(signals.received or signal.SIGTERM, self.progress.step)
-                log.info("training done: %s", self.stop_reason())
-                self.save_last()
-                if self._validation_due():
-                    last_result = self._validate_and_log()
+                return self._train()
         finally:
-            self._signals = None
-            if self._lock is not None:
-                self._lock.release()
-            self.reporter.finish()
-            if self._tensorboard is not None:
-                self._tensorboard.close()
+            self.cleanup()
+
+    def cleanup(self) -> None:
+        """Give up the run directory and the progress display; ``run`` ends with this, however it ends."""
+        self._signals = None
+        self.run_dir.close()
+        self.reporter.finish()
+
+    def _train(self) -> dict:
+        """Updates, with checkpoints and validations at their cadence, then the last checkpoint and validation."""
+        tc = self.cfg.train
+        last_result: dict = {}
+        window = LogWindow()
+        self._clock = time.perf_counter()
+        if self.progress.step and self._validation_due():
+            last_result = self._validate_and_log()
+        for batches, group_tokens in self._update_groups():
+            stats = self.train_step(batches, group_tokens)
+            if stats["skipped"]:
+                if self.skips.skipped(stats, self.progress):
+                    self._roll_back()
+            else:
+                self.skips.reset()
+                window = self._after_update(stats, window)
+                if tc.save_every and self.progress.step % tc.save_every == 0:
+                    self.save_last()
+                if tc.valid_every and self.progress.step % tc.valid_every == 0:
+                    last_result = self._validate_and_log()
+                    window = LogWindow()  # throughput counts training time only
+            if stats["stop"]:
+                self.save_last()
+                raise TrainingStopped(self._signals.received or signal.SIGTERM, self.progress.step)
+        log.info("training done: %s", self.stop_reason())
+        self.save_last()
+        if self._validation_due():
+            last_result = self._validate_and_log()
         return last_result
 
     def _after_update(self, stats: dict, window: LogWindow) -> LogWindow:
@@ -806,40 +853,6 @@ def schedule_preview(cfg: RunConfig) -> list[tuple[int, float]]:
     tc = cfg.train
     steps = sorted({1, max(tc.warmup // 2, 1), max(tc.warmup, 1), 2 * max(tc.warmup, 1), tc.max_steps})
     return [(s, lr_at(s, tc.lr, tc.warmup)) for s in steps if s <= tc.max_steps]
-
-
-def remove_run_outputs(out_dir: Path) -> None:
-    """Delete what training wrote into ``out_dir`` (for ``--restart``), leaving anything else alone."""
-    for name in (checkpoint.CHECKPOINTS_DIR, checkpoint.BEST_DIR, "tensorboard"):  # not .lock: it is held
-        shutil.rmtree(out_dir / name, ignore_errors=True)
-    names = ["metrics.jsonl", "config.yaml"]
-    for path in [*(out_dir / name for name in names), *out_dir.glob("spm*.model"), *out_dir.glob("spm*.vocab")]:
-        path.unlink(missing_ok=True)
-
-
-def trim_metrics(path: Path, step: int, validated: int | None = None) -> None:
-    """Keep the records of updates up to ``step``, where training resumes; drop a line torn by a crash.
-
-    The updates after the checkpoint are done again, and logged again, so the file keeps one record
-    each. So are validations after ``validated`` (the checkpoint's own, when it was cut short).
-    """
-    if not path.is_file():
-        return
-    validated = step if validated is None else validated
-    kept, changed = [], False
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-            at = record.get("step", 0) if isinstance(record, dict) else None
-            keep = isinstance(at, int) and at <= (validated if record.get("event") == "valid" else step)
-        except json.JSONDecodeError:
-            keep = False
-        if keep:
-            kept.append(line)
-        else:
-            changed = True
-    if changed:
-        files.atomic_write_text(path, "".join(line + "\n" for line in kept))
 
 
 def check_trainable(cfg: RunConfig) -> None:

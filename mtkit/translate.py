@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields, replace
 from itertools import islice
 from pathlib import Path
@@ -141,13 +141,17 @@ class Translator(LineTranslator):
         nbest: int = 1,
         sampling: SamplingConfig | None = None,
         aligner: Transformer | None = None,
+        on_batch: Callable[[int], None] | None = None,
     ) -> None:
-        """``aligner``: the model whose cross-attention gives each best translation a word alignment."""
+        """``aligner``: the model whose cross-attention gives each best translation a word alignment;
+        ``on_batch(n)``: called as each batch of ``n`` lines is done (lines that need no model count as one batch),
+        to show progress."""
         check_nbest(nbest, decode, sampling)
         self.model, self.src_tok, self.tgt_tok = model, src_tok, tgt_tok
         self.decode, self.device, self.nbest = decode, device, nbest
         self.sampling = sampling
         self.aligner = aligner
+        self.on_batch = on_batch
         self.generator = torch.Generator(device).manual_seed(sampling.seed) if sampling is not None else None
 
     def stream(self, chunks: Iterable[list[str]], prefixes: Iterable[str] | None = None) -> Iterator[list[Translation]]:
@@ -187,6 +191,8 @@ class Translator(LineTranslator):
             zip(todo, source_ids(self.src_tok, [lines[i] for i in todo], [first_line + i for i in todo], max_positions))
         )
         todo = [i for i in todo if ids[i]]  # text of no tokens (U+200B alone) is an empty line too
+        if self.on_batch is not None and len(todo) < len(lines):
+            self.on_batch(len(lines) - len(todo))
         d = self.decode
         rows = self.nbest if self.sampling is not None else d.beam
         for batch in length_batches([len(ids[i]) + 1 for i in todo], d.batch_size, d.batch_tokens, rows):
@@ -211,6 +217,8 @@ class Translator(LineTranslator):
                 texts = self.tgt_tok.decode([h.tokens for h in sentence])
                 results[i] = [Translation(t, h.score, h.logprob) for t, h in zip(texts, sentence)]
                 results[i][0] = replace(results[i][0], alignment=alignment)
+            if self.on_batch is not None:
+                self.on_batch(len(chunk))
         return results
 
 

@@ -17,6 +17,7 @@ from mtkit import checkpoint, files
 from mtkit.checkpoint import CheckpointError
 from mtkit.cli import app
 from mtkit.config import RunConfig
+from mtkit.run_directory import recover
 
 runner = CliRunner()
 
@@ -132,7 +133,7 @@ def test_a_kill_between_the_two_renames_of_a_swap_loses_no_checkpoint(tmp_path):
     assert checkpoint.resolve(run) == run / ".best.old"  # translate still finds it, read-only
     (run / ".config.yaml.abc.tmp").write_text("half a con")  # an atomic write that a kill interrupted
     (run / ".keep-me").write_text("not mtkit's")
-    checkpoint.recover(run)  # what training does first
+    recover(run)  # what training does first
     assert sorted(p.name for p in run.iterdir()) == [".keep-me", "best", "checkpoints"]
     assert_same_weights(checkpoint.read_checkpoint(checkpoint.resolve(run)).weights, weights_of(0))
 
@@ -314,5 +315,5 @@ def test_a_checkpoint_killed_while_being_pruned_is_never_taken_for_a_whole_one(t
     monkeypatch.undo()
     assert [p.name for p in checkpoint.run_checkpoints(run)] == ["update-00000002", "update-00000003"]
     assert all(checkpoint.read_checkpoint(p).state is not None for p in checkpoint.run_checkpoints(run))
-    checkpoint.recover(run)
+    recover(run)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["update-00000002", "update-00000003"]

@@ -12,7 +12,8 @@ import torch
 
 from mtkit import checkpoint
 from mtkit.config import from_dict
-from mtkit.trainer import StopSignals, Trainer, lr_at, run_training, trim_metrics
+from mtkit.run_directory import trim_metrics
+from mtkit.trainer import StopSignals, Trainer, lr_at, run_training
 
 
 def test_lr_warms_up_linearly_then_decays_as_inverse_sqrt():

@@ -157,6 +157,21 @@ def test_translation_reads_only_as_much_input_as_it_needs(trained_run, lines):  
     assert all((t[0].logprob == 0.0) == (i % len(lines) == 2) for i, t in enumerate(first))  # line 2 is empty
 
 
+def test_on_batch_counts_every_line_once_and_changes_no_output(trained_run, lines):  # noqa: F811
+    """Validation's progress bar counts with it; the empty line counts too, so the bar reaches its total."""
+    import torch
+
+    from mtkit.checkpoint import load_for_inference
+    from mtkit.config import DecodeConfig
+
+    bundle = load_for_inference(trained_run, torch.device("cpu"))
+    model = (bundle.model, bundle.src_tok, bundle.tgt_tok, DecodeConfig(beam=2, batch_size=2), torch.device("cpu"))
+    done: list[int] = []
+    reported = mtkit.translate.Translator(*model, on_batch=done.append).translate(lines)
+    assert reported == mtkit.translate.Translator(*model).translate(lines)
+    assert sum(done) == len(lines) and len(done) == 4  # the empty line, then three batches of two
+
+
 def test_alignments_pair_source_and_target_words(trained_run, lines):  # noqa: F811
     result = invoke("translate", trained_run, "--beam", 2, "--min-len", 3, "--alignments", input=stdin_of(lines))
     assert result.exit_code == 0, result.output
