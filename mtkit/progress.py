@@ -153,7 +153,8 @@ class _TimeColumn(TimeRemainingColumn):
 
 
 class TrainingProgress:
-    """Training's progress: a live bar on a terminal, a plain log line every ``every`` updates otherwise."""
+    """Training's progress: a live bar on a terminal, a plain log line every ``every`` updates otherwise;
+    nothing when INFO is not logged."""
 
     def __init__(self, every: int) -> None:
         self.every = every
@@ -161,7 +162,7 @@ class TrainingProgress:
 
     def start(self, total_steps: int, done_steps: int) -> None:
         self.total = total_steps
-        if STDERR.is_terminal:
+        if shows_bar():
             self.progress = Progress(
                 TextColumn("update"),
                 MofNCompleteColumn(),
@@ -171,6 +172,7 @@ class TrainingProgress:
                 TextColumn("ETA"),
                 TimeRemainingColumn(),
                 console=STDERR,
+                redirect_stdout=False,
             )
             self.task = self.progress.add_task("train", total=total_steps, completed=done_steps, stats="")
             self.progress.start()

@@ -178,6 +178,7 @@ def open_or_build(
         if store is not None:
             log.info("training data: reusing the encoded pairs in %s", directory)
         else:
+            log.info("training data: encoding the pairs into %s", directory)
             atomic_write_directory(directory, lambda tmp: _encode(tmp, pairs, key, src_tok, tgt_tok))
             store = TokenStore(directory, vocab_sizes)
             seconds = max(store.meta["encode_seconds"], 1e-9)
@@ -225,7 +226,7 @@ def _encode(tmp: Path, pairs: Iterable[tuple[str, str]], key: dict, src_tok: Tok
     """
     start = time.perf_counter()
     total = count_lines(key["files"][0]["path"]) if shows_bar() else None
-    # the end is logged by open_or_build, with the token counts
+    # open_or_build logs the start, and the end with the token counts
     bar = StageProgress("encoding the training pairs", total, "pairs", log_ends=False)
     dtypes = {"src": _id_dtype(src_tok.vocab_size), "tgt": _id_dtype(tgt_tok.vocab_size)}
     lengths: dict[str, list[np.ndarray]] = {"src": [], "tgt": []}
