@@ -255,8 +255,7 @@ def _attempt(url: str, part: Path, dest: Path, timeout: float, learned: _Learned
         log.info("downloading %s → %s (%s%s)", url, dest, size, resumed)
         start = time.monotonic()
         limit = None if learned.total is None else learned.total - offset
-        bar = StageProgress(f"downloading {dest.name}", learned.total, "bytes", done=offset, log_ends=False)
-        with bar:
+        with StageProgress(f"downloading {dest.name}", learned.total, "bytes", done=offset, log_ends=False) as bar:
             received = _receive(response, part, append=offset > 0, limit=limit, bar=bar)
         chunked = _chunked(response.headers)
     if not _whole(url, part, offset + received, chunked, learned):
