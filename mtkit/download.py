@@ -34,7 +34,6 @@ import http.client
 import logging
 import os
 import re
-import shutil
 import time
 import urllib.error
 import urllib.parse
@@ -45,11 +44,13 @@ from pathlib import Path, PurePosixPath
 from mtkit import __version__
 from mtkit.data import DataError
 from mtkit.files import file_sha256
+from mtkit.progress import StageProgress
 
 log = logging.getLogger("mtkit")
 
 BACKOFF_S = 1.0  # retry i waits BACKOFF_S * 2**i seconds; tests set it to 0
 _CHUNK = 1 << 16
+_COPY_CHUNK = 1 << 20
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _LENGTH = re.compile(r"[0-9]+")
 _CONTENT_RANGE = re.compile(r"bytes ([0-9]+)-([0-9]+)/([0-9]+)")
@@ -181,10 +182,16 @@ def _check_digest(sha256: str | None, source: str) -> str | None:
 
 
 def _copy(source: Path, part: Path, dest: Path) -> None:
-    """Copy a local file (a real copy: a symlink would break when the mirror moves)."""
+    """Copy a local file (a real copy: a symlink would break when the mirror moves), in chunks, so that a
+    large one shows its progress."""
     log.info("copying %s → %s", source, dest)
     try:
-        shutil.copyfile(source, part)
+        with open(source, "rb") as src, open(part, "wb") as out:
+            size = os.fstat(src.fileno()).st_size
+            with StageProgress(f"copying {dest.name}", total=size, unit="bytes", log_ends=False) as bar:
+                while chunk := src.read(_COPY_CHUNK):
+                    out.write(chunk)
+                    bar.advance(len(chunk))
     except OSError as err:
         part.unlink(missing_ok=True)  # a copy is not resumed: a partial one is of no use
         problem = "file not found" if isinstance(err, FileNotFoundError) else f"cannot copy ({err.strerror or err})"
@@ -248,7 +255,8 @@ def _attempt(url: str, part: Path, dest: Path, timeout: float, learned: _Learned
         log.info("downloading %s → %s (%s%s)", url, dest, size, resumed)
         start = time.monotonic()
         limit = None if learned.total is None else learned.total - offset
-        received = _receive(response, part, append=offset > 0, limit=limit)
+        with StageProgress(f"downloading {dest.name}", learned.total, "bytes", done=offset, log_ends=False) as bar:
+            received = _receive(response, part, append=offset > 0, limit=limit, bar=bar)
         chunked = _chunked(response.headers)
     if not _whole(url, part, offset + received, chunked, learned):
         return False
@@ -310,7 +318,9 @@ def _quoted(name: str, value: str | None) -> str:
     return f"{name} {value!r}" if value is not None else f"no {name}"
 
 
-def _receive(response: http.client.HTTPResponse, part: Path, append: bool, limit: int | None) -> int:
+def _receive(
+    response: http.client.HTTPResponse, part: Path, append: bool, limit: int | None, bar: StageProgress
+) -> int:
     """Copy the body into ``part`` as it arrives, so a failure keeps what came; returns the bytes received. Stops
     once more than ``limit`` bytes came: the body is then longer than declared."""
     received = 0
@@ -320,6 +330,7 @@ def _receive(response: http.client.HTTPResponse, part: Path, append: bool, limit
                 f.write(chunk)
                 f.flush()  # a killed process keeps every byte it received, for the next fetch to resume from
                 received += len(chunk)
+                bar.advance(len(chunk))
                 if limit is not None and received > limit:
                     break
         except (OSError, http.client.HTTPException) as err:  # timeout, reset, IncompleteRead (chunked)

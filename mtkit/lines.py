@@ -18,9 +18,9 @@ from pathlib import Path
 from mtkit import translate
 from mtkit.checkpoint import check_output_file
 from mtkit.config import ConfigError, SamplingConfig
-from mtkit.data import UTF8_BOM, DataError, check_input_file, open_binary, reading
+from mtkit.data import UTF8_BOM, DataError, check_input_file, count_lines, open_binary, reading
 from mtkit.files import atomic_write
-from mtkit.progress import LineProgress
+from mtkit.progress import StageProgress, shows_bar
 from mtkit.runtime import require
 from mtkit.translate import PrefixMismatch, Translation, load_translator
 
@@ -176,8 +176,20 @@ def stdin_or_path(path: Path | None) -> Path | None:
     return None if path is None or str(path) in STDIN_NAMES else path
 
 
-def write_lines(texts: Iterable[str], output: Path | None, whole_lines: WholeLines) -> int:
-    """Write each text (one or more whole lines) to ``output``, atomically, or to stdout as each is ready.
+def line_progress(input: Path | None, output: Path | None) -> StageProgress:
+    """Input lines translated: on a terminal a bar, with a total and ETA when the input is a regular file
+    (its lines counted first, a second per GB); none while translations go to the terminal too, as a bar
+    redrawn between them would break their lines. Off a terminal, only a line every PLAIN_EVERY_S seconds:
+    stderr stays free for warnings."""
+    to_terminal = output is None and sys.stdout.isatty()
+    total = count_lines(input) if input is not None and not to_terminal and shows_bar() else None
+    name = input.name if input is not None else "<stdin>"
+    return StageProgress(f"translating {name}", total, "lines", log_ends=False, bar=not to_terminal)
+
+
+def write_lines(texts: Iterable[str], output: Path | None, whole_lines: WholeLines, progress: StageProgress) -> int:
+    """Write each text (one or more whole lines) to ``output``, atomically, or to stdout as each is ready,
+    each counted as one line done in ``progress``.
 
     Returns the count. A signal (``Interrupted``) stops it between texts; with ``output``, the ones
     written so far are then kept in OUTPUT.partial (``stop.partial``), and OUTPUT is not written.
@@ -187,7 +199,7 @@ def write_lines(texts: Iterable[str], output: Path | None, whole_lines: WholeLin
 
     def write_all(out) -> None:
         nonlocal done
-        with LineProgress() as progress:
+        with progress:
             for text in texts:
                 data = text.encode("utf-8")
                 with whole_lines.writing():  # counted inside: a signal during the write waits for both
@@ -268,6 +280,6 @@ def translate_file(
             results = translator.stream(chunks, (line for chunk in input_chunks(path, size) for line in chunk))
         texts = (format_translations(i, t, nbest, scores, alignments) for i, t in enumerate(results))
         try:
-            return write_lines(texts, output, whole_lines)
+            return write_lines(texts, output, whole_lines, line_progress(input, output))
         except PrefixMismatch as err:
             raise DataError(f"{prefix}: {err}") from None

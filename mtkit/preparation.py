@@ -25,9 +25,10 @@ from mtkit import untrusted
 from mtkit.clean import CleanSummary, clean_pairs
 from mtkit.config import CleanConfig
 from mtkit.corpora import Corpus, RemoteFile, Split
-from mtkit.data import DataError, iter_aligned
+from mtkit.data import DataError, count_lines, iter_aligned
 from mtkit.download import fetch, source_url
 from mtkit.files import atomic_write
+from mtkit.progress import StageProgress, shows_bar
 
 log = logging.getLogger("mtkit")
 
@@ -51,12 +52,14 @@ def prepare_corpus(corpus: Corpus, out: Path, mirror: str | None = None, clean: 
     splits = {}
     for name, split in corpus.splits.items():
         paths = [_download(f, out / "raw", mirror) for f in split.files]
-        pairs = _read(split, paths, corpus.langs)
-        summary = None
-        if name == "train":
-            summary = CleanSummary()
-            pairs = clean_pairs(pairs, clean, summary)
-        lines = _write(pairs, out / f"{name}.{corpus.src_lang}", out / f"{name}.{corpus.tgt_lang}")
+        total = _pair_count(split, paths) if shows_bar() else None
+        with StageProgress(f"preparing {corpus.name} {name}", total, "pairs") as bar:
+            pairs = bar.each(_read(split, paths, corpus.langs))
+            summary = None
+            if name == "train":
+                summary = CleanSummary()
+                pairs = clean_pairs(pairs, clean, summary)
+            lines = _write(pairs, out / f"{name}.{corpus.src_lang}", out / f"{name}.{corpus.tgt_lang}")
         splits[name] = {"lines": lines, **({"clean": summary.to_dict()} if summary else {})}
         log.info("%s %s: %s", corpus.name, name, summary.line() if summary else f"{lines:,} lines")
     record = {"settings": settings, "splits": splits, "seconds": round(time.perf_counter() - start, 1)}
@@ -85,6 +88,20 @@ def _read(split: Split, paths: list[Path], langs: tuple[str, str]) -> Iterator[t
     if split.form == "text":
         return iter_aligned(*paths, allow_nul=True)  # stray NULs in published text: cleaning removes them
     return _parquet_pairs(paths, langs)
+
+
+def _pair_count(split: Split, paths: list[Path]) -> int | None:
+    """The pairs to read, where they are cheap to count: lines of an uncompressed text file, rows of parquet
+    files (in their footers); None otherwise."""
+    if split.form == "text":
+        return count_lines(paths[0])
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return sum(pq.read_metadata(path).num_rows for path in paths)
+    except (pa.ArrowException, OSError):  # reading them says what is wrong
+        return None
 
 
 def _parquet_pairs(paths: list[Path], langs: tuple[str, str]) -> Iterator[tuple[str, str]]:

@@ -30,8 +30,18 @@ import filelock
 import numpy as np
 
 from mtkit import untrusted
-from mtkit.data import Batch, DataError, FilterReport, check_input_file, collate_flat, filter_pairs, token_batches
+from mtkit.data import (
+    Batch,
+    DataError,
+    FilterReport,
+    check_input_file,
+    collate_flat,
+    count_lines,
+    filter_pairs,
+    token_batches,
+)
 from mtkit.files import atomic_write_directory
+from mtkit.progress import StageProgress, shows_bar
 from mtkit.tokenizer import Tokenizer
 
 log = logging.getLogger("mtkit")
@@ -168,6 +178,7 @@ def open_or_build(
         if store is not None:
             log.info("training data: reusing the encoded pairs in %s", directory)
         else:
+            log.info("training data: encoding the pairs into %s", directory)
             atomic_write_directory(directory, lambda tmp: _encode(tmp, pairs, key, src_tok, tgt_tok))
             store = TokenStore(directory, vocab_sizes)
             seconds = max(store.meta["encode_seconds"], 1e-9)
@@ -209,13 +220,19 @@ def _check_meta(meta: object) -> dict:
 
 
 def _encode(tmp: Path, pairs: Iterable[tuple[str, str]], key: dict, src_tok: Tokenizer, tgt_tok: Tokenizer) -> None:
-    """Encode, filter and append ``pairs`` chunk by chunk; then write the offsets and meta.json."""
+    """Encode, filter and append ``pairs`` chunk by chunk; then write the offsets and meta.json.
+
+    The pairs to come are the source file's lines: counted first for the bar's total where that is cheap.
+    """
     start = time.perf_counter()
+    total = count_lines(key["files"][0]["path"]) if shows_bar() else None
+    # open_or_build logs the start, and the end with the token counts
+    bar = StageProgress("encoding the training pairs", total, "pairs", log_ends=False)
     dtypes = {"src": _id_dtype(src_tok.vocab_size), "tgt": _id_dtype(tgt_tok.vocab_size)}
     lengths: dict[str, list[np.ndarray]] = {"src": [], "tgt": []}
     report, read = FilterReport(0, 0, 0, 0), 0
     pairs = iter(pairs)
-    with open(tmp / "src.ids", "wb") as src_out, open(tmp / "tgt.ids", "wb") as tgt_out:
+    with open(tmp / "src.ids", "wb") as src_out, open(tmp / "tgt.ids", "wb") as tgt_out, bar:
         while chunk := list(itertools.islice(pairs, CHUNK_PAIRS)):
             read += len(chunk)
             src, tgt, chunk_report = filter_pairs(
@@ -230,6 +247,7 @@ def _encode(tmp: Path, pairs: Iterable[tuple[str, str]], key: dict, src_tok: Tok
                 flat = itertools.chain.from_iterable(encoded)
                 np.fromiter(flat, dtype=dtypes[side], count=int(side_lengths.sum())).tofile(out)
                 lengths[side].append(side_lengths)
+            bar.advance(len(chunk))
     if not report.kept:
         files = " and ".join(f["path"] for f in key["files"])
         raise DataError(f"{files}: no usable training pairs ({report.describe()})")

@@ -6,6 +6,7 @@ target models of a separate-vocabulary run agree on them and search needs no per
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 from collections.abc import Iterable, Iterator
@@ -16,6 +17,7 @@ import sentencepiece as spm
 from mtkit.config import TokenizerConfig
 from mtkit.errors import MtkitError
 from mtkit.files import atomic_write, atomic_write_text, file_sha256
+from mtkit.progress import StageProgress
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 CHARS_PER_TOKEN = 32  # twice SentencePiece's longest piece (max_sentencepiece_length 16)
@@ -34,42 +36,52 @@ def train_spm(
     (SentencePiece records the path it writes to inside a model it writes itself). Both files are
     written atomically, the .model last, so a crash never leaves a torn model that a resumed run
     would pick up. ``source`` names the text in errors.
+
+    Progress shows in two stages: the sentences SentencePiece reads (it takes them all before it
+    learns anything), then its training, which says nothing until it is done.
     """
     spm.set_random_generator_seed(options.seed)
     failures: list[Exception] = []
     given = 0
+    path = out_prefix.with_name(out_prefix.name + ".model")  # not with_suffix: "spm.src" would lose ".src"
+    stages = contextlib.ExitStack()
 
     def nonblank() -> Iterator[str]:
         """The sentences to learn from, remembering an input error that SentencePiece would swallow."""
         nonlocal given
         try:
-            for sentence in sentences:
-                if sentence.strip():
-                    given += 1
-                    yield sentence
+            with StageProgress(f"reading sentences for {path.name}", unit="sentences") as reading:
+                for sentence in sentences:
+                    if sentence.strip():
+                        given += 1
+                        reading.advance()
+                        yield sentence
         except Exception as err:
             failures.append(err)
             raise
+        stages.enter_context(StageProgress(f"training {path.name} ({options.vocab_size:,} pieces)", unit=None))
 
     sampling = {}
     if options.input_sentence_size:
         sampling = dict(input_sentence_size=options.input_sentence_size, shuffle_input_sentence=True)
     model = io.BytesIO()
+    feed = nonblank()
     try:
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=nonblank(),
-            model_writer=model,
-            vocab_size=options.vocab_size,
-            model_type=options.type,
-            character_coverage=options.character_coverage,
-            pad_id=PAD_ID,
-            unk_id=UNK_ID,
-            bos_id=BOS_ID,
-            eos_id=EOS_ID,
-            num_threads=threads,
-            minloglevel=2,
-            **sampling,
-        )
+        with stages, contextlib.closing(feed):
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=feed,
+                model_writer=model,
+                vocab_size=options.vocab_size,
+                model_type=options.type,
+                character_coverage=options.character_coverage,
+                pad_id=PAD_ID,
+                unk_id=UNK_ID,
+                bos_id=BOS_ID,
+                eos_id=EOS_ID,
+                num_threads=threads,
+                minloglevel=2,
+                **sampling,
+            )
     except RuntimeError as err:
         if failures:  # the input was at fault (unreadable, misaligned): its own error says where
             raise failures[0] from None
@@ -77,7 +89,6 @@ def train_spm(
             raise TokenizerError(f"{source}: no text to learn a tokenizer from (every line is empty)") from None
         # e.g. "Vocabulary size too high (8000). Please set it to a value <= 1234."
         raise TokenizerError(f"SentencePiece training failed: {str(err).strip().splitlines()[-1]}") from None
-    path = out_prefix.with_name(out_prefix.name + ".model")  # not with_suffix: "spm.src" would lose ".src"
     trained = spm.SentencePieceProcessor(model_proto=model.getvalue())
     vocab = "".join(f"{trained.id_to_piece(i)}\t{trained.get_score(i):g}\n" for i in range(trained.get_piece_size()))
     atomic_write_text(path.with_suffix(".vocab"), vocab)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mtkit import progress
 from mtkit.config import ModelConfig, TokenizerConfig
 from mtkit.model import Transformer, build_model
 from mtkit.tokenizer import PAD_ID, Tokenizer, train_spm
@@ -57,6 +58,13 @@ def train_on_task(model: Transformer, pairs, steps: int, peak_lr: float, warmup:
 def tiny_model(vocab: int = 40, seed: int = 0, **overrides) -> Transformer:
     torch.manual_seed(seed)
     return build_model(tiny_model_config(**overrides), vocab, vocab, PAD_ID).eval()
+
+
+@pytest.fixture
+def terminal(monkeypatch) -> None:
+    """stderr taken for a terminal (Rich reads TTY_COMPATIBLE), every bar kept on it when its stage ends."""
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")
+    monkeypatch.setattr(progress, "KEEP_AFTER_S", 0.0)
 
 
 @pytest.fixture(scope="session", autouse=True)

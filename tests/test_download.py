@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import logging
 import os
@@ -140,6 +139,21 @@ def test_interrupted_transfer_resumes_with_range_and_is_byte_identical(serve, pa
     assert not dest.with_name("val.de.gz.part").exists()
     assert f"downloading {url} → {dest} ({len(payload)} bytes, resuming at byte {CUT})" in caplog.messages
     assert any(m.startswith(f"downloaded {dest}: {len(payload)} bytes in") for m in caplog.messages)
+
+
+def test_on_a_terminal_a_transfer_shows_its_size_with_the_resumed_part_counted(
+    serve, payload, tmp_path, caplog, capsys, terminal
+):
+    def bars(starting: str) -> list[str]:
+        return [line for line in capsys.readouterr().err.splitlines() if line.startswith(starting)]
+
+    kib = f"{len(payload) / 1024:.1f}"
+    with caplog.at_level(logging.INFO, logger="mtkit"):
+        fetch(serve(Site(payload, cut_first=True)), tmp_path / "val.de.gz")
+        cut, resumed = bars("downloading val.de.gz")
+        assert f"/{kib} KiB" in cut and f"100% {kib}/{kib} KiB" in resumed
+        fetch(str(VAL_DE), tmp_path / "copy" / "val.de.gz")
+        assert f"100% {kib}/{kib} KiB" in bars("copying val.de.gz")[0]
 
 
 def test_server_ignoring_range_still_yields_the_file(serve, payload, tmp_path):
@@ -371,16 +385,12 @@ def test_existing_dest_without_checksum_is_kept_only_if_its_size_was_recorded_by
     assert dest.read_bytes() == payload
 
 
-def test_failed_copy_leaves_neither_dest_nor_part(payload, tmp_path, monkeypatch):
-    def copy_some_then_fail(source: Path, target: Path) -> None:
-        Path(target).write_bytes(Path(source).read_bytes()[:CUT])
-        raise OSError(errno.ENOSPC, "No space left on device")
-
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full, a device that is always full")
+def test_failed_copy_leaves_neither_dest_nor_part(payload, tmp_path):
     dest = tmp_path / "val.de.gz"
-    with monkeypatch.context() as patch:
-        patch.setattr(download.shutil, "copyfile", copy_some_then_fail)
-        with pytest.raises(DownloadError) as err:
-            fetch(str(VAL_DE), dest)
+    dest.with_name("val.de.gz.part").symlink_to("/dev/full")  # the copy runs into a full disk
+    with pytest.raises(DownloadError) as err:
+        fetch(str(VAL_DE), dest)
     assert str(err.value) == f"{VAL_DE}: cannot copy (No space left on device)"
     assert list(tmp_path.iterdir()) == []
     assert fetch(str(VAL_DE), dest).read_bytes() == payload

@@ -49,6 +49,7 @@ def test_multi30k_from_a_folder_mirror_is_complete_aligned_and_prepared_once(tmp
     assert train["clean"]["kept"] + drops == 29_000 and 28_000 < train["lines"] < 29_000
     assert record["splits"]["test"]["lines"] == 1000
     assert "multi30k_en_de in" in result.stdout and "test 1,000" in result.stdout
+    assert "INFO preparing multi30k_en_de train: 29,000 pairs in " in result.stderr  # stderr is no terminal
 
     # The same request again changes nothing; another cleaning setting prepares again.
     stamps = {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.is_file()}
@@ -173,6 +174,22 @@ def test_hub_corpora_prepare_from_a_parquet_mirror(tmp_path, name):
     train_src = lines(out / f"train.{corpus.src_lang}")
     assert train_src[0].endswith(" second line")  # the line break became a space: alignment holds
     assert len(train_src) == len(lines(out / f"train.{corpus.tgt_lang}")) <= len(expected["train"])
+
+
+def test_on_a_terminal_each_split_shows_its_pairs_out_of_the_parquet_rows(tmp_path, terminal):
+    corpus = CORPORA["wmt16_en_ro"]
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    english = read_gz(WMT22 / "generaltest2022.en-de.src.en.gz")[:50]
+    for spec in corpus.splits.values():
+        for file in spec.files:
+            write_parquet(mirror / file.filename, [(e, e[::-1]) for e in english], corpus.langs)
+    result = invoke("prepare", "wmt16_en_ro", "--out", tmp_path / "out", "--mirror", mirror)
+    assert result.exit_code == 0, result.output
+    for split, spec in corpus.splits.items():
+        rows = 50 * len(spec.files)
+        [bar] = [line for line in result.stderr.splitlines() if line.startswith(f"preparing wmt16_en_ro {split} ")]
+        assert f"100% {rows}/{rows} pairs" in bar
 
 
 def test_a_download_of_unknown_size_cut_short_is_completed_not_kept(tmp_path):

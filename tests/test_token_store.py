@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import threading
 import tracemalloc
 
@@ -14,7 +15,7 @@ import yaml
 from test_cli import invoke
 from test_train import small_config
 
-from mtkit import token_store
+from mtkit import progress, token_store
 from mtkit.data import DataError, collate, iter_parallel, read_parallel
 from mtkit.token_store import TokenStore, open_or_build, store_key
 from mtkit.tokenizer import Tokenizer
@@ -62,6 +63,26 @@ def test_store_holds_exactly_the_kept_pairs_ids_in_two_bytes(tmp_path, multi30k_
     reference = collate([expected[i][0] for i in indices], [expected[i][1] for i in indices])
     assert all(torch.equal(a, b) for a, b in zip(vars(batch).values(), vars(reference).values()))
     assert store.target_tokens(indices) == batch.target_tokens
+
+
+def test_on_a_terminal_encoding_shows_the_pairs_out_of_the_source_lines(
+    tmp_path, multi30k_slice, spm_model, caplog, capsys, terminal
+):
+    with caplog.at_level(logging.INFO, logger="mtkit"):
+        build(tmp_path, multi30k_slice, spm_model)
+    [bar] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("encoding the training pairs")]
+    assert "100% 400/400 pairs" in bar
+
+
+def test_off_a_terminal_a_long_encoding_logs_the_pairs_done_now_and_then(
+    tmp_path, multi30k_slice, spm_model, caplog, monkeypatch
+):
+    monkeypatch.setattr(token_store, "CHUNK_PAIRS", 150)
+    monkeypatch.setattr(progress, "PLAIN_EVERY_S", 0.0)  # each chunk is "a while"
+    with caplog.at_level(logging.INFO, logger="mtkit"):
+        build(tmp_path, multi30k_slice, spm_model)
+    done = [m for m in caplog.messages if m.startswith("encoding the training pairs")]
+    assert done == [f"encoding the training pairs: {n} pairs" for n in (150, 300, 400)]
 
 
 def test_same_inputs_reuse_the_store_and_a_changed_file_or_filter_does_not(tmp_path, multi30k_slice, spm_model):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from test_cli import invoke, write_config
 
@@ -26,6 +28,27 @@ def test_bpe_and_seeded_sampling_are_reproducible(tmp_path, multi30k_slice):
     pieces_a, pieces_b = (Tokenizer(p).sp for p in (a, b))
     assert [pieces_a.id_to_piece(i) for i in range(200)] == [pieces_b.id_to_piece(i) for i in range(200)]
     assert pieces_a.encode("A man rides a bike.", out_type=str)
+
+
+def test_training_logs_the_sentences_read_then_the_training(tmp_path, multi30k_slice, caplog):
+    lines = multi30k_slice["train.en"].read_text().splitlines()
+    with caplog.at_level(logging.INFO, logger="mtkit"):
+        train_spm(["", *lines], tmp_path / "spm", TokenizerConfig(vocab_size=200))
+    started, read, training, trained = caplog.messages[-4:]
+    assert (started, training) == ("reading sentences for spm.model", "training spm.model (200 pieces)")
+    assert read.startswith(f"reading sentences for spm.model: {len(lines)} sentences in ")  # the blank one skipped
+    assert trained.startswith("training spm.model (200 pieces): done in ")
+
+
+def test_on_a_terminal_training_shows_the_sentences_read_and_the_training(
+    tmp_path, multi30k_slice, caplog, capsys, terminal
+):
+    lines = multi30k_slice["train.en"].read_text().splitlines()
+    with caplog.at_level(logging.INFO, logger="mtkit"):
+        train_spm(lines, tmp_path / "spm", TokenizerConfig(vocab_size=200))
+    shown = capsys.readouterr().err
+    assert f"reading sentences for spm.model {len(lines)} sentences" in shown
+    assert "training spm.model (200 pieces)" in shown and not caplog.messages  # the display replaces the log
 
 
 def test_too_large_vocabulary_is_a_clear_error(tmp_path):

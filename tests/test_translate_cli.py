@@ -202,6 +202,32 @@ def test_early_stop_changes_no_output_without_a_length_penalty(trained_run, line
     assert full.stdout == early.stdout
 
 
+def test_on_a_terminal_a_file_shows_its_total_and_stdout_stays_the_translations(
+    trained_run,  # noqa: F811
+    lines,
+    tmp_path,
+    monkeypatch,
+    terminal,
+):
+    source = tmp_path / "in.en"
+    source.write_text(stdin_of(lines))
+    with monkeypatch.context() as off_terminal:
+        off_terminal.delenv("TTY_COMPATIBLE")
+        expected = invoke("translate", trained_run, "-i", source, "--beam", 2)
+    assert expected.stderr == "" and len(expected.stdout.splitlines()) == len(lines)
+
+    def bar(result, name: str) -> str:
+        assert result.exit_code == 0 and result.stdout == expected.stdout, result.output
+        return [line for line in result.stderr.splitlines() if f"translating {name}" in line][-1]
+
+    from_file = invoke("translate", trained_run, "-i", source, "--beam", 2)
+    assert f"100% {len(lines)}/{len(lines)} lines" in bar(from_file, "in.en")
+    from_pipe = bar(invoke("translate", trained_run, "--beam", 2, input=stdin_of(lines)), "<stdin>")
+    assert f"{len(lines)} lines" in from_pipe and "%" not in from_pipe  # no total to give
+    quiet = invoke("--quiet", "translate", trained_run, "-i", source, "--beam", 2)
+    assert quiet.stdout == expected.stdout and quiet.stderr == ""
+
+
 def test_sigint_on_a_pipeline_leaves_whole_lines_and_says_how_many(trained_run, lines):  # noqa: F811
     command = [sys.executable, "-m", "mtkit", "translate", str(trained_run), "--beam", "2"]
     proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
