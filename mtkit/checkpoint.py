@@ -39,7 +39,7 @@ import safetensors.torch
 import torch
 
 from mtkit import __version__, untrusted
-from mtkit.config import ConfigError, ModelConfig, RunConfig, from_dict
+from mtkit.config import ConfigError, ModelConfig, RecipeConfig, RunConfig, from_dict
 from mtkit.errors import MtkitError
 from mtkit.files import (
     atomic_write,
@@ -480,10 +480,10 @@ def average_checkpoints(paths: list[Path]) -> tuple[dict[str, torch.Tensor], dic
 
 
 def checkpoints_to_average(inputs: list[Path], last: int | None = None) -> list[Path]:
-    """What ``mtkit average`` averages: the newest ``last`` (default 5) checkpoints of one run directory,
-    or two or more checkpoints given one by one."""
+    """What ``mtkit average`` averages: the newest ``last`` checkpoints of one run directory (by default as many
+    as a recipe averages), or two or more checkpoints given one by one."""
     if len(inputs) == 1 and inputs[0].is_dir() and not (inputs[0] / WEIGHTS_FILE).is_file():
-        paths = run_checkpoints(inputs[0])[-(last or 5) :]
+        paths = run_checkpoints(inputs[0])[-(last or RecipeConfig.average_last) :]
         if not paths:
             raise CheckpointError(f"{inputs[0]}: no checkpoints to average in {inputs[0] / CHECKPOINTS_DIR}")
         return paths

@@ -201,6 +201,19 @@ class DecodeConfig:
         _check(self.batch_size >= 1, "decode.batch_size must be >= 1")
 
 
+Engine = Literal["mtkit", "ctranslate2"]
+
+
+@dataclass(frozen=True)
+class InferenceConfig:
+    """Where and how a trained model runs (`mtkit translate`, `mtkit attention`, `mtkit.load`): the defaults
+    of their device, precision and engine."""
+
+    device: str = "auto"  # auto: cuda when available, else cpu; or cpu, cuda, cuda:N
+    precision: Precision = "fp32"  # the number format of the weights (fp16 on GPU only)
+    engine: Engine = "mtkit"  # or ctranslate2, for a folder `mtkit export` wrote
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How `mtkit translate --sample` draws each next token instead of searching (back-translation,

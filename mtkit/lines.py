@@ -17,7 +17,7 @@ from pathlib import Path
 
 from mtkit import translate
 from mtkit.checkpoint import check_output_file
-from mtkit.config import ConfigError, SamplingConfig
+from mtkit.config import ConfigError, Engine, InferenceConfig, Precision, SamplingConfig
 from mtkit.data import UTF8_BOM, DataError, check_input_file, count_lines, open_binary, reading
 from mtkit.files import atomic_write
 from mtkit.progress import StageProgress, shows_bar
@@ -231,9 +231,9 @@ def translate_file(
     scores: bool = False,
     alignments: bool = False,
     sampling: SamplingConfig | None = None,
-    device: str = "auto",
-    precision: str = "fp32",
-    engine: str = "mtkit",
+    device: str = InferenceConfig.device,
+    precision: Precision = InferenceConfig.precision,
+    engine: Engine = InferenceConfig.engine,
     **decode,
 ) -> int:
     """Translate ``input`` (a file, a pipe; None, ``-`` or ``/dev/stdin`` for stdin) into ``output``

@@ -25,7 +25,7 @@ import torch
 
 from mtkit.alignment import align_batch
 from mtkit.checkpoint import CheckpointError, load_for_inference
-from mtkit.config import ConfigError, DecodeConfig, SamplingConfig
+from mtkit.config import ConfigError, DecodeConfig, Engine, InferenceConfig, Precision, SamplingConfig
 from mtkit.data import source_tensor
 from mtkit.ensemble import Ensemble
 from mtkit.model import Transformer
@@ -224,9 +224,9 @@ class Translator(LineTranslator):
 
 def load_translator(
     models: str | Path | Sequence[str | Path],
-    device: str = "auto",
-    precision: str = "fp32",
-    engine: str = "mtkit",
+    device: str = InferenceConfig.device,
+    precision: Precision = InferenceConfig.precision,
+    engine: Engine = InferenceConfig.engine,
     nbest: int = 1,
     sampling: SamplingConfig | None = None,
     alignments: bool = False,

@@ -8,22 +8,10 @@ from typing import Annotated
 
 import typer
 
-from mtkit.commands.common import examples, given, setup_logging, user_errors
+from mtkit.commands.common import examples, setup_logging, user_errors
 from mtkit.config import CleanConfig, SpmType, TokenizerConfig
 
 commands = typer.Typer()
-
-
-def _tok(name: str) -> str:
-    """A tokenizer option's default as --help shows it: TokenizerConfig's."""
-    return str(getattr(TokenizerConfig, name))
-
-
-def _clean(name: str) -> str:
-    """A cleaning option's default as --help shows it: CleanConfig's."""
-    return str(getattr(CleanConfig, name))
-
-
 tokenizer_commands = typer.Typer(help="Train SentencePiece tokenizer models.", no_args_is_help=True)
 
 
@@ -44,34 +32,26 @@ def tokenizer_train_command(
     joint: Annotated[
         bool, typer.Option("--joint/--separate", help="One model for both sides, or one per side.")
     ] = True,
-    vocab_size: Annotated[int | None, typer.Option(help="Pieces per model.", show_default=_tok("vocab_size"))] = None,
-    model_type: Annotated[
-        SpmType | None, typer.Option("--type", help="SentencePiece model type.", show_default=_tok("type"))
-    ] = None,
+    vocab_size: Annotated[int, typer.Option(help="Pieces per model.")] = TokenizerConfig.vocab_size,
+    model_type: Annotated[SpmType, typer.Option("--type", help="SentencePiece model type.")] = TokenizerConfig.type,
     character_coverage: Annotated[
-        float | None,
-        typer.Option(help="Share of characters covered (0.9995 for CJK).", show_default=_tok("character_coverage")),
-    ] = None,
+        float, typer.Option(help="Share of characters covered (0.9995 for CJK).")
+    ] = TokenizerConfig.character_coverage,
     input_sentence_size: Annotated[
-        int | None,
-        typer.Option(help="Sentences sampled for training; 0 uses all.", show_default=_tok("input_sentence_size")),
-    ] = None,
-    seed: Annotated[
-        int | None, typer.Option(min=0, max=2**32 - 1, help="Seed for sentence sampling.", show_default=_tok("seed"))
-    ] = None,
+        int, typer.Option(help="Sentences sampled for training; 0 uses all.")
+    ] = TokenizerConfig.input_sentence_size,
+    seed: Annotated[int, typer.Option(min=0, max=2**32 - 1, help="Seed for sentence sampling.")] = TokenizerConfig.seed,
 ) -> None:
     """Train SentencePiece model(s) with mtkit's special ids (pad 0, unk 1, bos 2, eos 3)."""
     from mtkit.data import iter_lines
     from mtkit.tokenizer import train_spm
 
     options = TokenizerConfig(
-        **given(
-            type=model_type,
-            vocab_size=vocab_size,
-            character_coverage=character_coverage,
-            input_sentence_size=input_sentence_size,
-            seed=seed,
-        )
+        type=model_type,
+        vocab_size=vocab_size,
+        character_coverage=character_coverage,
+        input_sentence_size=input_sentence_size,
+        seed=seed,
     )  # checks the values
     setup_logging()
     # Streamed: SentencePiece keeps its own sample of input_sentence_size sentences.
@@ -103,29 +83,15 @@ def prepare_command(
         str | None,
         typer.Option(help="Fetch the corpus files from here instead: a directory, a file:// or an http(s):// base."),
     ] = None,
-    nfkc: Annotated[
-        bool | None,
-        typer.Option(
-            "--nfkc/--no-nfkc", help="Unicode NFKC normalisation of the training split.", show_default=_clean("nfkc")
-        ),
-    ] = None,
-    dedupe: Annotated[
-        bool | None,
-        typer.Option("--dedupe/--no-dedupe", help="Drop repeated training pairs.", show_default=_clean("dedupe")),
-    ] = None,
+    nfkc: Annotated[bool, typer.Option(help="Unicode NFKC normalisation of the training split.")] = CleanConfig.nfkc,
+    dedupe: Annotated[bool, typer.Option(help="Drop repeated training pairs.")] = CleanConfig.dedupe,
     min_words: Annotated[
-        int | None,
-        typer.Option(help="Training pairs need this many words on each side.", show_default=_clean("min_words")),
-    ] = None,
-    max_words: Annotated[
-        int | None, typer.Option(help="...and at most this many.", show_default=_clean("max_words"))
-    ] = None,
+        int, typer.Option(help="Training pairs need this many words on each side.")
+    ] = CleanConfig.min_words,
+    max_words: Annotated[int, typer.Option(help="...and at most this many.")] = CleanConfig.max_words,
     max_ratio: Annotated[
-        float | None,
-        typer.Option(
-            help="...and at most this ratio of the longer side to the shorter.", show_default=_clean("max_ratio")
-        ),
-    ] = None,
+        float, typer.Option(help="...and at most this ratio of the longer side to the shorter.")
+    ] = CleanConfig.max_ratio,
     list_corpora: Annotated[bool, typer.Option("--list", help="List the corpora and exit.")] = False,
 ) -> None:
     """Download a standard corpus and write line-aligned plain text: OUT/{train,valid,test}.LANG.
@@ -147,9 +113,7 @@ def prepare_command(
         return
     if corpus is None or out is None:
         raise ConfigError("give a corpus and --out, e.g. mtkit prepare multi30k_en_de --out data/multi30k_en_de")
-    clean = CleanConfig(
-        **given(nfkc=nfkc, dedupe=dedupe, min_words=min_words, max_words=max_words, max_ratio=max_ratio)
-    )
+    clean = CleanConfig(nfkc=nfkc, dedupe=dedupe, min_words=min_words, max_words=max_words, max_ratio=max_ratio)
     record = prepare_corpus(find_corpus(corpus), out, mirror, clean)
     counts = ", ".join(f"{name} {split['lines']:,}" for name, split in record["splits"].items())
     typer.echo(f"{corpus} in {out}: {counts} lines")

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 import typer
 
 from mtkit.commands.common import Beam, Device, ModelPath, examples, given, setup_logging, user_errors
-from mtkit.config import Precision, SamplingConfig
+from mtkit.config import Engine, InferenceConfig, Precision, RecipeConfig, SamplingConfig
 
 commands = typer.Typer()
 
@@ -30,7 +30,7 @@ def translate_command(
             "(their log-probabilities averaged; they must share tokenizers)."
         ),
     ],
-    input: Annotated[Path | None, typer.Option("--input", "-i", help="Input text or .gz; - or none for stdin.")] = None,
+    input: Annotated[Path, typer.Option("--input", "-i", help="Input text or .gz; - or none for stdin.")] = None,
     output: Annotated[
         Path | None, typer.Option("--output", "-o", help="Output file, written atomically (default: stdout).")
     ] = None,
@@ -83,27 +83,15 @@ def translate_command(
         bool, typer.Option("--sample", help="Draw each token at random instead of searching (back-translation).")
     ] = False,
     temperature: Annotated[
-        float | None,
-        typer.Option(help="With --sample: < 1 sharpens, > 1 flattens.", show_default=str(SamplingConfig.temperature)),
-    ] = None,
+        float, typer.Option(help="With --sample: < 1 sharpens, > 1 flattens.")
+    ] = SamplingConfig.temperature,
     top_k: Annotated[
-        int | None,
-        typer.Option(
-            min=0,
-            help="With --sample: only the k most probable tokens; 0 for all.",
-            show_default=str(SamplingConfig.top_k),
-        ),
-    ] = None,
+        int, typer.Option(min=0, help="With --sample: only the k most probable tokens; 0 for all.")
+    ] = SamplingConfig.top_k,
     top_p: Annotated[
-        float | None,
-        typer.Option(
-            help="With --sample: the smallest set holding this probability.", show_default=str(SamplingConfig.top_p)
-        ),
-    ] = None,
-    seed: Annotated[
-        int | None,
-        typer.Option(min=0, max=2**64 - 1, help="With --sample: random seed.", show_default=str(SamplingConfig.seed)),
-    ] = None,
+        float, typer.Option(help="With --sample: the smallest set holding this probability.")
+    ] = SamplingConfig.top_p,
+    seed: Annotated[int, typer.Option(min=0, max=2**64 - 1, help="With --sample: random seed.")] = SamplingConfig.seed,
     batch_size: Annotated[
         int | None, typer.Option(min=1, help="At most this many sentences per batch. [default: the model's]")
     ] = None,
@@ -113,15 +101,17 @@ def translate_command(
             min=1, help="At most this many padded source tokens per batch, times the beam. [default: the model's]"
         ),
     ] = None,
-    device: Device = "auto",
-    precision: Annotated[Precision, typer.Option(help="Number format of the weights (fp16 on GPU only).")] = "fp32",
+    device: Device = InferenceConfig.device,
+    precision: Annotated[
+        Precision, typer.Option(help="Number format of the weights (fp16 on GPU only).")
+    ] = InferenceConfig.precision,
     engine: Annotated[
-        Literal["mtkit", "ctranslate2"],
+        Engine,
         typer.Option(
             help="mtkit, or ctranslate2 for a model made by `mtkit export` (MODEL is its folder; "
             "fp32 keeps the export's own weight type, e.g. int8)."
         ),
-    ] = "mtkit",
+    ] = InferenceConfig.engine,
 ) -> None:
     """Translate one sentence per line, streaming: one output line for every input line, in order.
 
@@ -140,7 +130,7 @@ def translate_command(
         beam=beam, lenpen=lenpen, max_len_a=max_len_a, max_len_b=max_len_b, min_len=min_len,
         early_stop=early_stop, batch_size=batch_size, batch_tokens=batch_tokens,
     )  # fmt: skip
-    sampling = SamplingConfig(**given(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)) if sample else None
+    sampling = SamplingConfig(temperature, top_k, top_p, seed) if sample else None
     try:
         translate_file(
             model, input, output, prefix, nbest=nbest, scores=scores, alignments=alignments, sampling=sampling,
@@ -167,7 +157,12 @@ def average_command(
     ],
     last: Annotated[
         int | None,
-        typer.Option("--last", min=1, help="With a run directory: average its newest K checkpoints (default 5)."),
+        typer.Option(
+            "--last",
+            min=1,
+            help="With a run directory: average its newest K checkpoints.",
+            show_default=str(RecipeConfig.average_last),
+        ),
     ] = None,
 ) -> None:
     """Average the weights of checkpoints of one model; often scores better than the last one alone."""
@@ -199,7 +194,7 @@ def attention_command(
     ] = None,
     encoder: Annotated[bool, typer.Option("--encoder", help="Also draw the encoder self-attention.")] = False,
     beam: Beam = None,
-    device: Device = "auto",
+    device: Device = InferenceConfig.device,
 ) -> None:
     """Translate one sentence and draw its attention as heatmaps, one per layer and head.
 
