@@ -8,6 +8,7 @@ from test_cli import invoke, write_config
 
 import mtkit
 import mtkit.translate
+from mtkit.config import SamplingConfig
 from mtkit.search import beam_search
 
 
@@ -65,6 +66,17 @@ def test_hypotheses_stream_nbest_with_scores_and_alignments(run_with_decode_sett
     assert all(r[0].score >= r[1].score and r[0].logprob < 0 for r in (nbest[0], nbest[2]))
     with pytest.raises(mtkit.MtkitError, match="nbest 3 needs a beam of at least 3"):
         list(translator.hypotheses(lines, nbest=3))
+
+
+def test_sampling_through_the_api(run_with_decode_settings, multi30k_slice):
+    """Top-1 sampling is greedy search, whatever the seed; wider sampling with one seed draws the same again."""
+    lines = multi30k_slice["val.en"].read_text().splitlines()[:6]
+    greedy = mtkit.load(run_with_decode_settings, device="cpu", beam=1).translate(lines)
+    top1 = mtkit.load(run_with_decode_settings, device="cpu", sampling=SamplingConfig(top_k=1, seed=9), nbest=2)
+    assert [[t.text for t in drawn] for drawn in top1.hypotheses(lines)] == [[g, g] for g in greedy]
+    wide = SamplingConfig(temperature=2.0, seed=3)
+    first, again = (mtkit.load(run_with_decode_settings, device="cpu", sampling=wide).translate(lines) for _ in "ab")
+    assert first == again
 
 
 def test_evaluate_and_prepare(tmp_path, multi30k_slice):
