@@ -176,7 +176,7 @@ def export_ctranslate2(model_path: Path, out_dir: Path, quantization: str | None
     accepted = _ctranslate2().specs.model_spec.ACCEPTED_MODEL_TYPES
     if quantization is not None and quantization not in accepted:
         raise ConfigError(f"--quantization must be one of {', '.join(accepted)}, got {quantization!r}")
-    _check_replaceable(out_dir)
+    check_replaceable(out_dir)
     bundle = load_for_inference(model_path, torch.device("cpu"))
     positions, window = bundle.cfg.model.positions, bundle.cfg.model.attention_window
     if positions not in ("sinusoidal", "learned") or window:
@@ -207,7 +207,8 @@ def export_ctranslate2(model_path: Path, out_dir: Path, quantization: str | None
     return out_dir
 
 
-def _check_replaceable(out_dir: Path) -> None:
+def check_replaceable(out_dir: Path) -> None:
+    """CheckpointError unless ``out_dir`` is missing, empty or an earlier mtkit export (of either runtime)."""
     if out_dir.exists() and not (out_dir / MANIFEST).is_file():
         if not out_dir.is_dir() or any(out_dir.iterdir()):
             raise CheckpointError(f"{out_dir}: exists and is not an mtkit export; choose another output folder")
@@ -227,6 +228,8 @@ def read_manifest(ct2_dir: Path) -> dict[str, Any]:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, RecursionError) as err:  # JSON, UTF-8 or nesting
         raise CheckpointError(f"{path}: not readable JSON ({str(err)[:200]})") from None
+    if isinstance(manifest, dict) and manifest.get("runtime", "ctranslate2") != "ctranslate2":
+        raise CheckpointError(f"{ct2_dir}: an export for {untrusted.shown(manifest['runtime'])}, not for CTranslate2")
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
         found = manifest.get("format") if isinstance(manifest, dict) else None
         raise CheckpointError(f"{path}: export format {untrusted.shown(found)} is not supported by mtkit {__version__}")

@@ -95,6 +95,8 @@ def atomic_write_directory(directory: Path, fill) -> None:
     try:
         fill(tmp)
         for path in tmp.iterdir():
+            if path.is_file():  # some writers (transformers' save_pretrained) make files 0600, as mkstemp does
+                os.chmod(path, 0o666 & ~_umask())
             fsync_path(path)
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700
         fsync_path(tmp)

@@ -223,6 +223,7 @@ def attention_command(
     epilog=examples(
         "mtkit export runs/m30k -o m30k-ct2",
         "mtkit export runs/m30k -o m30k-ct2-int8 --quantization int8",
+        "mtkit export runs/m30k --format hf -o m30k-hf",
     ),
 )
 @user_errors
@@ -232,14 +233,24 @@ def export_command(
         Path,
         typer.Option("--output", "-o", help="Folder to write; an earlier export there is replaced, nothing else is."),
     ],
-    fmt: Annotated[Literal["ctranslate2"], typer.Option("--format", help="Target runtime.")] = "ctranslate2",
+    fmt: Annotated[
+        Literal["ctranslate2", "hf"],
+        typer.Option("--format", help="Target runtime: ctranslate2, or hf for transformers' MarianMTModel."),
+    ] = "ctranslate2",
     quantization: Annotated[
         str | None,
-        typer.Option(help="Stored weight type: int8, int8_float16, int16, float16, bfloat16, float32 (default)..."),
+        typer.Option(help="CTranslate2's stored weight type: int8, int8_float16, int16, float16, bfloat16, float32..."),
     ] = None,
 ) -> None:
-    """Convert a trained model for the CTranslate2 runtime; its tokenizers and decode settings go with it."""
+    """Convert a trained model for CTranslate2 or transformers; its tokenizers and decode settings go with it."""
+    from mtkit.config import ConfigError
     from mtkit.export import export_ctranslate2
+    from mtkit.export_hf import export_transformers
 
-    written = export_ctranslate2(model, output, quantization)
-    typer.echo(f"wrote {written} (CTranslate2, {quantization or 'float32'} weights)", err=True)
+    if fmt == "hf":
+        if quantization is not None:
+            raise ConfigError("--quantization is for --format ctranslate2; a transformers export keeps float32 weights")
+        written, kind = export_transformers(model, output), "transformers MarianMTModel, float32"
+    else:
+        written, kind = export_ctranslate2(model, output, quantization), f"CTranslate2, {quantization or 'float32'}"
+    typer.echo(f"wrote {written} ({kind} weights)", err=True)
