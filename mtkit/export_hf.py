@@ -20,10 +20,10 @@ residual, no final LayerNorm. The mapping, each choice where a reviewer can chec
   decode.lenpen, but transformers divides a hypothesis' log-probability by length ** alpha where
   mtkit divides by ((5 + length) / 6) ** alpha, and it stops once ``num_beams`` hypotheses have ended
   (mtkit's decode.early_stop false); ``min_new_tokens`` is decode.min_len. mtkit caps each sentence
-  at max_len_a * source length + max_len_b tokens; transformers has one bound per call, so
-  ``max_length`` is the model's own limit, max_positions tokens after the start token, which no
-  sentence's cap exceeds. Pass ``max_new_tokens`` to a call to bound it tighter; ``forced_eos_token_id``
-  ends a hypothesis cut there with eos, as mtkit's cap does.
+  at max_len_a * source length + max_len_b tokens (eos included); transformers has one bound per
+  call, so ``max_new_tokens`` is the model's own limit, max_positions, which no sentence's cap
+  exceeds. Pass ``max_new_tokens`` to a call to bound it tighter; ``forced_eos_token_id`` ends a
+  hypothesis cut there with eos, as mtkit's cap does.
 
 Refused, with the reason: pre-norm models (Marian has no final LayerNorm), learned, relative or rotary
 positions and attention windows (Marian has sinusoidal positions and full attention only).
@@ -182,7 +182,7 @@ def generation_settings(decode: DecodeConfig, max_positions: int) -> dict[str, A
         pad_token_id=PAD_ID,
         forced_eos_token_id=EOS_ID,
         suppress_tokens=[PAD_ID, BOS_ID],
-        max_length=max_positions + 1,  # the start token and max_positions more
+        max_new_tokens=max_positions,  # the decoder reads the start token and all but the last of these
         num_beams=decode.beam,
     )
     if decode.beam > 1:

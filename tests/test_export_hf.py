@@ -1,0 +1,258 @@
+"""transformers export: the MarianMTModel folder computes and decodes as mtkit does, on real Multi30k sentences.
+
+The models are random but not trivial, as in test_export.py: LayerNorm gains and biases are
+randomised (a misplaced norm or a dimension left out of the permutation shows), and the eos row of
+the output is scaled up. The separate-vocabulary model's hypotheses then end at varied lengths; the
+tied model's run to the length cap, where the forced eos must agree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from mtkit import checkpoint
+from mtkit.cli import app
+from mtkit.config import DecodeConfig, ModelConfig, RunConfig, TokenizerConfig
+from mtkit.data import source_tensor
+from mtkit.export import MANIFEST
+from mtkit.export_hf import export_transformers
+from mtkit.model import build_model
+from mtkit.search import beam_search, greedy_search, max_lengths
+from mtkit.tokenizer import EOS_ID, PAD_ID, Tokenizer, train_spm
+
+with pytest.MonkeyPatch.context() as env:
+    env.setenv("HF_HUB_OFFLINE", "1")  # read as transformers loads: nothing may come from the Hub
+    transformers = pytest.importorskip("transformers")
+
+runner = CliRunner()
+CPU = torch.device("cpu")
+MODEL = dict(encoder_layers=2, decoder_layers=2, d_model=64, heads=4, ffn=128, dropout=0.0, max_positions=128)
+DECODE = DecodeConfig(beam=4, lenpen=0.6, max_len_a=1.2, max_len_b=5, min_len=2)
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def save_run(run: Path, model_cfg: ModelConfig, toks: dict[str, Tokenizer], seed: int) -> Path:
+    """A run directory holding a random model of ``model_cfg`` (norms randomised, eos favoured) as its checkpoint."""
+    cfg = RunConfig(tokenizer=TokenizerConfig(joint=toks["src"] is toks["tgt"]), model=model_cfg, decode=DECODE)
+    torch.manual_seed(seed)
+    model = build_model(model_cfg, toks["src"].vocab_size, toks["tgt"].vocab_size, PAD_ID)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                module.weight.normal_(1.0, 0.2)
+                module.bias.normal_(0.0, 0.2)
+        model.output.weight[EOS_ID] *= 3.0
+    run.mkdir(parents=True)
+    for tok in toks.values():
+        shutil.copy(tok.path, run / tok.path.name)
+    records = {side: {"file": tok.path.name, "sha256": tok.sha256} for side, tok in toks.items()}
+    checkpoint.save_in_run(run, 1, model.state_dict(), {"config": cfg.to_dict(), "tokenizer": records}, None, 0)
+    return run
+
+
+@dataclass
+class Exported:
+    run: Path
+    hf_dir: Path
+    bundle: checkpoint.InferenceBundle
+    hf: object  # MarianMTModel
+    tokenizer: object  # MarianTokenizer
+    lines: list[str]
+
+
+def exported(run: Path, lines: list[str]) -> Exported:
+    hf_dir = export_transformers(run, run.parent / "hf")
+    hf = transformers.AutoModelForSeq2SeqLM.from_pretrained(hf_dir).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    return Exported(run, hf_dir, checkpoint.load_for_inference(run, CPU), hf, tokenizer, lines)
+
+
+@pytest.fixture(scope="module")
+def joint(tmp_path_factory, multi30k_slice, spm_model) -> Exported:
+    """Tied embeddings, one joint vocabulary: mtkit's defaults."""
+    root = tmp_path_factory.mktemp("joint")
+    run = save_run(root / "run", ModelConfig(**MODEL), {"src": spm_model, "tgt": spm_model}, seed=1)
+    return exported(run, multi30k_slice["val.en"].read_text().splitlines())
+
+
+@pytest.fixture(scope="module")
+def separate(tmp_path_factory, multi30k_slice) -> Exported:
+    """Untied embeddings, separate vocabularies of two sizes."""
+    root = tmp_path_factory.mktemp("separate")
+    toks = {}
+    for side, lang, size in (("src", "en", 300), ("tgt", "de", 250)):
+        lines = multi30k_slice[f"train.{lang}"].read_text().splitlines()
+        toks[side] = Tokenizer(train_spm(lines, root / f"spm.{side}", TokenizerConfig(vocab_size=size)))
+    run = save_run(root / "run", ModelConfig(**MODEL, tie_embeddings=False), toks, seed=3)
+    return exported(run, multi30k_slice["val.en"].read_text().splitlines())
+
+
+@pytest.fixture(params=["joint", "separate"])
+def export(request) -> Exported:
+    return request.getfixturevalue(request.param)
+
+
+def source_batch(ex: Exported, lines: list[str]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """mtkit's source tensor and mask, and the HF tokenizer's batch for the same lines (checked equal)."""
+    src, src_pad_mask = source_tensor(ex.bundle.src_tok.encode(lines))
+    batch = ex.tokenizer(lines, return_tensors="pt", padding=True)
+    assert torch.equal(batch["input_ids"], src) and torch.equal(batch["attention_mask"].bool(), ~src_pad_mask)
+    return src, src_pad_mask, batch
+
+
+def test_logits_equal_mtkit_teacher_forced(export, multi30k_slice):
+    src, src_pad_mask, batch = source_batch(export, export.lines)
+    targets = export.bundle.tgt_tok.encode(multi30k_slice["val.de"].read_text().splitlines())
+    tgt_in, _ = source_tensor([[2, *t] for t in targets])  # bos + reference, padded
+    with torch.no_grad():
+        expected = export.bundle.model(src, src_pad_mask, tgt_in)
+        got = export.hf(**batch, decoder_input_ids=tgt_in, decoder_attention_mask=tgt_in != PAD_ID).logits
+    real = tgt_in != PAD_ID
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got[real], expected[real], atol=1e-4, rtol=1e-4)
+
+
+def hf_outputs(ex: Exported, lines: list[str], decode: DecodeConfig, **options) -> list[list[int]]:
+    """transformers' output ids (no start, eos or pad) per line, each line under mtkit's own length cap."""
+    _, src_pad_mask, batch = source_batch(ex, lines)
+    caps = max_lengths(src_pad_mask, decode.max_len_a, decode.max_len_b, ex.bundle.cfg.model.max_positions)
+    outputs: list[list[int]] = [[] for _ in lines]
+    for cap in caps.unique().tolist():
+        rows = (caps == cap).nonzero().flatten()
+        generated = ex.hf.generate(
+            input_ids=batch["input_ids"][rows],
+            attention_mask=batch["attention_mask"][rows],
+            max_new_tokens=cap,
+            **options,
+        )
+        for row, ids in zip(rows.tolist(), generated.tolist()):
+            outputs[row] = [t for t in ids[1:] if t not in (EOS_ID, PAD_ID)]
+    return outputs
+
+
+def test_greedy_generate_equals_mtkit_greedy_search(export):
+    decode = DecodeConfig(beam=1)
+    src, src_pad_mask, _ = source_batch(export, export.lines)
+    expected = greedy_search(export.bundle.model, src, src_pad_mask, decode)
+    got = hf_outputs(export, export.lines, decode, num_beams=1, min_new_tokens=0)
+    mismatched = [i for i in range(len(got)) if got[i] != expected[i]]
+    assert len(got) == 40 and len(mismatched) <= len(got) // 100, f"{len(mismatched)} of {len(got)} differ"
+    assert sum(map(len, expected)) / len(expected) > 5  # non-trivial outputs
+
+
+def test_beam_generate_equals_mtkit_beam_search_without_length_penalty(export):
+    """With lenpen 0 and fairseq's stopping rule (mtkit's early_stop false) the two beam searches are one
+    algorithm, but at the length cap: transformers forces eos there with a log-probability of 0, mtkit
+    extends the best hypotheses that did not end and counts the eos it forces. So they agree wherever
+    mtkit's best hypothesis ended before its cap (the random models' beams often reach it)."""
+    decode = DecodeConfig(beam=5, lenpen=0.0, early_stop=False)
+    src, src_pad_mask, _ = source_batch(export, export.lines)
+    expected = [hyps[0].tokens for hyps in beam_search(export.bundle.model, src, src_pad_mask, decode)]
+    got = hf_outputs(export, export.lines, decode, num_beams=5, length_penalty=0.0, min_new_tokens=0)
+    caps = max_lengths(src_pad_mask, decode.max_len_a, decode.max_len_b, export.bundle.cfg.model.max_positions)
+    ended = [i for i in range(len(got)) if len(expected[i]) < caps[i] - 1]
+    same = sum(got[i] == expected[i] for i in ended)
+    assert len(ended) >= 5 and same == len(ended), f"{same} of {len(ended)} best hypotheses equal"
+
+
+def test_generation_config_holds_the_runs_decoding(joint):
+    settings = json.loads((joint.hf_dir / "generation_config.json").read_text())
+    assert settings["num_beams"] == 4 and settings["length_penalty"] == 0.6 and settings["min_new_tokens"] == 2
+    assert settings["max_new_tokens"] == 128  # max_positions: no sentence's cap exceeds it
+    assert settings["decoder_start_token_id"] == 2 and settings["suppress_tokens"] == [0, 2]
+    assert json.loads((joint.hf_dir / MANIFEST).read_text())["runtime"] == "transformers"
+
+
+def test_the_export_translates_where_mtkit_cannot_be_imported(joint):
+    """A fresh interpreter in which ``import mtkit`` fails loads the folder with transformers alone."""
+    script = f"""
+import sys
+sys.modules["mtkit"] = None  # the editable install stays on the path; this makes importing it fail
+try:
+    import mtkit
+except ImportError:
+    pass
+else:
+    raise SystemExit("mtkit was importable")
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+tokenizer = AutoTokenizer.from_pretrained({str(joint.hf_dir)!r})
+model = AutoModelForSeq2SeqLM.from_pretrained({str(joint.hf_dir)!r})
+batch = tokenizer(sys.stdin.read().splitlines(), return_tensors="pt", padding=True)
+for text in tokenizer.batch_decode(model.generate(**batch, num_beams=1, max_new_tokens=20), skip_special_tokens=True):
+    print(text)
+"""
+    lines = joint.lines[:5]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], input="\n".join(lines), capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    _, _, batch = source_batch(joint, lines)
+    expected = joint.tokenizer.batch_decode(
+        joint.hf.generate(**batch, num_beams=1, max_new_tokens=20), skip_special_tokens=True
+    )
+    src, src_pad_mask, _ = source_batch(joint, lines)
+    ids = greedy_search(
+        joint.bundle.model, src, src_pad_mask, DecodeConfig(beam=1, max_len_a=0, max_len_b=20, min_len=2)
+    )
+    assert done.stdout.splitlines() == expected == joint.bundle.tgt_tok.decode(ids)
+
+
+def test_export_command_writes_a_transformers_folder_and_replaces_it(joint, tmp_path):
+    out = tmp_path / "hf"
+    for _ in range(2):  # the second export replaces the first
+        result = invoke("export", joint.run, "--format", "hf", "-o", out)
+        assert result.exit_code == 0, result.output
+    assert "wrote" in result.stderr and "MarianMTModel" in result.stderr
+    names = {path.name for path in out.iterdir()}
+    expected = {"config.json", "generation_config.json", "model.safetensors", "source.spm", "target.spm"}
+    assert expected | {"vocab.json", "tokenizer_config.json", MANIFEST} <= names
+    assert [path.name for path in tmp_path.iterdir()] == ["hf"]  # no temporary folders left behind
+    refused = runner.invoke(app, ["translate", str(out), "--engine", "ctranslate2"], input="A dog.\n")
+    assert (
+        refused.exit_code == 1
+        and refused.stderr == f"error: {out}: an export for 'transformers', not for CTranslate2\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (dict(norm="pre"), "MarianMTModel is post-norm only (no final LayerNorm); this model has model.norm pre"),
+        (
+            dict(positions="learned"),
+            "MarianMTModel has sinusoidal positions only; this model has model.positions learned",
+        ),
+        (dict(positions="rotary"), "sinusoidal positions only; this model has model.positions rotary"),
+        (dict(positions="relative"), "sinusoidal positions only; this model has model.positions relative"),
+        (dict(attention_window=4), "MarianMTModel attends to every position; this model has model.attention_window 4"),
+    ],
+)
+def test_what_marian_cannot_compute_is_a_one_line_error(tmp_path, spm_model, change, reason):
+    run = save_run(tmp_path / "run", ModelConfig(**{**MODEL, **change}), {"src": spm_model, "tgt": spm_model}, seed=5)
+    result = invoke("export", run, "--format", "hf", "-o", tmp_path / "hf")
+    assert result.exit_code == 1 and result.stderr.count("\n") == 1
+    assert result.stderr.startswith(f"error: {run}: cannot export to transformers: ") and reason in result.stderr
+    assert not (tmp_path / "hf").exists()
+
+
+def test_quantization_is_refused_for_transformers(tmp_path, joint):
+    result = invoke("export", joint.run, "--format", "hf", "--quantization", "int8", "-o", tmp_path / "hf")
+    assert result.exit_code == 1
+    assert (
+        result.stderr
+        == "error: --quantization is for --format ctranslate2; a transformers export keeps float32 weights\n"
+    )
