@@ -17,6 +17,7 @@ import os
 import tempfile
 import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -39,15 +40,16 @@ def read_lines(path: Path) -> list[str]:
         return [line.rstrip("\n") for line in f]
 
 
-def transformers_translations(hf_dir: Path, lines: list[str], batch_size: int) -> list[str]:
-    """Beam search as the export's generation_config says, batch by batch (what pipeline("translation") did)."""
+def transformers_translations(hf_dir: Path, lines: list[str], batch_size: int, lenpen: float) -> list[str]:
+    """Beam search as the export's generation_config says (with ``lenpen`` as its length penalty), batch by
+    batch, as pipeline("translation") did."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
     model = transformers.AutoModelForSeq2SeqLM.from_pretrained(hf_dir).eval()
     out = []
     for start in range(0, len(lines), batch_size):
         batch = tokenizer(lines[start : start + batch_size], return_tensors="pt", padding=True)
         with torch.inference_mode():
-            out += tokenizer.batch_decode(model.generate(**batch), skip_special_tokens=True)
+            out += tokenizer.batch_decode(model.generate(**batch, length_penalty=lenpen), skip_special_tokens=True)
     return out
 
 
@@ -90,6 +92,12 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--greedy-lines", type=int, default=200)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--lenpen", type=float, help="length penalty for both (default: the run's)")
+    parser.add_argument(
+        "--same-search",
+        action="store_true",
+        help="mtkit searches until beam hypotheses have ended, as transformers does (decode.early_stop false)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", "Recommended: pip install sacremoses")
@@ -101,13 +109,16 @@ def main() -> None:
         hf_dir = export_transformers(args.model, Path(tmp) / "hf")
         print(f"model={args.model}")
         print(f"transformers_version={transformers.__version__}")
-        print(f"decode_beam={bundle.cfg.decode.beam} decode_lenpen={bundle.cfg.decode.lenpen}")
+        decode = bundle.cfg.decode
+        decode = replace(decode, lenpen=decode.lenpen if args.lenpen is None else args.lenpen)
+        decode = replace(decode, early_stop=decode.early_stop and not args.same_search)
+        print(f"decode_beam={decode.beam} decode_lenpen={decode.lenpen} mtkit_early_stop={decode.early_stop}")
         start = time.perf_counter()
-        translator = Translator(bundle.model, bundle.src_tok, bundle.tgt_tok, bundle.cfg.decode, torch.device("cpu"))
+        translator = Translator(bundle.model, bundle.src_tok, bundle.tgt_tok, decode, torch.device("cpu"))
         mtkit_hyps = [t[0].text for t in translator.stream([src])]
         print(f"mtkit_seconds={time.perf_counter() - start:.1f}")
         start = time.perf_counter()
-        hf_hyps = transformers_translations(hf_dir, src, args.batch_size)
+        hf_hyps = transformers_translations(hf_dir, src, args.batch_size, decode.lenpen)
         print(f"transformers_seconds={time.perf_counter() - start:.1f}")
         mtkit_bleu = score(mtkit_hyps, [ref], ("bleu",))[0]
         hf_bleu = score(hf_hyps, [ref], ("bleu",))[0]
@@ -116,8 +127,9 @@ def main() -> None:
         print(f"transformers_beam_bleu={hf_bleu.value:.2f}")
         print(f"bleu_difference={hf_bleu.value - mtkit_bleu.value:+.2f}")
         print(f"beam_same_text={sum(h == m for h, m in zip(hf_hyps, mtkit_hyps))}/{len(src)}")
-        same, n = greedy_agreement(hf_dir, bundle, src[: args.greedy_lines])
-        print(f"greedy_same_ids={same}/{n} greedy_agreement={100 * same / n:.1f}%")
+        if args.greedy_lines:
+            same, n = greedy_agreement(hf_dir, bundle, src[: args.greedy_lines])
+            print(f"greedy_same_ids={same}/{n} greedy_agreement={100 * same / n:.1f}%")
         print(f"ctranslate2_converter={ctranslate2_conversion(hf_dir, Path(tmp) / 'ct2')}")
 
 
