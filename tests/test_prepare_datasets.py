@@ -176,3 +176,16 @@ def test_an_unknown_dataset_offline_is_one_error_line(tmp_path):
     assert result.exit_code == 1 and "Traceback" not in result.stderr
     [line] = [row for row in result.stderr.splitlines() if row.startswith("error:")]
     assert line.startswith("error: hf:nobody/no-such-corpus: cannot load the dataset (")
+
+
+def test_a_row_without_text_on_one_side_is_named(tmp_path):
+    rows = [{"en": en, "de": de} for en, de in multi30k("test")]
+    rows[2]["de"] = None
+    path = tmp_path / "test.jsonl"
+    path.write_text("\n".join(json.dumps(row) for row in rows) + "\n", encoding="utf-8")
+    result = invoke(
+        "prepare", "hf:json", "--data-files", f"test={path}", "--splits", "test=test", "--langpair", "en-de",
+        "--out", tmp_path / "out",
+    )  # fmt: skip
+    assert result.exit_code == 1
+    assert result.stderr.strip().splitlines()[-1] == "error: hf:json test: row 3 has no text on both sides"
