@@ -12,7 +12,6 @@ dataset's Arrow cache files a record batch at a time, never one Python dict per 
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,8 +21,6 @@ import pyarrow.compute as pc
 
 from mtkit.data import DataError
 from mtkit.files import file_sha256
-
-log = logging.getLogger("mtkit")
 
 PREFIX = "hf:"
 DEFAULT_SPLITS = {"train": "train", "valid": "validation", "test": "test"}
@@ -80,8 +77,10 @@ class HubCorpus:
         }
 
 
-def parse_splits(text: str) -> dict[str, str]:
-    """``train=train,valid=validation`` → {"train": "train", "valid": "validation"}."""
+def parse_splits(text: str | None) -> dict[str, str]:
+    """``train=train,valid=validation`` → {"train": "train", "valid": "validation"}; None: DEFAULT_SPLITS."""
+    if text is None:
+        return dict(DEFAULT_SPLITS)
     splits = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         ours, sep, theirs = item.partition("=")

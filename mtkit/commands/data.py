@@ -107,8 +107,12 @@ def prepare_command(
     config: Annotated[str | None, typer.Option(help="hf: the dataset's config (subset), e.g. de-en.")] = None,
     revision: Annotated[str | None, typer.Option(help="hf: a branch, tag or commit of the Hub dataset.")] = None,
     splits: Annotated[
-        str, typer.Option(help="hf: output splits and the dataset's split each comes from.")
-    ] = "train=train,valid=validation,test=test",
+        str | None,
+        typer.Option(
+            help="hf: the output splits, each with the dataset's split it comes from "
+            "[default: train=train,valid=validation,test=test]."
+        ),
+    ] = None,
     src_column: Annotated[
         str | None, typer.Option(help="hf: the source text's column (default: translation.SRC, or a column SRC).")
     ] = None,
