@@ -4,6 +4,10 @@ Each corpus names its files by URL (the official release, or the Hugging Face Hu
 is the maintained one) and, where mtkit could hash a copy, their SHA-256. A mirror (a directory, a
 ``file://`` or an ``http(s)://`` base) replaces the network: it holds the same files under their
 ``name``. ``mtkit prepare --list`` prints this catalogue.
+
+The Hub corpora load through ``datasets`` as well (``mtkit prepare hf:wmt/wmt14 --config de-en``, see
+mtkit.hf_corpus); the catalogue keeps fetching their parquet files by URL, so that ``--mirror`` and the
+resumable, size-checked downloads apply to them as to Multi30k.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A standard corpus in, line-aligned plain text out: download, read, clean the training split, write.
+"""A corpus in, line-aligned plain text out: download (or load through ``datasets``), read, clean train, write.
 
 Layout of the output folder::
 
@@ -6,7 +6,8 @@ Layout of the output folder::
     train.SRC train.TGT         cleaned (mtkit.clean): normalised, filtered, deduplicated
     valid.SRC valid.TGT         as published, so that scores on them stay comparable
     test.SRC test.TGT
-    prepare.json                what was done: corpus, files, cleaning settings, line counts, drops
+    prepare.json                what was done: corpus, files, cleaning settings, line counts, drops;
+                                for a ``datasets`` corpus also its revision and each split's fingerprint
 
 Every text file is written under a temporary name and renamed, and prepare.json last: a folder
 whose prepare.json matches the request is complete, and is left alone on a re-run.
@@ -28,6 +29,7 @@ from mtkit.corpora import Corpus, RemoteFile, Split
 from mtkit.data import DataError, count_lines, iter_aligned
 from mtkit.download import fetch, source_url
 from mtkit.files import atomic_write
+from mtkit.hf_corpus import HubCorpus
 from mtkit.progress import StageProgress, shows_bar
 
 log = logging.getLogger("mtkit")
@@ -48,21 +50,56 @@ def prepare_corpus(corpus: Corpus, out: Path, mirror: str | None = None, clean: 
     if done is not None and done.get("settings") == settings:
         log.info("%s: already prepared in %s", corpus.name, out)
         return done
+
+    def splits() -> Iterator[tuple[str, Iterator[tuple[str, str]], int | None, dict]]:
+        for name, split in corpus.splits.items():
+            paths = [_download(f, out / "raw", mirror) for f in split.files]
+            yield name, _read(split, paths, corpus.langs), _pair_count(split, paths) if shows_bar() else None, {}
+
+    return _write_prepared(out, corpus.name, corpus.langs, settings, clean, splits())
+
+
+def prepare_dataset(
+    corpus: HubCorpus, out: Path, clean: CleanConfig = CleanConfig(), num_proc: int | None = None
+) -> dict:
+    """Prepare a Hugging Face ``datasets`` corpus into ``out``, laid out as ``prepare_corpus`` lays a standard
+    one; prepare.json adds the source's resolved revision (or its files' checksums) and each split's fingerprint."""
+    from mtkit import hf_corpus
+
+    settings = {"dataset": corpus.settings(), "clean": asdict(clean)}
+    done = _record(out)
+    if done is not None and done.get("settings") == settings:
+        log.info("%s: already prepared in %s", corpus.name, out)
+        return done
+    source, loaded = hf_corpus.load(corpus, num_proc)
+    splits = ((split.name, split.pairs, split.rows, split.about) for split in loaded)
+    return _write_prepared(out, corpus.name, corpus.langs, settings, clean, splits, source)
+
+
+def _write_prepared(
+    out: Path,
+    label: str,
+    langs: tuple[str, str],
+    settings: dict,
+    clean: CleanConfig,
+    splits: Iterable[tuple[str, Iterator[tuple[str, str]], int | None, dict]],
+    source: dict | None = None,
+) -> dict:
+    """Write each (name, pairs, pair count or None, about) split, cleaning train only; then prepare.json."""
     start = time.perf_counter()
-    splits = {}
-    for name, split in corpus.splits.items():
-        paths = [_download(f, out / "raw", mirror) for f in split.files]
-        total = _pair_count(split, paths) if shows_bar() else None
-        with StageProgress(f"preparing {corpus.name} {name}", total, "pairs") as bar:
-            pairs = bar.each(_read(split, paths, corpus.langs))
+    written = {}
+    for name, pairs, total, about in splits:
+        with StageProgress(f"preparing {label} {name}", total, "pairs") as bar:
+            pairs = bar.each(pairs)
             summary = None
             if name == "train":
                 summary = CleanSummary()
                 pairs = clean_pairs(pairs, clean, summary)
-            lines = _write(pairs, out / f"{name}.{corpus.src_lang}", out / f"{name}.{corpus.tgt_lang}")
-        splits[name] = {"lines": lines, **({"clean": summary.to_dict()} if summary else {})}
-        log.info("%s %s: %s", corpus.name, name, summary.line() if summary else f"{lines:,} lines")
-    record = {"settings": settings, "splits": splits, "seconds": round(time.perf_counter() - start, 1)}
+            lines = _write(pairs, out / f"{name}.{langs[0]}", out / f"{name}.{langs[1]}")
+        written[name] = {"lines": lines, **({"clean": summary.to_dict()} if summary else {}), **about}
+        log.info("%s %s: %s", label, name, summary.line() if summary else f"{lines:,} lines")
+    record = {"settings": settings, **({"source": source} if source else {}), "splits": written}
+    record["seconds"] = round(time.perf_counter() - start, 1)
     atomic_write(out / RECORD, lambda f: f.write(json.dumps(record, indent=1).encode("utf-8")))
     return record
 

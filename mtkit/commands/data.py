@@ -73,11 +73,19 @@ def tokenizer_train_command(
         "mtkit prepare --list",
         "mtkit prepare multi30k_en_de -o data/m30k --mirror ../shared/data/multi30k",
         "mtkit prepare wmt14_en_de -o data/wmt14",
+        "mtkit prepare hf:wmt/wmt16 --config ro-en --langpair en-ro -o data/wmt16",
+        "mtkit prepare hf:json --data-files train=train.jsonl --splits train=train --langpair en-de -o data/mine",
     ),
 )
 @user_errors
 def prepare_command(
-    corpus: Annotated[str | None, typer.Argument(help="A corpus name from --list, e.g. wmt14_en_de.")] = None,
+    corpus: Annotated[
+        str | None,
+        typer.Argument(
+            help="A corpus name from --list, e.g. wmt14_en_de; or hf:DATASET for any Hugging Face datasets corpus: "
+            "a Hub id (hf:wmt/wmt14), a local folder laid out as one, or hf:json, hf:csv, hf:parquet with --data-files."
+        ),
+    ] = None,
     out: Annotated[Path | None, typer.Option("--output", "-o", "--out", help="Output folder (see below).")] = None,
     mirror: Annotated[
         str | None,
@@ -93,18 +101,44 @@ def prepare_command(
         float, typer.Option(help="...and at most this ratio of the longer side to the shorter.")
     ] = CleanConfig.max_ratio,
     list_corpora: Annotated[bool, typer.Option("--list", help="List the corpora and exit.")] = False,
+    langpair: Annotated[
+        str | None, typer.Option(help="hf: source-target language codes, e.g. en-de; they name the output files.")
+    ] = None,
+    config: Annotated[str | None, typer.Option(help="hf: the dataset's config (subset), e.g. de-en.")] = None,
+    revision: Annotated[str | None, typer.Option(help="hf: a branch, tag or commit of the Hub dataset.")] = None,
+    splits: Annotated[
+        str | None,
+        typer.Option(
+            help="hf: the output splits, each with the dataset's split it comes from "
+            "[default: train=train,valid=validation,test=test]."
+        ),
+    ] = None,
+    src_column: Annotated[
+        str | None, typer.Option(help="hf: the source text's column (default: translation.SRC, or a column SRC).")
+    ] = None,
+    tgt_column: Annotated[str | None, typer.Option(help="hf: the target text's column.")] = None,
+    data_files: Annotated[
+        list[str] | None,
+        typer.Option(help="hf: SPLIT=FILE (parquet, jsonl, csv, tsv; globs as load_dataset takes), repeatable."),
+    ] = None,
+    num_proc: Annotated[
+        int | None, typer.Option(min=1, help="hf: processes converting the data files to Arrow.")
+    ] = None,
 ) -> None:
     """Download a standard corpus and write line-aligned plain text: OUT/{train,valid,test}.LANG.
 
     Downloads resume where they stopped and are checked against their SHA-256 where mtkit knows it;
-    they stay in OUT/raw. Only the training split is cleaned (normalised, filtered by length and
-    ratio, deduplicated); valid and test are written as published. OUT/prepare.json records what was
-    done, and a re-run with the same settings does nothing.
+    they stay in OUT/raw. An hf: corpus is loaded by datasets.load_dataset, so its cache, HF_HOME,
+    HF_TOKEN, HF_HUB_OFFLINE and HF_ENDPOINT apply; prepare.json records its resolved revision (or
+    its local files' SHA-256) and each split's fingerprint. Only the training split is cleaned
+    (normalised, filtered by length and ratio, deduplicated); valid and test are written as
+    published. OUT/prepare.json records what was done, and a re-run with the same settings does nothing.
     """
     from mtkit.config import ConfigError
     from mtkit.corpora import CORPORA
     from mtkit.corpora import corpus as find_corpus
-    from mtkit.preparation import prepare_corpus
+    from mtkit.hf_corpus import PREFIX, HubCorpus, parse_data_files, parse_splits
+    from mtkit.preparation import prepare_corpus, prepare_dataset
 
     setup_logging()
     if list_corpora:
@@ -114,6 +148,33 @@ def prepare_command(
     if corpus is None or out is None:
         raise ConfigError("give a corpus and --out, e.g. mtkit prepare multi30k_en_de --out data/multi30k_en_de")
     clean = CleanConfig(nfkc=nfkc, dedupe=dedupe, min_words=min_words, max_words=max_words, max_ratio=max_ratio)
-    record = prepare_corpus(find_corpus(corpus), out, mirror, clean)
+    if corpus.startswith(PREFIX):
+        if mirror is not None:
+            raise ConfigError("--mirror is for catalogue corpora; an hf: corpus uses HF_ENDPOINT or a local folder")
+        source, target = _langpair(langpair)
+        request = HubCorpus(
+            corpus.removeprefix(PREFIX),
+            source,
+            target,
+            config,
+            revision,
+            parse_splits(splits),
+            src_column,
+            tgt_column,
+            parse_data_files(data_files or []),
+        )
+        record = prepare_dataset(request, out, clean, num_proc)
+    else:
+        record = prepare_corpus(find_corpus(corpus), out, mirror, clean)
     counts = ", ".join(f"{name} {split['lines']:,}" for name, split in record["splits"].items())
     typer.echo(f"{corpus} in {out}: {counts} lines")
+
+
+def _langpair(text: str | None) -> tuple[str, str]:
+    """``en-de`` → ("en", "de")."""
+    from mtkit.config import ConfigError
+
+    source, sep, target = (text or "").partition("-")
+    if not sep or not source or not target or "-" in target:
+        raise ConfigError(f"an hf: corpus needs --langpair SRC-TGT, e.g. --langpair en-de (got {text!r})")
+    return source, target
