@@ -8,6 +8,7 @@
     mtkit.train("m30k.yaml", "runs/m30k", overrides=["train.max_steps=200"])
     mtkit.evaluate(hypotheses, [references], metrics=("bleu", "chrf"))   # scores with signatures
     mtkit.prepare("multi30k_en_de", "data/m30k", mirror="../shared/data/multi30k")
+    mtkit.prepare("hf:wmt/wmt16", "data/ro", config="ro-en", src_lang="en", tgt_lang="ro")  # any datasets corpus
 
 Errors about the input (a file, a setting, a checkpoint) are ``mtkit.MtkitError``.
 """
@@ -15,6 +16,7 @@ Errors about the input (a file, a setting, a checkpoint) are ``mtkit.MtkitError`
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -64,11 +66,24 @@ def evaluate(
     return score(list(hypotheses), [list(r) for r in references], tuple(metrics), options)
 
 
-def prepare(corpus: str, out: str | Path, mirror: str | None = None, **cleaning: Any) -> dict:
-    """Download (or copy from ``mirror``) a catalogue corpus and write ``out/{train,valid,test}.LANG``;
-    ``cleaning``: ``nfkc``, ``dedupe``, ``min_words``, ``max_words``, ``max_ratio``. Returns prepare.json."""
-    from mtkit.config import CleanConfig
+def prepare(corpus: str, out: str | Path, mirror: str | None = None, **settings: Any) -> dict:
+    """Write ``out/{train,valid,test}.LANG`` from ``corpus``: a catalogue name (downloaded, or copied from
+    ``mirror``), or ``hf:PATH`` for any Hugging Face ``datasets`` corpus (a Hub id, a local folder, or
+    json/csv/parquet with ``data_files``). ``settings``: the cleaning (``nfkc``, ``dedupe``, ``min_words``,
+    ``max_words``, ``max_ratio``) and, for ``hf:``, the fields of ``hf_corpus.HubCorpus`` (``src_lang`` and
+    ``tgt_lang``, ``config``, ``revision``, ``splits``, ``src_column``, ``tgt_column``, ``data_files``).
+    Returns prepare.json."""
+    from mtkit.config import CleanConfig, ConfigError
     from mtkit.corpora import corpus as find_corpus
-    from mtkit.preparation import prepare_corpus
+    from mtkit.hf_corpus import PREFIX, HubCorpus
+    from mtkit.preparation import prepare_corpus, prepare_dataset
 
-    return prepare_corpus(find_corpus(corpus), Path(out), mirror, CleanConfig(**cleaning))
+    cleaning = {name: settings.pop(name) for name in [f.name for f in fields(CleanConfig)] if name in settings}
+    clean = CleanConfig(**cleaning)
+    if not corpus.startswith(PREFIX):
+        if settings:
+            raise ConfigError(f"{corpus}: {', '.join(sorted(settings))} apply to hf: corpora only")
+        return prepare_corpus(find_corpus(corpus), Path(out), mirror, clean)
+    if mirror is not None:
+        raise ConfigError("mirror is for catalogue corpora; an hf: corpus uses HF_ENDPOINT or a local folder")
+    return prepare_dataset(HubCorpus(corpus.removeprefix(PREFIX), **settings), Path(out), clean)

@@ -14,6 +14,7 @@ import pytest
 from conftest import MULTI30K, read_gz
 from test_cli import invoke
 
+import mtkit
 from mtkit.files import file_sha256
 
 CARD = """---
@@ -189,3 +190,15 @@ def test_a_row_without_text_on_one_side_is_named(tmp_path):
     )  # fmt: skip
     assert result.exit_code == 1
     assert result.stderr.strip().splitlines()[-1] == "error: hf:json test: row 3 has no text on both sides"
+
+
+def test_the_python_api_prepares_an_hf_corpus_as_the_command_does(tmp_path):
+    repo = hub_repository(tmp_path / "repo")
+    record = mtkit.prepare(f"hf:{repo}", tmp_path / "api", config="de-en", src_lang="en", tgt_lang="de", max_ratio=9.0)
+    assert invoke("prepare", f"hf:{repo}", "--config", "de-en", "--langpair", "en-de", "--max-ratio", "9",
+                  "--out", tmp_path / "cli").exit_code == 0  # fmt: skip
+    for name in ("train.en", "train.de", "valid.de", "test.en"):
+        assert lines(tmp_path / "api" / name) == lines(tmp_path / "cli" / name)
+    assert record["splits"]["train"]["lines"] == len(lines(tmp_path / "api" / "train.en"))
+    with pytest.raises(mtkit.MtkitError, match="hf: corpora only"):
+        mtkit.prepare("multi30k_en_de", tmp_path / "x", config="de-en")
