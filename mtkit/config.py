@@ -236,7 +236,7 @@ class RecipeConfig:
     """What `mtkit run` does around training: where the data comes from, what result to expect."""
 
     corpus: str = ""  # an `mtkit prepare` corpus; its train/valid files become data.*, its test split is scored
-    data_dir: str = ""  # where it is prepared; "" for RUN/data
+    data_dir: str = ""  # where it is prepared; "": one folder all runs share ($MTKIT_DATA_DIR, ~/.cache/mtkit/prepared)
     average_last: int = 5  # score the mean of the newest K checkpoints; 0 scores best/
     bleu_min: float = 0.0  # lowest test sacreBLEU that counts as reproducing the result
     bleu_max: float = 100.0  # highest test sacreBLEU that counts as reproducing the result

@@ -15,8 +15,10 @@ whose prepare.json matches the request is complete, and is left alone on a re-ru
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict
@@ -41,11 +43,7 @@ _LINE_BREAKS = str.maketrans({c: " " for c in "\r\n\x0b\x0c\x1c\x1d\x1e\x85\u202
 
 def prepare_corpus(corpus: Corpus, out: Path, mirror: str | None = None, clean: CleanConfig = CleanConfig()) -> dict:
     """Prepare ``corpus`` into ``out`` (see the module docstring); returns the prepare.json record."""
-    settings = {
-        "corpus": corpus.name,
-        "files": {name: [f.url for f in split.files] for name, split in corpus.splits.items()},
-        "clean": asdict(clean),
-    }
+    settings = _settings(corpus, clean)
     done = _record(out)
     if done is not None and done.get("settings") == settings:
         log.info("%s: already prepared in %s", corpus.name, out)
@@ -57,6 +55,25 @@ def prepare_corpus(corpus: Corpus, out: Path, mirror: str | None = None, clean: 
             yield name, _read(split, paths, corpus.langs), _pair_count(split, paths) if shows_bar() else None, {}
 
     return _write_prepared(out, corpus.name, corpus.langs, settings, clean, splits())
+
+
+def _settings(corpus: Corpus, clean: CleanConfig) -> dict:
+    """What a prepared folder depends on: the corpus's files and the cleaning (a mirror holds the same files)."""
+    return {
+        "corpus": corpus.name,
+        "files": {name: [f.url for f in split.files] for name, split in corpus.splits.items()},
+        "clean": asdict(clean),
+    }
+
+
+def shared_folder(corpus: Corpus, clean: CleanConfig = CleanConfig()) -> Path:
+    """Where `mtkit run` prepares ``corpus`` when its recipe names no folder: one folder per corpus and
+    settings under $MTKIT_DATA_DIR (else $XDG_CACHE_HOME/mtkit/prepared, else ~/.cache/mtkit/prepared), so
+    every run directory of a recipe uses one download and one prepared copy."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mtkit" / "prepared"
+    root = Path(os.environ.get("MTKIT_DATA_DIR") or cache)
+    digest = hashlib.sha256(json.dumps(_settings(corpus, clean), sort_keys=True).encode()).hexdigest()
+    return root / f"{corpus.name}-{digest[:12]}"
 
 
 def prepare_dataset(

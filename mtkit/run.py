@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import filelock
+
 from mtkit.checkpoint import WEIGHTS_FILE
 from mtkit.config import ConfigError, RunConfig
 
@@ -89,7 +91,7 @@ def _prepare(cfg: RunConfig, out: Path, mirror: str | None, stages: list[Stage])
     if not r.corpus:
         raise ConfigError("recipe.corpus is not set: `mtkit run` needs a corpus from `mtkit prepare --list`")
     from mtkit.corpora import corpus
-    from mtkit.preparation import RECORD, prepare_corpus
+    from mtkit.preparation import RECORD, prepare_corpus, shared_folder
 
     spec = corpus(r.corpus)
     if (spec.src_lang, spec.tgt_lang) != (cfg.data.src_lang, cfg.data.tgt_lang):
@@ -97,11 +99,13 @@ def _prepare(cfg: RunConfig, out: Path, mirror: str | None, stages: list[Stage])
             f"recipe.corpus {spec.name} is {spec.src_lang}->{spec.tgt_lang}, "
             f"but data.src_lang/tgt_lang say {cfg.data.src_lang}->{cfg.data.tgt_lang}"
         )
-    data_dir = Path(r.data_dir) if r.data_dir else out / "data"
+    data_dir = Path(r.data_dir) if r.data_dir else shared_folder(spec)
     record = data_dir / RECORD
-    before = record.stat().st_mtime_ns if record.exists() else None
-    start = time.perf_counter()
-    prepare_corpus(spec, data_dir, mirror)
+    data_dir.parent.mkdir(parents=True, exist_ok=True)
+    with filelock.FileLock(data_dir.parent / f".{data_dir.name}.lock"):  # two runs may prepare it at once
+        before = record.stat().st_mtime_ns if record.exists() else None
+        start = time.perf_counter()
+        prepare_corpus(spec, data_dir, mirror)
     stages.append(Stage("prepare", time.perf_counter() - start, record.stat().st_mtime_ns != before, str(data_dir)))
 
     def path(split: str, lang: str) -> str:

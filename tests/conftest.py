@@ -69,9 +69,11 @@ def terminal(monkeypatch) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def encoding_cache(tmp_path_factory) -> Path:
-    """Encoded training data goes to a folder of this session, never to the user's ~/.cache (subprocesses too)."""
+    """Encoded training data and the corpora `mtkit run` prepares go to folders of this session, never to the
+    user's ~/.cache (subprocesses too)."""
     path = tmp_path_factory.mktemp("encoded")
     os.environ["MTKIT_CACHE_DIR"] = str(path)
+    os.environ["MTKIT_DATA_DIR"] = str(tmp_path_factory.mktemp("prepared"))
     return path
 
 

@@ -91,6 +91,17 @@ def test_a_second_run_redoes_nothing_and_judges_a_new_range(first_run, tiny_reci
     assert report["reproduced"] is False and "**NOT reproduced** (expected 30-100" in result.stdout
 
 
+def test_a_second_run_directory_uses_the_same_prepared_corpus(first_run, tiny_recipe, tmp_path):
+    """One download and one prepared copy for every run of a recipe, outside the run directories."""
+    first = json.loads((first_run[0] / "report.json").read_text())
+    result = invoke("run", tiny_recipe, "--out", tmp_path / "other", "--mirror", MULTI30K, "--set", "train.max_steps=3")
+    assert result.exit_code == 0, result.output
+    second = json.loads((tmp_path / "other" / "report.json").read_text())
+    prepared = [next(s for s in r["stages"] if s["name"] == "prepare") for r in (first, second)]
+    assert prepared[1]["ran"] is False and prepared[0]["note"] == prepared[1]["note"]
+    assert not (tmp_path / "other" / "data").exists() and not (first_run[0] / "data").exists()
+
+
 def _copy_run(first_run, tmp_path):
     """A copy of the first run's directory, so a test may change it without touching the others'."""
     out = tmp_path / "tiny"
