@@ -1,9 +1,12 @@
 """How closely a model exported with `mtkit export --format hf` translates as mtkit does; key=value lines.
 
-Exports MODEL, translates the test set with transformers' beam search (generate, in batches, the
-export's generation_config: the run's beam and length penalty) and with mtkit's, and scores both with
-sacreBLEU; then compares greedy token ids on the first --greedy-lines lines, each line under mtkit's
-length cap. Last, it tries CTranslate2's own converter (ct2-transformers-converter) on the export.
+Exports MODEL, translates the test set with transformers' beam search as its users run it, with the
+export's generation_config (the run's beam and length penalty): ``pipeline("translation")`` where the
+installed transformers has that task (4.x), else ``generate`` on batches of the same size. mtkit
+translates it too, and sacreBLEU scores both; then greedy token ids are compared on the first
+--greedy-lines lines, each line under mtkit's length cap. Last, CTranslate2's own converter
+(``ct2-transformers-converter``) converts the export, and CTranslate2 translates the test set with
+its ``translate_batch`` (the same beam and length penalty) and the greedy lines.
 
     python benchmarks/hf_export_parity.py --model runs/multi30k_en_de/average-last3.safetensors \\
         --src ../shared/data/multi30k/test_2016_flickr.en.gz --ref ../shared/data/multi30k/test_2016_flickr.de.gz
@@ -28,7 +31,7 @@ import transformers  # noqa: E402
 
 from mtkit.checkpoint import load_for_inference  # noqa: E402
 from mtkit.data import source_tensor  # noqa: E402
-from mtkit.export_hf import export_transformers  # noqa: E402
+from mtkit.export_hf import export_transformers, transformers_length_penalty  # noqa: E402
 from mtkit.metrics import score  # noqa: E402
 from mtkit.search import greedy_search, max_lengths  # noqa: E402
 from mtkit.translate import Translator  # noqa: E402
@@ -40,9 +43,15 @@ def read_lines(path: Path) -> list[str]:
         return [line.rstrip("\n") for line in f]
 
 
+def has_pipeline() -> bool:
+    return "translation" in transformers.pipelines.SUPPORTED_TASKS
+
+
 def transformers_translations(hf_dir: Path, lines: list[str], batch_size: int, lenpen: float) -> list[str]:
-    """Beam search as the export's generation_config says (with ``lenpen`` as its length penalty), batch by
-    batch, as pipeline("translation") did."""
+    """Beam search as the export's generation_config says, ``lenpen`` its length penalty."""
+    if has_pipeline():
+        translate = transformers.pipeline("translation", model=str(hf_dir), device="cpu")
+        return [out["translation_text"] for out in translate(lines, batch_size=batch_size, length_penalty=lenpen)]
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
     model = transformers.AutoModelForSeq2SeqLM.from_pretrained(hf_dir).eval()
     out = []
@@ -53,35 +62,68 @@ def transformers_translations(hf_dir: Path, lines: list[str], batch_size: int, l
     return out
 
 
+def mtkit_greedy(bundle, lines: list[str]) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
+    """mtkit's greedy ids for ``lines``, the source tensor and each line's cap on generated tokens."""
+    d = bundle.cfg.decode
+    src, src_pad_mask = source_tensor(bundle.src_tok.encode(lines))
+    caps = max_lengths(src_pad_mask, d.max_len_a, d.max_len_b, bundle.cfg.model.max_positions)
+    return greedy_search(bundle.model, src, src_pad_mask), src, caps
+
+
 def greedy_agreement(hf_dir: Path, bundle, lines: list[str]) -> tuple[int, int]:
     """(lines whose greedy token ids are equal, lines), transformers under mtkit's per-sentence cap."""
     model = transformers.AutoModelForSeq2SeqLM.from_pretrained(hf_dir).eval()
-    d = bundle.cfg.decode
-    src, src_pad_mask = source_tensor(bundle.src_tok.encode(lines))
-    expected = greedy_search(bundle.model, src, src_pad_mask)
-    caps = max_lengths(src_pad_mask, d.max_len_a, d.max_len_b, bundle.cfg.model.max_positions)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    expected, _, caps = mtkit_greedy(bundle, lines)
     same = 0
     for cap in caps.unique().tolist():
-        rows = (caps == cap).nonzero().flatten()
+        rows = (caps == cap).nonzero().flatten().tolist()
+        batch = tokenizer([lines[row] for row in rows], return_tensors="pt", padding=True)
         with torch.inference_mode():
-            generated = model.generate(
-                input_ids=src[rows], attention_mask=~src_pad_mask[rows], num_beams=1, max_new_tokens=cap
-            )
-        for row, ids in zip(rows.tolist(), generated.tolist()):
-            same += [t for t in ids[1:] if t not in (0, 3)] == expected[row]
+            generated = model.generate(**batch, num_beams=1, max_new_tokens=cap)
+        for row, ids in zip(rows, generated.tolist()):
+            same += [t for t in ids[1:] if t not in (model.config.pad_token_id, 3)] == expected[row]
     return same, len(lines)
 
 
-def ctranslate2_conversion(hf_dir: Path, out_dir: Path) -> str:
+def ctranslate2_run(hf_dir: Path, out_dir: Path, bundle, src: list[str], ref: list[str], args) -> None:
+    """Convert with CTranslate2's own converter; print its beam BLEU and greedy agreement."""
     try:
         import ctranslate2.converters
     except ImportError:
-        return "skipped (no ctranslate2)"
+        print("ctranslate2_converter=skipped (no ctranslate2)")
+        return
     try:
         ctranslate2.converters.TransformersConverter(str(hf_dir)).convert(str(out_dir), force=True)
     except Exception as err:  # report what the converter says, whatever it is
-        return f"failed: {str(err).splitlines()[-1]}"
-    return "ok"
+        print(f"ctranslate2_converter=failed: {str(err).splitlines()[-1]}")
+        return
+    print(f"ctranslate2_converter=ok ctranslate2_version={ctranslate2.__version__}")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    settings = transformers.GenerationConfig.from_pretrained(hf_dir)
+    translator = ctranslate2.Translator(str(out_dir), device="cpu", intra_threads=args.threads)
+    banned = [[piece] for piece in tokenizer.convert_ids_to_tokens(settings.suppress_tokens)]
+
+    def translate(lines: list[str], **options) -> list[list[str]]:
+        pieces = [tokenizer.convert_ids_to_tokens(ids) for ids in tokenizer(lines)["input_ids"]]
+        options.update(max_batch_size=args.batch_size, suppress_sequences=banned)
+        return [result.hypotheses[0] for result in translator.translate_batch(pieces, **options)]
+
+    start = time.perf_counter()
+    hyps = [
+        tokenizer.convert_tokens_to_string(pieces)
+        for pieces in translate(src, beam_size=settings.num_beams, length_penalty=settings.length_penalty)
+    ]
+    print(f"ctranslate2_seconds={time.perf_counter() - start:.1f}")
+    print(f"ctranslate2_beam_bleu={score(hyps, [ref], ('bleu',))[0].value:.2f}")
+    lines = src[: args.greedy_lines]
+    expected, _, caps = mtkit_greedy(bundle, lines)
+    same = 0
+    for cap in caps.unique().tolist():
+        rows = (caps == cap).nonzero().flatten().tolist()
+        outputs = translate([lines[row] for row in rows], beam_size=1, max_decoding_length=cap - 1)
+        same += sum(tokenizer.convert_tokens_to_ids(out) == expected[row] for row, out in zip(rows, outputs))
+    print(f"ctranslate2_greedy_same_ids={same}/{len(lines)}")
 
 
 def main() -> None:
@@ -118,7 +160,9 @@ def main() -> None:
         mtkit_hyps = [t[0].text for t in translator.stream([src])]
         print(f"mtkit_seconds={time.perf_counter() - start:.1f}")
         start = time.perf_counter()
-        hf_hyps = transformers_translations(hf_dir, src, args.batch_size, decode.lenpen)
+        lenpen = transformers_length_penalty(decode.lenpen)
+        print(f"transformers_path={'pipeline' if has_pipeline() else 'generate'} transformers_length_penalty={lenpen}")
+        hf_hyps = transformers_translations(hf_dir, src, args.batch_size, lenpen)
         print(f"transformers_seconds={time.perf_counter() - start:.1f}")
         mtkit_bleu = score(mtkit_hyps, [ref], ("bleu",))[0]
         hf_bleu = score(hf_hyps, [ref], ("bleu",))[0]
@@ -130,7 +174,7 @@ def main() -> None:
         if args.greedy_lines:
             same, n = greedy_agreement(hf_dir, bundle, src[: args.greedy_lines])
             print(f"greedy_same_ids={same}/{n} greedy_agreement={100 * same / n:.1f}%")
-        print(f"ctranslate2_converter={ctranslate2_conversion(hf_dir, Path(tmp) / 'ct2')}")
+        ctranslate2_run(hf_dir, Path(tmp) / "ct2", bundle, src, ref, args)
 
 
 if __name__ == "__main__":

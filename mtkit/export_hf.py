@@ -10,16 +10,28 @@ residual, no final LayerNorm. The mapping, each choice where a reviewer can chec
   weight that reads or writes the residual stream, makes the two models compute the same function:
   LayerNorm is blind to the order of its inputs, and attention and the feed-forward block only see
   the stream through those weights.
-- vocabulary: the SentencePiece pieces in id order (vocab.json), so row i stays id i; tied embeddings
-  map to ``share_encoder_decoder_embeddings`` + ``tie_word_embeddings``, untied ones (two
-  vocabularies or one) to separate encoder, decoder and output matrices. ``final_logits_bias`` is 0.
-- special ids are mtkit's: pad 0, unk 1, bos 2, eos 3; decoding starts from bos, as mtkit's does
-  (Marian's own models start from pad), the tokenizer appends eos to the source, and pad and bos are
-  never generated (``suppress_tokens``).
-- decoding defaults (generation_config.json): ``num_beams`` is decode.beam and ``length_penalty``
-  decode.lenpen, but transformers divides a hypothesis' log-probability by length ** alpha where
-  mtkit divides by ((5 + length) / 6) ** alpha, and it stops once ``num_beams`` hypotheses have ended
-  (mtkit's decode.early_stop false); ``min_new_tokens`` is decode.min_len. mtkit caps each sentence
+- vocabulary: the SentencePiece pieces in id order (vocab.json), so row i stays id i, and one more
+  id after them, ``<pad>``, with a zero embedding: Marian's own layout, where the decoder starts from
+  pad's zero embedding and pad is the last id (the piece SentencePiece calls pad, id 0, is renamed
+  ``<unused:0>``; no text encodes to it). mtkit's decoder starts from bos, so the decoder's position
+  table carries bos's scaled embedding in row 0, which only the start token ever reads: zero + row 0
+  is what mtkit computes at step 0. The position tables are therefore written to model.safetensors
+  (Marian computes them itself only when the file has none), and CTranslate2's
+  ``ct2-transformers-converter``, which starts Marian decoders from a zero embedding, drops the last
+  id and reads the tables from the loaded model, converts the folder to the same function. Two
+  vocabularies of different sizes are padded to one size with ``<unused:N>`` rows. Rows that are no
+  target token (the appended and padding ones) get a ``final_logits_bias`` of -1e4, so they take no
+  share of the softmax; every other bias is 0. Tied embeddings map to
+  ``share_encoder_decoder_embeddings`` + ``tie_word_embeddings``, untied ones (two vocabularies or
+  one) to separate encoder, decoder and output matrices.
+- special ids: unk 1, bos 2 and eos 3 are mtkit's; the tokenizer appends eos to the source and pads
+  with ``<pad>``, and mtkit's pad and bos are never generated (``suppress_tokens``).
+- decoding defaults (generation_config.json): ``num_beams`` is decode.beam. transformers divides a
+  hypothesis' log-probability by length ** a where mtkit divides by ((5 + length) / 6) ** alpha; the
+  two change with length alike, at one length L, when a = alpha * L / (5 + L). ``length_penalty`` is
+  that a at ``PENALTY_LENGTH`` tokens, a typical sentence (at 15 or 30 tokens a would be 6% smaller
+  or 7% larger). transformers stops once ``num_beams`` hypotheses have ended (mtkit's
+  decode.early_stop false); ``min_new_tokens`` is decode.min_len. mtkit caps each sentence
   at max_len_a * source length + max_len_b tokens (eos included); transformers has one bound per
   call, so ``max_new_tokens`` is the model's own limit, max_positions, which no sentence's cap
   exceeds. Pass ``max_new_tokens`` to a call to bound it tighter; ``forced_eos_token_id`` ends a
@@ -51,6 +63,9 @@ from mtkit.model import DecoderLayer, EncoderLayer, FeedForward, Transformer
 from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 
 RUNTIME = "transformers"  # the manifest's runtime, which tells this export from a CTranslate2 one
+START_PIECE = "<pad>"  # the id after both vocabularies: Marian's pad and decoder start, named as Marian names it
+NOT_A_TOKEN = -1e4  # final_logits_bias of rows that are no target token: exp(-1e4) is 0 in float32
+PENALTY_LENGTH = 20  # tokens: where transformers' length penalty is made to act as mtkit's (see the module)
 
 
 def _transformers() -> Any:
@@ -127,13 +142,25 @@ class _Mapper:
         self.norm(f"{name}.final_layer_norm", layer.res_ffn.norm)
 
 
+def start_id(src_vocab: int, tgt_vocab: int) -> int:
+    """The appended id (``START_PIECE``): the decoder's start and the padding; the export has one more rows."""
+    return max(src_vocab, tgt_vocab)
+
+
+def _with_rows(matrix: Tensor, rows: int) -> Tensor:
+    """``matrix`` with zero rows appended up to ``rows``."""
+    return torch.cat([matrix, matrix.new_zeros(rows - matrix.size(0), matrix.size(1))])
+
+
 def marian_weights(model: Transformer, tied: bool) -> dict[str, Tensor]:
-    """The state dict of the equivalent ``MarianMTModel``, but for the position tables it computes itself."""
+    """The state dict of the equivalent ``MarianMTModel`` (see the module docstring for the layout)."""
     mapper = _Mapper(model.output.in_features)
     order = mapper.order
-    src = model.encoder.embed.tokens.weight[:, order]
-    tgt = src if tied else model.decoder.embed.tokens.weight[:, order]
-    out = tgt if tied else model.output.weight[:, order]
+    src_vocab, tgt_vocab = model.encoder.embed.tokens.num_embeddings, model.output.out_features
+    rows = start_id(src_vocab, tgt_vocab) + 1
+    src = _with_rows(model.encoder.embed.tokens.weight[:, order], rows)
+    tgt = src if tied else _with_rows(model.decoder.embed.tokens.weight[:, order], rows)
+    out = tgt if tied else _with_rows(model.output.weight[:, order], rows)
     for i, layer in enumerate(model.encoder.layers):
         mapper.encoder_layer(f"model.encoder.layers.{i}", layer)
     for i, layer in enumerate(model.decoder.layers):
@@ -141,15 +168,28 @@ def marian_weights(model: Transformer, tied: bool) -> dict[str, Tensor]:
     embeddings = {"model.encoder.embed_tokens.weight": src, "model.decoder.embed_tokens.weight": tgt}
     if tied:
         embeddings["model.shared.weight"] = src
-    final_logits_bias = torch.zeros(1, out.size(0))
-    return {**embeddings, **mapper.weights, "lm_head.weight": out, "final_logits_bias": final_logits_bias}
+    positions = model.encoder.embed.table[:, order]
+    decoder_positions = positions.clone()
+    decoder = model.decoder.embed
+    decoder_positions[0] += decoder.scale * decoder.tokens.weight[BOS_ID, order]  # what the start token reads
+    final_logits_bias = torch.zeros(1, rows)
+    final_logits_bias[0, tgt_vocab:] = NOT_A_TOKEN
+    return {
+        **embeddings,
+        "model.encoder.embed_positions.weight": positions,
+        "model.decoder.embed_positions.weight": decoder_positions,
+        **mapper.weights,
+        "lm_head.weight": out,
+        "final_logits_bias": final_logits_bias,
+    }
 
 
 def marian_config(cfg: ModelConfig, src_vocab: int, tgt_vocab: int) -> dict[str, Any]:
     """``MarianConfig`` arguments for a model of ``cfg``."""
+    start = start_id(src_vocab, tgt_vocab)
     return dict(
-        vocab_size=src_vocab,
-        decoder_vocab_size=tgt_vocab,
+        vocab_size=start + 1,
+        decoder_vocab_size=start + 1,
         share_encoder_decoder_embeddings=cfg.tie_embeddings,
         tie_word_embeddings=cfg.tie_embeddings,
         max_position_embeddings=cfg.max_positions,
@@ -165,54 +205,64 @@ def marian_config(cfg: ModelConfig, src_vocab: int, tgt_vocab: int) -> dict[str,
         dropout=cfg.dropout,
         attention_dropout=cfg.attention_dropout,
         activation_dropout=cfg.activation_dropout,
-        pad_token_id=PAD_ID,
+        pad_token_id=start,
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
-        decoder_start_token_id=BOS_ID,
+        decoder_start_token_id=start,
         forced_eos_token_id=EOS_ID,
     )
 
 
-def generation_settings(decode: DecodeConfig, max_positions: int) -> dict[str, Any]:
+def transformers_length_penalty(alpha: float, length: int = PENALTY_LENGTH) -> float:
+    """The a of length ** a that changes with length as mtkit's ((5 + length) / 6) ** alpha does at ``length``."""
+    return round(alpha * length / (5 + length), 4)
+
+
+def generation_settings(decode: DecodeConfig, max_positions: int, start: int) -> dict[str, Any]:
     """``GenerationConfig`` arguments: the run's decoding, as far as transformers can say it (see the module)."""
     settings: dict[str, Any] = dict(
-        decoder_start_token_id=BOS_ID,
+        decoder_start_token_id=start,
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
+        pad_token_id=start,
         forced_eos_token_id=EOS_ID,
         suppress_tokens=[PAD_ID, BOS_ID],
         max_new_tokens=max_positions,  # the decoder reads the start token and all but the last of these
         num_beams=decode.beam,
     )
     if decode.beam > 1:
-        settings.update(length_penalty=decode.lenpen, early_stopping=True)
+        settings.update(length_penalty=transformers_length_penalty(decode.lenpen), early_stopping=True)
     if decode.min_len:
         settings["min_new_tokens"] = decode.min_len
     return settings
 
 
 def _special_pieces(src_tok: Tokenizer, tgt_tok: Tokenizer) -> dict[str, str]:
-    """unk, eos and pad as the tokenizers name them; MarianTokenizer takes one name for each."""
-    ids = [UNK_ID, EOS_ID, PAD_ID]
+    """unk and eos as the tokenizers name them (MarianTokenizer takes one name for each), and the pad piece."""
+    ids = [UNK_ID, EOS_ID]
     names = tgt_tok.sp.id_to_piece(ids)
     if src_tok.sp.id_to_piece(ids) != names:
-        raise CheckpointError(f"{src_tok.path} and {tgt_tok.path} name unk/eos/pad differently; Marian needs one name")
-    return dict(zip(("unk_token", "eos_token", "pad_token"), names))
+        raise CheckpointError(f"{src_tok.path} and {tgt_tok.path} name unk/eos differently; Marian needs one name")
+    return dict(unk_token=names[0], eos_token=names[1], pad_token=START_PIECE)
 
 
-def _piece_ids(tok: Tokenizer) -> str:
-    return json.dumps({piece: i for i, piece in enumerate(vocabulary(tok))}, ensure_ascii=False, indent=1) + "\n"
+def _piece_ids(tok: Tokenizer, rows: int) -> str:
+    """vocab.json: piece -> id for ``rows`` ids, the last ``START_PIECE`` (see the module docstring)."""
+    pieces = vocabulary(tok)
+    pieces[PAD_ID] = "<unused:0>"  # mtkit's pad is no input or output of the export; the name is START_PIECE's
+    pieces += [f"<unused:{i}>" for i in range(len(pieces), rows - 1)] + [START_PIECE]
+    return json.dumps({piece: i for i, piece in enumerate(pieces)}, ensure_ascii=False, indent=1) + "\n"
 
 
 def _save_tokenizer(directory: Path, src_tok: Tokenizer, tgt_tok: Tokenizer, max_positions: int) -> None:
     """source.spm, target.spm, vocab.json (+ target_vocab.json for two vocabularies), tokenizer_config.json."""
     transformers = _transformers()
     separate = src_tok.path != tgt_tok.path
+    rows = start_id(src_tok.vocab_size, tgt_tok.vocab_size) + 1
     with tempfile.TemporaryDirectory() as tmp:
         vocab, target_vocab = Path(tmp) / "vocab.json", Path(tmp) / "target_vocab.json"
-        vocab.write_text(_piece_ids(src_tok), encoding="utf-8")
-        target_vocab.write_text(_piece_ids(tgt_tok), encoding="utf-8")
+        vocab.write_text(_piece_ids(src_tok, rows), encoding="utf-8")
+        target_vocab.write_text(_piece_ids(tgt_tok, rows), encoding="utf-8")
         tokenizer = transformers.MarianTokenizer(
             source_spm=str(src_tok.path),
             target_spm=str(tgt_tok.path),
@@ -226,15 +276,26 @@ def _save_tokenizer(directory: Path, src_tok: Tokenizer, tgt_tok: Tokenizer, max
 
 
 def _marian_model(model: Transformer, cfg: ModelConfig, src_vocab: int, tgt_vocab: int) -> Any:
-    """A ``MarianMTModel`` holding ``model``'s weights; every weight but the position tables is given."""
+    """A ``MarianMTModel`` holding ``model``'s weights, position tables included."""
     transformers = _transformers()
     marian = transformers.MarianMTModel(transformers.MarianConfig(**marian_config(cfg, src_vocab, tgt_vocab)))
     weights = marian_weights(model, cfg.tie_embeddings)
     with torch.no_grad():
-        missing, unexpected = marian.load_state_dict({k: v.detach().clone() for k, v in weights.items()}, strict=False)
-    if unexpected or any("embed_positions" not in key for key in missing):
-        raise RuntimeError(f"Marian weights unmatched: missing {missing}, unexpected {unexpected}")
+        marian.load_state_dict({k: v.detach().clone() for k, v in weights.items()})
     return marian.eval()
+
+
+def _save_model(marian: Any, directory: Path) -> None:
+    """config.json and model.safetensors, the position tables kept: ``save_pretrained`` leaves them out."""
+    from safetensors.torch import load_file, save_file
+
+    marian.save_pretrained(str(directory))
+    path = directory / "model.safetensors"
+    weights = load_file(path)
+    for side in ("encoder", "decoder"):
+        key = f"model.{side}.embed_positions.weight"
+        weights[key] = marian.state_dict()[key].detach().clone()
+    save_file(weights, path, metadata={"format": "pt"})
 
 
 def export_transformers(model_path: Path, out_dir: Path) -> Path:
@@ -253,7 +314,8 @@ def export_transformers(model_path: Path, out_dir: Path) -> Path:
     except ConfigError as err:
         raise ConfigError(f"{model_path}: cannot export to transformers: {err}") from None
     marian = _marian_model(bundle.model, cfg, bundle.src_tok.vocab_size, bundle.tgt_tok.vocab_size)
-    settings = generation_settings(bundle.cfg.decode, cfg.max_positions)
+    start = start_id(bundle.src_tok.vocab_size, bundle.tgt_tok.vocab_size)
+    settings = generation_settings(bundle.cfg.decode, cfg.max_positions, start)
     marian.generation_config = transformers.GenerationConfig(**settings)
     manifest = {
         "format": MANIFEST_FORMAT,
@@ -265,7 +327,7 @@ def export_transformers(model_path: Path, out_dir: Path) -> Path:
     }
 
     def fill(directory: Path) -> None:
-        marian.save_pretrained(str(directory))
+        _save_model(marian, directory)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "Recommended: pip install sacremoses")  # it never normalises here
             _save_tokenizer(directory, bundle.src_tok, bundle.tgt_tok, cfg.max_positions)

@@ -109,7 +109,9 @@ def source_batch(ex: Exported, lines: list[str]) -> tuple[torch.Tensor, torch.Te
     """mtkit's source tensor and mask, and the HF tokenizer's batch for the same lines (checked equal)."""
     src, src_pad_mask = source_tensor(ex.bundle.src_tok.encode(lines))
     batch = ex.tokenizer(lines, return_tensors="pt", padding=True)
-    assert torch.equal(batch["input_ids"], src) and torch.equal(batch["attention_mask"].bool(), ~src_pad_mask)
+    assert torch.equal(batch["attention_mask"].bool(), ~src_pad_mask)
+    assert torch.equal(batch["input_ids"].masked_fill(src_pad_mask, PAD_ID), src)  # Marian pads with its own id
+    assert (batch["input_ids"][src_pad_mask] == ex.hf.config.pad_token_id).all()
     return src, src_pad_mask, batch
 
 
@@ -117,12 +119,16 @@ def test_logits_equal_mtkit_teacher_forced(export, multi30k_slice):
     src, src_pad_mask, batch = source_batch(export, export.lines)
     targets = export.bundle.tgt_tok.encode(multi30k_slice["val.de"].read_text().splitlines())
     tgt_in, _ = source_tensor([[2, *t] for t in targets])  # bos + reference, padded
+    decoder_in = tgt_in.clone()
+    decoder_in[:, 0] = export.hf.config.decoder_start_token_id  # Marian's start: the appended zero row
     with torch.no_grad():
         expected = export.bundle.model(src, src_pad_mask, tgt_in)
-        got = export.hf(**batch, decoder_input_ids=tgt_in, decoder_attention_mask=tgt_in != PAD_ID).logits
+        got = export.hf(**batch, decoder_input_ids=decoder_in, decoder_attention_mask=tgt_in != PAD_ID).logits
     real = tgt_in != PAD_ID
-    assert got.shape == expected.shape
-    torch.testing.assert_close(got[real], expected[real], atol=1e-4, rtol=1e-4)
+    vocab = expected.size(-1)
+    assert got.shape[:-1] == expected.shape[:-1] and got.size(-1) > vocab
+    torch.testing.assert_close(got[real][:, :vocab], expected[real], atol=1e-4, rtol=1e-4)
+    assert (got[real][:, vocab:] < expected[real].min() - 1000).all()  # no share of the softmax
 
 
 def hf_outputs(ex: Exported, lines: list[str], decode: DecodeConfig, **options) -> list[list[int]]:
@@ -139,7 +145,7 @@ def hf_outputs(ex: Exported, lines: list[str], decode: DecodeConfig, **options) 
             **options,
         )
         for row, ids in zip(rows.tolist(), generated.tolist()):
-            outputs[row] = [t for t in ids[1:] if t not in (EOS_ID, PAD_ID)]
+            outputs[row] = [t for t in ids[1:] if t not in (EOS_ID, ex.hf.config.pad_token_id)]
     return outputs
 
 
@@ -170,9 +176,11 @@ def test_beam_generate_equals_mtkit_beam_search_without_length_penalty(export):
 
 def test_generation_config_holds_the_runs_decoding(joint):
     settings = json.loads((joint.hf_dir / "generation_config.json").read_text())
-    assert settings["num_beams"] == 4 and settings["length_penalty"] == 0.6 and settings["min_new_tokens"] == 2
+    assert settings["num_beams"] == 4 and settings["length_penalty"] == 0.48 and settings["min_new_tokens"] == 2
     assert settings["max_new_tokens"] == 128  # max_positions: no sentence's cap exceeds it
-    assert settings["decoder_start_token_id"] == 2 and settings["suppress_tokens"] == [0, 2]
+    start = joint.bundle.tgt_tok.vocab_size  # the id after the vocabulary, Marian's pad
+    assert settings["decoder_start_token_id"] == settings["pad_token_id"] == start
+    assert settings["suppress_tokens"] == [0, 2]  # mtkit's pad and bos
     assert json.loads((joint.hf_dir / MANIFEST).read_text())["runtime"] == "transformers"
 
 
@@ -209,6 +217,42 @@ for text in tokenizer.batch_decode(model.generate(**batch, num_beams=1, max_new_
         joint.bundle.model, src, src_pad_mask, DecodeConfig(beam=1, max_len_a=0, max_len_b=20, min_len=2)
     )
     assert done.stdout.splitlines() == expected == joint.bundle.tgt_tok.decode(ids)
+
+
+def test_ctranslate2s_own_converter_turns_the_export_into_the_same_model(joint, tmp_path):
+    """``ct2-transformers-converter``, as its users run it, on the export: its greedy search gives mtkit's
+    tokens. The converter starts Marian's decoder from a zero embedding and drops the last id, which is
+    what the export's layout is made for; the random model's outputs run to the length cap, where
+    CTranslate2 cuts and mtkit forces eos."""
+    ctranslate2 = pytest.importorskip("ctranslate2")
+    converter = Path(sys.executable).with_name("ct2-transformers-converter")
+    out = tmp_path / "ct2"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run(
+        [str(converter), "--model", str(joint.hf_dir), "--output_dir", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    vocab = joint.bundle.tgt_tok.vocab_size
+    assert len(json.loads((out / "shared_vocabulary.json").read_text())) == vocab  # the appended id dropped
+
+    cap = 12
+    src, src_pad_mask, batch = source_batch(joint, joint.lines)
+    expected = greedy_search(
+        joint.bundle.model, src, src_pad_mask, DecodeConfig(beam=1, max_len_a=0, max_len_b=cap, min_len=0)
+    )
+    pieces = [joint.tokenizer.convert_ids_to_tokens(ids) for ids in joint.tokenizer(joint.lines)["input_ids"]]
+    banned = [[piece] for piece in joint.tokenizer.convert_ids_to_tokens([PAD_ID, 2])]  # as mtkit's export bans them
+    results = ctranslate2.Translator(str(out)).translate_batch(
+        pieces, beam_size=1, max_decoding_length=cap - 1, suppress_sequences=banned
+    )
+    got = [joint.tokenizer.convert_tokens_to_ids(result.hypotheses[0]) for result in results]
+    same = sum(g == e for g, e in zip(got, expected))
+    assert same >= len(got) - len(got) // 100, f"{same} of {len(got)} equal"
+    assert sum(map(len, expected)) / len(expected) > 5
 
 
 def test_export_command_writes_a_transformers_folder_and_replaces_it(joint, tmp_path):
