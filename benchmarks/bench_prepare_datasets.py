@@ -1,13 +1,15 @@
-"""Peak memory and wall clock of ``mtkit prepare`` on a WMT14-sized corpus: pyarrow reader against ``datasets``.
+"""Peak memory and wall clock of ``mtkit prepare`` on a WMT14-sized corpus: a plain pyarrow reader against ``datasets``.
 
-The same 4.5M-pair parquet files (bench_wmt_scale.py's synthetic WMT14 En-De mirror, built once and kept
-in the work folder) are prepared twice, each in a child process whose peak resident memory is the
-kernel's high-water mark (``os.wait4``'s ru_maxrss):
+The same 4.5M-pair parquet files (bench_wmt_scale.py's synthetic mirror of the Hub repository wmt/wmt14,
+built once and kept in the work folder) are prepared three times, each in a child process whose peak
+resident memory is the kernel's high-water mark (``os.wait4``'s ru_maxrss):
 
-- ``pyarrow``: ``mtkit prepare wmt14_en_de --mirror MIRROR``, the catalogue's parquet reader;
-- ``datasets``: ``mtkit prepare hf:FOLDER --config de-en``, where FOLDER holds the same files laid out
-  as a Hub dataset repository (hard links, and a dataset card declaring the config and its splits),
-  with an empty ``HF_HOME``: the conversion to Arrow is measured too;
+- ``pyarrow``: the baseline, this script's own reader: the parquet files read by pyarrow 8,192 rows at a
+  time with pre-buffering off (the catalogue's reader before its Hub corpora went through ``datasets``),
+  the training split cleaned as ``mtkit prepare`` cleans it, and each split's two text files written;
+- ``datasets``: ``mtkit prepare hf:FOLDER --config de-en``, FOLDER the mirror's wmt/wmt14 (the path
+  ``mtkit prepare wmt14_en_de --mirror`` takes), with an empty ``HF_HOME``: the conversion to Arrow is
+  measured too;
 - ``datasets_cached``: the same again into a new output folder, the Arrow cache kept.
 
 One ``key=value`` line per path. Run from the repository root::
@@ -20,37 +22,66 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
-from bench_wmt_scale import CORPUS, REPO, BenchFailed, Stage, check_prepared, mirror_stage, mtkit, run_stage
+from bench_wmt_scale import (
+    CORPUS,
+    REPO,
+    BenchFailed,
+    Stage,
+    check_prepared,
+    mirror_stage,
+    mtkit,
+    offline_hf_home,
+    run_stage,
+    shard_paths,
+)
 
-CARD = """---
-configs:
-- config_name: de-en
-  data_files:
-  - split: train
-    path: de-en/train-*
-  - split: validation
-    path: de-en/validation-*
-  - split: test
-    path: de-en/test-*
----
-The synthetic WMT14-sized corpus of benchmarks/bench_wmt_scale.py, laid out as a Hub dataset repository.
-"""
+SPLITS = {"train": "train", "valid": "validation", "test": "test"}  # ours: the dataset's
+BATCH_ROWS = 8192
+# Line and paragraph separators, written as spaces as mtkit prepare writes them.
+LINE_BREAKS = str.maketrans({c: " " for c in "\r\n\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"})
 
 
-def hub_folder(mirror: Path, folder: Path) -> Path:
-    """The mirror's files under the Hub repository's own paths (de-en/train-00000-of-00003.parquet...)."""
-    shutil.rmtree(folder, ignore_errors=True)
-    (folder / "de-en").mkdir(parents=True)
-    for split in CORPUS.splits.values():
-        for file in split.files:
-            os.link(mirror / file.filename, folder / "de-en" / file.url.rsplit("/", 1)[-1])
-    (folder / "README.md").write_text(CARD, encoding="utf-8")
-    return folder
+def parquet_pairs(paths: list[Path]) -> Iterator[tuple[str, str]]:
+    """(en, de) from the translation column, file after file, a batch at a time, pre-buffering off: whole
+    row groups pre-buffered held 200 MiB more for 4.5M pairs."""
+    import pyarrow.parquet as pq
+
+    for path in paths:
+        with pq.ParquetFile(path, pre_buffer=False, buffer_size=1 << 20) as parquet:
+            for batch in parquet.iter_batches(batch_size=BATCH_ROWS, columns=["translation"]):
+                column = batch.column(0)
+                yield from zip(column.field("en").to_pylist(), column.field("de").to_pylist())
+
+
+def pyarrow_prepare(repo: Path, out: Path) -> None:
+    """The baseline, in a child: each split read by ``parquet_pairs``, train cleaned with mtkit's default
+    settings, both sides written; prepare.json with the counts that ``check_prepared`` reads."""
+    from mtkit.clean import CleanSummary, clean_pairs
+    from mtkit.config import CleanConfig
+
+    out.mkdir(parents=True)
+    shards = shard_paths(repo)
+    written = {}
+    for ours, theirs in SPLITS.items():
+        pairs = parquet_pairs(shards[theirs])
+        summary = CleanSummary() if ours == "train" else None
+        if summary is not None:
+            pairs = clean_pairs(pairs, CleanConfig(), summary)
+        lines = 0
+        with (
+            open(out / f"{ours}.en", "w", encoding="utf-8") as en,
+            open(out / f"{ours}.de", "w", encoding="utf-8") as de,
+        ):
+            for lines, (s, t) in enumerate(pairs, start=1):
+                en.write(s.translate(LINE_BREAKS) + "\n")
+                de.write(t.translate(LINE_BREAKS) + "\n")
+        written[ours] = {"lines": lines, **({"clean": summary.to_dict()} if summary else {})}
+    (out / "prepare.json").write_text(json.dumps({"splits": written}, indent=1))
 
 
 def measured(name: str, cmd: list[str], work: Path, pairs: int) -> Stage:
@@ -80,18 +111,22 @@ def main() -> None:
     p.add_argument("--data-dir", type=Path, default=REPO.parent / "shared" / "data" / "multi30k")
     p.add_argument("--seed", type=int, default=1, help="seed of the synthetic corpus")
     p.add_argument("--num-proc", type=int, help="prepare --num-proc for the datasets path")
+    p.add_argument("--pyarrow-child", type=Path, help=argparse.SUPPRESS)  # the baseline's child: the repository
+    p.add_argument("--out", type=Path, help=argparse.SUPPRESS)  # ...and its output folder
     args = p.parse_args()
+    if args.pyarrow_child:
+        pyarrow_prepare(args.pyarrow_child, args.out)
+        return
     work = args.work.resolve()
     args.skip_build = False
     try:
         _, mirror = mirror_stage(args, work / "mirror", work / "mirror.json")
-        folder = hub_folder(work / "mirror", work / "hub")
-        pyarrow = measured("pyarrow", mtkit("prepare", CORPUS.name, "--mirror", work / "mirror"), work, mirror["pairs"])
+        repo = work / "mirror" / CORPUS.dataset.path
+        baseline = [sys.executable, str(Path(__file__).resolve()), "--pyarrow-child", str(repo)]
+        pyarrow = measured("pyarrow", baseline, work, mirror["pairs"])
         print_row(pyarrow, mirror["pairs"])
-        hf_home = work / "hf-home"
-        shutil.rmtree(hf_home, ignore_errors=True)
-        os.environ.update(HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-        cmd = mtkit("prepare", f"hf:{folder}", "--config", "de-en", "--langpair", "en-de")
+        offline_hf_home(work / "hf-home")
+        cmd = mtkit("prepare", f"hf:{repo}", "--config", "de-en", "--langpair", "en-de")
         cmd += ["--num-proc", str(args.num_proc)] if args.num_proc else []
         rows = [measured(name, cmd, work, mirror["pairs"]) for name in ("datasets", "datasets_cached")]
     except BenchFailed as err:

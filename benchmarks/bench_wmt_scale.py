@@ -7,12 +7,17 @@ stand-in corpus of the same size, built from Multi30k, in stages that each run `
 a child process whose resident memory (RssAnon, RssFile in /proc/PID/status) is sampled every 0.2 s;
 a stage's peak is the kernel's high-water mark of that child's resident memory (``os.wait4``'s ru_maxrss).
 
-1. build: a Hugging Face parquet mirror of WMT14 En-De (what ``mtkit prepare --mirror`` reads) with
-   ``--pairs`` training pairs. Each pair joins 2-4 random Multi30k task-1 pairs, the same picks on
-   both sides, so that nearly all pairs are distinct and about 25 words a side, as in WMT. Multi30k val and
-   test_2016_flickr stand in for newstest2013 and 2014. Written a row group at a time; kept in the work
-   folder and reused while ``mirror.json`` there records the same size and seed.
-2. prepare: ``mtkit prepare wmt14_en_de --mirror`` into a fresh folder; its line counts are checked.
+1. build: a mirror of WMT14 En-De's Hub repository (what ``mtkit prepare --mirror`` reads), as a
+   ``git clone`` of wmt/wmt14 lays it out: MIRROR/wmt/wmt14/README.md (a dataset card declaring the de-en
+   config) and de-en/*.parquet (train in three shards, as on the Hub, validation and test in one each),
+   with ``--pairs`` training pairs. Each pair joins 2-4 random Multi30k
+   task-1 pairs, the same picks on both sides, so that nearly all pairs are distinct and about 25 words a
+   side, as in WMT. Multi30k val and test_2016_flickr stand in for newstest2013 and 2014. Written a row
+   group at a time; kept in the work folder and reused while ``mirror.json`` there records the same size
+   and seed.
+2. prepare: ``mtkit prepare wmt14_en_de --mirror`` into a fresh folder, offline, through ``datasets`` with
+   an empty ``HF_HOME`` in the work folder (so the conversion to its Arrow cache is measured too); its
+   line counts are checked.
 3. tokenizer: an 8k joint unigram SentencePiece model trained on Multi30k train (given to training as
    ``tokenizer.model``, so that training measures encoding, not tokenizer training).
 4. train, cold: ``--steps`` updates with an empty ``data.cache_dir``: the corpus is encoded into the
@@ -61,6 +66,21 @@ ROW_GROUP = 50_000  # rows per parquet row group
 # 29,000 of those, and repeats would be dropped by prepare's deduplication.
 JOIN_SIZES, JOIN_WEIGHTS = (2, 3, 4), (0.85, 0.12, 0.03)
 SCHEMA = pa.schema([("translation", pa.struct([("de", pa.string()), ("en", pa.string())]))])
+# The de-en config's parquet shards in wmt/wmt14, per split of the dataset.
+SHARDS = {"train": 3, "validation": 1, "test": 1}
+CARD = """---
+configs:
+- config_name: de-en
+  data_files:
+  - split: train
+    path: de-en/train-*
+  - split: validation
+    path: de-en/validation-*
+  - split: test
+    path: de-en/test-*
+---
+The synthetic WMT14-sized corpus of benchmarks/bench_wmt_scale.py, laid out as the Hub repository wmt/wmt14.
+"""
 MIB = 1024 * 1024
 PRECISION_HELP = (
     "train.precision (default fp32: on a CPU, bf16's oneDNN kernel cache grows with every new batch shape, "
@@ -182,27 +202,37 @@ def shard_sizes(total: int, shards: int) -> list[int]:
     return [total // shards + (i < total % shards) for i in range(shards)]
 
 
+def shard_paths(repo: Path) -> dict[str, list[Path]]:
+    """The parquet shards of each split of the dataset, named as in wmt/wmt14."""
+    return {
+        split: [repo / "de-en" / f"{split}-{i:05d}-of-{count:05d}.parquet" for i in range(count)]
+        for split, count in SHARDS.items()
+    }
+
+
 def build_mirror(m30k: Path, mirror: Path, pairs: int, seed: int) -> dict:
-    """The parquet files of CORPUS under the names `mtkit prepare --mirror` looks for."""
-    mirror.mkdir(parents=True, exist_ok=True)
+    """CORPUS's Hub repository under MIRROR/wmt/wmt14, where `mtkit prepare --mirror MIRROR` looks for it."""
+    repo = mirror / CORPUS.dataset.path
+    (repo / "de-en").mkdir(parents=True, exist_ok=True)
+    (repo / "README.md").write_text(CARD, encoding="utf-8")
     en, de = read_gz(m30k / "train.en.gz"), read_gz(m30k / "train.de.gz")
     stream = joined_pairs(en, de, seed)
-    train = CORPUS.splits["train"].files
+    shards = shard_paths(repo)
     rows = en_words = de_words = 0
-    for file, size in zip(train, shard_sizes(pairs, len(train))):
-        counts = write_parquet(mirror / file.filename, islice(stream, size))
+    for path, size in zip(shards["train"], shard_sizes(pairs, SHARDS["train"])):
+        counts = write_parquet(path, islice(stream, size))
         rows, en_words, de_words = rows + counts[0], en_words + counts[1], de_words + counts[2]
-    for split, prefix in (("valid", "val"), ("test", "test_2016_flickr")):
-        [file] = CORPUS.splits[split].files
+    for split, prefix in (("validation", "val"), ("test", "test_2016_flickr")):
         pair_lines = zip(read_gz(m30k / f"{prefix}.en.gz"), read_gz(m30k / f"{prefix}.de.gz"))
-        write_parquet(mirror / file.filename, pair_lines)
-    size = sum(p.stat().st_size for p in mirror.glob("*.parquet"))
+        write_parquet(shards[split][0], pair_lines)
+    size = sum(p.stat().st_size for p in repo.rglob("*.parquet"))
     return {"pairs": rows, "seed": seed, "words_per_side": [en_words / rows, de_words / rows], "mib": size / MIB}
 
 
 def mirror_stage(args: argparse.Namespace, mirror: Path, record_path: Path) -> tuple[Stage | None, dict]:
     """Build the mirror unless one of this size and seed is there already; its build stage, if it ran."""
-    files = [mirror / f.filename for split in CORPUS.splits.values() for f in split.files]
+    repo = mirror / CORPUS.dataset.path
+    files = [repo / "README.md", *(p for paths in shard_paths(repo).values() for p in paths)]
     try:
         record = json.loads(record_path.read_text())
     except (OSError, ValueError):
@@ -221,6 +251,12 @@ def mirror_stage(args: argparse.Namespace, mirror: Path, record_path: Path) -> t
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # built in this process
     note = f"{record['pairs']:,} pairs, {record['mib']:,.0f} MiB parquet (in-process)"
     return Stage("build mirror", seconds, peak, notes=note), record
+
+
+def offline_hf_home(folder: Path) -> None:
+    """An empty ``HF_HOME`` for the children, offline: the Arrow conversion is measured, and nothing is fetched."""
+    shutil.rmtree(folder, ignore_errors=True)
+    os.environ.update(HF_HOME=str(folder), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
 
 
 # -- 2. prepare ---------------------------------------------------------------------------------
@@ -357,6 +393,7 @@ def run_stages(args: argparse.Namespace, stages: list[Stage]) -> dict:
 
     data = work / "data"
     shutil.rmtree(data, ignore_errors=True)
+    offline_hf_home(work / "hf-home")
     cmd = mtkit("prepare", CORPUS.name, "--mirror", work / "mirror", "--out", data)
     stage = run_recorded(stages, "prepare", cmd, logs / "prepare.log")
     prepared = check_prepared(data, mirror["pairs"])

@@ -4,7 +4,7 @@
 #
 # Usage: data_scripts/iwslt17_de_en.sh [OUT] [mtkit prepare options]
 #   OUT   output folder (default data/iwslt17_de_en)
-#   e.g. --mirror DIR (a folder holding the same files), --nfkc, --max-ratio 1.5
+#   e.g. --mirror DIR (DIR/IWSLT/iwslt2017: a clone of the Hub repository), --nfkc, --max-ratio 1.5
 # The reverse direction is the corpus iwslt17_en_de: mtkit prepare iwslt17_en_de --out DIR.
 set -euo pipefail
 out=data/iwslt17_de_en

@@ -4,7 +4,7 @@
 #
 # Usage: data_scripts/wmt14_en_de.sh [OUT] [mtkit prepare options]
 #   OUT   output folder (default data/wmt14_en_de)
-#   e.g. --mirror DIR (a folder holding the same files), --nfkc, --max-ratio 1.5
+#   e.g. --mirror DIR (DIR/wmt/wmt14: a clone of the Hub repository), --nfkc, --max-ratio 1.5
 # The reverse direction is the corpus wmt14_de_en: mtkit prepare wmt14_de_en --out DIR.
 set -euo pipefail
 out=data/wmt14_en_de

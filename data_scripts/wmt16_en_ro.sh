@@ -4,7 +4,7 @@
 #
 # Usage: data_scripts/wmt16_en_ro.sh [OUT] [mtkit prepare options]
 #   OUT   output folder (default data/wmt16_en_ro)
-#   e.g. --mirror DIR (a folder holding the same files), --nfkc, --max-ratio 1.5
+#   e.g. --mirror DIR (DIR/wmt/wmt16: a clone of the Hub repository), --nfkc, --max-ratio 1.5
 # The reverse direction is the corpus wmt16_ro_en: mtkit prepare wmt16_ro_en --out DIR.
 set -euo pipefail
 out=data/wmt16_en_ro

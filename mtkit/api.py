@@ -67,11 +67,12 @@ def evaluate(
 
 
 def prepare(corpus: str, out: str | Path, mirror: str | None = None, **settings: Any) -> dict:
-    """Write ``out/{train,valid,test}.LANG`` from ``corpus``: a catalogue name (downloaded, or copied from
-    ``mirror``), or ``hf:PATH`` for any Hugging Face ``datasets`` corpus (a Hub id, a local folder, or
-    json/csv/parquet with ``data_files``). ``settings``: the cleaning (``nfkc``, ``dedupe``, ``min_words``,
-    ``max_words``, ``max_ratio``) and, for ``hf:``, the fields of ``hf_corpus.HubCorpus`` (``src_lang`` and
-    ``tgt_lang``, ``config``, ``revision``, ``splits``, ``src_column``, ``tgt_column``, ``data_files``).
+    """Write ``out/{train,valid,test}.LANG`` from ``corpus``: a catalogue name (downloaded or loaded from the
+    Hub, or read from ``mirror``: see ``mtkit prepare --help``), or ``hf:PATH`` for any Hugging Face
+    ``datasets`` corpus (a Hub id, a local folder, or json/csv/parquet with ``data_files``). ``settings``: the
+    cleaning (``nfkc``, ``dedupe``, ``min_words``, ``max_words``, ``max_ratio``) and, for ``hf:``, the fields of
+    ``hf_corpus.HubCorpus`` (``src_lang`` and ``tgt_lang``, ``config``, ``revision``, ``splits``, ``src_column``,
+    ``tgt_column``, ``data_files``, ``data_dir``).
     Returns prepare.json."""
     from mtkit.config import CleanConfig, ConfigError
     from mtkit.corpora import corpus as find_corpus

@@ -1,43 +1,43 @@
-"""The standard corpora mtkit can prepare: where each split comes from and in what form.
+"""The standard corpora mtkit can prepare: where each comes from. ``mtkit prepare --list`` prints it.
 
-Each corpus names its files by URL (the official release, or the Hugging Face Hub copy where that
-is the maintained one) and, where mtkit could hash a copy, their SHA-256. A mirror (a directory, a
-``file://`` or an ``http(s)://`` base) replaces the network: it holds the same files under their
-``name``. ``mtkit prepare --list`` prints this catalogue.
+Multi30k is the official release's gzip text files by URL, with their SHA-256; a mirror (a directory, a
+``file://`` or an ``http(s)://`` base) holds the same files under their names.
 
-The Hub corpora load through ``datasets`` as well (``mtkit prepare hf:wmt/wmt14 --config de-en``, see
-mtkit.hf_corpus); the catalogue keeps fetching their parquet files by URL, so that ``--mirror`` and the
-resumable, size-checked downloads apply to them as to Multi30k.
+The Hub corpora (WMT14, WMT16, IWSLT17) are Hugging Face datasets, loaded through ``datasets`` as
+``mtkit prepare hf:...`` loads any (mtkit.hf_corpus), so its cache, ``HF_HOME``, ``HF_TOKEN``, offline mode
+and ``HF_ENDPOINT`` apply. WMT14 is pinned to a Hub commit. WMT16 (``main``) and IWSLT17 (the Hub's
+parquet conversion of a script dataset, the branch ``refs/convert/parquet``) name a branch, where no commit
+was at hand to pin: prepare.json records the commit each resolved to. A mirror of a Hub corpus is a local
+folder holding its repository under its id, as ``git clone`` lays it out (MIRROR/wmt/wmt14/README.md,
+MIRROR/wmt/wmt14/de-en/*.parquet); it is loaded as that folder, with no revision.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mtkit.config import ConfigError
+from mtkit.hf_corpus import HubCorpus
 
 MULTI30K_RAW = "https://github.com/multi30k/dataset/raw/master/data/task1/raw"
-HF = "https://huggingface.co/datasets"
 
 
 @dataclass(frozen=True)
 class RemoteFile:
     url: str
     sha256: str | None = None  # None where no copy was at hand to hash; the download is then unverified
-    name: str = ""  # file name in the download folder and in a mirror; default: the URL's last part
 
     @property
     def filename(self) -> str:
-        return self.name or self.url.rsplit("/", 1)[-1]
+        """Its name in the download folder and in a mirror: the URL's last part."""
+        return self.url.rsplit("/", 1)[-1]
 
 
 @dataclass(frozen=True)
 class Split:
-    """One split's files. ``text``: a gzip or plain text file per language, line-aligned, ``files`` in
-    (source, target) order. ``parquet``: rows {"translation": {lang: text, ...}}, in any number of files."""
+    """One split's text files: a gzip or plain text file per language, line-aligned, (source, target) order."""
 
     files: tuple[RemoteFile, ...]
-    form: str  # "text" or "parquet"
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,9 @@ class Corpus:
     name: str
     src_lang: str
     tgt_lang: str
-    splits: dict[str, Split]  # train, valid, test
     about: str  # what it is, and the standard test set it reports on
+    splits: dict[str, Split] = field(default_factory=dict)  # train, valid, test as text files; none for a Hub corpus
+    dataset: HubCorpus | None = None  # a Hub corpus: the dataset, config and revision it loads
 
     @property
     def langs(self) -> tuple[str, str]:
@@ -76,75 +77,46 @@ def _multi30k(src: str, tgt: str) -> Corpus:
             RemoteFile(f"{MULTI30K_RAW}/{prefix}.{lang}.gz", _MULTI30K_SHA256[f"{prefix}.{lang}.gz"])
             for lang in (src, tgt)
         )
-        return Split(files, "text")
+        return Split(files)
 
     return Corpus(
         f"multi30k_{src}_{tgt}",
         src,
         tgt,
-        {"train": split("train"), "valid": split("val"), "test": split("test_2016_flickr")},
         "Multi30k task 1 (Elliott et al., 2016): 29,000 image-caption pairs; test_2016_flickr",
+        {"train": split("train"), "valid": split("val"), "test": split("test_2016_flickr")},
     )
 
 
-def _hub(repo: str, revision: str, parts: dict[str, list[str]], prefix: str = "") -> dict[str, Split]:
-    """Parquet splits of a Hugging Face Hub dataset; ``prefix`` keeps mirror names apart where the
-    Hub's own file names repeat across splits."""
-    return {
-        split: Split(
-            tuple(
-                RemoteFile(
-                    f"{HF}/{repo}/resolve/{revision}/{path}",
-                    name=f"{prefix}{split}-{path.rsplit('/', 1)[-1]}" if prefix else "",
-                )
-                for path in paths
-            ),
-            "parquet",
-        )
-        for split, paths in parts.items()
-    }
+def _hub(name: str, about: str, dataset: HubCorpus) -> Corpus:
+    return Corpus(name, dataset.src_lang, dataset.tgt_lang, about, dataset=dataset)
 
 
 def _wmt14_en_de(src: str, tgt: str) -> Corpus:
-    parts = {
-        "train": [f"de-en/train-0000{i}-of-00003.parquet" for i in range(3)],
-        "valid": ["de-en/validation-00000-of-00001.parquet"],
-        "test": ["de-en/test-00000-of-00001.parquet"],
-    }
-    return Corpus(
+    return _hub(
         f"wmt14_{src}_{tgt}",
-        src,
-        tgt,
-        _hub("wmt/wmt14", "main", parts),
         "WMT14 English-German (Europarl v7, Common Crawl, News Commentary v9): 4.5M pairs; "
         "newstest2013 valid, newstest2014 test",
+        # The commit of main, last modified 2024-04-03.
+        HubCorpus("wmt/wmt14", src, tgt, config="de-en", revision="b199e406369ec1b7634206d3ded5ba45de2fe696"),
     )
 
 
 def _wmt16_en_ro(src: str, tgt: str) -> Corpus:
-    parts = {
-        "train": ["ro-en/train-00000-of-00001.parquet"],
-        "valid": ["ro-en/validation-00000-of-00001.parquet"],
-        "test": ["ro-en/test-00000-of-00001.parquet"],
-    }
-    return Corpus(
+    return _hub(
         f"wmt16_{src}_{tgt}",
-        src,
-        tgt,
-        _hub("wmt/wmt16", "main", parts),
         "WMT16 English-Romanian (Europarl v8, SETIMES2): 610k pairs; newsdev2016 valid, newstest2016 test",
+        HubCorpus("wmt/wmt16", src, tgt, config="ro-en", revision="main"),
     )
 
 
 def _iwslt17_de_en(src: str, tgt: str) -> Corpus:
-    parts = {split: [f"iwslt2017-de-en/{split}/0000.parquet"] for split in ("train", "validation", "test")}
-    parts["valid"] = parts.pop("validation")
-    return Corpus(
+    # A script dataset, which datasets no longer runs; the Hub's parquet conversion of it keeps one folder per
+    # language pair, and no dataset card.
+    return _hub(
         f"iwslt17_{src}_{tgt}",
-        src,
-        tgt,
-        _hub("IWSLT/iwslt2017", "refs%2Fconvert%2Fparquet", parts, prefix="iwslt2017-de-en-"),
         "IWSLT 2017 German-English TED talks: 206k pairs; dev2010 valid, tst2010-2015 test",
+        HubCorpus("IWSLT/iwslt2017", src, tgt, revision="refs/convert/parquet", data_dir="iwslt2017-de-en"),
     )
 
 

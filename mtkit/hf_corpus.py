@@ -44,6 +44,7 @@ class HubCorpus:
     src_column: str | None = None  # flat layout: the source side's column; None: translation, or the language code
     tgt_column: str | None = None
     data_files: dict[str, list[str]] | None = None  # the dataset's split → files, as load_dataset takes them
+    data_dir: str | None = None  # the folder of the repository to read, where one holds several corpora
 
     def __post_init__(self) -> None:
         if unknown := set(self.splits) - set(OUTPUT_SPLITS):
@@ -74,6 +75,7 @@ class HubCorpus:
             "splits": self.splits,
             "columns": [self.src_column, self.tgt_column] if self.src_column else None,
             "data_files": self.data_files,
+            "data_dir": self.data_dir,
         }
 
 
@@ -134,6 +136,7 @@ def load(corpus: HubCorpus, num_proc: int | None = None) -> tuple[dict, list[Loa
     source = {
         "dataset": corpus.path,
         "config": builder.config.name,
+        "data_dir": corpus.data_dir,
         "revision": None if corpus.is_local else builder.hash,  # the Hub commit the files came from
         "data_files": _checksums(builder.config.data_files) if corpus.is_local else None,
     }
@@ -163,6 +166,7 @@ def _builder(corpus: HubCorpus):
         return datasets.load_dataset_builder(
             corpus.path,
             corpus.config,
+            data_dir=corpus.data_dir,
             data_files=corpus.data_files,
             revision=corpus.revision,
             writer_batch_size=_CACHE_BATCH_ROWS,

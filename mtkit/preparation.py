@@ -2,12 +2,14 @@
 
 Layout of the output folder::
 
-    raw/                        the downloaded files, kept so that a re-run fetches nothing
+    raw/                        the downloaded text files, kept so that a re-run fetches nothing (a Hub
+                                corpus is kept in the ``datasets`` cache instead)
     train.SRC train.TGT         cleaned (mtkit.clean): normalised, filtered, deduplicated
     valid.SRC valid.TGT         as published, so that scores on them stay comparable
     test.SRC test.TGT
     prepare.json                what was done: corpus, files, cleaning settings, line counts, drops;
-                                for a ``datasets`` corpus also its revision and each split's fingerprint
+                                for a Hub or other ``datasets`` corpus also its source (dataset, config,
+                                resolved revision) and each split's fingerprint
 
 Every text file is written under a temporary name and renamed, and prepare.json last: a folder
 whose prepare.json matches the request is complete, and is left alone on a re-run.
@@ -20,18 +22,19 @@ import json
 import logging
 import os
 import time
+import urllib.parse
+import urllib.request
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
-from mtkit import untrusted
+from mtkit import hf_corpus, untrusted
 from mtkit.clean import CleanSummary, clean_pairs
-from mtkit.config import CleanConfig
-from mtkit.corpora import Corpus, RemoteFile, Split
-from mtkit.data import DataError, count_lines, iter_aligned
+from mtkit.config import CleanConfig, ConfigError
+from mtkit.corpora import Corpus, RemoteFile
+from mtkit.data import count_lines, iter_aligned
 from mtkit.download import fetch, source_url
 from mtkit.files import atomic_write
-from mtkit.hf_corpus import HubCorpus
 from mtkit.progress import StageProgress, shows_bar
 
 log = logging.getLogger("mtkit")
@@ -42,23 +45,29 @@ _LINE_BREAKS = str.maketrans({c: " " for c in "\r\n\x0b\x0c\x1c\x1d\x1e\x85\u202
 
 
 def prepare_corpus(corpus: Corpus, out: Path, mirror: str | None = None, clean: CleanConfig = CleanConfig()) -> dict:
-    """Prepare ``corpus`` into ``out`` (see the module docstring); returns the prepare.json record."""
+    """Prepare ``corpus`` into ``out`` (see the module docstring); returns the prepare.json record.
+
+    A Hub corpus is loaded as ``prepare_dataset`` loads one, from its mirror if given (see ``_mirrored``)."""
     settings = _settings(corpus, clean)
-    done = _record(out)
-    if done is not None and done.get("settings") == settings:
-        log.info("%s: already prepared in %s", corpus.name, out)
+    if (done := _done(out, settings, corpus.name)) is not None:
         return done
+    if corpus.dataset is not None:
+        return _load_and_write(_mirrored(corpus.dataset, mirror), out, corpus.name, settings, clean)
 
     def splits() -> Iterator[tuple[str, Iterator[tuple[str, str]], int | None, dict]]:
         for name, split in corpus.splits.items():
             paths = [_download(f, out / "raw", mirror) for f in split.files]
-            yield name, _read(split, paths, corpus.langs), _pair_count(split, paths) if shows_bar() else None, {}
+            # Stray NULs in published text: cleaning removes them.
+            yield name, iter_aligned(*paths, allow_nul=True), count_lines(paths[0]) if shows_bar() else None, {}
 
     return _write_prepared(out, corpus.name, corpus.langs, settings, clean, splits())
 
 
 def _settings(corpus: Corpus, clean: CleanConfig) -> dict:
-    """What a prepared folder depends on: the corpus's files and the cleaning (a mirror holds the same files)."""
+    """What a prepared folder depends on: the corpus's files, or its dataset, and the cleaning (a mirror holds
+    the same data)."""
+    if corpus.dataset is not None:
+        return {"corpus": corpus.name, "dataset": corpus.dataset.settings(), "clean": asdict(clean)}
     return {
         "corpus": corpus.name,
         "files": {name: [f.url for f in split.files] for name, split in corpus.splits.items()},
@@ -77,20 +86,48 @@ def shared_folder(corpus: Corpus, clean: CleanConfig = CleanConfig()) -> Path:
 
 
 def prepare_dataset(
-    corpus: HubCorpus, out: Path, clean: CleanConfig = CleanConfig(), num_proc: int | None = None
+    corpus: hf_corpus.HubCorpus, out: Path, clean: CleanConfig = CleanConfig(), num_proc: int | None = None
 ) -> dict:
     """Prepare a Hugging Face ``datasets`` corpus into ``out``, laid out as ``prepare_corpus`` lays a standard
     one; prepare.json adds the source's resolved revision (or its files' checksums) and each split's fingerprint."""
-    from mtkit import hf_corpus
-
     settings = {"dataset": corpus.settings(), "clean": asdict(clean)}
-    done = _record(out)
-    if done is not None and done.get("settings") == settings:
-        log.info("%s: already prepared in %s", corpus.name, out)
+    if (done := _done(out, settings, corpus.name)) is not None:
         return done
+    return _load_and_write(corpus, out, corpus.name, settings, clean, num_proc)
+
+
+def _done(out: Path, settings: dict, label: str) -> dict | None:
+    """The record of an earlier run with the same settings: the folder is complete, and left alone."""
+    done = _record(out)
+    if done is None or done.get("settings") != settings:
+        return None
+    log.info("%s: already prepared in %s", label, out)
+    return done
+
+
+def _load_and_write(
+    corpus: hf_corpus.HubCorpus, out: Path, label: str, settings: dict, clean: CleanConfig, num_proc: int | None = None
+) -> dict:
     source, loaded = hf_corpus.load(corpus, num_proc)
     splits = ((split.name, split.pairs, split.rows, split.about) for split in loaded)
-    return _write_prepared(out, corpus.name, corpus.langs, settings, clean, splits, source)
+    return _write_prepared(out, label, corpus.langs, settings, clean, splits, source)
+
+
+def _mirrored(dataset: hf_corpus.HubCorpus, mirror: str | None) -> hf_corpus.HubCorpus:
+    """The catalogue's Hub dataset, or with a mirror the clone of its repository there (MIRROR/ORG/NAME, as
+    ``git clone`` lays it out), loaded as a local folder: no revision, the folder is what it holds."""
+    if mirror is None:
+        return dataset
+    url = urllib.parse.urlparse(mirror)
+    if url.scheme in ("http", "https"):
+        raise ConfigError(
+            f"mirror {mirror}: a Hub corpus's mirror is a local folder holding {dataset.path}/; "
+            "for a Hub mirror served over HTTP, set HF_ENDPOINT to it instead"
+        )
+    folder = Path(urllib.request.url2pathname(url.path) if url.scheme == "file" else mirror) / dataset.path
+    if not folder.is_dir():
+        raise ConfigError(f"mirror {mirror}: no folder {dataset.path} (a clone of the Hub dataset repository)")
+    return replace(dataset, path=str(folder), revision=None)
 
 
 def _write_prepared(
@@ -136,61 +173,6 @@ def _record(out: Path) -> dict | None:
 def _download(file: RemoteFile, folder: Path, mirror: str | None) -> Path:
     source = source_url(file.filename, mirror) if mirror else file.url
     return fetch(source, folder / file.filename, file.sha256)
-
-
-def _read(split: Split, paths: list[Path], langs: tuple[str, str]) -> Iterator[tuple[str, str]]:
-    if split.form == "text":
-        return iter_aligned(*paths, allow_nul=True)  # stray NULs in published text: cleaning removes them
-    return _parquet_pairs(paths, langs)
-
-
-def _pair_count(split: Split, paths: list[Path]) -> int | None:
-    """The pairs to read, where they are cheap to count: lines of an uncompressed text file, rows of parquet
-    files (in their footers); None otherwise."""
-    if split.form == "text":
-        return count_lines(paths[0])
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        return sum(pq.read_metadata(path).num_rows for path in paths)
-    except (pa.ArrowException, OSError):  # reading them says what is wrong
-        return None
-
-
-def _parquet_pairs(paths: list[Path], langs: tuple[str, str]) -> Iterator[tuple[str, str]]:
-    """The ``translation`` column's pairs, in file order, a few thousand rows at a time.
-
-    Read with pyarrow, pre-buffering off: memory stays near 100 MiB whatever the shard size (with
-    pre-buffering, or through ``datasets`` streaming, a 1.5M-row shard held 240-950 MiB).
-    """
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    for path in paths:
-        try:
-            with pq.ParquetFile(path, pre_buffer=False, buffer_size=1 << 20) as parquet:
-                if "translation" not in parquet.schema_arrow.names:
-                    raise DataError(f"{path}: no translation column (columns: {', '.join(parquet.schema_arrow.names)})")
-                number = 0
-                for batch in parquet.iter_batches(batch_size=8192, columns=["translation"]):
-                    column = batch.column(0)
-                    sides = [_field(column, lang, path) for lang in langs]
-                    for number, pair in enumerate(zip(*sides), start=number + 1):
-                        if not all(isinstance(text, str) for text in pair):
-                            raise DataError(
-                                f"{path}: row {number} has no translation.{langs[0]} and translation.{langs[1]} text"
-                            )
-                        yield pair
-        except (pa.ArrowException, OSError) as err:
-            raise DataError(f"{path}: not a readable parquet file ({err})") from None
-
-
-def _field(column, lang: str, path: Path) -> list:
-    try:
-        return column.field(lang).to_pylist()
-    except (KeyError, ValueError, AttributeError):  # no such field, or the column is not a struct
-        raise DataError(f"{path}: the translation column has no {lang!r} field") from None
 
 
 def _write(pairs: Iterable[tuple[str, str]], src_path: Path, tgt_path: Path) -> int:

@@ -67,6 +67,20 @@ def terminal(monkeypatch) -> None:
     monkeypatch.setattr(progress, "KEEP_AFTER_S", 0.0)
 
 
+@pytest.fixture
+def hf_offline(tmp_path, monkeypatch) -> None:
+    """No request of ``datasets`` or the Hub client leaves the machine, and the Arrow cache is this test's."""
+    import datasets
+    import huggingface_hub
+
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.setenv(name, "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf" / "datasets")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def encoding_cache(tmp_path_factory) -> Path:
     """Encoded training data and the corpora `mtkit run` prepares go to folders of this session, never to the

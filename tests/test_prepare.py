@@ -19,7 +19,7 @@ from test_cli import invoke
 
 from mtkit import download
 from mtkit.corpora import CORPORA
-from mtkit.data import DataError
+from mtkit.hf_corpus import HubCorpus
 
 REPO = Path(__file__).resolve().parents[1]
 WMT22 = DATA / "wmt22"
@@ -140,106 +140,172 @@ def test_http_mirror_with_an_interrupted_transfer_resumes_it(tmp_path):
     assert (tmp_path / "out" / "raw" / "train.de.gz").read_bytes() == files["train.de.gz"]
 
 
-def write_parquet(path: Path, pairs: list[tuple[str, str]], langs: tuple[str, str]) -> None:
-    rows = [{"translation": {langs[0]: a, langs[1]: b}} for a, b in pairs]
-    pq.write_table(pa.Table.from_pylist(rows), path)
+def test_a_download_of_unknown_size_cut_short_is_completed_not_kept(tmp_path):
+    """A body without Content-Length that ended early was once taken as the whole file; now mtkit asks for what
+    follows, and the file is completed (and passes its checksum)."""
+    files = {p.name: p.read_bytes() for p in MULTI30K.glob("*.gz")}
+    handler = type("Handler", (_Files,), {"files": files, "cut": "", "seen": [], "unsized": "train.de.gz"})
+    result = prepare_from_server(handler, "multi30k_en_de", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "out" / "raw" / "train.de.gz").read_bytes() == files["train.de.gz"]
+    assert [r for n, r in handler.seen if n == "train.de.gz"] == [None, f"bytes={len(files['train.de.gz']) // 2}-"]
 
 
-@pytest.mark.parametrize("name", ["wmt14_en_de", "wmt16_en_ro", "wmt16_ro_en", "iwslt17_de_en"])
-def test_hub_corpora_prepare_from_a_parquet_mirror(tmp_path, name):
-    """The mirror holds the Hub's parquet files under the catalogue's names; the text is WMT22's
-    (a stand-in: only the form matters here), one segment with a line break inside."""
-    corpus = CORPORA[name]
+# -- the Hub corpora, from mirrors laid out as their Hub repositories ------------------------------------------
+
+HUB_CORPORA = ["wmt14_en_de", "wmt14_de_en", "wmt16_en_ro", "wmt16_ro_en", "iwslt17_de_en", "iwslt17_en_de"]
+# A second config beside the catalogue's, as on the Hub, that must not be read.
+OTHER_CONFIG = {"wmt/wmt14": "cs-en", "wmt/wmt16": "de-en", "IWSLT/iwslt2017": "iwslt2017-ar-en"}
+SPLIT_SIZES = {"train": 600, "validation": 100, "test": 100}
+
+
+def card(configs: list[str]) -> str:
+    """A dataset card as wmt/wmt14's and wmt/wmt16's: each config's translation feature and parquet shards."""
+    lines = ["---", "dataset_info:"]
+    for config in configs:
+        lines += [f"- config_name: {config}", "  features:", "  - name: translation", "    dtype:"]
+        lines += ["      translation:", "        languages:", *(f"        - {lang}" for lang in config.split("-"))]
+    lines.append("configs:")
+    for config in configs:
+        lines += [f"- config_name: {config}", "  data_files:"]
+        lines += [f"  - split: {split}\n    path: {config}/{split}-*" for split in SPLIT_SIZES]
+    return "\n".join(lines) + "\n---\n# Dataset Card\n"
+
+
+def hub_clone(root: Path, dataset: HubCorpus, pairs: dict[str, list[tuple[str, str]]], shards: int = 1) -> None:
+    """``dataset``'s Hub repository under ``root`` as `git clone` lays it out, its parquet shards holding ``pairs``
+    ({split: [(first, second language of the folder's name)]}): wmt's de-en/train-00000-of-00003.parquet and a
+    card naming the configs; iwslt's parquet conversion, iwslt2017-de-en/train/0000.parquet and no card."""
+    repo = root / dataset.path
+    repo.mkdir(parents=True)
+    folders = [dataset.config or dataset.data_dir, OTHER_CONFIG[dataset.path]]
+    for folder in folders:
+        langs = folder.removeprefix("iwslt2017-").split("-")
+        for split, split_pairs in pairs.items():
+            count = shards if split == "train" else 1
+            size = -(-len(split_pairs) // count)
+            for i in range(count):
+                if dataset.config:
+                    path = repo / folder / f"{split}-{i:05d}-of-{count:05d}.parquet"
+                else:
+                    path = repo / folder / split / f"{i:04d}.parquet"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                chunk = split_pairs[i * size : (i + 1) * size]
+                if folder != folders[0]:
+                    chunk = [(a[::-1], b[::-1]) for a, b in chunk]  # another corpus's text
+                rows = [{"translation": dict(zip(langs, pair))} for pair in chunk]
+                pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=250)
+    if dataset.config:
+        (repo / "README.md").write_text(card(folders), encoding="utf-8")
+
+
+def wmt22_pairs(corpus) -> dict[str, list[tuple[str, str]]]:
+    """WMT22 En-De lines (a stand-in for every Hub corpus: only the form matters here) per dataset split, as
+    (first, second language of the dataset's folder name); one train segment holds a line break."""
     english = read_gz(WMT22 / "generaltest2022.en-de.src.en.gz")
     german = read_gz(WMT22 / "generaltest2022.en-de.ref.A.de.gz")
-    pairs = [(e, g) if corpus.src_lang == "en" else (g, e) for e, g in zip(english, german)]
-    pairs[0] = (pairs[0][0] + "\nsecond line", pairs[0][1])
-    mirror = tmp_path / "mirror"
-    mirror.mkdir()
-    expected = {}
-    start = 0
-    for split, spec in corpus.splits.items():
-        size = 300 if split == "train" else 100
-        chunk = pairs[start : start + size * len(spec.files)]
-        start += len(chunk)
-        for i, file in enumerate(spec.files):
-            write_parquet(mirror / file.filename, chunk[i * size : (i + 1) * size], corpus.langs)
-        expected[split] = chunk
-    result = invoke("prepare", name, "--out", tmp_path / "out", "--mirror", mirror)
-    assert result.exit_code == 0, result.output
+    english[0] += "\nsecond line"
+    first = (corpus.dataset.config or corpus.dataset.data_dir).removeprefix("iwslt2017-").split("-")[0]
+    ordered = list(zip(english, german) if first == "en" else zip(german, english))
+    pairs, start = {}, 0
+    for split, size in SPLIT_SIZES.items():
+        pairs[split], start = ordered[start : start + size], start + size
+    return pairs
+
+
+@pytest.mark.usefixtures("hf_offline")
+@pytest.mark.parametrize("name", HUB_CORPORA)
+def test_hub_corpora_prepare_from_a_mirror_of_their_repository_once(tmp_path, name):
+    corpus = CORPORA[name]
+    folder_langs = (corpus.dataset.config or corpus.dataset.data_dir).removeprefix("iwslt2017-").split("-")
+    pairs = wmt22_pairs(corpus)
+    hub_clone(tmp_path / "mirror", corpus.dataset, pairs, shards=3 if name.startswith("wmt14") else 1)
+    # As (source, target): the folder names the languages in its own order, not the corpus's.
+    expected = {split: [p if folder_langs == list(corpus.langs) else p[::-1] for p in split_pairs]
+                for split, split_pairs in pairs.items()}  # fmt: skip
+    mirror = f"file://{tmp_path / 'mirror'}" if name.endswith("_en") else tmp_path / "mirror"
     out = tmp_path / "out"
-    for split in ("valid", "test"):
-        assert lines(out / f"{split}.{corpus.src_lang}") == [s for s, _ in expected[split]]
-        assert lines(out / f"{split}.{corpus.tgt_lang}") == [t for _, t in expected[split]]
-    train_src = lines(out / f"train.{corpus.src_lang}")
-    assert train_src[0].endswith(" second line")  # the line break became a space: alignment holds
-    assert len(train_src) == len(lines(out / f"train.{corpus.tgt_lang}")) <= len(expected["train"])
-
-
-def test_on_a_terminal_each_split_shows_its_pairs_out_of_the_parquet_rows(tmp_path, terminal):
-    corpus = CORPORA["wmt16_en_ro"]
-    mirror = tmp_path / "mirror"
-    mirror.mkdir()
-    english = read_gz(WMT22 / "generaltest2022.en-de.src.en.gz")[:50]
-    for spec in corpus.splits.values():
-        for file in spec.files:
-            write_parquet(mirror / file.filename, [(e, e[::-1]) for e in english], corpus.langs)
-    result = invoke("prepare", "wmt16_en_ro", "--out", tmp_path / "out", "--mirror", mirror)
+    result = invoke("prepare", name, "--out", out, "--mirror", mirror)
     assert result.exit_code == 0, result.output
-    for split, spec in corpus.splits.items():
-        rows = 50 * len(spec.files)
-        [bar] = [line for line in result.stderr.splitlines() if line.startswith(f"preparing wmt16_en_ro {split} ")]
+    assert f"{name} in {out}: train " in result.stdout and "valid 100, test 100 lines" in result.stdout
+
+    src, tgt = corpus.langs
+    for ours, theirs in (("valid", "validation"), ("test", "test")):
+        assert lines(out / f"{ours}.{src}") == [s for s, _ in expected[theirs]]
+        assert lines(out / f"{ours}.{tgt}") == [t for _, t in expected[theirs]]
+    train_src, train_tgt = lines(out / f"train.{src}"), lines(out / f"train.{tgt}")
+    assert len(train_src) == len(train_tgt)
+    assert (train_src if src == "en" else train_tgt)[0].endswith(" second line")  # a space: alignment holds
+
+    record = json.loads((out / "prepare.json").read_text())
+    assert record["settings"]["corpus"] == name
+    assert record["settings"]["dataset"] == corpus.dataset.settings()  # the catalogue's, pinned revision and all
+    source = record["source"]
+    assert source["dataset"] == str(tmp_path / "mirror" / corpus.dataset.path) and source["revision"] is None
+    assert source["config"] == (corpus.dataset.config or "default")
+    assert source["data_dir"] == corpus.dataset.data_dir
+    assert len(source["data_files"]["train"]) == (3 if name.startswith("wmt14") else 1)
+    train = record["splits"]["train"]
+    assert train["clean"]["read"] == train["rows"] == 600 and train["lines"] == len(train_src)
+    assert record["splits"]["valid"]["dataset_split"] == "validation"
+    assert len({split["fingerprint"] for split in record["splits"].values()}) == 3
+
+    stamps = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    again = invoke("prepare", name, "--out", out, "--mirror", mirror)
+    assert again.exit_code == 0 and "already prepared" in again.stderr
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == stamps
+
+
+@pytest.mark.usefixtures("hf_offline")
+def test_on_a_terminal_each_hub_split_shows_its_pairs_out_of_the_dataset_rows(tmp_path, terminal):
+    corpus = CORPORA["wmt16_en_ro"]
+    english = read_gz(WMT22 / "generaltest2022.en-de.src.en.gz")
+    sizes = {"train": 120, "validation": 50, "test": 40}
+    hub_clone(tmp_path / "mirror", corpus.dataset, {s: [(e, e[::-1]) for e in english[:n]] for s, n in sizes.items()})
+    result = invoke("prepare", "wmt16_en_ro", "--out", tmp_path / "out", "--mirror", tmp_path / "mirror")
+    assert result.exit_code == 0, result.output
+    for ours, rows in (("train", 120), ("valid", 50), ("test", 40)):
+        [bar] = [line for line in result.stderr.splitlines() if line.startswith(f"preparing wmt16_en_ro {ours} ")]
         assert f"100% {rows}/{rows} pairs" in bar
 
 
-def test_a_download_of_unknown_size_cut_short_is_completed_not_kept(tmp_path):
-    """A body without Content-Length that ended early was once taken as the whole file, and kept in OUT/raw,
-    so every later prepare failed on it; now mtkit asks for what follows, and the file is completed."""
-    corpus = CORPORA["wmt16_en_ro"]
-    mirror = tmp_path / "mirror"
-    mirror.mkdir()
-    english = read_gz(WMT22 / "generaltest2022.en-de.src.en.gz")
-    for split, spec in corpus.splits.items():
-        for i, file in enumerate(spec.files):
-            write_parquet(
-                mirror / file.filename, [(e, e[::-1]) for e in english[i * 200 : (i + 1) * 200]], corpus.langs
-            )
-    files = {path.name: path.read_bytes() for path in mirror.iterdir()}
-    unsized = corpus.splits["train"].files[0].filename
-    handler = type("Handler", (_Files,), {"files": files, "cut": "", "seen": [], "unsized": unsized})
-    result = prepare_from_server(handler, "wmt16_en_ro", tmp_path / "out")
-    assert result.exit_code == 0, result.output
-    assert (tmp_path / "out" / "raw" / unsized).read_bytes() == files[unsized]
-    assert [r for n, r in handler.seen if n == unsized] == [None, f"bytes={len(files[unsized]) // 2}-"]
+@pytest.mark.parametrize("mirror", ["http://127.0.0.1:9/mirror", "https://hub.example/datasets"])
+def test_an_http_mirror_of_a_hub_corpus_is_refused_in_one_line(tmp_path, mirror):
+    result = invoke("prepare", "wmt16_en_ro", "--out", tmp_path / "out", "--mirror", mirror)
+    assert result.exit_code == 1 and "Traceback" not in result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: mirror {mirror}: ") and "HF_ENDPOINT" in line
+    assert not (tmp_path / "out").exists()
 
 
-def test_parquet_is_read_in_order_across_row_groups_and_a_missing_side_names_the_row(tmp_path):
-    from mtkit.preparation import _parquet_pairs
+def test_shared_folders_differ_by_the_dataset_settings():
+    """`mtkit run` prepares a Hub corpus in a folder of its dataset's settings: another revision, another folder."""
+    from dataclasses import replace
 
-    rows = [{"translation": {"en": f"sentence {i}", "de": f"Satz {i}"}} for i in range(20_000)]
-    path = tmp_path / "train.parquet"
-    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=3_000)
-    assert list(_parquet_pairs([path, path], ("de", "en")))[19_999:20_001] == [
-        ("Satz 19999", "sentence 19999"),
-        ("Satz 0", "sentence 0"),
-    ]
-    rows[12_344]["translation"]["de"] = None
-    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=3_000)
-    with pytest.raises(DataError, match=r"train\.parquet: row 12345 has no translation\.en and translation\.de"):
-        list(_parquet_pairs([path], ("en", "de")))
-    path.write_bytes(b"PAR1 not really")
-    with pytest.raises(DataError, match=r"train\.parquet: not a readable parquet file"):
-        list(_parquet_pairs([path], ("en", "de")))
+    from mtkit.preparation import shared_folder
+
+    wmt14 = CORPORA["wmt14_en_de"]
+    assert shared_folder(wmt14) == shared_folder(wmt14)
+    for change in ({"revision": "main"}, {"config": "fr-en"}, {"data_dir": "de-en"}, {"path": "someone/wmt14"}):
+        other = replace(wmt14, dataset=replace(wmt14.dataset, **change))
+        assert shared_folder(other) != shared_folder(wmt14)
+    assert shared_folder(wmt14).name.startswith("wmt14_en_de-")
 
 
 def test_list_and_bad_requests(tmp_path):
     listed = invoke("prepare", "--list")
     assert listed.exit_code == 0 and set(CORPORA) == {row.split()[0] for row in listed.stdout.splitlines()}
+    [wmt14] = [row for row in listed.stdout.splitlines() if row.startswith("wmt14_en_de ")]
+    assert wmt14.endswith("[hf:wmt/wmt14 config de-en revision b199e406369ec1b7634206d3ded5ba45de2fe696]")
     unknown = invoke("prepare", "wmt99_xx_yy", "--out", tmp_path / "x")
     assert unknown.exit_code == 1 and unknown.stderr.startswith("error: unknown corpus 'wmt99_xx_yy'")
     missing = invoke("prepare", "multi30k_en_de", "--out", tmp_path / "x", "--mirror", tmp_path / "empty")
     assert missing.exit_code == 1 and "Traceback" not in missing.stderr
     assert missing.stderr.strip().splitlines()[-1].startswith("error: ")
+    no_clone = invoke("prepare", "wmt14_en_de", "--out", tmp_path / "x", "--mirror", tmp_path / "empty")
+    assert no_clone.exit_code == 1 and "Traceback" not in no_clone.stderr
+    [line] = no_clone.stderr.strip().splitlines()
+    assert line == f"error: mirror {tmp_path / 'empty'}: no folder wmt/wmt14 (a clone of the Hub dataset repository)"
 
 
 def test_data_script_runs_prepare_with_its_arguments(tmp_path):

@@ -17,6 +17,8 @@ from test_cli import invoke
 import mtkit
 from mtkit.files import file_sha256
 
+pytestmark = pytest.mark.usefixtures("hf_offline")  # offline, with this test's own Arrow cache
+
 CARD = """---
 configs:
 - config_name: de-en
@@ -32,20 +34,6 @@ Multi30k slices, laid out as a Hub dataset repository.
 """
 SIZES = {"train": 200, "validation": 30, "test": 30}
 PREFIXES = {"train": "train", "validation": "val", "test": "test_2016_flickr"}
-
-
-@pytest.fixture(autouse=True)
-def offline(tmp_path, monkeypatch) -> None:
-    """No request leaves the machine, and the Arrow cache is this test's."""
-    import datasets
-    import huggingface_hub
-
-    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
-        monkeypatch.setenv(name, "1")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf" / "datasets")
 
 
 def multi30k(split: str) -> list[tuple[str, str]]:
@@ -190,6 +178,32 @@ def test_a_row_without_text_on_one_side_is_named(tmp_path):
     )  # fmt: skip
     assert result.exit_code == 1
     assert result.stderr.strip().splitlines()[-1] == "error: hf:json test: row 3 has no text on both sides"
+
+
+def test_rows_keep_their_order_across_shards_row_groups_and_batches_and_a_missing_side_is_named(tmp_path):
+    """20,000 Multi30k pairs in two parquet shards of 3,000-row groups, read back through the Arrow cache's
+    10,000-row batches: every pair in its place; then one side missing in the second shard, named by its row."""
+    pairs = list(zip(read_gz(MULTI30K / "train.en.gz", 20_000), read_gz(MULTI30K / "train.de.gz", 20_000)))
+    repo = tmp_path / "repo"
+
+    def write_shards() -> None:
+        (repo / "de-en").mkdir(parents=True, exist_ok=True)
+        for i, shard in enumerate([pairs[:12_000], pairs[12_000:]]):
+            rows = [{"translation": {"de": de, "en": en}} for en, de in shard]
+            pq.write_table(pa.Table.from_pylist(rows), repo / "de-en" / f"test-{i:05d}-of-00002.parquet", 3_000)
+
+    write_shards()
+    args = ["--splits", "test=test", "--langpair", "en-de", "--data-files", f"test={repo}/de-en/test-*"]
+    result = invoke("prepare", "hf:parquet", *args, "--out", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert lines(tmp_path / "out" / "test.en") == [en for en, _ in pairs]
+    assert lines(tmp_path / "out" / "test.de") == [de for _, de in pairs]
+
+    pairs[12_344] = (pairs[12_344][0], None)
+    write_shards()
+    result = invoke("prepare", "hf:parquet", *args, "--out", tmp_path / "missing")
+    assert result.exit_code == 1
+    assert result.stderr.strip().splitlines()[-1] == "error: hf:parquet test: row 12345 has no text on both sides"
 
 
 def test_the_python_api_prepares_an_hf_corpus_as_the_command_does(tmp_path):

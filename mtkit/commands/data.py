@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from mtkit.commands.common import examples, setup_logging, user_errors
 from mtkit.config import CleanConfig, SpmType, TokenizerConfig
+
+if TYPE_CHECKING:
+    from mtkit.hf_corpus import HubCorpus
 
 commands = typer.Typer()
 tokenizer_commands = typer.Typer(help="Train SentencePiece tokenizer models.", no_args_is_help=True)
@@ -89,7 +92,11 @@ def prepare_command(
     out: Annotated[Path | None, typer.Option("--output", "-o", "--out", help="Output folder (see below).")] = None,
     mirror: Annotated[
         str | None,
-        typer.Option(help="Fetch the corpus files from here instead: a directory, a file:// or an http(s):// base."),
+        typer.Option(
+            help="Fetch the corpus from here instead: for Multi30k a directory, a file:// or an http(s):// base "
+            "holding its files; for a Hub corpus a directory (or file://) holding a clone of its dataset "
+            "repository under its id, e.g. MIRROR/wmt/wmt14."
+        ),
     ] = None,
     nfkc: Annotated[bool, typer.Option(help="Unicode NFKC normalisation of the training split.")] = CleanConfig.nfkc,
     dedupe: Annotated[bool, typer.Option(help="Drop repeated training pairs.")] = CleanConfig.dedupe,
@@ -127,10 +134,11 @@ def prepare_command(
 ) -> None:
     """Download a standard corpus and write line-aligned plain text: OUT/{train,valid,test}.LANG.
 
-    Downloads resume where they stopped and are checked against their SHA-256 where mtkit knows it;
-    they stay in OUT/raw. An hf: corpus is loaded by datasets.load_dataset, so its cache, HF_HOME,
-    HF_TOKEN, HF_HUB_OFFLINE and HF_ENDPOINT apply; prepare.json records its resolved revision (or
-    its local files' SHA-256) and each split's fingerprint. Only the training split is cleaned
+    Multi30k's downloads resume where they stopped, are checked against their SHA-256 and stay in
+    OUT/raw. The Hub corpora (wmt14, wmt16, iwslt17; --list shows each one's dataset and revision)
+    and any hf: corpus are loaded by datasets.load_dataset, so its cache, HF_HOME, HF_TOKEN,
+    HF_HUB_OFFLINE and HF_ENDPOINT apply; prepare.json records the commit they resolved to (or
+    local files' SHA-256) and each split's fingerprint. Only the training split is cleaned
     (normalised, filtered by length and ratio, deduplicated); valid and test are written as
     published. OUT/prepare.json records what was done, and a re-run with the same settings does nothing.
     """
@@ -143,7 +151,7 @@ def prepare_command(
     setup_logging()
     if list_corpora:
         for c in CORPORA.values():
-            typer.echo(f"{c.name:<16} {c.about}")
+            typer.echo(f"{c.name:<16} {c.about}" + (f" [{_hub_origin(c.dataset)}]" if c.dataset else ""))
         return
     if corpus is None or out is None:
         raise ConfigError("give a corpus and --out, e.g. mtkit prepare multi30k_en_de --out data/multi30k_en_de")
@@ -168,6 +176,13 @@ def prepare_command(
         record = prepare_corpus(find_corpus(corpus), out, mirror, clean)
     counts = ", ".join(f"{name} {split['lines']:,}" for name, split in record["splits"].items())
     typer.echo(f"{corpus} in {out}: {counts} lines")
+
+
+def _hub_origin(dataset: HubCorpus) -> str:
+    """``hf:wmt/wmt14 config de-en revision b199e40...``: what a Hub corpus loads."""
+    parts = [f"hf:{dataset.path}"]
+    parts += [f"{key} {value}" for key in ("config", "data_dir", "revision") if (value := getattr(dataset, key))]
+    return " ".join(parts)
 
 
 def _langpair(text: str | None) -> tuple[str, str]:
