@@ -86,8 +86,8 @@ def greedy_agreement(hf_dir: Path, bundle, lines: list[str]) -> tuple[int, int]:
     return same, len(lines)
 
 
-def ctranslate2_run(hf_dir: Path, out_dir: Path, bundle, src: list[str], ref: list[str], args) -> None:
-    """Convert with CTranslate2's own converter; print its beam BLEU and greedy agreement."""
+def ctranslate2_run(hf_dir: Path, out_dir: Path, bundle, src: list[str], ref: list[str], lenpen: float, args) -> None:
+    """Convert with CTranslate2's own converter; print its beam BLEU (length ** ``lenpen``) and greedy agreement."""
     try:
         import ctranslate2.converters
     except ImportError:
@@ -112,10 +112,12 @@ def ctranslate2_run(hf_dir: Path, out_dir: Path, bundle, src: list[str], ref: li
     start = time.perf_counter()
     hyps = [
         tokenizer.convert_tokens_to_string(pieces)
-        for pieces in translate(src, beam_size=settings.num_beams, length_penalty=settings.length_penalty)
+        for pieces in translate(src, beam_size=settings.num_beams, length_penalty=lenpen)
     ]
     print(f"ctranslate2_seconds={time.perf_counter() - start:.1f}")
     print(f"ctranslate2_beam_bleu={score(hyps, [ref], ('bleu',))[0].value:.2f}")
+    if not args.greedy_lines:
+        return
     lines = src[: args.greedy_lines]
     expected, _, caps = mtkit_greedy(bundle, lines)
     same = 0
@@ -174,7 +176,7 @@ def main() -> None:
         if args.greedy_lines:
             same, n = greedy_agreement(hf_dir, bundle, src[: args.greedy_lines])
             print(f"greedy_same_ids={same}/{n} greedy_agreement={100 * same / n:.1f}%")
-        ctranslate2_run(hf_dir, Path(tmp) / "ct2", bundle, src, ref, args)
+        ctranslate2_run(hf_dir, Path(tmp) / "ct2", bundle, src, ref, lenpen, args)
 
 
 if __name__ == "__main__":

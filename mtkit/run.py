@@ -62,7 +62,7 @@ def run_recipe(cfg: RunConfig, recipe: Path, out: Path, mirror: str | None, repo
     stages: list[Stage] = []
     if importlib.util.find_spec("matplotlib") is None:  # said now, not after an hour of training
         log.warning("no training curves: pip install matplotlib (or mtkit[plot]) to draw them")
-    cfg, test = _prepare(cfg, out, mirror, stages)
+    cfg, test, source = _prepare(cfg, out, mirror, stages)
 
     start = time.perf_counter()
     run_training(cfg, out, reporter)
@@ -80,13 +80,16 @@ def run_recipe(cfg: RunConfig, recipe: Path, out: Path, mirror: str | None, repo
     note = f"{hyp_path.name} from model sha256 {hyp_record['inputs']['model'][:12]}"
     stages.append(Stage("eval", time.perf_counter() - start, True, note))
 
-    report = _report(cfg, recipe, out, model, test, hyp_path, hyp_record, scores, stages)
+    report = _report(cfg, recipe, out, model, test, source, hyp_path, hyp_record, scores, stages)
     _write_report(out, report)
     return report
 
 
-def _prepare(cfg: RunConfig, out: Path, mirror: str | None, stages: list[Stage]) -> tuple[RunConfig, tuple[Path, Path]]:
-    """The config with data.* pointing at the prepared corpus, and the test (source, reference) files."""
+def _prepare(
+    cfg: RunConfig, out: Path, mirror: str | None, stages: list[Stage]
+) -> tuple[RunConfig, tuple[Path, Path], dict | None]:
+    """The config with data.* pointing at the prepared corpus, the test (source, reference) files, and
+    what prepare.json says of a Hub corpus's source (dataset, config, the commit it resolved to)."""
     r = cfg.recipe
     if not r.corpus:
         raise ConfigError("recipe.corpus is not set: `mtkit run` needs a corpus from `mtkit prepare --list`")
@@ -105,7 +108,7 @@ def _prepare(cfg: RunConfig, out: Path, mirror: str | None, stages: list[Stage])
     with filelock.FileLock(data_dir.parent / f".{data_dir.name}.lock"):  # two runs may prepare it at once
         before = record.stat().st_mtime_ns if record.exists() else None
         start = time.perf_counter()
-        prepare_corpus(spec, data_dir, mirror)
+        prepared = prepare_corpus(spec, data_dir, mirror)
     stages.append(Stage("prepare", time.perf_counter() - start, record.stat().st_mtime_ns != before, str(data_dir)))
 
     def path(split: str, lang: str) -> str:
@@ -120,7 +123,8 @@ def _prepare(cfg: RunConfig, out: Path, mirror: str | None, stages: list[Stage])
         valid_tgt=path("valid", tgt),
         cache_dir=cfg.data.cache_dir or str(data_dir / "encoded"),
     )
-    return replace(cfg, data=data), (Path(path("test", src)), Path(path("test", tgt)))
+    test = (Path(path("test", src)), Path(path("test", tgt)))
+    return replace(cfg, data=data), test, prepared.get("source")
 
 
 class Digests:
@@ -301,8 +305,26 @@ def _training_curve(out: Path) -> tuple[list[dict], list[dict]]:
     return train, valid
 
 
+def _origin(source: dict | None) -> str:
+    """`` (hf:wmt/wmt14 de-en at commit b199e40...)``: where a Hub corpus came from; empty otherwise."""
+    if not source:
+        return ""
+    parts = [f"hf:{source['dataset']}", *(str(source[k]) for k in ("config", "data_dir") if source.get(k))]
+    revision = source.get("revision")
+    return f" ({' '.join(parts)}{f' at commit {revision}' if revision else ''})"
+
+
 def _report(
-    cfg, recipe: Path, out: Path, model: Path, test, hyp_path: Path, hyp_record: dict, scores, stages: list[Stage]
+    cfg,
+    recipe: Path,
+    out: Path,
+    model: Path,
+    test,
+    source: dict | None,
+    hyp_path: Path,
+    hyp_record: dict,
+    scores,
+    stages: list[Stage],
 ) -> dict:
     r = cfg.recipe
     train, valid = _training_curve(out)
@@ -313,6 +335,7 @@ def _report(
     return {
         "recipe": str(recipe),
         "corpus": r.corpus,
+        "corpus_source": source,
         "run_dir": str(out),
         "model": str(model),
         "test": {
@@ -379,8 +402,8 @@ def render_report(report: dict) -> str:
         + (f"; {e['source']}" if e["source"] else "")
         + ").",
         "",
-        f"Corpus `{report['corpus']}`, run directory `{report['run_dir']}`, scored model `{report['model']}`"
-        + (f"; the recipe expects {e['hardware']}." if e["hardware"] else "."),
+        f"Corpus `{report['corpus']}`{_origin(report['corpus_source'])}, run directory `{report['run_dir']}`, "
+        f"scored model `{report['model']}`" + (f"; the recipe expects {e['hardware']}." if e["hardware"] else "."),
         "",
         "| metric | score | signature |",
         "| --- | --- | --- |",

@@ -104,6 +104,21 @@ def test_flat_columns_are_named_by_src_and_tgt_column(tmp_path):
     assert lines(tmp_path / "out" / "test.en") == [en for en, _ in multi30k("test")]
 
 
+def test_data_dir_picks_one_corpus_of_a_repository_that_holds_several(tmp_path):
+    """The layout of a Hub parquet branch: one folder per corpus, one per split inside, no card."""
+    repo = tmp_path / "multi"
+    for corpus, swap in (("m30k-en-de", False), ("m30k-de-en", True)):
+        for split in SIZES:
+            (repo / corpus / split).mkdir(parents=True)
+            rows = [{"translation": {"en": de if swap else en, "de": en if swap else de}} for en, de in multi30k(split)]
+            pq.write_table(pa.Table.from_pylist(rows), repo / corpus / split / "0000.parquet")
+    out = tmp_path / "out"
+    result = invoke("prepare", f"hf:{repo}", "--data-dir", "m30k-en-de", "--langpair", "en-de", "--out", out)
+    assert result.exit_code == 0, result.output
+    assert lines(out / "test.en") == [en for en, _ in multi30k("test")]
+    assert json.loads((out / "prepare.json").read_text())["source"]["data_dir"] == "m30k-en-de"
+
+
 def test_jsonl_data_files_with_columns_named_by_language(tmp_path):
     files = []
     for split in SIZES:

@@ -226,3 +226,14 @@ def test_a_config_without_a_corpus_is_a_one_line_error(tmp_path):
     path.write_text("train: {max_steps: 1}\n")
     result = invoke("run", path, "--out", tmp_path / "r")
     assert result.exit_code == 1 and result.stderr.startswith("error: recipe.corpus is not set")
+
+
+def test_the_report_says_which_commit_of_a_hub_corpus_it_used():
+    from mtkit.run import _origin
+
+    source = {"dataset": "wmt/wmt14", "config": "de-en", "revision": "b199e406369ec1b7634206d3ded5ba45de2fe696"}
+    assert _origin(source) == " (hf:wmt/wmt14 de-en at commit b199e406369ec1b7634206d3ded5ba45de2fe696)"
+    assert _origin({"dataset": "/mirror/IWSLT/iwslt2017", "data_dir": "iwslt2017-de-en", "revision": None}) == (
+        " (hf:/mirror/IWSLT/iwslt2017 iwslt2017-de-en)"
+    )
+    assert _origin(None) == ""  # Multi30k: its files' SHA-256 are in prepare.json

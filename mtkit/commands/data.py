@@ -113,6 +113,9 @@ def prepare_command(
     ] = None,
     config: Annotated[str | None, typer.Option(help="hf: the dataset's config (subset), e.g. de-en.")] = None,
     revision: Annotated[str | None, typer.Option(help="hf: a branch, tag or commit of the Hub dataset.")] = None,
+    data_dir: Annotated[
+        str | None, typer.Option(help="hf: the folder of the repository that holds this corpus, e.g. iwslt2017-de-en.")
+    ] = None,
     splits: Annotated[
         str | None,
         typer.Option(
@@ -170,6 +173,7 @@ def prepare_command(
             src_column,
             tgt_column,
             parse_data_files(data_files or []),
+            data_dir,
         )
         record = prepare_dataset(request, out, clean, num_proc)
     else:
