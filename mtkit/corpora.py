@@ -6,8 +6,8 @@ Multi30k is the official release's gzip text files by URL, with their SHA-256; a
 The Hub corpora (WMT14, WMT16, IWSLT17) are Hugging Face datasets, loaded through ``datasets`` as
 ``mtkit prepare hf:...`` loads any (mtkit.hf_corpus), so its cache, ``HF_HOME``, ``HF_TOKEN``, offline mode
 and ``HF_ENDPOINT`` apply. WMT14 is pinned to a Hub commit. WMT16 (``main``) and IWSLT17 (the Hub's
-parquet conversion of a script dataset, the branch ``refs/convert/parquet``) name a branch, where no commit
-was at hand to pin: prepare.json records the commit each resolved to. A mirror of a Hub corpus is a local
+parquet conversion of a script dataset, the branch ``refs/convert/parquet``) name a branch; prepare.json, and
+the report of ``mtkit run``, record the commit each resolved to. A mirror of a Hub corpus is a local
 folder holding its repository under its id, as ``git clone`` lays it out (MIRROR/wmt/wmt14/README.md,
 MIRROR/wmt/wmt14/de-en/*.parquet); it is loaded as that folder, with no revision.
 """
