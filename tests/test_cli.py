@@ -66,7 +66,7 @@ def trained_run(tmp_path_factory, multi30k_slice):
 
 
 @pytest.mark.parametrize(
-    "command", [[], ["train"], ["translate"], ["eval"], ["doctor"], ["tokenizer"], ["tokenizer", "train"]]
+    "command", [[], ["train"], ["translate"], ["eval"], ["serve"], ["doctor"], ["tokenizer"], ["tokenizer", "train"]]
 )
 def test_every_command_has_help(command):
     result = invoke(*command, "--help")

@@ -259,6 +259,20 @@ def test_without_fastapi_it_says_what_to_install(trained_run, monkeypatch):  # n
     assert result.stderr.strip() == "error: mtkit serve needs the fastapi package: pip install 'mtkit[serve]'"
 
 
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        (["--max-queue", "0"], "--max-queue must be >= 1, got 0"),
+        (["--max-wait-ms", "-1"], "--max-wait-ms must be a finite number >= 0, got -1.0"),
+        (["--timeout", "inf"], "--timeout must be a finite number > 0, got inf"),
+        (["--port", "70000"], "--port must be in [0, 65535], got 70000"),
+    ],
+)
+def test_bad_settings_are_one_line_errors(tmp_path, option, message):
+    result = invoke("serve", tmp_path / "no-such-run", *option)
+    assert result.exit_code == 1 and result.stderr.strip() == f"error: {message}"
+
+
 def test_a_port_in_use_is_a_one_line_error_before_the_model_loads(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
