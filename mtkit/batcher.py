@@ -41,8 +41,8 @@ class Batcher(Generic[Result]):
     the jobs submitted, each batch waiting at most ``max_wait_s`` after its oldest job arrived.
 
     ``translate`` returns one result per line; each job's future gets those of its own lines, in order,
-    or the exception its batch raised (the other batches are not affected). A job of more than
-    ``max_batch_size`` sentences is a batch of its own, never split.
+    or the exception translating them raised (no other job's). A job of more than ``max_batch_size``
+    sentences is a batch of its own, never split.
     """
 
     def __init__(
@@ -133,16 +133,24 @@ class Batcher(Generic[Result]):
 
     def _run_batch(self, batch: list[_Job[Result]]) -> None:
         jobs = [job for job in batch if job.future.set_running_or_notify_cancel()]  # cancelled ones are skipped
-        if not jobs:
-            return
+        if jobs:
+            self._translate_jobs(jobs)
+
+    def _translate_jobs(self, jobs: list[_Job[Result]]) -> None:
+        """Each job's results, or its error. When a batch of several jobs fails, each is translated again on
+        its own, so a request that breaks the search fails alone and its batch-mates get their answers."""
         lines = [line for job in jobs for line in job.lines]
         log.debug("batch of %d sentences from %d requests", len(lines), len(jobs))
         try:
             results = self.translate(lines, jobs[0].options)
-        except Exception as err:  # this batch's requests fail; the worker goes on with the next batch
-            log.exception("a batch of %d sentences failed", len(lines))
-            for job in jobs:
-                job.future.set_exception(err)
+        except Exception as err:
+            if len(jobs) > 1:
+                log.warning("a batch of %d requests failed (%s); translating each alone", len(jobs), err)
+                for job in jobs:
+                    self._translate_jobs([job])
+                return
+            log.exception("a request of %d sentences failed", len(lines))
+            jobs[0].future.set_exception(err)
             return
         start = 0
         for job in jobs:

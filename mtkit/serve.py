@@ -7,7 +7,7 @@
 
 The sentences of concurrent requests are searched together (``mtkit.batcher``). Every answer is
 bounded: too much text is 413, a full queue 503 with Retry-After, a request that waits past the
-timeout 504, a malformed one 422; a batch that fails answers 500 to its own requests only. SIGINT or
+timeout 504, a malformed one 422; a request that breaks the search is 500, and only that request. SIGINT or
 SIGTERM stops taking connections, finishes the requests in flight, and exits 0.
 
 Needs the ``serve`` extra (fastapi, uvicorn); only `mtkit serve` imports this module.
@@ -139,7 +139,7 @@ def create_app(translator: LineTranslator, cfg: ServeConfig, name: str) -> FastA
             results = await asyncio.wait_for(asyncio.wrap_future(future), cfg.timeout)
         except asyncio.TimeoutError:
             raise HTTPException(504, f"no translation within {cfg.timeout:g} s; the server is busy") from None
-        except Exception as err:  # the batch failed (logged with its traceback by the batcher)
+        except Exception as err:  # its search failed (logged with its traceback by the batcher)
             raise HTTPException(500, f"translation failed: {type(err).__name__}: {err}") from None
         return {"translations": [rendered(r, query.nbest, query.scores) for r in results]}
 

@@ -1,8 +1,10 @@
 """`mtkit serve` over real HTTP: server processes on the tiny model `test_cli` trains, talked to with httpx;
-and the batcher on its own, with a translate function written in the test."""
+the application under uvicorn in this process over a scripted translator that can break; and the batcher
+on its own, with a translate function written in the test."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -16,11 +18,15 @@ from pathlib import Path
 
 import httpx
 import pytest
+import uvicorn
 from test_cli import invoke, trained_run  # noqa: F401  (trained_run is a fixture)
 
 import mtkit
+from mtkit import serve
 from mtkit.batcher import Batcher, Refused
+from mtkit.config import DecodeConfig, ServeConfig
 from mtkit.tokenizer import Tokenizer
+from mtkit.translate import LineTranslator, Translation
 
 KEY = "a-key-for-tests"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -252,6 +258,52 @@ def test_sigterm_under_load_answers_every_accepted_request(trained_run, tmp_path
         server.post({"text": "A dog."})
 
 
+class Scripted(LineTranslator):
+    """Upper-cases each line; a line holding "boom" breaks the whole search it is in."""
+
+    decode, nbest = DecodeConfig(beam=2), 1
+
+    def stream(self, chunks):
+        for chunk in chunks:
+            if any("boom" in line for line in chunk):
+                raise RuntimeError("the search broke")
+            yield from ([Translation(line.upper(), -1.0, -2.0)] for line in chunk)
+
+
+@contextlib.contextmanager
+def serving_in_this_process(translator: LineTranslator, cfg: ServeConfig):
+    """``create_app`` under uvicorn in a thread, on a free port; its URL."""
+    sock = serve.bind("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(serve.create_app(translator, cfg, "scripted"), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]})
+    thread.start()
+    try:
+        while not server.started:
+            assert thread.is_alive()
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join()
+        sock.close()
+
+
+def test_a_request_that_breaks_the_search_is_500_and_harms_none_of_its_batch_mates():
+    def one(i: int) -> tuple[int, str]:
+        response = httpx.post(url + "/v1/translate", json={"text": ["boom" if i % 3 == 0 else f"line {i}"]})
+        return response.status_code, response.json()
+
+    with serving_in_this_process(Scripted(), ServeConfig(max_wait_ms=100)) as url:
+        with ThreadPoolExecutor(12) as pool:
+            answers = list(pool.map(one, range(12)))
+        assert one(1) == (200, {"translations": ["LINE 1"]})  # and the server goes on
+    for i, (status, body) in enumerate(answers):
+        if i % 3 == 0:
+            assert (status, body) == (500, {"detail": "translation failed: RuntimeError: the search broke"})
+        else:
+            assert (status, body) == (200, {"translations": [f"LINE {i}"]})
+
+
 def test_without_fastapi_it_says_what_to_install(trained_run, monkeypatch):  # noqa: F811
     monkeypatch.setitem(sys.modules, "fastapi", None)  # import fastapi now raises ImportError
     result = invoke("serve", trained_run)
@@ -311,14 +363,16 @@ def test_jobs_that_come_together_share_a_batch_of_one_options_and_bounded_size()
     assert calls == [(["a", "b", "d", "e"], 1), (["c", "h"], 2), (["f", "g"], 1)]
 
 
-def test_a_failing_batch_fails_only_its_own_jobs():
-    batcher = Batcher(shout, max_batch_size=8, max_wait_s=0.0, max_queue=100)
+def test_a_failing_job_fails_alone_and_the_worker_goes_on():
+    calls: list = []
+    batcher = Batcher(recording(calls), max_batch_size=8, max_wait_s=0.2, max_queue=100)
+    before, failing, after = (batcher.submit(lines, 1) for lines in (["x"], ["y", "boom"], ["z"]))
     batcher.start()
-    failing, fine = batcher.submit(["x", "boom"], 1), batcher.submit(["y"], 2)
     with pytest.raises(ValueError, match="boom"):
         failing.result(timeout=5)
-    assert fine.result(timeout=5) == ["Y/2"]
-    assert batcher.submit(["z"], 1).result(timeout=5) == ["Z/1"]  # the worker goes on
+    assert before.result(timeout=5) == ["X/1"] and after.result(timeout=5) == ["Z/1"]
+    assert calls[0] == (["x", "y", "boom", "z"], 1)  # one batch, which failed; then each job alone
+    assert batcher.submit(["w"], 1).result(timeout=5) == ["W/1"]
     batcher.close()
 
 
