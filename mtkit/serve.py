@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import itertools
 import logging
@@ -95,10 +96,7 @@ def search(translator: LineTranslator, lines: list[str], options: Hashable) -> l
 def create_app(translator: LineTranslator, cfg: ServeConfig, name: str) -> FastAPI:
     """The application: its batcher starts with it and, at shutdown, finishes the work queued before it ends."""
     batcher: Batcher[list[Translation]] = Batcher(
-        lambda lines, options: search(translator, lines, options),
-        cfg.max_batch_size,
-        cfg.max_wait_ms / 1000,
-        cfg.max_queue,
+        functools.partial(search, translator), cfg.max_batch_size, cfg.max_wait_ms / 1000, cfg.max_queue
     )
 
     @contextlib.asynccontextmanager
@@ -171,7 +169,7 @@ def _add_middleware(app: FastAPI, api_key: str) -> None:
 
     @app.middleware("http")
     async def authorize(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        given = request.headers.get("authorization", "").encode()
+        given = request.headers.get("authorization", "").encode("latin-1")  # the bytes sent, as Starlette read them
         if api_key and request.url.path != "/health" and not hmac.compare_digest(given, expected):
             return JSONResponse(
                 {"detail": "missing or wrong API key"}, 401, headers={"WWW-Authenticate": 'Bearer realm="mtkit"'}
