@@ -7,8 +7,8 @@
 
 The sentences of concurrent requests are searched together (``mtkit.batcher``). Every answer is
 bounded: too much text is 413, a full queue 503 with Retry-After, a request that waits past the
-timeout 504, a malformed one 422; a request that breaks the search is 500, and only that request. SIGINT or
-SIGTERM stops taking connections, finishes the requests in flight, and exits 0.
+timeout 504, a malformed one 422; a request that breaks the search is 500, and only that request.
+SIGINT or SIGTERM stops taking connections, finishes the requests in flight, and exits 0.
 
 Needs the ``serve`` extra (fastapi, uvicorn); only `mtkit serve` imports this module.
 """
