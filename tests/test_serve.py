@@ -70,9 +70,9 @@ class Server:
     def post(self, body: dict | None = None, **kwargs) -> httpx.Response:
         return httpx.post(self.url + "/v1/translate", json=body, timeout=60, **kwargs)
 
-    def stop(self) -> int:
+    def stop(self, signum: int = signal.SIGTERM) -> int:
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            self.process.send_signal(signum)
         return self.process.wait(timeout=60)
 
 
@@ -228,7 +228,7 @@ def test_a_full_queue_is_503_and_a_long_wait_504(trained_run, tmp_path):  # noqa
         assert by_status[503].headers["Retry-After"] == "1"
         assert "no translation within 1 s" in by_status[504].json()["detail"]
     finally:
-        assert slow.stop() == 0
+        assert slow.stop(signal.SIGINT) == 0  # Ctrl-C stops it as SIGTERM does
 
 
 def test_sigterm_under_load_answers_every_accepted_request(trained_run, tmp_path, distinct, expected):  # noqa: F811
