@@ -16,7 +16,7 @@ import typer
 from typer.core import TyperGroup
 
 from mtkit import __version__
-from mtkit.commands import data, doctor, evaluate, train, translate
+from mtkit.commands import data, doctor, evaluate, serve, train, translate
 from mtkit.commands.common import LogLevel, set_log_level
 
 # The base class of Click's usage errors: typer's own copy of Click, or Click itself for older typer.
@@ -56,7 +56,7 @@ app = typer.Typer(
     add_completion=True,
 )
 app.add_typer(data.tokenizer_commands, name="tokenizer")
-for module in (data, train, translate, evaluate, doctor):
+for module in (data, train, translate, evaluate, serve, doctor):
     app.add_typer(module.commands)  # unnamed: its commands join mtkit's own
 
 

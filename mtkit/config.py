@@ -215,6 +215,32 @@ class InferenceConfig:
 
 
 @dataclass(frozen=True)
+class ServeConfig:
+    """How `mtkit serve` listens, batches concurrent requests and bounds what one request may ask (its --host,
+    --port, --max-batch-size, --max-wait-ms, --max-queue, --max-texts, --max-chars, --timeout and --api-key)."""
+
+    host: str = "127.0.0.1"  # loopback only; 0.0.0.0 listens on every interface (then set api_key too)
+    port: int = 8000  # 0: any free port, named in the log line that says where the server listens
+    max_batch_size: int = 32  # sentences of concurrent requests searched as one batch (one request is never split)
+    max_wait_ms: float = 5.0  # how long the oldest waiting sentence waits for batch-mates before its batch starts
+    max_queue: int = 1024  # sentences waiting beyond this are refused (503), so a burst fails fast, not by timeouts
+    max_texts: int = 64  # texts in one request; more is refused (413)
+    max_chars: int = 20_000  # characters of one request's texts together; more is refused (413)
+    max_beam: int = 16  # the widest beam a request may ask for: its batch-mates wait for its search too
+    timeout: float = 30.0  # seconds a request waits for its translations before it is answered 504
+    # required as "Authorization: Bearer KEY" on every request but /health; "": none (MTKIT_API_KEY sets it too)
+    api_key: str = field(default="", repr=False)
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.port < 65536, f"--port must be in [0, 65535], got {self.port}")
+        for name in ("max_batch_size", "max_queue", "max_texts", "max_chars"):
+            _check(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        _check(self.max_beam >= 1, f"ServeConfig.max_beam must be >= 1, got {self.max_beam}")
+        _check(0 <= self.max_wait_ms < math.inf, f"--max-wait-ms must be a finite number >= 0, got {self.max_wait_ms}")
+        _check(0 < self.timeout < math.inf, f"--timeout must be a finite number > 0, got {self.timeout}")
+
+
+@dataclass(frozen=True)
 class SamplingConfig:
     """How `mtkit translate --sample` draws each next token instead of searching (back-translation,
     diverse outputs)."""
@@ -360,7 +386,7 @@ SECTIONS: dict[str, type] = {
 }
 
 # Settings given as command-line options rather than in a run's YAML file, by the command that takes them.
-COMMAND_OPTIONS: dict[str, type] = {"mtkit prepare": CleanConfig}
+COMMAND_OPTIONS: dict[str, type] = {"mtkit prepare": CleanConfig, "mtkit serve": ServeConfig}
 
 
 def from_dict(raw: dict[str, Any]) -> RunConfig:

@@ -86,6 +86,7 @@ class LineTranslator(ABC):
 
     decode: DecodeConfig
     sampling: SamplingConfig | None = None  # engines that draw samples set it
+    languages: tuple[str, str] | None = None  # (source, target) as the run's config names them, where known
 
     @abstractmethod
     def stream(self, chunks: Iterable[list[str]]) -> Iterator[list[Translation]]:
@@ -262,7 +263,9 @@ def load_translator(
     network = Ensemble([b.model for b in bundles]) if len(bundles) > 1 else first.model
     aligner = first.model if alignments else None  # an ensemble aligns with its first member
     settings = with_overrides(first.cfg.decode, decode)
-    return Translator(network, first.src_tok, first.tgt_tok, settings, dev, nbest, sampling, aligner)
+    translator = Translator(network, first.src_tok, first.tgt_tok, settings, dev, nbest, sampling, aligner)
+    translator.languages = (first.cfg.data.src_lang, first.cfg.data.tgt_lang)
+    return translator
 
 
 def chunked(lines: Iterable[str], size: int = CHUNK_LINES) -> Iterator[list[str]]:

@@ -66,7 +66,7 @@ def trained_run(tmp_path_factory, multi30k_slice):
 
 
 @pytest.mark.parametrize(
-    "command", [[], ["train"], ["translate"], ["eval"], ["doctor"], ["tokenizer"], ["tokenizer", "train"]]
+    "command", [[], ["train"], ["translate"], ["eval"], ["serve"], ["doctor"], ["tokenizer"], ["tokenizer", "train"]]
 )
 def test_every_command_has_help(command):
     result = invoke(*command, "--help")
@@ -316,6 +316,6 @@ def test_output_spellings_and_quiet_logging(tmp_path, multi30k_slice):
 
 def test_the_command_line_starts_without_torch():
     """`mtkit --help` and shell completion run on every keystroke: they must not pay for importing torch."""
-    probe = "import sys, mtkit.cli; print(sorted({'torch', 'numpy', 'sacrebleu'} & set(sys.modules)))"
+    probe = "import sys, mtkit.cli; print(sorted({'torch', 'numpy', 'sacrebleu', 'fastapi'} & set(sys.modules)))"
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "[]"

@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 import typer
 from rich.console import Console
 
+from mtkit.config import Engine, Precision
 from mtkit.errors import MtkitError
 
 stderr = Console(stderr=True)
@@ -24,6 +25,17 @@ _log_level = logging.INFO  # set by the global options (set_log_level)
 # Options several commands take, spelled and explained once.
 ModelPath = Annotated[Path, typer.Argument(help="Run directory (uses best/), checkpoint directory or .safetensors.")]
 Device = Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")]
+WeightPrecision = Annotated[
+    Precision, typer.Option("--precision", help="Number format of the weights (fp16 on GPU only).")
+]
+EngineChoice = Annotated[
+    Engine,
+    typer.Option(
+        "--engine",
+        help="mtkit, or ctranslate2 for a model made by `mtkit export` (MODEL is its folder; "
+        "fp32 keeps the export's own weight type, e.g. int8).",
+    ),
+]
 Beam = Annotated[int | None, typer.Option(min=1, help="Beam size; 1 is greedy. [default: the model's]")]
 Overrides = Annotated[list[str], typer.Option("--set", help="Override a config key: --set train.lr=0.001, repeatable.")]
 

@@ -7,8 +7,18 @@ from typing import Annotated, Literal
 
 import typer
 
-from mtkit.commands.common import Beam, Device, ModelPath, examples, given, setup_logging, user_errors
-from mtkit.config import Engine, InferenceConfig, Precision, RecipeConfig, SamplingConfig
+from mtkit.commands.common import (
+    Beam,
+    Device,
+    EngineChoice,
+    ModelPath,
+    WeightPrecision,
+    examples,
+    given,
+    setup_logging,
+    user_errors,
+)
+from mtkit.config import InferenceConfig, RecipeConfig, SamplingConfig
 
 commands = typer.Typer()
 
@@ -102,16 +112,8 @@ def translate_command(
         ),
     ] = None,
     device: Device = InferenceConfig.device,
-    precision: Annotated[
-        Precision, typer.Option(help="Number format of the weights (fp16 on GPU only).")
-    ] = InferenceConfig.precision,
-    engine: Annotated[
-        Engine,
-        typer.Option(
-            help="mtkit, or ctranslate2 for a model made by `mtkit export` (MODEL is its folder; "
-            "fp32 keeps the export's own weight type, e.g. int8)."
-        ),
-    ] = InferenceConfig.engine,
+    precision: WeightPrecision = InferenceConfig.precision,
+    engine: EngineChoice = InferenceConfig.engine,
 ) -> None:
     """Translate one sentence per line, streaming: one output line for every input line, in order.
 

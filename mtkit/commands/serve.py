@@ -1,0 +1,73 @@
+"""``mtkit serve``: a trained model behind an HTTP API (the library side is ``mtkit.serve``)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from mtkit.commands.common import Device, EngineChoice, ModelPath, WeightPrecision, examples, setup_logging, user_errors
+from mtkit.config import InferenceConfig, ServeConfig
+
+commands = typer.Typer()
+
+
+@commands.command(
+    "serve",
+    epilog=examples(
+        "mtkit serve runs/m30k",
+        "MTKIT_API_KEY=secret mtkit serve runs/m30k --host 0.0.0.0 --port 8080 --max-batch-size 64",
+        'curl -s localhost:8000/v1/translate -H "Content-Type: application/json" -d \'{"text": "A dog runs."}\'',
+    ),
+)
+@user_errors
+def serve_command(
+    model: ModelPath,
+    host: Annotated[str, typer.Option(help="Address to listen on; 0.0.0.0 for every interface.")] = ServeConfig.host,
+    port: Annotated[int, typer.Option(help="Port to listen on; 0 for any free one (logged).")] = ServeConfig.port,
+    device: Device = InferenceConfig.device,
+    precision: WeightPrecision = InferenceConfig.precision,
+    engine: EngineChoice = InferenceConfig.engine,
+    max_batch_size: Annotated[
+        int, typer.Option(help="Sentences of concurrent requests searched as one batch.")
+    ] = ServeConfig.max_batch_size,
+    max_wait_ms: Annotated[
+        float, typer.Option(help="How long a waiting sentence waits for batch-mates before its batch starts.")
+    ] = ServeConfig.max_wait_ms,
+    max_queue: Annotated[
+        int, typer.Option(help="Sentences that may wait; a request that would exceed it gets 503.")
+    ] = ServeConfig.max_queue,
+    max_texts: Annotated[int, typer.Option(help="Texts in one request; more gets 413.")] = ServeConfig.max_texts,
+    max_chars: Annotated[
+        int, typer.Option(help="Characters of one request's texts together; more gets 413.")
+    ] = ServeConfig.max_chars,
+    timeout: Annotated[
+        float, typer.Option(help="Seconds a request waits for its translations before it gets 504.")
+    ] = ServeConfig.timeout,
+    api_key: Annotated[
+        str,
+        typer.Option(
+            envvar="MTKIT_API_KEY",
+            help="Require 'Authorization: Bearer KEY' on every request but /health.",
+            show_default=False,
+        ),
+    ] = ServeConfig.api_key,
+) -> None:
+    """Translate over HTTP: POST /v1/translate, GET /health, GET /v1/models; API docs at /docs.
+
+    The sentences of concurrent requests are searched together, in batches of up to --max-batch-size.
+    Decoding follows the settings saved with the model unless a request says otherwise. SIGINT or
+    SIGTERM stops taking connections, finishes the requests in flight and exits 0.
+    """
+    from mtkit.runtime import require
+
+    setup_logging()
+    for module in ("fastapi", "uvicorn"):
+        require(module, "mtkit serve", "'mtkit[serve]'")
+    cfg = ServeConfig(
+        host=host, port=port, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, max_queue=max_queue,
+        max_texts=max_texts, max_chars=max_chars, timeout=timeout, api_key=api_key,
+    )  # fmt: skip
+    from mtkit.serve import serve
+
+    serve(model, cfg, device=device, precision=precision, engine=engine)
