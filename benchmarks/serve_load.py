@@ -1,197 +1,252 @@
-"""Throughput and latency of `mtkit serve` under concurrent load, with and without dynamic batching.
+"""Throughput and latency of ``mtkit serve`` under concurrent clients, against ``mtkit translate``.
 
-For each ``--max-batch-sizes`` value (default 1 and 32: one sentence per search, that is no
-batching, against ``mtkit serve``'s default), the script starts ``mtkit serve RUN`` as a process of
-its own on a free port of 127.0.0.1, sends one warm-up request, then has ``--clients`` threads send
-the first ``--lines`` lines of test_2016_flickr one line per request, back to back on a kept-alive
-connection each, until every line is answered. It reports:
+Starts ``mtkit serve MODEL`` on 127.0.0.1 (a free port) and, for each concurrency in --clients, runs
+that many client threads for --seconds, each sending the test set one line per request (each client
+from its own offset) over one keep-alive connection. It reports sentences/s, p50/p95/p99 latency and
+failed requests per concurrency, and the server's resident memory: peak, and sampled once a second,
+at the start and the end of the run (with --soak SECONDS, a last round at the highest concurrency
+for that long, so that growth shows). For reference, the same lines through ``mtkit translate -i``
+(batch throughput, the model's load time taken out) and one line at a time through the library.
 
-- sentences/s: lines answered over the seconds from the first request to the last answer;
-- latency: the median, 95th and 99th percentile of a request's round trip, in ms, as the client
-  measured it (queueing, batching and search included);
-- the requests that got no 200, which should be none;
-- the mean batch the server searched, from its debug log (``batch of N sentences``).
-
-The clients run on the same machine and take CPU from the server: on 2 cores the figures are a
-lower bound on what the server does on its own. Output: a table, then one ``serve_load key=value``
-line per setting, to compare runs with grep; the servers' logs go to stderr on failure.
-
-Run from the repository root with a trained run directory and the serve extra installed::
-
-    python benchmarks/serve_load.py --run runs/multi30k_en_de
-    python benchmarks/serve_load.py --run runs/multi30k_en_de --clients 32 --max-batch-sizes 1,8,32,64 --beam 5
+    python benchmarks/serve_load.py --model runs/multi30k_en_de/average-last3.safetensors \\
+        --src ../shared/data/multi30k/test_2016_flickr.en.gz
+    python benchmarks/serve_load.py ... --clients 64 --seconds 30 --soak 600   # the memory soak
 """
 
 from __future__ import annotations
 
 import argparse
 import gzip
-import http.client
-import json
-import re
-import signal
-import statistics
+import os
+import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from mtkit.config import ServeConfig
+import httpx
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-@dataclass(frozen=True)
-class Figures:
-    max_batch_size: int
-    sentences_per_s: float
-    p50_ms: float
-    p95_ms: float
-    p99_ms: float
-    failed: int
-    mean_batch: float
-
-    def summary(self) -> str:
-        return (
-            f"serve_load max_batch_size={self.max_batch_size} sentences_per_s={self.sentences_per_s:.1f} "
-            f"p50_ms={self.p50_ms:.1f} p95_ms={self.p95_ms:.1f} p99_ms={self.p99_ms:.1f} "
-            f"failed={self.failed} mean_batch={self.mean_batch:.1f}"
-        )
+MIB = 1024 * 1024
 
 
 def read_lines(path: Path) -> list[str]:
-    opened = gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
-    with opened as f:
-        return f.read().splitlines()
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return [line.rstrip("\n") for line in f]
 
 
-def start_server(args: argparse.Namespace, max_batch_size: int, log: Path) -> tuple[subprocess.Popen, str]:
-    """A `mtkit serve` process and its URL, once /health answers."""
-    command = [
-        sys.executable, "-m", "mtkit", "--log-level", "debug", "serve", str(args.run), "--port", "0",
-        "--device", args.device, "--precision", args.precision, "--max-batch-size", str(max_batch_size),
-        "--max-wait-ms", str(args.max_wait_ms), "--max-queue", str(max(args.clients, ServeConfig.max_queue)),
-    ]  # fmt: skip
-    with open(log, "w") as stderr:
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and process.poll() is None:
-        found = re.search(r"serving .* at http://([\d.]+):(\d+)", log.read_text())
-        if found:
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_mib(pid: int, field_name: str = "VmRSS") -> float:
+    """A /proc/PID/status memory field (VmRSS now, VmHWM the peak), in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field_name + ":"):
+            return int(line.split()[1]) * 1024 / MIB
+    raise RuntimeError(f"no {field_name} for process {pid}")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far (/proc/PID/stat), in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def mtkit_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "mtkit", *args]
+
+
+class Server:
+    """``mtkit serve`` in a child process, ready once /health answers 200."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        command = mtkit_command("serve", str(args.model), "--port", str(self.port), *args.serve_args)
+        self.log = open(args.log, "w", encoding="utf-8")  # noqa: SIM115 - open while the server runs
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=environment(args))
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise SystemExit(f"mtkit serve exited with {self.process.returncode}; see {args.log}")
             try:
-                connection = http.client.HTTPConnection(found.group(1), int(found.group(2)), timeout=5)
-                connection.request("GET", "/health")
-                if connection.getresponse().status == 200:
-                    return process, f"{found.group(1)}:{found.group(2)}"
-            except OSError:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
                 pass
-        time.sleep(0.1)
-    process.kill()
-    raise SystemExit(f"the server did not start:\n{log.read_text()}")
+            time.sleep(0.2)
+        raise SystemExit(f"mtkit serve was not ready after 300 s; see {args.log}")
+
+    def stop(self) -> int:
+        self.process.terminate()
+        code = self.process.wait(timeout=120)
+        self.log.close()
+        return code
 
 
-def post(connection: http.client.HTTPConnection, body: dict) -> int:
-    connection.request("POST", "/v1/translate", json.dumps(body), {"Content-Type": "application/json"})
-    response = connection.getresponse()
-    response.read()
-    return response.status
+def environment(args: argparse.Namespace) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": str(args.threads), "OMP_WAIT_POLICY": "PASSIVE", "HF_HUB_OFFLINE": "1"}
 
 
-def load(address: str, lines: list[str], clients: int, beam: int | None) -> tuple[float, list[float], int]:
-    """Seconds for every line, each request's latency in seconds, and the requests that got no 200."""
-    host, port = address.split(":")
-    todo = iter(enumerate(lines))
-    taking = threading.Lock()
-    latencies: list[float] = []
-    failed = 0
+@dataclass
+class Round:
+    clients: int
+    seconds: float = 0.0
+    latencies: list[float] = field(default_factory=list)
+    failures: int = 0
+    rss_start_mib: float = 0.0
+    rss_end_mib: float = 0.0
+    server_cpu_s: float = 0.0  # CPU time the server used in the round
+    client_cpu_s: float = 0.0  # ...and the clients (this process): the two share the machine's cores
 
-    def client() -> None:
-        nonlocal failed
-        connection = http.client.HTTPConnection(host, int(port), timeout=120)
-        while True:
-            with taking:
-                item = next(todo, None)
-            if item is None:
-                break
-            body = {"text": item[1]} | ({"beam": beam} if beam else {})
-            start = time.perf_counter()
-            status = post(connection, body)
-            took = time.perf_counter() - start
-            with taking:
-                latencies.append(took)
-                failed += status != 200
-        connection.close()
+    def row(self) -> dict[str, float]:
+        ms = sorted(1000 * t for t in self.latencies)
 
-    threads = [threading.Thread(target=client) for _ in range(clients)]
+        def pct(p: float) -> float:
+            return ms[min(len(ms) - 1, int(p * len(ms)))] if ms else float("nan")
+
+        return {
+            "clients": self.clients,
+            "sentences_per_s": len(ms) / self.seconds,
+            "p50_ms": pct(0.50),
+            "p95_ms": pct(0.95),
+            "p99_ms": pct(0.99),
+            "requests": len(ms),
+            "failed": self.failures,
+            "rss_start_mib": self.rss_start_mib,
+            "rss_end_mib": self.rss_end_mib,
+            "server_cores": self.server_cpu_s / self.seconds,
+            "client_cores": self.client_cpu_s / self.seconds,
+        }
+
+
+def load_round(server: Server, lines: list[str], clients: int, seconds: float) -> Round:
+    """``clients`` threads, each sending one line per request until ``seconds`` have passed."""
+    result = Round(clients, rss_start_mib=rss_mib(server.process.pid))
+    lock = threading.Lock()
+    stop_at = time.monotonic() + seconds
+
+    def client(offset: int) -> None:
+        with httpx.Client(base_url=server.url, timeout=120) as http:
+            i = offset
+            while time.monotonic() < stop_at:
+                line = lines[i % len(lines)]
+                start = time.perf_counter()
+                try:
+                    response = http.post("/v1/translate", json={"text": line})
+                    ok = response.status_code == 200 and len(response.json()["translations"]) == 1
+                except httpx.HTTPError:
+                    ok = False
+                elapsed = time.perf_counter() - start
+                with lock:
+                    if ok:
+                        result.latencies.append(elapsed)
+                    else:
+                        result.failures += 1
+                i += 1
+
+    threads = [threading.Thread(target=client, args=(k * len(lines) // clients,)) for k in range(clients)]
+    server_cpu, client_cpu = cpu_seconds(server.process.pid), time.process_time()
     start = time.perf_counter()
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    return time.perf_counter() - start, latencies, failed
+    result.seconds = time.perf_counter() - start
+    result.server_cpu_s = cpu_seconds(server.process.pid) - server_cpu
+    result.client_cpu_s = time.process_time() - client_cpu
+    result.rss_end_mib = rss_mib(server.process.pid)
+    return result
 
 
-def percentile(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1] if len(values) > 1 else values[0]
+def batch_reference(args: argparse.Namespace, lines: list[str]) -> float:
+    """Sentences/s of ``mtkit translate -i`` on the lines, its start-up (loading the model) taken out."""
+
+    def timed(path: Path) -> float:
+        start = time.perf_counter()
+        command = mtkit_command("translate", str(args.model), "-i", str(path), "-o", str(path) + ".out")
+        subprocess.run(command, check=True, env=environment(args), capture_output=True)
+        return time.perf_counter() - start
+
+    work = args.log.parent
+    one, every = work / "serve_load.one.txt", work / "serve_load.all.txt"
+    one.write_text(lines[0] + "\n", encoding="utf-8")
+    every.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return (len(lines) - 1) / (timed(every) - timed(one))
 
 
-def measure(args: argparse.Namespace, lines: list[str], max_batch_size: int, log: Path) -> Figures:
-    process, address = start_server(args, max_batch_size, log)
-    try:
-        host, port = address.split(":")
-        post(http.client.HTTPConnection(host, int(port), timeout=120), {"text": lines[:8]})  # warm-up
-        seconds, latencies, failed = load(address, lines, args.clients, args.beam)
-    finally:
-        process.send_signal(signal.SIGTERM)
-        code = process.wait(timeout=120)
-    if code != 0:
-        raise SystemExit(f"the server exited with status {code}:\n{log.read_text()}")
-    batches = [int(n) for n in re.findall(r"batch of (\d+) sentences", log.read_text())[1:]]  # less the warm-up
-    ms = [latency * 1000 for latency in latencies]
-    return Figures(
-        max_batch_size, len(lines) / seconds, percentile(ms, 50), percentile(ms, 95), percentile(ms, 99),
-        failed, statistics.mean(batches) if batches else 0.0,
-    )  # fmt: skip
+def alone_latency_ms(args: argparse.Namespace, lines: list[str]) -> float:
+    """Median time to translate one line alone through the library, in a child process."""
+    script = f"""
+import statistics, sys, time, torch, mtkit
+torch.set_num_threads({args.threads})
+translator = mtkit.load({str(args.model)!r})
+lines = sys.stdin.read().splitlines()
+translator.translate(lines[:5])
+times = []
+for line in lines:
+    start = time.perf_counter()
+    translator.translate([line])
+    times.append(time.perf_counter() - start)
+print(1000 * statistics.median(times))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        input="\n".join(lines[:200]),
+        capture_output=True,
+        text=True,
+        env=environment(args),
+        check=True,
+    )
+    return float(done.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--run", type=Path, required=True, help="trained run directory (tokenizer and best/)")
-    p.add_argument(
-        "--source",
-        type=Path,
-        default=REPO.parent / "shared" / "data" / "multi30k" / "test_2016_flickr.en.gz",
-        help="the lines to translate, plain or .gz",
-    )
-    p.add_argument("--lines", type=int, default=1000, help="translate the first N lines of --source")
-    p.add_argument("--clients", type=int, default=16, help="concurrent client threads, one request at a time each")
-    p.add_argument(
-        "--max-batch-sizes", default=f"1,{ServeConfig.max_batch_size}", help="mtkit serve --max-batch-size values"
-    )
-    p.add_argument("--max-wait-ms", type=float, default=ServeConfig.max_wait_ms, help="mtkit serve --max-wait-ms")
-    p.add_argument("--beam", type=int, help="each request's beam (default: the model's)")
-    p.add_argument("--device", default="cpu", help="mtkit serve --device")
-    p.add_argument("--precision", default="fp32", help="mtkit serve --precision")
-    args = p.parse_args()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--src", type=Path, required=True, help="the test set's source side, one line per request")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--seconds", type=float, default=60.0, help="length of each round")
+    parser.add_argument("--soak", type=float, default=0.0, help="then one round this long at the most clients")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of the server and the references")
+    parser.add_argument("--log", type=Path, default=Path("serve_load.log"), help="the server's output")
+    parser.add_argument("serve_args", nargs="*", help="more `mtkit serve` options, after --")
+    args = parser.parse_args()
+    lines = [line for line in read_lines(args.src) if line.strip()]
 
-    lines = [line for line in read_lines(args.source)[: args.lines] if line.strip()]
-    results = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for size in (int(value) for value in args.max_batch_sizes.split(",")):
-            print(f"max batch size {size}: {len(lines)} lines from {args.clients} clients ...", file=sys.stderr)
-            results.append(measure(args, lines, size, Path(tmp) / f"serve-{size}.log"))
-    print("| --max-batch-size | sentences/s | p50 ms | p95 ms | p99 ms | mean batch | failed |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for f in results:
+    print(f"model={args.model} lines={len(lines)} threads={args.threads}")
+    batch = batch_reference(args, lines)
+    alone = alone_latency_ms(args, lines)
+    print(f"translate_batch_sentences_per_s={batch:.1f} one_line_alone_p50_ms={alone:.1f}")
+    server = Server(args)
+    rounds = [load_round(server, lines, clients, args.seconds) for clients in args.clients]
+    if args.soak:
+        rounds.append(load_round(server, lines, max(args.clients), args.soak))
+    peak = rss_mib(server.process.pid, "VmHWM")
+    code = server.stop()
+    print(
+        "| clients | sentences/s | vs translate | p50 ms | p95 ms | p99 ms | failed | RSS start-end MiB "
+        "| server cores | client cores |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rounds:
+        row = r.row()
         print(
-            f"| {f.max_batch_size} | {f.sentences_per_s:.1f} | {f.p50_ms:.0f} | {f.p95_ms:.0f} | {f.p99_ms:.0f} "
-            f"| {f.mean_batch:.1f} | {f.failed} |"
+            f"| {row['clients']} | {row['sentences_per_s']:.1f} | {row['sentences_per_s'] / batch:.0%} "
+            f"| {row['p50_ms']:.0f} | {row['p95_ms']:.0f} | {row['p99_ms']:.0f} | {row['failed']} "
+            f"| {row['rss_start_mib']:.0f}-{row['rss_end_mib']:.0f} "
+            f"| {row['server_cores']:.2f} | {row['client_cores']:.2f} |"
         )
-    for f in results:
-        print(f.summary())
+    one_client = next((r.row() for r in rounds if r.clients == 1), None)
+    if one_client:
+        print(f"p50_one_client_over_alone={one_client['p50_ms'] / alone:.2f}")
+    print(f"server_peak_rss_mib={peak:.0f} server_exit={code}")
+    print(f"failed_requests={sum(r.failures for r in rounds)}")
 
 
 if __name__ == "__main__":

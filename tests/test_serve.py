@@ -360,6 +360,16 @@ def test_a_port_in_use_is_a_one_line_error_before_the_model_loads(tmp_path):
     assert result.stderr.strip() == f"error: cannot listen on 127.0.0.1:{port}: Address already in use"
 
 
+def test_the_listening_socket_sends_small_writes_at_once():
+    """uvicorn writes a response's head and body apart; with Nagle's algorithm on, the body waits for the
+    client's delayed ACK of the head, 40 ms on Linux, on every response. Accepted sockets inherit TCP_NODELAY."""
+    sock = serve.bind("127.0.0.1", 0)
+    try:
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+    finally:
+        sock.close()
+
+
 # The batcher on its own: its translate function upper-cases, and fails on "boom".
 
 
