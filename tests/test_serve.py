@@ -268,6 +268,20 @@ def test_sigterm_under_load_answers_every_accepted_request(trained_run, tmp_path
         server.post({"text": "A dog."})
 
 
+def test_a_ctranslate2_export_is_served_as_the_library_translates_it(trained_run, tmp_path, distinct):  # noqa: F811
+    pytest.importorskip("ctranslate2")
+    export = tmp_path / "ct2"
+    assert invoke("export", trained_run, "-o", export).exit_code == 0
+    expected = mtkit.load(export, engine="ctranslate2").translate(distinct, beam=3)
+    served = Server(export, tmp_path / "stderr", "--engine", "ctranslate2")
+    try:
+        response = served.post({"text": distinct, "beam": 3})
+        assert response.status_code == 200, response.text
+        assert response.json()["translations"] == expected
+    finally:
+        assert served.stop() == 0
+
+
 class Scripted(LineTranslator):
     """Upper-cases each line; a line holding "boom" breaks the whole search it is in."""
 
