@@ -62,22 +62,22 @@ def transformers_translations(hf_dir: Path, lines: list[str], batch_size: int, l
     return out
 
 
-def mtkit_greedy(bundle, lines: list[str]) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
-    """mtkit's greedy ids for ``lines``, the source tensor and each line's cap on generated tokens."""
+def mtkit_greedy(bundle, lines: list[str]) -> tuple[list[list[int]], list[tuple[int, list[int]]]]:
+    """mtkit's greedy ids for ``lines``, and the lines grouped by their cap on generated tokens: (cap, rows)."""
     d = bundle.cfg.decode
     src, src_pad_mask = source_tensor(bundle.src_tok.encode(lines))
     caps = max_lengths(src_pad_mask, d.max_len_a, d.max_len_b, bundle.cfg.model.max_positions)
-    return greedy_search(bundle.model, src, src_pad_mask), src, caps
+    groups = [(cap, (caps == cap).nonzero().flatten().tolist()) for cap in caps.unique().tolist()]
+    return greedy_search(bundle.model, src, src_pad_mask), groups
 
 
 def greedy_agreement(hf_dir: Path, bundle, lines: list[str]) -> tuple[int, int]:
     """(lines whose greedy token ids are equal, lines), transformers under mtkit's per-sentence cap."""
     model = transformers.AutoModelForSeq2SeqLM.from_pretrained(hf_dir).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
-    expected, _, caps = mtkit_greedy(bundle, lines)
+    expected, groups = mtkit_greedy(bundle, lines)
     same = 0
-    for cap in caps.unique().tolist():
-        rows = (caps == cap).nonzero().flatten().tolist()
+    for cap, rows in groups:
         batch = tokenizer([lines[row] for row in rows], return_tensors="pt", padding=True)
         with torch.inference_mode():
             generated = model.generate(**batch, num_beams=1, max_new_tokens=cap)
@@ -119,10 +119,9 @@ def ctranslate2_run(hf_dir: Path, out_dir: Path, bundle, src: list[str], ref: li
     if not args.greedy_lines:
         return
     lines = src[: args.greedy_lines]
-    expected, _, caps = mtkit_greedy(bundle, lines)
+    expected, groups = mtkit_greedy(bundle, lines)
     same = 0
-    for cap in caps.unique().tolist():
-        rows = (caps == cap).nonzero().flatten().tolist()
+    for cap, rows in groups:
         outputs = translate([lines[row] for row in rows], beam_size=1, max_decoding_length=cap - 1)
         same += sum(tokenizer.convert_tokens_to_ids(out) == expected[row] for row, out in zip(rows, outputs))
     print(f"ctranslate2_greedy_same_ids={same}/{len(lines)}")

@@ -292,9 +292,9 @@ def _save_model(marian: Any, directory: Path) -> None:
     marian.save_pretrained(str(directory))
     path = directory / "model.safetensors"
     weights = load_file(path)
-    for side in ("encoder", "decoder"):
-        key = f"model.{side}.embed_positions.weight"
-        weights[key] = marian.state_dict()[key].detach().clone()
+    state = marian.state_dict()
+    for key in ("model.encoder.embed_positions.weight", "model.decoder.embed_positions.weight"):
+        weights[key] = state[key].detach().clone()
     save_file(weights, path, metadata={"format": "pt"})
 
 
