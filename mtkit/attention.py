@@ -22,6 +22,10 @@ from torch import Tensor, nn
 from mtkit.config import ModelConfig
 from mtkit.positions import RelativePositions, Rotary
 
+# fp32 attention of at most this many queries per row (a decoding step: one, or a sentence's beams in
+# cross-attention) is written out on CPU: 35-40% faster there than SDPA's flash kernel, measured.
+SMALL_QUERY = 8
+
 
 @dataclass
 class LayerCache:
@@ -48,14 +52,27 @@ class LayerCache:
         return self.self_k[:, :, :end], self.self_v[:, :, :end]
 
     @torch.no_grad()  # search-only: writing into a preallocated buffer has no gradient
-    def select_self(self, index: Tensor) -> None:
-        """Keep (and reorder) rows ``index``, with room for one more position."""
-        used = self.self_len
+    def select_self(self, index: Tensor, front: int = 0, new_rows: int = 0) -> None:
+        """Keep (and reorder) rows ``index`` without their first ``front`` positions, with room for one more,
+        then ``new_rows`` rows of zeros (rows joining a continuous search, which masks their slots)."""
+        used, kept = self.self_len - front, index.numel()
         for name in ("self_k", "self_v"):
             old = getattr(self, name)
-            new = old.new_empty(index.numel(), old.size(1), used + 1, old.size(3))
-            torch.index_select(old[:, :, :used], 0, index, out=new[:, :, :used])
+            new = old.new_empty(kept + new_rows, old.size(1), used + 1, old.size(3))
+            torch.index_select(old[:, :, front : front + used], 0, index, out=new[:kept, :, :used])
+            new[kept:, :, :used].zero_()
             setattr(self, name, new)
+        self.self_len = used
+
+    def join_sources(self, other: LayerCache) -> None:
+        """Append the cross-attention keys/values of ``other``'s sentences, both sides padded to one length."""
+        length = max(self.cross_k.size(2), other.cross_k.size(2))
+
+        def padded(x: Tensor) -> Tensor:
+            return F.pad(x, (0, 0, 0, length - x.size(2)))
+
+        self.cross_k = torch.cat([padded(self.cross_k), padded(other.cross_k)])
+        self.cross_v = torch.cat([padded(self.cross_v), padded(other.cross_v)])
 
 
 def _with_room(old: Tensor | None, used: int, like: Tensor, size: int) -> Tensor:
@@ -72,19 +89,37 @@ class DecoderCache:
 
     layers: list[LayerCache] = field(default_factory=list)
     length: int = 0  # target positions already consumed
+    # Continuous batching (mtkit.continuous), where rows start at different steps: each row's position,
+    # and the self-attention slots (B, 1, 1, length + 1) each row may see, its own from its start on.
+    positions: Tensor | None = None
+    self_allowed: Tensor | None = None
 
-    def select(self, index: Tensor, cross_index: Tensor | None = None) -> None:
-        """Keep (and reorder) batch rows ``index`` of the self-attention keys/values in place.
+    def select(self, index: Tensor, cross_index: Tensor | None = None, front: int = 0, new_rows: int = 0) -> None:
+        """Keep (and reorder) batch rows ``index`` of the self-attention keys/values in place, dropping the
+        first ``front`` positions (slots no row kept can see any more) and adding ``new_rows`` empty rows.
 
         The cross-attention keys/values depend on the source alone and hold one row per sentence
         (shared by its beams), so they follow ``cross_index``, the sentences kept, when given and
         stay as they are otherwise.
         """
         for layer in self.layers:
-            layer.select_self(index)
+            layer.select_self(index, front, new_rows)
             if cross_index is not None and layer.cross_k is not None:
                 layer.cross_k = layer.cross_k.index_select(0, cross_index)
                 layer.cross_v = layer.cross_v.index_select(0, cross_index)
+        self.length -= front
+
+    def narrow_sources(self, length: int) -> None:
+        """Keep the first ``length`` source positions of the cross-attention keys/values (the rest is padding)."""
+        for layer in self.layers:
+            if layer.cross_k is not None and layer.cross_k.size(2) > length:
+                layer.cross_k = layer.cross_k[:, :, :length].contiguous()
+                layer.cross_v = layer.cross_v[:, :, :length].contiguous()
+
+    def join_sources(self, other: DecoderCache) -> None:
+        """Append the cross-attention keys/values of ``other``'s sentences (a ``Decoder.cross_cache``)."""
+        for layer, new in zip(self.layers, other.layers):
+            layer.join_sources(new)
 
 
 def dropout(x: Tensor, p: float, training: bool) -> Tensor:
@@ -224,7 +259,7 @@ class MultiHeadAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         tq, tk = q.size(2), k.size(2)
         if self.relative is None and not self.window:
-            if q.is_cuda or q.dtype == torch.float32:
+            if q.is_cuda or (q.dtype == torch.float32 and tq > SMALL_QUERY):
                 out = F.scaled_dot_product_attention(
                     q, k, v, attn_mask=attn_allowed, dropout_p=dropout_p, is_causal=causal
                 )

@@ -217,12 +217,16 @@ class InferenceConfig:
 @dataclass(frozen=True)
 class ServeConfig:
     """How `mtkit serve` listens, batches concurrent requests and bounds what one request may ask (its --host,
-    --port, --max-batch-size, --max-wait-ms, --max-queue, --max-texts, --max-chars, --timeout and --api-key)."""
+    --port, --max-batch-size, --max-wait-ms, --continuous, --max-queue, --max-texts, --max-chars, --timeout and
+    --api-key)."""
 
     host: str = "127.0.0.1"  # loopback only; 0.0.0.0 listens on every interface (then set api_key too)
     port: int = 8000  # 0: any free port, named in the log line that says where the server listens
-    max_batch_size: int = 32  # sentences of concurrent requests searched as one batch (one request is never split)
-    max_wait_ms: float = 5.0  # how long the oldest waiting sentence waits for batch-mates before its batch starts
+    max_batch_size: int = 64  # sentences of concurrent requests searched together (one request is never split)
+    max_wait_ms: float = 5.0  # how long the oldest sentence waits for search-mates before an idle search starts
+    # requests join a search already running, and leave it as they are done (mtkit.continuous); False: each
+    # search takes the requests waiting when it starts and ends with the last of them
+    continuous: bool = True
     max_queue: int = 1024  # sentences waiting beyond this are refused (503), so a burst fails fast, not by timeouts
     max_texts: int = 64  # texts in one request; more is refused (413)
     max_chars: int = 20_000  # characters of one request's texts together; more is refused (413)

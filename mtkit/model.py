@@ -70,13 +70,21 @@ class DecoderLayer(nn.Module):
         self.res_cross = Residual(cfg.d_model, cfg.dropout, pre)
         self.res_ffn = Residual(cfg.d_model, cfg.dropout, pre)
 
-    def forward(self, x: Tensor, memory: Tensor, src_allowed: Tensor, cache: LayerCache | None) -> Tensor:
-        """x (B, T, D); with a cache, x holds only the new positions and keys/values accumulate."""
-        x = self.res_self(x, lambda h: self._self_attend(h, cache))
+    def forward(
+        self,
+        x: Tensor,
+        memory: Tensor | None,
+        src_allowed: Tensor,
+        cache: LayerCache | None,
+        self_allowed: Tensor | None = None,
+    ) -> Tensor:
+        """x (B, T, D); with a cache, x holds only the new positions and keys/values accumulate, and
+        ``self_allowed`` (B, 1, 1, positions) may say which cached positions each row sees."""
+        x = self.res_self(x, lambda h: self._self_attend(h, cache, self_allowed))
         x = self.res_cross(x, lambda h: self._cross_attend(h, memory, src_allowed, cache))
         return self.res_ffn(x, self.ffn)
 
-    def _self_attend(self, h: Tensor, cache: LayerCache | None) -> Tensor:
+    def _self_attend(self, h: Tensor, cache: LayerCache | None, allowed: Tensor | None = None) -> Tensor:
         attn = self.self_attn
         if cache is None:
             return attn(h, h, causal=True)
@@ -91,10 +99,11 @@ class DecoderLayer(nn.Module):
         if attn.window and not causal:  # one new position: only the last window + 1 keys can matter
             k_start = max(0, k.size(2) - attn.window - 1)
             k, v = k[:, :, k_start:], v[:, :, k_start:]
+            allowed = allowed[..., k_start:] if allowed is not None else None
         q = attn.rotate(attn.split_heads(attn.q_proj(h)), start)
-        return attn.attend(q, k, v, None, causal, start, k_start)
+        return attn.attend(q, k, v, allowed, causal, start, k_start)
 
-    def _cross_attend(self, h: Tensor, memory: Tensor, src_allowed: Tensor, cache: LayerCache | None) -> Tensor:
+    def _cross_attend(self, h: Tensor, memory: Tensor | None, src_allowed: Tensor, cache: LayerCache | None) -> Tensor:
         attn = self.cross_attn
         if cache is None:
             return attn(h, memory, src_allowed)
@@ -138,19 +147,19 @@ class Embedder(nn.Module):
         self.register_buffer("table", table, persistent=False)
         self.dropout = Dropout(cfg.dropout)
 
-    def forward(self, ids: Tensor, offset: int = 0) -> Tensor:
-        """ids (B, L) at positions offset..offset+L-1 -> (B, L, D)."""
+    def forward(self, ids: Tensor, offset: int | Tensor = 0) -> Tensor:
+        """ids (B, L) at positions offset..offset+L-1 -> (B, L, D); ``offset`` is one for all rows, or (B,)."""
         length = ids.size(1)
-        if offset + length > self.max_positions:
-            raise ValueError(
-                f"sequence of {offset + length} positions exceeds model.max_positions {self.max_positions}"
-            )
+        last = int(offset.max()) if isinstance(offset, Tensor) else offset
+        if last + length > self.max_positions:
+            raise ValueError(f"sequence of {last + length} positions exceeds model.max_positions {self.max_positions}")
         x = self.tokens(ids) * self.scale
-        if self.learned is not None:
-            x = x + self.learned.weight[offset : offset + length]
-        elif self.table is not None:
-            x = x + self.table[offset : offset + length]
-        return self.dropout(x)
+        table = self.learned.weight if self.learned is not None else self.table
+        if table is None:
+            return self.dropout(x)
+        if isinstance(offset, Tensor):
+            return self.dropout(x + table[offset[:, None] + torch.arange(length, device=ids.device)])
+        return self.dropout(x + table[offset : offset + length])
 
 
 class Encoder(nn.Module):
@@ -177,22 +186,34 @@ class Decoder(nn.Module):
         self.final_norm = nn.LayerNorm(cfg.d_model) if cfg.norm == "pre" else nn.Identity()
 
     def forward(
-        self, tgt_in: Tensor, memory: Tensor, src_pad_mask: Tensor, cache: DecoderCache | None = None
+        self, tgt_in: Tensor, memory: Tensor | None, src_pad_mask: Tensor, cache: DecoderCache | None = None
     ) -> Tensor:
         """tgt_in (B, T) -> features (B, T, D). With a cache, tgt_in holds only the new positions, and
-        memory may hold one row per group of B / len(memory) consecutive rows (a sentence's beams)."""
+        memory may hold one row per group of B / len(memory) consecutive rows (a sentence's beams), or be
+        None once the cache holds its keys and values (``cross_cache``)."""
         allowed = ~src_pad_mask[:, None, None, :]
-        offset = 0
+        offset: int | Tensor = 0
+        self_allowed = None
         if cache is not None:
-            offset = cache.length
+            offset = cache.length if cache.positions is None else cache.positions
+            self_allowed = cache.self_allowed
             if not cache.layers:
                 cache.layers = [LayerCache() for _ in self.layers]
             cache.length += tgt_in.size(1)
         x = self.embed(tgt_in, offset)
-        memory = autocast_once(memory)  # one cast for every layer's cross-attention
+        memory = autocast_once(memory) if memory is not None else None  # one cast for every cross-attention
         for i, layer in enumerate(self.layers):
-            x = layer(x, memory, allowed, cache.layers[i] if cache is not None else None)
+            x = layer(x, memory, allowed, cache.layers[i] if cache is not None else None, self_allowed)
         return self.final_norm(x)
+
+    def cross_cache(self, memory: Tensor) -> DecoderCache:
+        """A cache holding each layer's cross-attention keys/values of ``memory`` and nothing decoded yet."""
+        memory = autocast_once(memory)
+        layers = []
+        for layer in self.layers:
+            k, v = layer.cross_attn.project_kv(memory)
+            layers.append(LayerCache(cross_k=k, cross_v=v))
+        return DecoderCache(layers)
 
 
 class Transformer(nn.Module):
@@ -207,7 +228,9 @@ class Transformer(nn.Module):
     def encode(self, src: Tensor, src_pad_mask: Tensor) -> Tensor:
         return self.encoder(src, src_pad_mask)
 
-    def decode(self, tgt_in: Tensor, memory: Tensor, src_pad_mask: Tensor, cache: DecoderCache | None = None) -> Tensor:
+    def decode(
+        self, tgt_in: Tensor, memory: Tensor | None, src_pad_mask: Tensor, cache: DecoderCache | None = None
+    ) -> Tensor:
         """Logits (B, T, V) for tgt_in (B, T) given the encoder memory."""
         return self.output(self.decoder(tgt_in, memory, src_pad_mask, cache))
 

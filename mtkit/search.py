@@ -102,20 +102,23 @@ def row_topk(x: Tensor, k: int, block: int = TOPK_BLOCK) -> tuple[Tensor, Tensor
 
 
 def _best_extensions(
-    logits: Tensor, count: int, eos_allowed: bool, forced: Tensor | None, must_end: Tensor
+    logits: Tensor, count: int, eos_allowed: bool | Tensor, forced: Tensor | None, must_end: Tensor
 ) -> tuple[Tensor, Tensor]:
     """Each row's ``count`` best next tokens and their log-probabilities, best first: (N, count) twice.
 
     Beam search needs no more: a sentence's best 2k extensions are among its rows' best 2k each,
     and a top-k per row is cheaper than one over all of a sentence's k x V extensions. The
-    constraints only mask: never pad or bos, no eos before ``min_len`` (``eos_allowed``), a forced
-    prefix token, and eos alone on rows at their length cap (``must_end``, which outranks the others).
+    constraints only mask: never pad or bos, no eos before ``min_len`` (``eos_allowed``, for all rows or
+    for each), a forced prefix token, and eos alone on rows at their length cap (``must_end``, which
+    outranks the others).
     """
     lprobs = F.log_softmax(logits, dim=1)
     lprobs[:, PAD_ID] = float("-inf")
     lprobs[:, BOS_ID] = float("-inf")
     eos = lprobs[:, EOS_ID].clone()
-    if not eos_allowed:
+    if isinstance(eos_allowed, Tensor):
+        lprobs[:, EOS_ID].masked_fill_(~eos_allowed, float("-inf"))
+    elif not eos_allowed:
         lprobs[:, EOS_ID] = float("-inf")
     if forced is not None:
         _force(lprobs, forced)

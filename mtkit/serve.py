@@ -23,6 +23,7 @@ import itertools
 import logging
 import signal
 import socket
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterator
 from dataclasses import asdict
@@ -35,8 +36,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
 from mtkit import __version__
-from mtkit.batcher import Batcher, Refused
+from mtkit.batcher import Batcher, Refused, Search, WholeBatch
 from mtkit.config import ServeConfig
+from mtkit.continuous import LineSearch
 from mtkit.runtime import RuntimeSetupError
 from mtkit.translate import LineTranslator, Translation, load_translator
 
@@ -88,20 +90,43 @@ def rendered(translations: list[Translation], nbest: int, scores: bool) -> Any:
 
 
 def search(translator: LineTranslator, lines: list[str], options: Hashable) -> list[list[Translation]]:
-    """The batcher's work: the ``nbest`` translations of each line at one beam."""
+    """The ``nbest`` translations of each line at one beam, all at once."""
     beam, nbest = options
     return list(translator.hypotheses(lines, beam=beam, nbest=nbest))
 
 
-def create_app(translator: LineTranslator, cfg: ServeConfig, name: str) -> FastAPI:
-    """The application: its batcher starts with it and, at shutdown, finishes the work queued before it ends."""
-    batcher: Batcher[list[Translation]] = Batcher(
-        functools.partial(search, translator), cfg.max_batch_size, cfg.max_wait_ms / 1000, cfg.max_queue
+def open_search(translator: LineTranslator, continuous: bool, options: Hashable) -> Search[list[Translation]]:
+    """The search that the requests of one beam and nbest share: continuous where the translator allows it."""
+    beam, nbest = options
+    chosen = translator.using(beam=beam, nbest=nbest)
+    if continuous and LineSearch.accepts(chosen):
+        return LineSearch(chosen)
+    return WholeBatch(functools.partial(search, translator), options)
+
+
+def make_batcher(translator: LineTranslator, cfg: ServeConfig) -> Batcher[list[Translation]]:
+    """The batcher of the server's searches, as ``cfg`` sets it up."""
+    return Batcher(
+        functools.partial(search, translator),
+        cfg.max_batch_size,
+        cfg.max_wait_ms / 1000,
+        cfg.max_queue,
+        functools.partial(open_search, translator, cfg.continuous),
     )
+
+
+def create_app(
+    translator: LineTranslator, cfg: ServeConfig, name: str, batcher: Batcher[list[Translation]] | None = None
+) -> FastAPI:
+    """The application. ``batcher``: one whose ``run`` the caller runs; by default the application runs its own
+    in a thread that starts with it. At shutdown the batcher finishes the work queued before it closes."""
+    own = batcher is None
+    batcher = batcher or make_batcher(translator, cfg)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        batcher.start()
+        if own:
+            batcher.start()
         try:
             yield
         finally:
@@ -220,10 +245,16 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 @contextlib.contextmanager
-def _stops_exit_cleanly() -> Iterator[None]:
-    """uvicorn shuts down gracefully on SIGINT and SIGTERM, then raises the signal again for the handler it found
-    before it started; that handler ignores it, so a stop that was asked for ends the process with status 0."""
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+def _signals_stop(server: uvicorn.Server) -> Iterator[None]:
+    """SIGINT and SIGTERM ask ``server`` to shut down gracefully, a second one to stop at once, as uvicorn's own
+    handlers do; they are this process's while it serves, and the stop that was asked for exits with status 0."""
+
+    def stop(signum: int, frame: object) -> None:
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
@@ -233,19 +264,38 @@ def _stops_exit_cleanly() -> Iterator[None]:
 
 def serve(model: str | Path, cfg: ServeConfig, **load: Any) -> None:
     """Serve ``model`` (what `mtkit.load` takes, with its ``load`` options: device, precision, engine) until
-    SIGINT or SIGTERM; the port is taken before the model loads."""
+    SIGINT or SIGTERM; the port is taken before the model loads.
+
+    The searches run in this thread, which loaded the model, and uvicorn answers HTTP in another: torch's
+    CPU kernels run about 20% slower in a thread other than the one whose OpenMP threads did the loading.
+    """
     sock = bind(cfg.host, cfg.port)
     try:
         translator = load_translator(model, **load)
-        app = create_app(translator, cfg, str(model))
+        batcher = make_batcher(translator, cfg)
+        app = create_app(translator, cfg, str(model), batcher)
         host, port = sock.getsockname()[:2]
         where = f"[{host}]" if ":" in host else host
         log.info(
-            "serving %s at http://%s:%d (batches of up to %d sentences, waiting up to %g ms)",
-            model, where, port, cfg.max_batch_size, cfg.max_wait_ms,
+            "serving %s at http://%s:%d (searches of up to %d sentences, %s; an idle one waits up to %g ms)",
+            model, where, port, cfg.max_batch_size, "continuous" if cfg.continuous else "whole batches",
+            cfg.max_wait_ms,
         )  # fmt: skip
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
-        with _stops_exit_cleanly():
-            server.run(sockets=[sock])
+
+        def answer_http() -> None:
+            try:
+                server.run(sockets=[sock])
+            finally:
+                batcher.close()  # uvicorn has ended (its shutdown closed the batcher, or it failed to start)
+
+        http = threading.Thread(target=answer_http, name="mtkit-http")
+        with _signals_stop(server):
+            http.start()
+            try:
+                batcher.run()
+            finally:
+                server.should_exit = True
+                http.join()
     finally:
         sock.close()

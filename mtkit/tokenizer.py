@@ -21,6 +21,7 @@ from mtkit.progress import StageProgress
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 CHARS_PER_TOKEN = 32  # twice SentencePiece's longest piece (max_sentencepiece_length 16)
+PARALLEL_LINES = 256  # fewer lines than this are encoded and decoded one by one, on one thread
 
 
 class TokenizerError(MtkitError, ValueError):
@@ -128,7 +129,11 @@ class Tokenizer:
         return self.sp.get_piece_size()
 
     def encode(self, lines: list[str]) -> list[list[int]]:
-        """Ids without bos/eos (the data and search code add them); SentencePiece splits the list over all cores."""
+        """Ids without bos/eos (the data and search code add them). SentencePiece splits a list over all cores,
+        starting threads at every call: about 80 us, twenty times what one short line takes, so a few lines are
+        encoded one by one."""
+        if len(lines) < PARALLEL_LINES:
+            return [self.sp.encode(line, out_type=int) for line in lines]
         return self.sp.encode(lines, out_type=int, num_threads=len(os.sched_getaffinity(0)))
 
     def encode_capped(self, lines: list[str], limit: int) -> list[list[int]]:
@@ -147,4 +152,7 @@ class Tokenizer:
         return [seq[: limit + 1] for seq in seqs]
 
     def decode(self, ids: list[list[int]]) -> list[str]:
+        """Text of each id list; a few one by one, as ``encode`` does."""
+        if len(ids) < PARALLEL_LINES:
+            return [self.sp.decode(one) for one in ids]
         return self.sp.decode(ids)

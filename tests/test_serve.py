@@ -148,7 +148,7 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_answers(server, d
     with ThreadPoolExecutor(16) as pool:
         results = list(pool.map(work, range(16)))
     assert results == [[True] * 4] * 16
-    batches = [int(n) for n in re.findall(r"batch of \d+ sentences from (\d+) requests", server.log.read_text())]
+    batches = [int(n) for n in re.findall(r"sentences join a search of \d+ \((\d+) requests\)", server.log.read_text())]
     assert max(batches) > 1  # requests did share searches
 
 
@@ -450,3 +450,45 @@ def test_a_full_group_goes_before_an_older_one_still_gathering():
     assert gathering.result(timeout=5) == ["A/1"]
     batcher.close()
     assert [options for _, options in calls] == [2, 1]
+
+
+class Countdown:
+    """A continuous search in which a line is done after as many steps (of 10 ms) as it has characters."""
+
+    def __init__(self, steps_seen: list[list[str]]) -> None:
+        self.live: dict = {}
+        self.steps_seen = steps_seen
+
+    def add(self, key, line: str) -> None:
+        self.live[key] = [line, len(line)]
+
+    def step(self) -> list:
+        time.sleep(0.01)
+        self.steps_seen.append(sorted(line for line, _ in self.live.values()))
+        for entry in self.live.values():
+            entry[1] -= 1
+        done = [(key, entry[0].upper()) for key, entry in self.live.items() if entry[1] == 0]
+        for key, _ in done:
+            del self.live[key]
+        return done
+
+    def __len__(self) -> int:
+        return len(self.live)
+
+
+def test_jobs_join_a_running_search_and_leave_it_as_each_is_done():
+    steps: list[list[str]] = []
+    batcher = Batcher(shout, max_batch_size=3, max_wait_s=0.0, max_queue=100, open_search=lambda _: Countdown(steps))
+    long = batcher.submit(["a" * 40], 1)
+    batcher.start()
+    while not steps:
+        time.sleep(0.001)
+    short = batcher.submit(["bb", "c"], 1)  # joins the running search: three sentences, the most it holds
+    late = batcher.submit(["dd", "ee"], 1)  # waits until both fit
+    assert short.result(timeout=5) == ["BB", "C"] and late.result(timeout=5) == ["DD", "EE"]
+    assert not long.done() and long.result(timeout=5) == ["A" * 40]
+    batcher.close()
+    assert len(steps) == 40 and max(map(len, steps)) == 3
+    joined = [i for i, lines in enumerate(steps) if "bb" in lines][0]
+    a = "a" * 40
+    assert steps[joined : joined + 4] == [[a, "bb", "c"], [a, "bb"], [a, "dd", "ee"], [a, "dd", "ee"]]

@@ -29,11 +29,18 @@ def serve_command(
     precision: WeightPrecision = InferenceConfig.precision,
     engine: EngineChoice = InferenceConfig.engine,
     max_batch_size: Annotated[
-        int, typer.Option(help="Sentences of concurrent requests searched as one batch.")
+        int, typer.Option(help="Sentences of concurrent requests searched together.")
     ] = ServeConfig.max_batch_size,
     max_wait_ms: Annotated[
-        float, typer.Option(help="How long a waiting sentence waits for batch-mates before its batch starts.")
+        float, typer.Option(help="How long a sentence waits for search-mates before an idle search starts.")
     ] = ServeConfig.max_wait_ms,
+    continuous: Annotated[
+        bool,
+        typer.Option(
+            help="Requests join a search already running and leave it as each is done; "
+            "--no-continuous: a search takes the requests waiting when it starts and ends with its last."
+        ),
+    ] = ServeConfig.continuous,
     max_queue: Annotated[
         int, typer.Option(help="Sentences that may wait; a request that would exceed it gets 503.")
     ] = ServeConfig.max_queue,
@@ -55,7 +62,8 @@ def serve_command(
 ) -> None:
     """Translate over HTTP: POST /v1/translate, GET /health, GET /v1/models; API docs at /docs.
 
-    The sentences of concurrent requests are searched together, in batches of up to --max-batch-size.
+    The sentences of concurrent requests are searched together, up to --max-batch-size at a time; a
+    request joins a search already running and leaves it as soon as its sentences are done.
     Decoding follows the settings saved with the model unless a request says otherwise. SIGINT or
     SIGTERM stops taking connections, finishes the requests in flight and exits 0.
     """
@@ -65,9 +73,13 @@ def serve_command(
     for module in ("fastapi", "uvicorn"):
         require(module, "mtkit serve", "'mtkit[serve]'")
     cfg = ServeConfig(
-        host=host, port=port, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, max_queue=max_queue,
+        host=host, port=port, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, continuous=continuous,
+        max_queue=max_queue,
         max_texts=max_texts, max_chars=max_chars, timeout=timeout, api_key=api_key,
     )  # fmt: skip
     from mtkit.serve import serve
 
-    serve(model, cfg, device=device, precision=precision, engine=engine)
+    try:
+        serve(model, cfg, device=device, precision=precision, engine=engine)
+    except KeyboardInterrupt:  # Ctrl-C before the server listens (while the model loads): stop quietly
+        raise typer.Exit(130) from None
