@@ -1,12 +1,13 @@
 """Throughput and latency of ``mtkit serve`` under concurrent clients, against ``mtkit translate``.
 
 Starts ``mtkit serve MODEL`` on 127.0.0.1 (a free port) and, for each concurrency in --clients, runs
-that many client threads for --seconds, each sending the test set one line per request (each client
-from its own offset) over one keep-alive connection. It reports sentences/s, p50/p95/p99 latency and
+that many clients for --seconds (in one event loop), each sending the test set one line per request
+(each client from its own offset) over one keep-alive connection. It reports sentences/s, p50/p95/p99 latency and
 failed requests per concurrency, and the server's resident memory: peak, and sampled once a second,
 at the start and the end of the run (with --soak SECONDS, a last round at the highest concurrency
 for that long, so that growth shows). For reference, the same lines through ``mtkit translate -i``
-(batch throughput, the model's load time taken out) and one line at a time through the library.
+(batch throughput, the model's load time taken out), one line at a time through the library, and the
+server's continuous search without HTTP, as many lines always in it as the most clients.
 
     python benchmarks/serve_load.py --model runs/multi30k_en_de/average-last3.safetensors \\
         --src ../shared/data/multi30k/test_2016_flickr.en.gz
@@ -223,6 +224,40 @@ print(1000 * statistics.median(times))
     return float(done.stdout.strip().splitlines()[-1])
 
 
+def search_bound(args: argparse.Namespace, lines: list[str], in_flight: int) -> float:
+    """Sentences/s of the server's continuous search alone, in a child process: ``in_flight`` lines always in it
+    (one joins as one is done), no HTTP. What the server would give if answering HTTP cost nothing."""
+    script = f"""
+import sys, time, torch, mtkit
+from mtkit.continuous import LineSearch
+torch.set_num_threads({args.threads})
+search = LineSearch(mtkit.load({str(args.model)!r}))
+lines = sys.stdin.read().splitlines()
+for warm_up in (False, True):
+    queue = iter(range(len(lines)))
+    for _ in range({in_flight}):
+        i = next(queue)
+        search.add(i, lines[i])
+    done, start = 0, time.perf_counter()
+    while len(search):
+        for _ in search.step():
+            done += 1
+            i = next(queue, None)
+            if i is not None:
+                search.add(i, lines[i])
+print(done / (time.perf_counter() - start))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        input="\n".join(lines),
+        capture_output=True,
+        text=True,
+        env=environment(args),
+        check=True,
+    )
+    return float(done.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True)
@@ -239,7 +274,9 @@ def main() -> None:
     print(f"model={args.model} lines={len(lines)} threads={args.threads}")
     batch = batch_reference(args, lines)
     alone = alone_latency_ms(args, lines)
+    bound = search_bound(args, lines, max(args.clients))
     print(f"translate_batch_sentences_per_s={batch:.1f} one_line_alone_p50_ms={alone:.1f}")
+    print(f"continuous_search_alone_{max(args.clients)}_in_flight_sentences_per_s={bound:.1f} ({bound / batch:.0%})")
     server = Server(args)
     rounds = [load_round(server, lines, clients, args.seconds) for clients in args.clients]
     if args.soak:

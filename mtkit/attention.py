@@ -184,7 +184,8 @@ def _explicit_attention(
     """softmax(q k^T / sqrt(Dh)) v written out, softmax in fp32.
 
     Used for bf16/fp16 on CPU, where PyTorch's fused SDPA kernel is about 10x slower than this on
-    the short sequences of sentence-level MT (measured: 61 ms vs 5.6 ms forward+backward, B 375, T 16).
+    the short sequences of sentence-level MT (measured: 61 ms vs 5.6 ms forward+backward, B 375, T 16),
+    and in fp32 for at most ``SMALL_QUERY`` queries (decoding steps).
     """
     weights = attention_weights(q, k, attn_allowed, causal)
     return dropout(weights, dropout_p, training=True).to(v.dtype) @ v
