@@ -28,7 +28,7 @@ from mtkit.attention import DecoderCache
 from mtkit.config import DecodeConfig
 from mtkit.data import source_tensor
 from mtkit.model import Transformer
-from mtkit.search import Hypothesis, _best_extensions, beam_step, length_penalty, max_lengths
+from mtkit.search import Hypothesis, beam_step, best_extensions, length_penalty, max_lengths
 from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from mtkit.translate import EMPTY, LineTranslator, Translation, Translator
 
@@ -107,7 +107,7 @@ class ContinuousBeamSearch:
         cache.self_allowed = seen.repeat_interleave(k, dim=0)[:, None, None, :]
         logits = self.model.decode(self.tokens[:, -1:], None, self.mask, cache)[:, -1].float()
         must_end = steps + 1 >= self.max_lens
-        row_lprobs, row_tok = _best_extensions(
+        row_lprobs, row_tok = best_extensions(
             logits,
             2 * k,
             eos_allowed=(steps >= decode.min_len).repeat_interleave(k),

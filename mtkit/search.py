@@ -101,7 +101,7 @@ def row_topk(x: Tensor, k: int, block: int = TOPK_BLOCK) -> tuple[Tensor, Tensor
     return values, torch.where(in_block, from_block, at - k * block + whole)
 
 
-def _best_extensions(
+def best_extensions(
     logits: Tensor, count: int, eos_allowed: bool | Tensor, forced: Tensor | None, must_end: Tensor
 ) -> tuple[Tensor, Tensor]:
     """Each row's ``count`` best next tokens and their log-probabilities, best first: (N, count) twice.
@@ -263,7 +263,7 @@ def beam_search(
         logits = model.decode(tokens[:, -1:], memory, mask, cache)[:, -1].float()  # (n * width, V)
         must_end = step + 1 >= max_lens[active]  # (n,)
         forced_now = forced[active, step].repeat_interleave(width) if step < forced.size(1) else None
-        row_lprobs, row_tok = _best_extensions(
+        row_lprobs, row_tok = best_extensions(
             logits,
             2 * k,
             eos_allowed=step >= decode.min_len,
