@@ -19,6 +19,11 @@ x ``--early-stop``, less the combinations that do not exist:
   CTranslate2 (``mtkit translate --engine ctranslate2``), skipped when the ctranslate2 package is
   missing. fp32 is a float32 export; int8 an int8 export (``--quantization int8``); bf16 a float32
   export computed in bfloat16, skipped where CTranslate2 has no bfloat16 for this CPU.
+- engine ``ct2native``: the same export decoded as CTranslate2's own users decode it, the reference
+  the other two are measured against: the lines tokenized with the export's SentencePiece model,
+  then one ``translate_batch`` over all of them, with CTranslate2's batching (``max_batch_size`` a
+  batch size, ``batch_type`` examples), ``beam_size``, one hypothesis, and CTranslate2's defaults for
+  the rest (its length penalty 1, its 256-token cap).
 - ``--early-stop off`` searches on until ``beam`` hypotheses have ended (fairseq's rule, ``mtkit
   translate --no-early-stop``) instead of stopping once the best candidate has ended: mtkit only,
   and beam > 1 only (greedy search is the same either way).
@@ -56,9 +61,10 @@ from pathlib import Path
 from mtkit.config import DecodeConfig
 
 REPO = Path(__file__).resolve().parents[1]
-ENGINES = ("mtkit", "ct2")
+ENGINES = ("mtkit", "ct2", "ct2native")
+CT2_ENGINES = ("ct2", "ct2native")
 PRECISIONS = ("fp32", "bf16", "int8")
-ENGINE_PRECISIONS = {"mtkit": ("fp32", "bf16"), "ct2": ("fp32", "bf16", "int8")}
+ENGINE_PRECISIONS = {"mtkit": ("fp32", "bf16"), "ct2": ("fp32", "bf16", "int8"), "ct2native": ("fp32", "bf16", "int8")}
 CT2_EXPORT = {"fp32": "float32", "bf16": "float32", "int8": "int8"}  # the weight type the export stores
 CT2_COMPUTE = {"fp32": "default", "bf16": "bfloat16", "int8": "default"}  # what CTranslate2 computes in
 NO_EARLY_STOP = "-no-early-stop"
@@ -118,12 +124,17 @@ def grid(args: argparse.Namespace, ct2_bf16: bool) -> list[Config]:
     configs = []
     for engine in args.engines:
         for precision in args.precisions:
-            if precision not in ENGINE_PRECISIONS[engine] or (engine, precision) == ("ct2", "bf16") and not ct2_bf16:
+            if (
+                precision not in ENGINE_PRECISIONS[engine]
+                or engine in CT2_ENGINES
+                and precision == "bf16"
+                and not ct2_bf16
+            ):
                 continue
             for beam in args.beams:
                 for batch_size in args.batch_sizes:
                     for early_stop in args.early_stop:
-                        if not early_stop and (engine == "ct2" or beam == 1):
+                        if not early_stop and (engine in CT2_ENGINES or beam == 1):
                             continue
                         configs.append(Config(engine, precision, beam, batch_size, early_stop))
     return configs
@@ -144,6 +155,33 @@ def timed_translation(translator, source: Path) -> tuple[list[str], float]:
         return out.read().splitlines(), seconds
 
 
+class NativeCTranslate2:
+    """CTranslate2 as its users run it, with ``stream``'s interface for ``timed_translation``: every line's
+    SentencePiece pieces to one ``translate_batch``, which batches and sorts them itself."""
+
+    def __init__(self, export_dir: Path, config: Config, threads: int) -> None:
+        import ctranslate2
+
+        from mtkit.export import read_manifest
+        from mtkit.tokenizer import Tokenizer
+
+        names = read_manifest(export_dir)["tokenizer"]
+        self.src_tok, self.tgt_tok = (Tokenizer(export_dir / names[side]) for side in ("src", "tgt"))
+        compute_type = CT2_COMPUTE[config.precision]
+        self.engine = ctranslate2.Translator(str(export_dir), "cpu", compute_type=compute_type, intra_threads=threads)
+        self.config = config
+
+    def stream(self, chunks):
+        from mtkit.translate import Translation
+
+        pieces = [self.src_tok.sp.encode(line, out_type=str) for chunk in chunks for line in chunk]
+        results = self.engine.translate_batch(
+            pieces, max_batch_size=self.config.batch_size, batch_type="examples", beam_size=self.config.beam
+        )
+        for result in results:
+            yield [Translation(self.tgt_tok.sp.decode(result.hypotheses[0]), 0.0, 0.0)]
+
+
 def make_translator(config: Config, run: Path, export_dir: Path, threads: int):
     import torch
 
@@ -153,6 +191,8 @@ def make_translator(config: Config, run: Path, export_dir: Path, threads: int):
     set_threads(threads)
     device = torch.device("cpu")
     decode = DecodeConfig(beam=config.beam, batch_size=config.batch_size, early_stop=config.early_stop)
+    if config.engine == "ct2native":
+        return NativeCTranslate2(export_dir, config, threads)
     if config.engine == "ct2":
         from mtkit.export import CTranslate2Translator
 
@@ -235,7 +275,7 @@ def main() -> None:
         default=REPO.parent / "shared" / "data" / "multi30k",
         help="folder with test_2016_flickr.{en,de}.gz",
     )
-    p.add_argument("--engines", type=comma_list(str, ENGINES), default=list(ENGINES), help="mtkit,ct2")
+    p.add_argument("--engines", type=comma_list(str, ENGINES), default=list(ENGINES), help="mtkit,ct2,ct2native")
     p.add_argument(
         "--precisions",
         type=comma_list(str, PRECISIONS),
@@ -266,12 +306,13 @@ def main() -> None:
         child_main(args)
         return
 
-    compute_types = ct2_compute_types() if "ct2" in args.engines else set()
+    wants_ct2 = any(engine in CT2_ENGINES for engine in args.engines)
+    compute_types = ct2_compute_types() if wants_ct2 else set()
     if compute_types is None:
-        print("ct2: skipped (pip install ctranslate2)", file=sys.stderr)
-        args.engines = [e for e in args.engines if e != "ct2"]
+        print("ct2, ct2native: skipped (pip install ctranslate2)", file=sys.stderr)
+        args.engines = [e for e in args.engines if e not in CT2_ENGINES]
     ct2_bf16 = bool(compute_types) and "bfloat16" in compute_types
-    if "ct2" in args.engines and "bf16" in args.precisions and not ct2_bf16:
+    if wants_ct2 and "bf16" in args.precisions and not ct2_bf16:
         print("ct2 bf16: skipped (CTranslate2 has no bfloat16 for this CPU)", file=sys.stderr)
     configs = grid(args, ct2_bf16)
     if not configs:
@@ -281,7 +322,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for config in configs:
             export_dir = Path(tmp) / f"ct2-{CT2_EXPORT[config.precision]}"
-            if config.engine == "ct2" and not export_dir.exists():
+            if config.engine in CT2_ENGINES and not export_dir.exists():
                 from mtkit.export import export_ctranslate2
 
                 print(f"exporting {export_dir.name} ...", file=sys.stderr, flush=True)
