@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -42,6 +43,13 @@ def max_lengths(src_pad_mask: Tensor, a: float, b: int, limit: int) -> Tensor:
     """Per-sentence cap on generated tokens (eos included): a * source_length + b, at most ``limit``."""
     src_lens = (~src_pad_mask).sum(dim=1) - 1  # without the source eos
     return (a * src_lens.float() + b).long().clamp(min=1, max=limit)
+
+
+def max_length(source_length: int, a: float, b: int, limit: int) -> int:
+    """``max_lengths`` of one sentence of ``source_length`` tokens (eos not counted), in float32 as there,
+    without torch: engines that are not torch's call it (see mtkit.export.CTranslate2Translator)."""
+    cap = np.float32(a) * np.float32(source_length) + np.float32(b)
+    return min(max(int(cap), 1), limit)
 
 
 def _step_log_probs(model: Transformer, tokens: Tensor, memory: Tensor, mask: Tensor, cache: DecoderCache) -> Tensor:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from typer.testing import CliRunner
 
 from mtkit import checkpoint
@@ -196,6 +197,27 @@ def test_nbest_lists_are_ranked_and_headed_by_the_best(exported):
     for one, hyps in zip(best.stream([lines]), three.stream([lines])):
         assert len(hyps) == 3 and hyps[0] == one[0]
         assert [h.score for h in hyps] == sorted((h.score for h in hyps), reverse=True)
+
+
+class TorchOps(TorchDispatchMode):
+    """Records every torch operator run while it is on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_translating_through_ctranslate2_runs_no_torch_op(ending):
+    """torch's OpenMP threads spin after each op, and beside CTranslate2's on the same cores halve its speed."""
+    translator = CTranslate2Translator.from_dir(ending.ct2_dir, DecodeConfig(beam=3), nbest=2)
+    with TorchOps() as recorded:
+        translations = translator.translate([*ending.lines[:8], "", "a" * 3000])
+    assert len(translations) == 10 and translations[8] == ""
+    assert recorded.ops == []
 
 
 def test_int8_export_translates_every_line(exported, tmp_path):

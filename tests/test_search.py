@@ -13,7 +13,16 @@ from conftest import tiny_model
 from mtkit.attention import DecoderCache
 from mtkit.config import DecodeConfig, SamplingConfig
 from mtkit.data import source_tensor
-from mtkit.search import beam_search, beam_step, greedy_search, length_penalty, row_topk, sample_search
+from mtkit.search import (
+    beam_search,
+    beam_step,
+    greedy_search,
+    length_penalty,
+    max_length,
+    max_lengths,
+    row_topk,
+    sample_search,
+)
 from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 A, B, C = 4, 5, 6
@@ -95,6 +104,15 @@ def random_sources(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [
         torch.randint(4, vocab, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
     ]
+
+
+def test_one_sentences_cap_is_the_batched_caps():
+    """``max_length`` (no torch, for CTranslate2) computes what ``max_lengths`` does, float32 rounding included."""
+    lengths = list(range(0, 300, 7))
+    _, mask = source_tensor([[A] * n for n in lengths])
+    for a, b, limit in [(1.5, 10, 1024), (1.1, 3, 1024), (1.2, 0, 64), (0.3, 1, 1024), (0.0, 5, 1024), (2.7, 2, 200)]:
+        batched = max_lengths(mask, a, b, limit).tolist()
+        assert [max_length(n, a, b, limit) for n in lengths] == batched
 
 
 def test_beam_one_equals_greedy():
