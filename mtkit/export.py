@@ -253,8 +253,9 @@ class CTranslate2Translator(LineTranslator):
 
     Decoding follows mtkit's search: eos is appended to the source, decoding starts from bos, pad and
     bos are never generated, each sentence stops at max_len_a * source length + max_len_b tokens
-    (eos included; CTranslate2 takes one cap per call, so sentences are grouped by cap) and
-    ``min_len`` holds eos back. Greedy output is mtkit's up to float rounding.
+    (eos included) and ``min_len`` holds eos back. Greedy output is mtkit's up to float rounding.
+    CTranslate2 takes one cap per call: a batch is searched under its largest, and a sentence whose
+    search came within a token of its own cap is searched again under it, with the others of that cap.
 
     For beams, CTranslate2 searches without a length penalty and returns its ``beam`` finished
     hypotheses, which are then ranked by mtkit's GNMT penalty. Its own penalty, length ** lenpen,
@@ -327,20 +328,44 @@ class CTranslate2Translator(LineTranslator):
         if not todo:
             return results
         d = self.decode
-        groups: dict[int, list[int]] = {}
-        for i in todo:  # each sentence's cap, in tokens before eos
-            groups.setdefault(max_length(len(ids[i]), d.max_len_a, d.max_len_b, self.max_positions) - 1, []).append(i)
-        for cap, group in groups.items():
-            for batch in length_batches([len(ids[i]) + 1 for i in group], d.batch_size, d.batch_tokens, d.beam):
-                chunk = [group[b] for b in batch]
-                for i, translations in zip(chunk, self._search([ids[i] for i in chunk], cap)):
-                    results[i] = translations
+        caps = {i: max_length(len(ids[i]), d.max_len_a, d.max_len_b, self.max_positions) - 1 for i in todo}
+        for i in todo:
+            if caps[i] == 0:  # not even one token before eos
+                results[i] = [Translation("", 0.0, 0.0)]
+        todo = [i for i in todo if caps[i] > 0]
+        # Every sentence first under the largest cap of its batch, in batches as CTranslate2's own users
+        # make them; then, under its own cap, each whose search came near it (``_near_cap``).
+        again: dict[int, list[int]] = {}
+        for batch, cap in self._batches(todo, ids, caps):
+            for i, hyps in zip(batch, self._search([ids[i] for i in batch], cap)):
+                if self._near_cap(hyps, caps[i]) or min(d.min_len, caps[i]) != min(d.min_len, cap):
+                    again.setdefault(caps[i], []).append(i)
+                else:
+                    results[i] = self._translations(hyps)
+        for cap, group in again.items():
+            for batch, _ in self._batches(group, ids, caps):
+                for i, hyps in zip(batch, self._search([ids[i] for i in batch], cap)):
+                    results[i] = self._translations(hyps)
         return results
 
-    def _search(self, seqs: list[list[int]], cap: int) -> list[list[Translation]]:
-        """Translations of ``seqs``, whose outputs may have up to ``cap`` tokens before eos."""
-        if cap == 0:
-            return [[Translation("", 0.0, 0.0)] for _ in seqs]
+    def _batches(
+        self, todo: list[int], ids: dict[int, list[int]], caps: dict[int, int]
+    ) -> Iterator[tuple[list[int], int]]:
+        """``todo`` cut into length-sorted batches as ``translate`` cuts them, each with its sentences' largest cap."""
+        d = self.decode
+        for batch in length_batches([len(ids[i]) + 1 for i in todo], d.batch_size, d.batch_tokens, d.beam):
+            chosen = [todo[b] for b in batch]
+            yield chosen, max(caps[i] for i in chosen)
+
+    def _near_cap(self, hyps: list[tuple[list[str], float]], cap: int) -> bool:
+        """Whether a sentence's search, run under a larger cap than its own ``cap``, may have gone where its own
+        would have stopped it: a hypothesis within a token of ``cap``. Before that step the two searches are
+        the same, and one that finished earlier gives the same hypotheses under either."""
+        return any(len(tokens) - (tokens[-1] == self.eos) >= cap - 1 for tokens, _ in hyps)
+
+    def _search(self, seqs: list[list[int]], cap: int) -> list[list[tuple[list[str], float]]]:
+        """The ``beam`` finished hypotheses (tokens, logprob) of each of ``seqs``, whose outputs may have up to
+        ``cap`` tokens before eos; those the cap cut are scored with the eos mtkit forces there."""
         d = self.decode
         source = [self.src_tok.sp.id_to_piece(seq) for seq in seqs]
         results = self.engine.translate_batch(
@@ -357,7 +382,7 @@ class CTranslate2Translator(LineTranslator):
         )
         hyps = [list(zip(result.hypotheses, result.scores)) for result in results]
         self._add_forced_eos(source, hyps)
-        return [self._translations(sentence) for sentence in hyps]
+        return hyps
 
     def _add_forced_eos(self, source: list[list[str]], hyps: list[list[tuple[list[str], float]]]) -> None:
         """Rescore, in place, hypotheses the length cap cut: mtkit ends them with eos and counts its log-probability."""

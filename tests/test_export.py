@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -218,6 +219,19 @@ def test_translating_through_ctranslate2_runs_no_torch_op(ending):
         translations = translator.translate([*ending.lines[:8], "", "a" * 3000])
     assert len(translations) == 10 and translations[8] == ""
     assert recorded.ops == []
+
+
+def test_batches_under_their_largest_cap_give_each_sentences_own_caps_search(exported):
+    """A batch runs under the largest cap of its sentences and a sentence near its own cap runs again under it:
+    the translations are those of one sentence at a time, each under its own cap (batches of one)."""
+    decode = DecodeConfig(beam=4, max_len_a=0.5, max_len_b=4)  # caps that bind often, and differ within a batch
+    batched = CTranslate2Translator.from_dir(exported.ct2_dir, decode, nbest=2)
+    alone = CTranslate2Translator.from_dir(exported.ct2_dir, replace(decode, batch_size=1), nbest=2)
+    lines = exported.lines
+    for got, want in zip(batched.hypotheses(lines), alone.hypotheses(lines)):
+        assert [t.text for t in got] == [t.text for t in want]
+        for g, w in zip(got, want):
+            assert math.isclose(g.logprob, w.logprob, rel_tol=1e-4, abs_tol=1e-4)
 
 
 def test_int8_export_translates_every_line(exported, tmp_path):
