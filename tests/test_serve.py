@@ -115,6 +115,17 @@ def test_translations_are_the_librarys_in_order(server, trained_run, lines, expe
     assert server.post({"text": []}, headers=AUTH).json() == {"translations": []}
 
 
+def test_whole_batches_translate_as_the_library_does(trained_run, tmp_path, lines, expected):  # noqa: F811
+    whole = Server(trained_run, tmp_path / "stderr", "--no-continuous")
+    try:
+        assert "whole batches" in whole.log.read_text()
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda line: whole.post({"text": [line]}).json(), lines))
+        assert answers == [{"translations": [expected[5][line]]} for line in lines]
+    finally:
+        assert whole.stop() == 0
+
+
 def test_nbest_and_scores_are_those_the_command_line_prints(server, trained_run, lines):  # noqa: F811
     translator = mtkit.load(trained_run, device="cpu")
     chosen = [lines[0], "", lines[1]]
