@@ -213,15 +213,7 @@ for line in lines:
     times.append(time.perf_counter() - start)
 print(1000 * statistics.median(times))
 """
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        input="\n".join(lines[:200]),
-        capture_output=True,
-        text=True,
-        env=environment(args),
-        check=True,
-    )
-    return float(done.stdout.strip().splitlines()[-1])
+    return child_figure(args, script, lines[:200])
 
 
 def search_bound(args: argparse.Namespace, lines: list[str], in_flight: int) -> float:
@@ -233,7 +225,7 @@ from mtkit.continuous import LineSearch
 torch.set_num_threads({args.threads})
 search = LineSearch(mtkit.load({str(args.model)!r}))
 lines = sys.stdin.read().splitlines()
-for warm_up in (False, True):
+for pass_number in range(2):  # the second pass is timed, the first warms up
     queue = iter(range(len(lines)))
     for _ in range({in_flight}):
         i = next(queue)
@@ -247,6 +239,15 @@ for warm_up in (False, True):
                 search.add(i, lines[i])
 print(done / (time.perf_counter() - start))
 """
+    return child_figure(args, script, lines)
+
+
+def child_figure(args: argparse.Namespace, script: str, lines: list[str]) -> float:
+    """The number a Python ``script`` prints last, run in a child process with ``lines`` on its stdin.
+
+    Each reference runs in a process of its own, with the server's environment, so that none of them
+    shares torch's threads or memory with this one.
+    """
     done = subprocess.run(
         [sys.executable, "-c", script],
         input="\n".join(lines),
