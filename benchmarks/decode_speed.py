@@ -1,6 +1,8 @@
 """Decoding speed, memory and quality on Multi30k test_2016_flickr (1,000 lines), over a grid of settings.
 
-Each configuration runs in a child process of its own, so its peak RSS is its own, and reports:
+Each configuration runs in a child process of its own, so its peak RSS is its own: mtkit's engines
+under the memory allocator the ``mtkit`` command uses (mimalloc where installed, glibc's with
+``MTKIT_ALLOCATOR=system``), CTranslate2 used natively under the system's. Each reports:
 
 - sentences/s: input lines over the seconds from reading the first input line to writing the last
   output line (model loading excluded, as for OpenNMT-py's 96 sentences/s on this machine kind);
@@ -59,6 +61,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from mtkit.config import DecodeConfig
+from mtkit.launch import preload_environment
 
 REPO = Path(__file__).resolve().parents[1]
 ENGINES = ("mtkit", "ct2", "ct2native")
@@ -230,7 +233,10 @@ def run_child(args: argparse.Namespace, config: str, export_dir: Path) -> dict |
     cmd = [sys.executable, str(Path(__file__).resolve()), "--config", config, "--run", str(args.run)]
     cmd += ["--data-dir", str(args.data_dir), "--threads", str(args.threads), "--export-dir", str(export_dir)]
     cmd += ["--repeat", str(args.repeat)]
-    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    # mtkit's engines run under the allocator the mtkit command would use; CTranslate2 used natively, as a
+    # Python program of its users would run: under the system's.
+    env = None if Config.parse(config).engine == "ct2native" else preload_environment()
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)
     if done.returncode:
         print(f"{config} failed (exit {done.returncode})", file=sys.stderr)
         return None

@@ -10,7 +10,14 @@ on Multi30k task 1 en-de with the recipe's 4,096-token batches):
    updates of the real ``mtkit.trainer.Trainer`` on the corpus's batches, after ``--warmup`` updates.
    MFU is the analytic training FLOPs (see ``train_flops``) per second over each measured peak.
 3. Peak memory: each precision trains in its own child process, which reports its peak RSS
-   (and on a GPU its peak allocated GPU memory).
+   (and on a GPU its peak allocated GPU memory). Children run under the allocator the ``mtkit``
+   command would use (mimalloc where installed; ``MTKIT_ALLOCATOR=system`` for glibc's).
+4. With ``--fairseq PYTHON`` (an environment made by ``benchmarks/peer_env.sh``), fairseq trains the
+   same model in the same run as its users run it: ``fairseq-preprocess`` over the same SentencePiece
+   pieces with a joined dictionary, then ``fairseq-train`` with the recipe's shape, batches
+   (``--max-tokens`` counts padded tokens per side as ``train.batch_tokens`` does), optimizer,
+   schedule, label smoothing and clipping, fp32 on the CPU. Its figure is target tokens (fairseq's
+   ``wpb``) over the seconds of the same updates, from its per-update log.
 
 Run from the repository root::
 
@@ -18,6 +25,8 @@ Run from the repository root::
     python benchmarks/train_throughput.py --preset transformer-base --precisions bf16 --steps 10
     python benchmarks/train_throughput.py --device cuda --preset transformer-big --batch-tokens 16384
     python benchmarks/train_throughput.py --precisions bf16 --set model.positions=rotary
+    bash benchmarks/peer_env.sh .peer-fairseq
+    python benchmarks/train_throughput.py --run runs/multi30k_en_de --fairseq .peer-fairseq/bin/python
 
 Without ``--run`` or ``--tokenizer`` a SentencePiece model is trained first (untimed). The figures
 are printed as a table and then one ``train_throughput ...`` line per precision with every figure
@@ -29,6 +38,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import resource
 import subprocess
 import sys
@@ -42,6 +53,7 @@ import torch
 from mtkit import config
 from mtkit.config import ModelConfig, RunConfig
 from mtkit.data import Batch
+from mtkit.launch import allocator_in_use, preload_environment
 from mtkit.runtime import set_threads
 
 REPO = Path(__file__).resolve().parents[1]
@@ -188,7 +200,7 @@ def child_main(args: argparse.Namespace) -> None:
     set_threads(args.threads)
     (precision,) = args.precisions
     result = measure_training(config_for(args, precision, args.tokenizer), args.work, args.steps, args.warmup)
-    print(json.dumps({**result, "peak_rss_mib": peak_rss_mib()}))
+    print(json.dumps({**result, "peak_rss_mib": peak_rss_mib(), "allocator": allocator_in_use()}))
 
 
 # -- the parent: peaks here, training in children, then the report ------------------------
@@ -204,7 +216,7 @@ def run_child(args: argparse.Namespace, precision: str, tokenizer: Path, work: P
     cmd += ["--preset", args.preset] if args.preset else []
     cmd += ["--batch-tokens", str(args.batch_tokens)] if args.batch_tokens else []
     cmd += [arg for override in args.set for arg in ("--set", override)]
-    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=preload_environment())
     if done.returncode:
         sys.exit(f"train_throughput: training in {precision} failed (exit {done.returncode})")
     return json.loads(done.stdout.splitlines()[-1])
@@ -225,6 +237,94 @@ def run_tokenizer(args: argparse.Namespace, work: Path) -> Path:
     return work / "spm.model"
 
 
+# -- the peer: fairseq in its own environment ----------------------------------------------
+
+# fairseq-train's entry point, with the process's peak RSS printed when it returns.
+FAIRSEQ_TRAIN = """\
+import json, resource, sys
+from fairseq_cli.train import cli_main
+sys.argv[0] = "fairseq-train"
+cli_main()
+print(json.dumps({"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def fairseq_data(args: argparse.Namespace, cfg: RunConfig, tokenizer: Path, work: Path) -> Path:
+    """The training pairs as the run's SentencePiece pieces, binarized by fairseq-preprocess (untimed)."""
+    import sentencepiece as spm
+
+    from mtkit.data import iter_parallel
+
+    print("fairseq: pieces and fairseq-preprocess ...", file=sys.stderr, flush=True)
+    sp = spm.SentencePieceProcessor(model_file=str(tokenizer))
+    src_lang, tgt_lang = cfg.data.src_lang, cfg.data.tgt_lang
+    pieces = work / "pieces"
+    pieces.mkdir(parents=True)
+    with open(pieces / f"train.{src_lang}", "w") as src, open(pieces / f"train.{tgt_lang}", "w") as tgt:
+        for source, target in iter_parallel(cfg.data.train_src, cfg.data.train_tgt):
+            src.write(" ".join(sp.encode(source, out_type=str)) + "\n")
+            tgt.write(" ".join(sp.encode(target, out_type=str)) + "\n")
+    binary = work / "bin"
+    cmd = [str(args.fairseq), "-m", "fairseq_cli.preprocess", "--source-lang", src_lang, "--target-lang", tgt_lang]
+    cmd += ["--trainpref", str(pieces / "train"), "--destdir", str(binary), "--joined-dictionary", "--workers", "2"]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return binary
+
+
+def fairseq_command(args: argparse.Namespace, cfg: RunConfig, binary: Path) -> list[str]:
+    """fairseq-train with the recipe's model, batches, optimizer and schedule, in fp32 on the CPU."""
+    m, t = cfg.model, cfg.train
+    cmd = [str(args.fairseq), "-c", FAIRSEQ_TRAIN, str(binary), "--arch", "transformer", "--cpu"]
+    for side in ("encoder", "decoder"):
+        cmd += [f"--{side}-layers", str(getattr(m, f"{side}_layers")), f"--{side}-embed-dim", str(m.d_model)]
+        cmd += [f"--{side}-ffn-embed-dim", str(m.ffn), f"--{side}-attention-heads", str(m.heads)]
+        cmd += [f"--{side}-normalize-before"] if m.norm == "pre" else []
+    cmd += ["--share-all-embeddings"] if m.tie_embeddings else []
+    cmd += ["--dropout", str(m.dropout), "--attention-dropout", str(m.attention_dropout)]
+    cmd += ["--activation-dropout", str(m.activation_dropout)]
+    cmd += ["--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--adam-eps", "1e-9", "--lr", str(t.lr)]
+    cmd += ["--lr-scheduler", "inverse_sqrt", "--warmup-updates", str(t.warmup), "--clip-norm", str(t.clip_norm)]
+    cmd += ["--criterion", "label_smoothed_cross_entropy", "--label-smoothing", str(t.label_smoothing)]
+    cmd += ["--max-tokens", str(t.batch_tokens), "--required-batch-size-multiple", "1", "--seed", str(t.seed)]
+    cmd += ["--max-update", str(args.warmup + args.steps), "--disable-validation", "--no-save"]
+    return cmd + ["--log-format", "json", "--log-interval", "1"]
+
+
+def run_fairseq(args: argparse.Namespace, cfg: RunConfig, tokenizer: Path, work: Path) -> dict:
+    """fairseq's fp32 training figures over the same number of updates, after the same warm-up."""
+    binary = fairseq_data(args, cfg, tokenizer, work / "fairseq")
+    print("training fairseq fp32 ...", file=sys.stderr, flush=True)
+    env = {**os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {})}
+    cmd = fairseq_command(args, cfg, binary)
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=work / "fairseq")
+    if done.returncode:
+        sys.exit(f"train_throughput: fairseq-train failed (exit {done.returncode})")
+    lines = done.stdout.splitlines()
+    updates = [json.loads(line.rsplit(" | ", 1)[1]) for line in lines if "| train_inner |" in line]
+    params = [re.search(r"num\. shared model params: ([\d,]+)", line) for line in lines]
+    params = [int(m[1].replace(",", "")) for m in params if m]
+    timed = updates[args.warmup :]
+    if len(timed) != args.steps:
+        sys.exit(f"train_throughput: fairseq logged {len(updates)} updates, expected {args.warmup + args.steps}")
+    tokens = sum(float(u["wpb"]) for u in timed)
+    seconds = sum(float(u["wpb"]) / float(u["wps"]) for u in timed)
+    return {
+        "version": subprocess.run(
+            [str(args.fairseq), "-c", "import fairseq; print(fairseq.__version__)"],
+            stdout=subprocess.PIPE,
+            text=True,
+            check=True,
+        ).stdout.strip(),
+        "updates": args.steps,
+        "seconds": seconds,
+        "target_tokens": tokens,
+        "tokens_per_s": tokens / seconds,
+        "updates_per_s": args.steps / seconds,
+        "parameters": params[0] if params else 0,
+        "peak_rss_mib": json.loads(lines[-1])["peak_rss_mib"],
+    }
+
+
 def add_mfu(train: dict, peaks: dict) -> None:
     """Model FLOPs utilisation of each training result against each measured matmul peak."""
     for result in train.values():
@@ -235,9 +335,10 @@ def render(figures: dict) -> str:
     """The figures as a table, then one greppable key=value line per precision."""
     peaks = figures["matmul_gflops"]
     gpu = figures["device"] != "cpu"
+    allocator = next(iter(figures["train"].values()))["allocator"]
     out = [
         f"{figures['corpus']} | {figures['preset']}, {figures['parameters']:,} parameters | "
-        f"torch {figures['torch']} | {figures['device']}"
+        f"torch {figures['torch']} | {allocator} allocator | {figures['device']}"
         + ("" if gpu else f", {figures['threads']} threads")
         + "".join(f" | --set {o}" for o in figures["overrides"]),
         "",
@@ -254,6 +355,17 @@ def render(figures: dict) -> str:
             f"{r['gflops']:>9.1f}{r['mfu']['fp32']:>12.1%}{r['mfu']['bf16']:>12.1%}{r['peak_rss_mib']:>10,.0f}"
             + (f"{r['peak_gpu_mib']:>10,.0f}" if gpu else "")
         )
+    peer = figures.get("peer")
+    if peer:
+        name = f"fairseq {peer['version']} fp32"
+        out.append(
+            f"{name}: {peer['tokens_per_s']:,.0f} tgt tok/s, {peer['updates_per_s']:.3f} upd/s, "
+            f"{peer['parameters']:,} parameters, peak {peer['peak_rss_mib']:,.0f} MiB"
+        )
+        out += [
+            f"mtkit {precision} / fairseq fp32: {r['tokens_per_s'] / peer['tokens_per_s']:.2f}x"
+            for precision, r in figures["train"].items()
+        ]
     out.append("")
     for name, r in figures["train"].items():
         out.append(
@@ -263,6 +375,12 @@ def render(figures: dict) -> str:
             + f"tokens_per_s={r['tokens_per_s']:.0f} updates_per_s={r['updates_per_s']:.3f} "
             f"gflops={r['gflops']:.1f} mfu_fp32_peak={r['mfu']['fp32']:.3f} mfu_bf16_peak={r['mfu']['bf16']:.3f} "
             f"peak_rss_mib={r['peak_rss_mib']:.0f}" + (f" peak_gpu_mib={r['peak_gpu_mib']:.0f}" if gpu else "")
+        )
+    if peer:
+        out.append(
+            f"train_throughput peer=fairseq version={peer['version']} precision=fp32 "
+            f"batch_tokens={figures['batch_tokens']} tokens_per_s={peer['tokens_per_s']:.0f} "
+            f"updates_per_s={peer['updates_per_s']:.3f} peak_rss_mib={peer['peak_rss_mib']:.0f}"
         )
     return "\n".join(out)
 
@@ -285,6 +403,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--threads", type=int, default=0, help="torch threads; 0 keeps torch's default")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to train and measure the peak")
+    p.add_argument(
+        "--fairseq", type=Path, help="python of an environment with fairseq (benchmarks/peer_env.sh): train it too"
+    )
     p.add_argument("--json", type=Path, help="also write all figures to this JSON file")
     # Internal: how the parent starts a child for one precision.
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -311,8 +432,9 @@ def main(argv: list[str] | None = None) -> None:
         work = Path(tmp)
         tokenizer = run_tokenizer(args, work)
         train = {p: run_child(args, p, tokenizer, work / p) for p in args.precisions}
+        cfg = config_for(args, args.precisions[0], tokenizer)
+        peer = run_fairseq(args, cfg, tokenizer, work) if args.fairseq else None
     add_mfu(train, peaks)
-    cfg = config_for(args, args.precisions[0], tokenizer)
     figures = {
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
@@ -327,6 +449,7 @@ def main(argv: list[str] | None = None) -> None:
         "matmul_size": MATMUL_SIZE[args.device],
         "matmul_gflops": peaks,
         "train": train,
+        **({"peer": peer} if peer else {}),
     }
     print(render(figures))
     if args.json:

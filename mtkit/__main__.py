@@ -1,3 +1,3 @@
-from mtkit.cli import main
+from mtkit.launch import main
 
 main()

@@ -104,6 +104,8 @@ def environment_report(path: Path = Path(".")) -> dict:
 
     import torch.distributed as dist
 
+    from mtkit.launch import allocator_in_use
+
     flags = set((_proc_field("/proc/cpuinfo", "flags") or "").split())
     mem_kib = _proc_field("/proc/meminfo", "MemAvailable")  # what a new process can use without swapping
     cuda = torch.cuda.is_available()
@@ -112,6 +114,7 @@ def environment_report(path: Path = Path(".")) -> dict:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_bf16_instructions": bool(flags & {"avx512_bf16", "amx_bf16"}),
         "threads": torch.get_num_threads(),
+        "allocator": allocator_in_use(),
         "cuda_available": cuda,
         "cuda_version": torch.version.cuda,
         "gpus": [

@@ -22,6 +22,7 @@ import torch
 from test_cli import invoke, one_line_error, trained_run, write_config  # noqa: F401  (trained_run is a fixture)
 
 from mtkit import checkpoint
+from mtkit.launch import preload_environment
 
 
 def train_on(tmp_path, multi30k_slice, spm_model, name: str, **data) -> object:
@@ -508,14 +509,21 @@ def test_a_failed_output_write_names_the_output_not_its_temporary_file(tmp_path,
 
 
 def peak_rss_mib(command: str, stdin: bytes) -> tuple[int, subprocess.CompletedProcess]:
-    """Peak resident memory of ``python -m mtkit COMMAND`` run as a child, in MiB."""
+    """Peak resident memory of ``python -m mtkit COMMAND`` run as a child, in MiB.
+
+    The child starts with the allocator already preloaded as the mtkit command would preload it, so
+    that it does not start again (which would skip the ``finally`` that reports the peak)."""
     code = (
         "import resource, runpy, sys; sys.argv = ['mtkit', *sys.argv[1:]]\n"
         "try:\n    runpy.run_module('mtkit', run_name='__main__')\n"
         "finally:\n    print('peak', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024, file=sys.stderr)"
     )
     result = subprocess.run(
-        [sys.executable, "-c", code, *command.split()], input=stdin, capture_output=True, timeout=300
+        [sys.executable, "-c", code, *command.split()],
+        input=stdin,
+        capture_output=True,
+        timeout=300,
+        env=preload_environment(),
     )
     peak = int(re.search(rb"peak (\d+)", result.stderr)[1])
     return peak, result

@@ -18,7 +18,7 @@ def doctor_command(
     path: Annotated[Path, typer.Option("--path", help="Where runs will be written (for free disk).")] = Path("."),
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
-    """What a run will use here: torch, CUDA/NCCL, GPUs, bf16/fp16 support, threads, memory, disk."""
+    """What a run will use here: torch, CUDA/NCCL, GPUs, bf16/fp16 support, threads, allocator, memory, disk."""
     from mtkit.runtime import environment_report
 
     report = environment_report(path)
@@ -31,6 +31,7 @@ def doctor_command(
         ("torch", f"{report['torch']} (CUDA {report['cuda_version'] or 'not built'})"),
         ("CPU", f"{report['cpu_capability']}, bf16 instructions: {'yes' if report['cpu_bf16_instructions'] else 'no'}"),
         ("threads", str(report["threads"])),
+        ("memory allocator", report["allocator"]),
         ("GPUs", gpus),
         ("distributed backends", backends),
         ("precisions", "; ".join(f"{dev}: {', '.join(p) or '-'}" for dev, p in report["precisions"].items())),

@@ -1,0 +1,47 @@
+"""The mtkit command starts itself under mimalloc (mtkit/launch.py), checked on real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mtkit import launch
+
+needs_mimalloc = pytest.mark.skipif(
+    launch.mimalloc_library() is None, reason="cmeel-mimalloc provides mimalloc on x86-64 Linux only"
+)
+
+
+def doctor(**env: str) -> subprocess.CompletedProcess:
+    """``python -m mtkit doctor --json`` with ``env`` added to a environment that preloads nothing."""
+    base = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", launch.ALLOCATOR_ENV)}
+    return subprocess.run(
+        [sys.executable, "-m", "mtkit", "doctor", "--json"], env={**base, **env}, capture_output=True, text=True
+    )
+
+
+@needs_mimalloc
+def test_the_command_runs_under_mimalloc_unless_the_system_allocator_is_asked_for():
+    assert json.loads(doctor().stdout)["allocator"] == "mimalloc"
+    assert json.loads(doctor(MTKIT_ALLOCATOR="mimalloc").stdout)["allocator"] == "mimalloc"
+    assert json.loads(doctor(MTKIT_ALLOCATOR="system").stdout)["allocator"] == "system"
+
+
+@needs_mimalloc
+def test_a_preload_the_user_set_is_kept_and_mimalloc_is_added_once():
+    library = str(launch.mimalloc_library())
+    env = launch.preload_environment({"LD_PRELOAD": "/opt/their.so"})
+    assert env["LD_PRELOAD"] == f"{library}:/opt/their.so"
+    assert env["MIMALLOC_PURGE_DELAY"] == launch.PURGE_DELAY_MS
+    assert launch.preload_environment(env) is None  # the second start runs the CLI, not a third start
+    assert launch.preload_environment({"MIMALLOC_PURGE_DELAY": "-1"})["MIMALLOC_PURGE_DELAY"] == "-1"
+
+
+def test_an_unknown_allocator_is_a_one_line_error():
+    done = doctor(MTKIT_ALLOCATOR="jemalloc")
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == ["error: MTKIT_ALLOCATOR='jemalloc': expected one of mimalloc, system"]
