@@ -239,13 +239,15 @@ def run_tokenizer(args: argparse.Namespace, work: Path) -> Path:
 
 # -- the peer: fairseq in its own environment ----------------------------------------------
 
-# fairseq-train's entry point, with the process's peak RSS printed when it returns.
+# fairseq-train's entry point, then fairseq's version and the process's peak RSS as one JSON line.
 FAIRSEQ_TRAIN = """\
 import json, resource, sys
-from fairseq_cli.train import cli_main
+from fairseq_cli.train import cli_main  # first: it sets up the logging that the log lines come from
+import fairseq
 sys.argv[0] = "fairseq-train"
 cli_main()
-print(json.dumps({"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps({"version": fairseq.__version__, "peak_rss_mib": peak}))
 """
 
 
@@ -309,19 +311,13 @@ def run_fairseq(args: argparse.Namespace, cfg: RunConfig, tokenizer: Path, work:
     tokens = sum(float(u["wpb"]) for u in timed)
     seconds = sum(float(u["wpb"]) / float(u["wps"]) for u in timed)
     return {
-        "version": subprocess.run(
-            [str(args.fairseq), "-c", "import fairseq; print(fairseq.__version__)"],
-            stdout=subprocess.PIPE,
-            text=True,
-            check=True,
-        ).stdout.strip(),
+        **json.loads(lines[-1]),  # version, peak_rss_mib
         "updates": args.steps,
         "seconds": seconds,
         "target_tokens": tokens,
         "tokens_per_s": tokens / seconds,
         "updates_per_s": args.steps / seconds,
         "parameters": params[0] if params else 0,
-        "peak_rss_mib": json.loads(lines[-1])["peak_rss_mib"],
     }
 
 

@@ -36,7 +36,7 @@ def mimalloc_library() -> Path | None:
 
 
 def allocator_in_use() -> str:
-    """ "mimalloc" when this process runs under it, else "system"."""
+    """Which allocator this process runs under: "mimalloc" or "system"."""
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:

@@ -17,7 +17,7 @@ needs_mimalloc = pytest.mark.skipif(
 
 
 def doctor(**env: str) -> subprocess.CompletedProcess:
-    """``python -m mtkit doctor --json`` with ``env`` added to a environment that preloads nothing."""
+    """``python -m mtkit doctor --json`` with ``env`` added to an environment that preloads nothing."""
     base = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", launch.ALLOCATOR_ENV)}
     return subprocess.run(
         [sys.executable, "-m", "mtkit", "doctor", "--json"], env={**base, **env}, capture_output=True, text=True
