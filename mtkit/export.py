@@ -38,6 +38,8 @@ from mtkit.config import MAX_POSITIONS, ConfigError, DecodeConfig, ModelConfig, 
 from mtkit.files import atomic_write_directory
 from mtkit.model import Decoder, Embedder, Encoder, FeedForward, Transformer
 from mtkit.search import length_penalty, max_length
+from mtkit.shortlist import load as load_shortlist
+from mtkit.shortlist import vocabulary_map
 from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 from mtkit.translate import (
     EMPTY,
@@ -52,6 +54,7 @@ from mtkit.translate import (
 log = logging.getLogger("mtkit")
 
 MANIFEST = "mtkit.json"
+VMAP = "vmap.txt"  # CTranslate2's name for a vocabulary map in a model folder
 MANIFEST_FORMAT = 1
 
 
@@ -164,12 +167,16 @@ def build_spec(model: Transformer, cfg: ModelConfig, src_tok: Tokenizer, tgt_tok
 # -- export ---------------------------------------------------------------------------------
 
 
-def export_ctranslate2(model_path: Path, out_dir: Path, quantization: str | None = None) -> Path:
+def export_ctranslate2(
+    model_path: Path, out_dir: Path, quantization: str | None = None, shortlist: Path | None = None
+) -> Path:
     """Write ``out_dir``: the model of ``model_path`` (run directory, checkpoint or .safetensors) for CTranslate2.
 
     ``quantization`` is the stored weight type (int8, int8_float16, int16, float16, bfloat16, float32...);
-    None keeps float32. An existing export in ``out_dir`` is replaced whole; any other existing folder
-    that is not empty is refused, so a mistyped ``-o`` cannot delete someone's files.
+    None keeps float32. ``shortlist`` (a file `mtkit shortlist` wrote) goes with it as CTranslate2's
+    vocabulary map (``VMAP``), which ``translate_batch(..., use_vmap=True)`` applies. An existing
+    export in ``out_dir`` is replaced whole; any other existing folder that is not empty is refused,
+    so a mistyped ``-o`` cannot delete someone's files.
     """
     out_dir = Path(out_dir)
     accepted = _ctranslate2().specs.model_spec.ACCEPTED_MODEL_TYPES
@@ -183,6 +190,10 @@ def export_ctranslate2(model_path: Path, out_dir: Path, quantization: str | None
             f"{model_path}: the CTranslate2 export takes sinusoidal or learned positions and no attention window; "
             f"this model has model.positions {positions} and model.attention_window {window}"
         )
+    vmap = None
+    if shortlist is not None:
+        lexical = load_shortlist(Path(shortlist), bundle.src_tok, bundle.tgt_tok)
+        vmap = vocabulary_map(lexical, vocabulary(bundle.src_tok), vocabulary(bundle.tgt_tok))
     spec = build_spec(bundle.model, bundle.cfg.model, bundle.src_tok, bundle.tgt_tok)
     for path in {bundle.src_tok.path, bundle.tgt_tok.path}:
         spec.register_file(str(path), path.name)
@@ -200,6 +211,8 @@ def export_ctranslate2(model_path: Path, out_dir: Path, quantization: str | None
 
     def fill(directory: Path) -> None:
         spec.save(str(directory))
+        if vmap is not None:
+            (directory / VMAP).write_text(vmap, encoding="utf-8")
         (directory / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
 
     atomic_write_directory(out_dir, fill)
@@ -284,10 +297,14 @@ class CTranslate2Translator(LineTranslator):
         device: str = "cpu",
         compute_type: str = "default",
         nbest: int = 1,
+        use_vmap: bool = False,
     ) -> None:
         check_nbest(nbest, decode)
         ctranslate2 = _ctranslate2()
         self.max_positions = read_manifest(ct2_dir)["max_positions"]
+        if use_vmap and not (Path(ct2_dir) / VMAP).is_file():
+            raise ConfigError(f"{ct2_dir}: the export has no vocabulary map; export it with --shortlist")
+        self.use_vmap = use_vmap
         self.engine = ctranslate2.Translator(str(ct2_dir), device=device, compute_type=compute_type)
         self.src_tok, self.tgt_tok = src_tok, tgt_tok
         self.decode, self.nbest = decode, nbest
@@ -302,13 +319,14 @@ class CTranslate2Translator(LineTranslator):
         device: str = "cpu",
         compute_type: str = "default",
         nbest: int = 1,
+        use_vmap: bool = False,
     ) -> CTranslate2Translator:
         """The export in ``ct2_dir`` with its own tokenizers. ``decode``: whole settings (a DecodeConfig), or
-        changes (a dict) to the run's, which None keeps."""
+        changes (a dict) to the run's, which None keeps; ``use_vmap``: search over the export's vocabulary map."""
         manifest = read_manifest(ct2_dir)
         toks = {side: Tokenizer(Path(ct2_dir) / name) for side, name in manifest["tokenizer"].items()}
         settings = decode if isinstance(decode, DecodeConfig) else with_overrides(manifest["decode"], decode or {})
-        return cls(Path(ct2_dir), toks["src"], toks["tgt"], settings, device, compute_type, nbest)
+        return cls(Path(ct2_dir), toks["src"], toks["tgt"], settings, device, compute_type, nbest, use_vmap)
 
     def stream(self, chunks: Iterable[list[str]]) -> Iterator[list[Translation]]:
         """The ``nbest`` translations of each line, best first, in input order, chunk by chunk."""
@@ -379,6 +397,7 @@ class CTranslate2Translator(LineTranslator):
             return_end_token=True,  # tells a hypothesis that ended from one the cap cut
             return_scores=True,
             max_input_length=0,  # already truncated, by mtkit's rule
+            use_vmap=self.use_vmap,
         )
         hyps = [list(zip(result.hypotheses, result.scores)) for result in results]
         self._add_forced_eos(source, hyps)

@@ -60,10 +60,16 @@ def preload_environment(environ: dict[str, str] | None = None) -> dict[str, str]
     return env
 
 
+# The second start imports mtkit with the first one's sys.path[0]: the console script's own folder, or the
+# current directory under ``python -m mtkit``. Plain ``python -m`` would put the current directory first even
+# for the console script, and a folder named mtkit there (another checkout) would be imported instead.
+RESTART = "import sys; sys.path[0] = sys.argv.pop(1); sys.argv[0] = 'mtkit'; from mtkit.launch import main; main()"
+
+
 def main() -> None:
     env = preload_environment()
     if env is not None:
-        os.execve(sys.executable, [sys.executable, "-m", "mtkit", *sys.argv[1:]], env)
+        os.execve(sys.executable, [sys.executable, "-c", RESTART, sys.path[0], *sys.argv[1:]], env)
     from mtkit.cli import main as cli_main
 
     cli_main()

@@ -234,10 +234,12 @@ def translate_file(
     device: str = InferenceConfig.device,
     precision: Precision = InferenceConfig.precision,
     engine: Engine = InferenceConfig.engine,
+    shortlist: Path | None = None,
     **decode,
 ) -> int:
     """Translate ``input`` (a file, a pipe; None, ``-`` or ``/dev/stdin`` for stdin) into ``output``
     (None for stdout), one output line per input line (``nbest`` lines with ``nbest`` > 1); the count.
+    ``shortlist``: a file `mtkit shortlist` wrote, which limits each batch's outputs to its candidates.
 
     Everything is checked before the model loads: the input files exist, the output may be written
     (``check_output_file``), stdin and stdout are open. ``decode`` overrides the model's settings.
@@ -256,13 +258,16 @@ def translate_file(
                 ("--alignments", alignments),
                 ("--no-early-stop", not decode.get("early_stop", True)),  # CTranslate2 applies its own rule
                 ("an ensemble", len(models) > 1),
+                ("--shortlist (an export made with --shortlist carries CTranslate2's use_vmap map)", shortlist),
             )
             if used
         ]
         if unsupported:
             raise ConfigError(f"--engine ctranslate2 takes one model and no {', '.join(unsupported)}")
         require("ctranslate2", "--engine ctranslate2", "ctranslate2")
-    for path in (input, None if prefix_on_stdin else prefix):
+    if shortlist is not None and sampling is not None:
+        raise ConfigError("--shortlist is for beam search; --sample draws from the whole vocabulary")
+    for path in (input, None if prefix_on_stdin else prefix, shortlist):
         if path is not None:
             check_input_file(path, stream_ok=True)
     if output is None and sys.stdout is None:  # started with stdout closed (>&-)
@@ -270,7 +275,9 @@ def translate_file(
     if output is not None:
         check_output_file(output, inputs=[p for p in (input, prefix, *models) if p is not None])
     with WholeLines() as whole_lines:
-        translator = load_translator(models, device, precision, engine, nbest, sampling, alignments, **decode)
+        translator = load_translator(
+            models, device, precision, engine, nbest, sampling, alignments, shortlist, **decode
+        )
         size = translate.CHUNK_LINES
         chunks = input_chunks(input, size)
         if prefix is None:

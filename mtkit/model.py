@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from mtkit.attention import DecoderCache, Dropout, LayerCache, MultiHeadAttention, autocast_once, self_attention
 from mtkit.config import ModelConfig
+from mtkit.shortlist import Candidates
 
 
 class FeedForward(nn.Module):
@@ -229,10 +230,17 @@ class Transformer(nn.Module):
         return self.encoder(src, src_pad_mask)
 
     def decode(
-        self, tgt_in: Tensor, memory: Tensor | None, src_pad_mask: Tensor, cache: DecoderCache | None = None
+        self,
+        tgt_in: Tensor,
+        memory: Tensor | None,
+        src_pad_mask: Tensor,
+        cache: DecoderCache | None = None,
+        candidates: Candidates | None = None,
     ) -> Tensor:
-        """Logits (B, T, V) for tgt_in (B, T) given the encoder memory."""
-        return self.output(self.decoder(tgt_in, memory, src_pad_mask, cache))
+        """Logits (B, T, V) for tgt_in (B, T) given the encoder memory; with a shortlist's ``candidates``,
+        (B, T, len(candidates.ids)) over those target ids only."""
+        features = self.decoder(tgt_in, memory, src_pad_mask, cache)
+        return self.output(features) if candidates is None else candidates.project(features, self.output)
 
     def features(self, src: Tensor, src_pad_mask: Tensor, tgt_in: Tensor) -> Tensor:
         """Decoder features (B, T, D); training projects only the non-pad positions to the vocabulary."""

@@ -20,6 +20,7 @@ from torch import Tensor
 from mtkit.attention import DecoderCache
 from mtkit.config import DecodeConfig, SamplingConfig
 from mtkit.model import Transformer
+from mtkit.shortlist import Candidates
 from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 DEFAULT_DECODE = DecodeConfig()  # DecodeConfig's defaults, for a search called without settings
@@ -236,9 +237,11 @@ def beam_search(
     decode: DecodeConfig = DEFAULT_DECODE,
     nbest: int = 1,
     prefixes: list[list[int]] | None = None,
+    candidates: Candidates | None = None,
 ) -> list[list[Hypothesis]]:
     """The ``nbest`` best finished hypotheses per sentence, best first, searched as ``decode`` says (beam,
-    lenpen, max_len_a, max_len_b, min_len, early_stop).
+    lenpen, max_len_a, max_len_b, min_len, early_stop); with a shortlist's ``candidates``, over those target
+    ids only (they hold the special ids and every prefix token).
 
     ``early_stop`` also ends a sentence's search once its best-ranked candidate has ended and
     ``nbest`` hypotheses have. That saves steps; without a length penalty it loses nothing (scores
@@ -268,9 +271,11 @@ def beam_search(
 
     for step in range(int(max_lens.max())):
         n = active.numel()
-        logits = model.decode(tokens[:, -1:], memory, mask, cache)[:, -1].float()  # (n * width, V)
+        logits = model.decode(tokens[:, -1:], memory, mask, cache, candidates)[:, -1].float()  # (n * width, V)
         must_end = step + 1 >= max_lens[active]  # (n,)
         forced_now = forced[active, step].repeat_interleave(width) if step < forced.size(1) else None
+        if forced_now is not None and candidates is not None:
+            forced_now = candidates.columns(forced_now)
         row_lprobs, row_tok = best_extensions(
             logits,
             2 * k,
@@ -278,6 +283,8 @@ def beam_search(
             forced=forced_now,
             must_end=must_end.repeat_interleave(width),
         )
+        if candidates is not None:  # columns to target ids; the special ids are their own columns
+            row_tok = candidates.ids[row_tok]
         cand_scores, cand_beam, cand_tok = beam_step(scores, row_lprobs, row_tok, k)
         cand_eos = cand_tok == EOS_ID
 

@@ -30,6 +30,8 @@ from mtkit.data import source_tensor
 from mtkit.ensemble import Ensemble
 from mtkit.model import Transformer
 from mtkit.search import beam_search, sample_search
+from mtkit.shortlist import Shortlist
+from mtkit.shortlist import load as load_shortlist
 from mtkit.tokenizer import Tokenizer
 
 log = logging.getLogger("mtkit")
@@ -143,11 +145,15 @@ class Translator(LineTranslator):
         sampling: SamplingConfig | None = None,
         aligner: Transformer | None = None,
         on_batch: Callable[[int], None] | None = None,
+        shortlist: Shortlist | None = None,
     ) -> None:
         """``aligner``: the model whose cross-attention gives each best translation a word alignment;
         ``on_batch(n)``: called as each batch of ``n`` lines is done (lines that need no model count as one batch),
-        to show progress."""
+        to show progress; ``shortlist``: beam search over each batch's candidate target tokens only."""
         check_nbest(nbest, decode, sampling)
+        if shortlist is not None and sampling is not None:
+            raise ConfigError("a shortlist is for beam search; sampling draws from the whole vocabulary")
+        self.shortlist = shortlist
         self.model, self.src_tok, self.tgt_tok = model, src_tok, tgt_tok
         self.decode, self.device, self.nbest = decode, device, nbest
         self.sampling = sampling
@@ -209,7 +215,8 @@ class Translator(LineTranslator):
                 )  # fmt: skip
                 hyps = [sorted(drawn[i : i + n], key=lambda h: -h.score) for i in range(0, len(drawn), n)]
             else:
-                hyps = beam_search(self.model, src, src_pad_mask, d, self.nbest, batch_prefixes)
+                candidates = self.shortlist.candidates(src, batch_prefixes) if self.shortlist is not None else None
+                hyps = beam_search(self.model, src, src_pad_mask, d, self.nbest, batch_prefixes, candidates)
             alignments = [""] * len(chunk)
             if self.aligner is not None:
                 pairs = [(ids[i], sentence[0].tokens) for i, sentence in zip(chunk, hyps)]
@@ -231,6 +238,7 @@ def load_translator(
     nbest: int = 1,
     sampling: SamplingConfig | None = None,
     alignments: bool = False,
+    shortlist: str | Path | None = None,
     **decode: Any,
 ) -> LineTranslator:
     """A translator over ``models``: run directories (their best/), checkpoints or .safetensors files,
@@ -239,7 +247,8 @@ def load_translator(
 
     Decoding follows the settings saved with the (first) model, then ``decode`` (``beam=4``,
     ``lenpen=0.6``, ...). Weights are cast to ``precision`` once; ``alignments`` adds word alignments
-    from the first model's cross-attention; ``sampling`` draws tokens instead of searching.
+    from the first model's cross-attention; ``sampling`` draws tokens instead of searching;
+    ``shortlist``, a file `mtkit shortlist` wrote, limits each batch's outputs to its candidates.
     """
     from mtkit.runtime import compute_dtype, pick_device
 
@@ -249,8 +258,8 @@ def load_translator(
     if engine == "ctranslate2":
         from mtkit.export import CTranslate2Translator
 
-        if len(models) != 1 or sampling is not None or alignments:
-            raise ConfigError("the ctranslate2 engine takes one model, and no sampling or alignments")
+        if len(models) != 1 or sampling is not None or alignments or shortlist is not None:
+            raise ConfigError("the ctranslate2 engine takes one model, and no sampling, alignments or shortlist")
         compute_type = {"fp32": "default", "bf16": "bfloat16", "fp16": "float16"}[precision]
         return CTranslate2Translator.from_dir(models[0], decode, dev.type, compute_type, nbest)
     if engine != "mtkit":
@@ -263,7 +272,10 @@ def load_translator(
     network = Ensemble([b.model for b in bundles]) if len(bundles) > 1 else first.model
     aligner = first.model if alignments else None  # an ensemble aligns with its first member
     settings = with_overrides(first.cfg.decode, decode)
-    translator = Translator(network, first.src_tok, first.tgt_tok, settings, dev, nbest, sampling, aligner)
+    lexical = load_shortlist(Path(shortlist), first.src_tok, first.tgt_tok) if shortlist is not None else None
+    translator = Translator(
+        network, first.src_tok, first.tgt_tok, settings, dev, nbest, sampling, aligner, shortlist=lexical
+    )
     translator.languages = (first.cfg.data.src_lang, first.cfg.data.tgt_lang)
     return translator
 

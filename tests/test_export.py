@@ -21,10 +21,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from typer.testing import CliRunner
 
 from mtkit import checkpoint
+from mtkit import shortlist as lexical
 from mtkit.cli import app
-from mtkit.config import DecodeConfig, ModelConfig, RunConfig, TokenizerConfig
+from mtkit.config import ConfigError, DecodeConfig, ModelConfig, RunConfig, TokenizerConfig
 from mtkit.data import source_tensor
-from mtkit.export import MANIFEST, CTranslate2Translator, export_ctranslate2
+from mtkit.export import MANIFEST, VMAP, CTranslate2Translator, export_ctranslate2
 from mtkit.model import Transformer, build_model
 from mtkit.search import greedy_search, max_lengths
 from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_spm
@@ -267,6 +268,40 @@ def test_export_command_writes_a_folder_that_translates_and_can_be_replaced(join
     lines = ["A man in an orange hat.", "", "Two dogs play in the snow."]
     results = list(CTranslate2Translator.from_dir(out).stream([lines]))  # the run's decode settings
     assert [bool(r[0].text) for r in results] == [True, False, True]
+
+
+def test_a_shortlist_goes_with_the_export_as_ctranslate2s_vocabulary_map(joint, spm_model, multi30k_slice, tmp_path):
+    pairs = zip(
+        multi30k_slice["train.en"].read_text().splitlines(), multi30k_slice["train.de"].read_text().splitlines()
+    )
+    shortlist = lexical.build(lexical.co_occurring_pairs(spm_model, spm_model, pairs), spm_model, spm_model, 3, 5)
+    shortlist.save(tmp_path / "sl.safetensors")
+    out = tmp_path / "ct2"
+    result = invoke("export", joint, "-o", out, "--shortlist", tmp_path / "sl.safetensors")
+    assert result.exit_code == 0, result.output
+    assert "a vocabulary map" in result.stderr
+    assert (out / VMAP).read_text(encoding="utf-8").startswith("\t<pad> <unk> <s> </s> ")
+
+    lines = multi30k_slice["val.en"].read_text().splitlines()[:6]
+    src, _ = source_tensor(spm_model.encode(lines))
+    allowed = set(shortlist.candidates(src).ids.tolist())
+    engine = ctranslate2.Translator(str(out), "cpu")
+    pieces = [spm_model.sp.encode(line, out_type=str) for line in lines]
+    narrowed = engine.translate_batch(pieces, beam_size=3, max_decoding_length=20, use_vmap=True)
+    whole = engine.translate_batch(pieces, beam_size=3, max_decoding_length=20)
+    ids = [spm_model.sp.piece_to_id(r.hypotheses[0]) for r in narrowed]
+    assert all(set(seq) <= allowed for seq in ids)  # CTranslate2 reads the map as mtkit builds candidates
+    assert any(not set(spm_model.sp.piece_to_id(r.hypotheses[0])) <= allowed for r in whole)  # and it narrows
+
+    translator = CTranslate2Translator.from_dir(out, {"beam": 3}, use_vmap=True)
+    assert len(translator.translate(lines)) == len(lines)
+    plain = export_ctranslate2(joint, tmp_path / "plain")
+    with pytest.raises(ConfigError, match="no vocabulary map"):
+        CTranslate2Translator.from_dir(plain, use_vmap=True)
+    result = invoke(
+        "export", joint, "--format", "hf", "-o", tmp_path / "hf", "--shortlist", tmp_path / "sl.safetensors"
+    )
+    assert result.exit_code == 1 and "--shortlist are for --format ctranslate2" in result.stderr
 
 
 @pytest.mark.parametrize(

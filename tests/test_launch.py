@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -45,3 +46,16 @@ def test_an_unknown_allocator_is_a_one_line_error():
     done = doctor(MTKIT_ALLOCATOR="jemalloc")
     assert done.returncode == 1
     assert done.stderr.splitlines() == ["error: MTKIT_ALLOCATOR='jemalloc': expected one of mimalloc, system"]
+
+
+@needs_mimalloc
+def test_the_restarted_command_imports_the_installed_mtkit_not_a_folder_in_the_current_directory(tmp_path):
+    script = Path(sys.executable).parent / "mtkit"
+    if not script.is_file():
+        pytest.skip("the mtkit console script is not installed beside this Python")
+    (tmp_path / "mtkit").mkdir()
+    (tmp_path / "mtkit" / "__init__.py").write_text("raise SystemExit('the wrong mtkit')\n")
+    base = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", launch.ALLOCATOR_ENV, "PYTHONPATH")}
+    done = subprocess.run([str(script), "doctor", "--json"], cwd=tmp_path, env=base, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["allocator"] == "mimalloc"

@@ -39,7 +39,8 @@ class ScriptedModel:
     def encode(self, src, src_pad_mask):
         return torch.zeros(src.size(0), src.size(1), 1)
 
-    def decode(self, tgt_in, memory, src_pad_mask, cache: DecoderCache):
+    def decode(self, tgt_in, memory, src_pad_mask, cache: DecoderCache, candidates=None):
+        assert candidates is None  # scripted over the whole vocabulary
         step = cache.length
         cache.length += 1
         logits = torch.full((tgt_in.size(0), 1, VOCAB), math.log(1e-9))

@@ -18,7 +18,7 @@ from mtkit.commands.common import (
     setup_logging,
     user_errors,
 )
-from mtkit.config import InferenceConfig, RecipeConfig, SamplingConfig
+from mtkit.config import InferenceConfig, RecipeConfig, SamplingConfig, ShortlistConfig
 
 commands = typer.Typer()
 
@@ -111,6 +111,13 @@ def translate_command(
             min=1, help="At most this many padded source tokens per batch, times the beam. [default: the model's]"
         ),
     ] = None,
+    shortlist: Annotated[
+        Path | None,
+        typer.Option(
+            help="A vocabulary shortlist (`mtkit shortlist`): each batch chooses among its source tokens' "
+            "candidates only. Faster; outputs can change."
+        ),
+    ] = None,
     device: Device = InferenceConfig.device,
     precision: WeightPrecision = InferenceConfig.precision,
     engine: EngineChoice = InferenceConfig.engine,
@@ -136,7 +143,7 @@ def translate_command(
     try:
         translate_file(
             model, input, output, prefix, nbest=nbest, scores=scores, alignments=alignments, sampling=sampling,
-            device=device, precision=precision, engine=engine, **decode,
+            device=device, precision=precision, engine=engine, shortlist=shortlist, **decode,
         )  # fmt: skip
     except Interrupted as stop:
         kept = f": they are in {stop.partial}, and {output} is not written" if stop.partial else ""
@@ -243,6 +250,13 @@ def export_command(
         str | None,
         typer.Option(help="CTranslate2's stored weight type: int8, int8_float16, int16, float16, bfloat16, float32..."),
     ] = None,
+    shortlist: Annotated[
+        Path | None,
+        typer.Option(
+            help="With ctranslate2: a shortlist (`mtkit shortlist`) to store as CTranslate2's vocabulary map "
+            "(vmap.txt, for translate_batch(..., use_vmap=True))."
+        ),
+    ] = None,
 ) -> None:
     """Convert a trained model for CTranslate2 or transformers; its tokenizers and decode settings go with it."""
     from mtkit.config import ConfigError
@@ -250,9 +264,75 @@ def export_command(
     from mtkit.export_hf import export_transformers
 
     if fmt == "hf":
-        if quantization is not None:
-            raise ConfigError("--quantization is for --format ctranslate2; a transformers export keeps float32 weights")
+        if quantization is not None or shortlist is not None:
+            raise ConfigError(
+                "--quantization and --shortlist are for --format ctranslate2; a transformers export keeps "
+                "float32 weights and the whole vocabulary"
+            )
         written, kind = export_transformers(model, output), "transformers MarianMTModel, float32"
     else:
-        written, kind = export_ctranslate2(model, output, quantization), f"CTranslate2, {quantization or 'float32'}"
+        written = export_ctranslate2(model, output, quantization, shortlist)
+        kind = f"CTranslate2, {quantization or 'float32'}" + (", a vocabulary map" if shortlist else "")
     typer.echo(f"wrote {written} ({kind} weights)", err=True)
+
+
+@commands.command(
+    "shortlist",
+    epilog=examples(
+        "mtkit shortlist runs/m30k -o runs/m30k/shortlist.safetensors",
+        "mtkit translate runs/m30k --shortlist runs/m30k/shortlist.safetensors -i test.en",
+        "mtkit shortlist runs/wmt --src train.en --tgt train.de --per-source 20 -o wmt.shortlist.safetensors",
+    ),
+)
+@user_errors
+def shortlist_command(
+    model: ModelPath,
+    output: Annotated[
+        Path, typer.Option("--output", "-o", help="The shortlist file (.safetensors), written atomically.")
+    ],
+    src: Annotated[
+        Path | None,
+        typer.Option(help="Training source text, or a .tsv of both sides. [default: the model's data.train_src]"),
+    ] = None,
+    tgt: Annotated[
+        Path | None, typer.Option(help="Training target text, line-aligned. [default: the model's data.train_tgt]")
+    ] = None,
+    per_source: Annotated[
+        int, typer.Option(min=1, max=1000, help="Candidates per source token.")
+    ] = ShortlistConfig.per_source,
+    frequent: Annotated[
+        int, typer.Option(min=0, help="Most frequent target tokens, candidates for every batch.")
+    ] = ShortlistConfig.frequent,
+    pairs: Annotated[int, typer.Option(min=1, help="Training pairs read (the first N).")] = ShortlistConfig.pairs,
+) -> None:
+    """Build a vocabulary shortlist from training pairs, for `translate --shortlist` and `export --shortlist`.
+
+    Each source token keeps the target tokens that co-occur with it most strongly in the training
+    pairs (Dice coefficient over sentences); the most frequent target tokens and the special ids are
+    always candidates. The file is tied to the model's tokenizers.
+    """
+    import torch
+
+    from mtkit import shortlist as lexical
+    from mtkit.checkpoint import check_output_file, load_for_inference
+    from mtkit.config import ConfigError
+    from mtkit.data import check_input_file, is_tsv, iter_parallel
+
+    setup_logging()
+    bundle = load_for_inference(model, torch.device("cpu"))
+    src_path = src if src is not None else Path(bundle.cfg.data.train_src) if bundle.cfg.data.train_src else None
+    tgt_path = tgt if tgt is not None else Path(bundle.cfg.data.train_tgt) if bundle.cfg.data.train_tgt else None
+    if src_path is None:
+        raise ConfigError(f"{model}: its config names no training data; give it with --src and --tgt")
+    if tgt_path is None and not is_tsv(src_path):
+        raise ConfigError(f"{src_path}: give the target side with --tgt, or a .tsv of both sides")
+    for path, given_here in ((src_path, src), (tgt_path, tgt)):
+        if path is not None and given_here is None and not path.is_file():
+            raise ConfigError(f"{path}: the model's training data is not there; give it with --src and --tgt")
+        if path is not None:
+            check_input_file(path)
+    check_output_file(output, inputs=[p for p in (src_path, tgt_path, model) if p is not None])
+    chunks = lexical.co_occurring_pairs(bundle.src_tok, bundle.tgt_tok, iter_parallel(src_path, tgt_path), pairs)
+    built = lexical.build(chunks, bundle.src_tok, bundle.tgt_tok, per_source, frequent)
+    built.save(output)
+    typer.echo(f"wrote {output} ({per_source} candidates per source token, {built.always.numel()} always)", err=True)

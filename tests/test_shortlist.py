@@ -1,0 +1,183 @@
+"""Vocabulary shortlists: built from real Multi30k pairs, searched over exactly, checked when loaded, on the CLI."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_model, tiny_model_config
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from mtkit import checkpoint
+from mtkit import shortlist as lexical
+from mtkit.cli import app
+from mtkit.config import ConfigError, DataConfig, DecodeConfig, RunConfig, SamplingConfig
+from mtkit.data import source_tensor
+from mtkit.ensemble import Ensemble
+from mtkit.search import beam_search
+from mtkit.shortlist import Candidates, ShortlistError
+from mtkit.tokenizer import EOS_ID, Tokenizer
+from mtkit.translate import Translator
+
+runner = CliRunner()
+CPU = torch.device("cpu")
+
+
+def pairs_of(paths: dict[str, Path], split: str = "train") -> list[tuple[str, str]]:
+    src = paths[f"{split}.en"].read_text(encoding="utf-8").splitlines()
+    return list(zip(src, paths[f"{split}.de"].read_text(encoding="utf-8").splitlines()))
+
+
+def built(paths, tok: Tokenizer, per_source: int = 4, frequent: int = 10) -> lexical.Shortlist:
+    chunks = lexical.co_occurring_pairs(tok, tok, pairs_of(paths))
+    return lexical.build(chunks, tok, tok, per_source, frequent)
+
+
+@pytest.fixture(scope="module")
+def shortlist(multi30k_slice, spm_model) -> lexical.Shortlist:
+    return built(multi30k_slice, spm_model)
+
+
+def test_each_source_token_keeps_its_strongest_co_occurring_targets(multi30k_slice, spm_model, shortlist):
+    """Against Dice coefficients counted here by brute force: the listed targets are the best, best first."""
+    pairs = [
+        (set(s), set(t)) for s, t in zip(*(spm_model.encode(list(side)) for side in zip(*pairs_of(multi30k_slice))))
+    ]
+    src_count = {s: sum(s in src for src, _ in pairs) for s in range(spm_model.vocab_size)}
+    tgt_count = {t: sum(t in tgt for _, tgt in pairs) for t in range(spm_model.vocab_size)}
+    checked = 0
+    for s in range(spm_model.vocab_size):
+        together: dict[int, int] = {}
+        for src, tgt in pairs:
+            if s in src:
+                for t in tgt:
+                    together[t] = together.get(t, 0) + 1
+        dice = {t: 2 * c / (src_count[s] + tgt_count[t]) for t, c in together.items()}
+        expected = sorted(dice, key=lambda t: (-dice[t], t))[:4]
+        row = [t for t in shortlist.table[s].tolist() if t >= 0]
+        assert row == expected, s
+        checked += bool(row)
+    assert checked > 100  # most pieces occur in the source side
+    frequency = torch.bincount(
+        torch.tensor([t for _, tgt in pairs_of(multi30k_slice) for t in spm_model.encode([tgt])[0]])
+    )
+    assert int(frequency.argmax()) in shortlist.always.tolist()
+    assert {0, 1, 2, EOS_ID} <= set(shortlist.always.tolist())
+    assert shortlist.always.numel() <= 10 + EOS_ID + 1
+
+
+def test_candidates_of_the_whole_vocabulary_search_exactly_as_without(multi30k_slice, spm_model):
+    """The cut output layer is the whole one: hypotheses, scores and n-best lists are the same, for an ensemble too."""
+    lines = multi30k_slice["val.en"].read_text().splitlines()[:12]
+    src, mask = source_tensor(spm_model.encode(lines))
+    vocab = spm_model.vocab_size
+    decode = DecodeConfig(beam=4)
+    for model in (tiny_model(vocab, seed=3), Ensemble([tiny_model(vocab, seed=3), tiny_model(vocab, seed=4)])):
+        everything = Candidates(torch.arange(vocab))
+        prefixes = [spm_model.encode(["Ein"])[0]] + [[]] * (len(lines) - 1)
+        assert beam_search(model, src, mask, decode, 3, prefixes, everything) == beam_search(
+            model, src, mask, decode, 3, prefixes
+        )
+
+
+def test_outputs_are_candidates_of_their_batch_and_forced_prefixes_still_lead(multi30k_slice, spm_model, shortlist):
+    model = tiny_model(spm_model.vocab_size, seed=5)
+    lines = multi30k_slice["val.en"].read_text().splitlines()[:8]
+    src, mask = source_tensor(spm_model.encode(lines))
+    candidates = shortlist.candidates(src)
+    assert candidates.ids.numel() < spm_model.vocab_size / 2  # a real cut
+    assert candidates.ids[: EOS_ID + 1].tolist() == list(range(EOS_ID + 1))  # special ids are their own columns
+    hyps = beam_search(model, src, mask, DecodeConfig(beam=3), 3, candidates=candidates)
+    allowed = set(candidates.ids.tolist())
+    assert all(set(h.tokens) <= allowed for sentence in hyps for h in sentence)
+    assert any(h.tokens for sentence in hyps for h in sentence)
+
+    outside = next(t for t in range(EOS_ID + 1, spm_model.vocab_size) if t not in allowed)
+    prefixes = [[outside, outside]] * len(lines)
+    forced = beam_search(model, src, mask, DecodeConfig(beam=3), 1, prefixes, shortlist.candidates(src, prefixes))
+    assert all(sentence[0].tokens[:2] == [outside, outside] for sentence in forced)
+
+
+def test_a_saved_shortlist_loads_the_same_and_a_bad_one_is_named(tmp_path, multi30k_slice, spm_model, shortlist):
+    path = tmp_path / "shortlist.safetensors"
+    shortlist.save(path)
+    again = lexical.load(path, spm_model, spm_model)
+    assert torch.equal(again.table, shortlist.table) and torch.equal(again.always, shortlist.always)
+
+    tensors, meta = load_file(path), {"format": lexical.FORMAT, "src_sha256": spm_model.sha256}
+    meta["tgt_sha256"] = spm_model.sha256
+    bad = {
+        "other tokenizers": ({**meta, "tgt_sha256": "0" * 64}, tensors),
+        "outside the target vocabulary": (meta, {**tensors, "table": tensors["table"] + 10_000}),
+        "table has shape": (meta, {**tensors, "table": tensors["table"][:10]}),
+        "always has shape": (meta, {**tensors, "always": torch.zeros(100_000, dtype=torch.int32)}),
+        "not an mtkit shortlist": ({**meta, "format": "other"}, tensors),
+    }
+    for message, (metadata, contents) in bad.items():
+        save_file(contents, str(path), metadata=metadata)
+        with pytest.raises(ShortlistError, match=f"{path}: .*{message}"):
+            lexical.load(path, spm_model, spm_model)
+    path.write_bytes(b"not safetensors at all")
+    with pytest.raises(ShortlistError, match="unreadable shortlist"):
+        lexical.load(path, spm_model, spm_model)
+    with pytest.raises(ShortlistError, match="not found"):
+        lexical.load(tmp_path / "missing", spm_model, spm_model)
+
+
+def test_sampling_has_no_shortlist(spm_model, shortlist):
+    with pytest.raises(ConfigError, match="beam search"):
+        Translator(
+            tiny_model(spm_model.vocab_size),
+            spm_model,
+            spm_model,
+            DecodeConfig(),
+            CPU,
+            1,
+            SamplingConfig(),
+            None,
+            shortlist=shortlist,
+        )
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, multi30k_slice, spm_model) -> Path:
+    """A run directory whose config names the slice as its training data."""
+    run = tmp_path_factory.mktemp("shortlisted") / "run"
+    run.mkdir()
+    shutil.copy(spm_model.path, run / spm_model.path.name)
+    data = DataConfig(train_src=str(multi30k_slice["train.en"]), train_tgt=str(multi30k_slice["train.de"]))
+    cfg = RunConfig(data=data, model=tiny_model_config())
+    record = {"file": spm_model.path.name, "sha256": spm_model.sha256}
+    meta = {"config": cfg.to_dict(), "tokenizer": {"src": record, "tgt": record}}
+    model = tiny_model(spm_model.vocab_size, seed=6)
+    checkpoint.save_in_run(run, 1, model.state_dict(), meta, None, keep_last=0)
+    return run
+
+
+def test_shortlist_command_builds_what_translate_uses(run, multi30k_slice, tmp_path):
+    out = tmp_path / "sl.safetensors"
+    done = runner.invoke(app, ["shortlist", str(run), "-o", str(out), "--per-source", "3", "--frequent", "5"])
+    assert done.exit_code == 0, done.output
+    assert "3 candidates per source token" in done.output
+    lines = multi30k_slice["val.en"].read_text().splitlines()
+    source = tmp_path / "in.en"
+    source.write_text("\n".join(lines[:10] + ["", lines[10]]) + "\n", encoding="utf-8")
+    hyp = tmp_path / "out.de"
+    done = runner.invoke(app, ["translate", str(run), "-i", str(source), "-o", str(hyp), "--shortlist", str(out)])
+    assert done.exit_code == 0, done.output
+    outputs = hyp.read_text(encoding="utf-8").split("\n")[:-1]
+    assert len(outputs) == 12 and outputs[10] == ""
+
+    for args, message in (
+        (["translate", str(run), "-i", str(source), "--shortlist", str(out), "--sample"], "beam search"),
+        (["translate", str(run), "-i", str(source), "--shortlist", str(tmp_path / "none")], "none"),
+        (["shortlist", str(run), "-o", str(out), "--src", str(tmp_path / "none.en")], "none.en"),
+    ):
+        done = runner.invoke(app, args)
+        assert done.exit_code == 1 and done.output.startswith("error: ") and message in done.output, done.output
+    out.write_bytes(b"\0" * 64)
+    done = runner.invoke(app, ["translate", str(run), "-i", str(source), "--shortlist", str(out)])
+    assert done.exit_code == 1 and done.output.startswith(f"error: {out}: "), done.output
