@@ -270,7 +270,10 @@ def test_export_command_writes_a_folder_that_translates_and_can_be_replaced(join
     assert [bool(r[0].text) for r in results] == [True, False, True]
 
 
-def test_a_shortlist_goes_with_the_export_as_ctranslate2s_vocabulary_map(joint, spm_model, multi30k_slice, tmp_path):
+def test_a_shortlist_goes_with_the_export_as_ctranslate2s_vocabulary_map(
+    joint, spm_model, multi30k_slice, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(lexical, "CANDIDATE_MULTIPLE", 1)  # mtkit's exact candidates, as CTranslate2 takes them
     pairs = zip(
         multi30k_slice["train.en"].read_text().splitlines(), multi30k_slice["train.de"].read_text().splitlines()
     )

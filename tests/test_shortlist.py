@@ -83,7 +83,22 @@ def test_candidates_of_the_whole_vocabulary_search_exactly_as_without(multi30k_s
         )
 
 
-def test_outputs_are_candidates_of_their_batch_and_forced_prefixes_still_lead(multi30k_slice, spm_model, shortlist):
+def test_a_batchs_candidates_are_rounded_up_with_unused_ids(multi30k_slice, spm_model, shortlist, monkeypatch):
+    src, _ = source_tensor(spm_model.encode(multi30k_slice["val.en"].read_text().splitlines()[:3]))
+    monkeypatch.setattr(lexical, "CANDIDATE_MULTIPLE", 1)
+    exact = shortlist.candidates(src).ids
+    for multiple in (64, 1000):
+        monkeypatch.setattr(lexical, "CANDIDATE_MULTIPLE", multiple)
+        rounded = shortlist.candidates(src).ids
+        assert rounded.numel() == min(-(-exact.numel() // multiple) * multiple, spm_model.vocab_size)
+        assert set(exact.tolist()) <= set(rounded.tolist()) and rounded.unique().numel() == rounded.numel()
+        assert torch.equal(rounded, rounded.sort().values)
+
+
+def test_outputs_are_candidates_of_their_batch_and_forced_prefixes_still_lead(
+    multi30k_slice, spm_model, shortlist, monkeypatch
+):
+    monkeypatch.setattr(lexical, "CANDIDATE_MULTIPLE", 1)  # the exact cut, far from the tiny vocabulary
     model = tiny_model(spm_model.vocab_size, seed=5)
     lines = multi30k_slice["val.en"].read_text().splitlines()[:8]
     src, mask = source_tensor(spm_model.encode(lines))
