@@ -32,8 +32,8 @@ from mtkit.tokenizer import EOS_ID, Tokenizer
 MAX_PER_SOURCE = 1_000  # bounds what a shortlist file may ask us to allocate
 CHUNK_PAIRS = 20_000  # pairs whose co-occurrences are counted at once
 # A batch's candidates are rounded up to a multiple of this many ids (with the lowest ids not among them):
-# oneDNN builds a bf16 matmul kernel for every new shape, and one per candidate count made bf16 greedy
-# search slower with a shortlist (361 against 549 sentences/s) than without.
+# oneDNN builds a bf16 matmul kernel for every new shape; fewer candidate counts made bf16 greedy search
+# 5-20% faster (Multi30k, docs/benchmarks.md).
 CANDIDATE_MULTIPLE = 256
 FORMAT = "mtkit-shortlist-1"
 

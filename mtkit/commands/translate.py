@@ -115,7 +115,7 @@ def translate_command(
         Path | None,
         typer.Option(
             help="A vocabulary shortlist (`mtkit shortlist`): each batch chooses among its source tokens' "
-            "candidates only. Faster; outputs can change."
+            "candidates only. Faster in fp32 and in beam search; outputs can change."
         ),
     ] = None,
     device: Device = InferenceConfig.device,
