@@ -264,10 +264,11 @@ def export_command(
     from mtkit.export_hf import export_transformers
 
     if fmt == "hf":
-        if quantization is not None or shortlist is not None:
+        if quantization is not None:
+            raise ConfigError("--quantization is for --format ctranslate2; a transformers export keeps float32 weights")
+        if shortlist is not None:
             raise ConfigError(
-                "--quantization and --shortlist are for --format ctranslate2; a transformers export keeps "
-                "float32 weights and the whole vocabulary"
+                "--shortlist is for --format ctranslate2; a transformers export keeps the whole vocabulary"
             )
         written, kind = export_transformers(model, output), "transformers MarianMTModel, float32"
     else:
