@@ -214,6 +214,9 @@ class InferenceConfig:
     engine: Engine = "mtkit"  # or ctranslate2, for a folder `mtkit export` wrote
 
 
+MAX_PER_SOURCE = 1_000  # shortlist candidates per source token, at most: bounds what a shortlist file may allocate
+
+
 @dataclass(frozen=True)
 class ShortlistConfig:
     """How `mtkit shortlist` builds a vocabulary shortlist from training pairs (its --per-source, --frequent

@@ -25,11 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mtkit.config import ShortlistConfig
+from mtkit.config import MAX_PER_SOURCE, ShortlistConfig
 from mtkit.errors import MtkitError
 from mtkit.tokenizer import EOS_ID, Tokenizer
 
-MAX_PER_SOURCE = 1_000  # bounds what a shortlist file may ask us to allocate
 CHUNK_PAIRS = 20_000  # pairs whose co-occurrences are counted at once
 # A batch's candidates are rounded up to a multiple of this many ids (with the lowest ids not among them):
 # oneDNN builds a bf16 matmul kernel for every new shape; fewer candidate counts made bf16 greedy search
@@ -124,13 +123,16 @@ def build(
     tgt_sentences = np.zeros(n_tgt, np.int64)
     tgt_tokens = np.zeros(n_tgt, np.int64)  # occurrences of each target token
     for src_ids, tgt_ids in chunks:
-        chunk_keys = []
+        chunk_keys, src_sets, tgt_sets = [], [], []
         for s, t in zip(src_ids, tgt_ids):
             s_set, t_set = np.unique(np.asarray(s, np.int64)), np.unique(np.asarray(t, np.int64))
-            src_sentences[s_set] += 1
-            tgt_sentences[t_set] += 1
+            src_sets.append(s_set)
+            tgt_sets.append(t_set)
             chunk_keys.append((s_set[:, None] * n_tgt + t_set[None, :]).ravel())
-            tgt_tokens += np.bincount(np.asarray(t, np.int64), minlength=n_tgt)
+        src_sentences += np.bincount(np.concatenate([np.zeros(0, np.int64), *src_sets]), minlength=n_src)
+        tgt_sentences += np.bincount(np.concatenate([np.zeros(0, np.int64), *tgt_sets]), minlength=n_tgt)
+        every_target = np.fromiter((t for seq in tgt_ids for t in seq), np.int64)
+        tgt_tokens += np.bincount(every_target, minlength=n_tgt)
         merged, at = np.unique(np.concatenate([keys, *chunk_keys]), return_inverse=True)
         added = np.concatenate([counts, np.ones(sum(k.size for k in chunk_keys), np.int64)])
         keys, counts = merged, np.bincount(at, weights=added, minlength=merged.size).astype(np.int64)

@@ -18,7 +18,7 @@ from mtkit.commands.common import (
     setup_logging,
     user_errors,
 )
-from mtkit.config import InferenceConfig, RecipeConfig, SamplingConfig, ShortlistConfig
+from mtkit.config import MAX_PER_SOURCE, InferenceConfig, RecipeConfig, SamplingConfig, ShortlistConfig
 
 commands = typer.Typer()
 
@@ -299,7 +299,7 @@ def shortlist_command(
         Path | None, typer.Option(help="Training target text, line-aligned. [default: the model's data.train_tgt]")
     ] = None,
     per_source: Annotated[
-        int, typer.Option(min=1, max=1000, help="Candidates per source token.")
+        int, typer.Option(min=1, max=MAX_PER_SOURCE, help="Candidates per source token.")
     ] = ShortlistConfig.per_source,
     frequent: Annotated[
         int, typer.Option(min=0, help="Most frequent target tokens, candidates for every batch.")
