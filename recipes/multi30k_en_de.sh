@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Multi30k English->German end to end with `mtkit run`: prepare the corpus, train, average the last
-# 3 checkpoints, translate test_2016_flickr with beam 5, score it, and write RUN/report.md (with the
+# 5 checkpoints, translate test_2016_flickr with beam 5, score it, and write RUN/report.md (with the
 # training curves in RUN/curves.png when matplotlib is installed).
 # Run from the repository root. DATA is a local mirror of the official Multi30k files: by default
 # ../shared/data/multi30k where that folder exists, else none, and the files are downloaded (and
