@@ -348,15 +348,24 @@ def main() -> None:
         p.error("no configuration left to run: see the combinations that exist in --help")
 
     figures: dict[Config, dict | None] = {}
+    unexportable = None  # why this model has no CTranslate2 export (its positions), once an export said so
     with tempfile.TemporaryDirectory() as tmp:
         for config in configs:
             export_dir = Path(tmp) / f"ct2-{CT2_EXPORT[config.precision]}{SHORTLIST if config.shortlist else ''}"
+            if config.engine in CT2_ENGINES and unexportable:
+                continue
             if config.engine in CT2_ENGINES and not export_dir.exists():
+                from mtkit.config import ConfigError
                 from mtkit.export import export_ctranslate2
 
                 print(f"exporting {export_dir.name} ...", file=sys.stderr, flush=True)
                 vmap = args.shortlist if config.shortlist else None
-                export_ctranslate2(args.run, export_dir, CT2_EXPORT[config.precision], vmap)
+                try:
+                    export_ctranslate2(args.run, export_dir, CT2_EXPORT[config.precision], vmap)
+                except ConfigError as e:
+                    unexportable = str(e)
+                    print(f"ct2, ct2native: skipped ({unexportable})", file=sys.stderr)
+                    continue
             figures[config] = run_child(args, config.name, export_dir)
 
     width = max(len("configuration"), *(len(c.name) for c in figures)) + 2

@@ -8,7 +8,7 @@ translates it too, and sacreBLEU scores both; then greedy token ids are compared
 (``ct2-transformers-converter``) converts the export, and CTranslate2 translates the test set with
 its ``translate_batch`` (the same beam and length penalty) and the greedy lines.
 
-    python benchmarks/hf_export_parity.py --model runs/multi30k_en_de/average-last3.safetensors \\
+    python benchmarks/hf_export_parity.py --model runs/earlier/average-last3.safetensors \\
         --src ../shared/data/multi30k/test_2016_flickr.en.gz --ref ../shared/data/multi30k/test_2016_flickr.de.gz
 """
 

@@ -9,7 +9,7 @@ for that long, so that growth shows). For reference, the same lines through ``mt
 (batch throughput, the model's load time taken out), one line at a time through the library, and the
 server's continuous search without HTTP, as many lines always in it as the most clients.
 
-    python benchmarks/serve_load.py --model runs/multi30k_en_de/average-last3.safetensors \\
+    python benchmarks/serve_load.py --model runs/multi30k_en_de/average-last5.safetensors \\
         --src ../shared/data/multi30k/test_2016_flickr.en.gz
     python benchmarks/serve_load.py ... --clients 64 --seconds 30 --soak 600   # the memory soak
 """

@@ -1,7 +1,8 @@
 """Training throughput, efficiency and memory of a model preset at each precision on this machine.
 
 What is measured (default: the Multi30k recipe's model, transformer-small with an 8k joint vocabulary,
-on Multi30k task 1 en-de with the recipe's 4,096-token batches):
+on Multi30k task 1 en-de with the recipe's 4,096-token batches, with sinusoidal positions as fairseq's
+transformer has them; ``--set model.positions=rotary`` trains the recipe's own):
 
 1. Matmul peak: GFLOP/s of an n x n x n ``torch.mm`` in fp32 and bf16 (n = 2048 on a CPU, with the
    torch thread count in effect; 8192 on a GPU, fp32 without TF32), best of a few repeats after a
@@ -145,6 +146,7 @@ def bench_config(
         f"train.threads={threads}",
         "train.valid_every=0",
         "train.save_every=0",
+        "model.positions=sinusoidal",  # fairseq's transformer has these, so both train one model
     ]
     overrides += [f"model.preset={preset}"] if preset else []
     overrides += [f"train.batch_tokens={batch_tokens}"] if batch_tokens else []
