@@ -367,6 +367,8 @@ def main() -> None:
                     print(f"ct2, ct2native: skipped ({unexportable})", file=sys.stderr)
                     continue
             figures[config] = run_child(args, config.name, export_dir)
+    if not figures:
+        sys.exit(f"decode_speed: nothing left to measure ({unexportable})")
 
     width = max(len("configuration"), *(len(c.name) for c in figures)) + 2
     print(f"{'configuration':<{width}}{'sent/s':>9}{'tok/s':>9}{'seconds':>9}{'BLEU':>7}{'peak MiB':>10}")
