@@ -6,7 +6,9 @@ from mtkit's modules, so each of mtkit's choices is mapped here, where a reviewe
 
 - token embeddings are scaled by sqrt(D) before positions are added (``scale_embeddings``). The
   position table is exported as weights, for sinusoidal positions too: CTranslate2's built-in
-  sinusoids put sin and cos in two halves, mtkit interleaves them.
+  sinusoids put sin and cos in two halves, mtkit interleaves them. Rotary positions have no table:
+  CTranslate2 rotates queries and keys in self-attention as mtkit does (two halves, not interleaved
+  pairs), and neither rotates in cross-attention.
 - post-norm LN(x + f(x)) or pre-norm x + f(LN(x)) with the final LayerNorm pre-norm stacks end with;
   LayerNorm epsilon is the model's own (torch's 1e-5, where CTranslate2 would assume 1e-6).
 - CTranslate2 wants one fused projection for q, k and v in self-attention, and for k and v in
@@ -37,6 +39,7 @@ from mtkit.checkpoint import TOKENIZER_NAMES, CheckpointError, load_for_inferenc
 from mtkit.config import MAX_POSITIONS, ConfigError, DecodeConfig, ModelConfig, from_dict
 from mtkit.files import atomic_write_directory
 from mtkit.model import Decoder, Embedder, Encoder, FeedForward, Transformer
+from mtkit.positions import ROTARY_BASE
 from mtkit.search import length_penalty, max_length
 from mtkit.shortlist import load as load_shortlist
 from mtkit.shortlist import vocabulary_map
@@ -107,13 +110,15 @@ def _fill_ffn(spec, ffn: FeedForward, norm: nn.LayerNorm) -> None:
 
 
 def _fill_inputs(tokens_spec, positions_spec, embed: Embedder) -> None:
+    """Token embeddings, and the position table where positions are absolute (rotary ones have none)."""
     tokens_spec.weight = _array(embed.tokens.weight)
     table = embed.learned.weight if embed.learned is not None else embed.table  # (max_positions, D)
-    positions_spec.encodings = _array(table)
+    if table is not None:
+        positions_spec.encodings = _array(table)
 
 
 def _fill_encoder(spec, encoder: Encoder) -> None:
-    _fill_inputs(spec.embeddings[0], spec.position_encodings, encoder.embed)
+    _fill_inputs(spec.embeddings[0], getattr(spec, "position_encodings", None), encoder.embed)
     for layer_spec, layer in zip(spec.layer, encoder.layers):
         _fill_attention(layer_spec.self_attention, layer.self_attn, layer.res_attn.norm, self_attention=True)
         _fill_ffn(layer_spec.ffn, layer.ffn, layer.res_ffn.norm)
@@ -122,7 +127,7 @@ def _fill_encoder(spec, encoder: Encoder) -> None:
 
 
 def _fill_decoder(spec, decoder: Decoder, output: nn.Linear) -> None:
-    _fill_inputs(spec.embeddings, spec.position_encodings, decoder.embed)
+    _fill_inputs(spec.embeddings, getattr(spec, "position_encodings", None), decoder.embed)
     for layer_spec, layer in zip(spec.layer, decoder.layers):
         _fill_attention(layer_spec.self_attention, layer.self_attn, layer.res_self.norm, self_attention=True)
         _fill_attention(layer_spec.attention, layer.cross_attn, layer.res_cross.norm, self_attention=False)
@@ -140,12 +145,14 @@ def vocabulary(tok: Tokenizer) -> list[str]:
 def build_spec(model: Transformer, cfg: ModelConfig, src_tok: Tokenizer, tgt_tok: Tokenizer):
     """A validated ``ctranslate2.specs.TransformerSpec`` holding ``model``'s weights (float32, unquantized)."""
     specs = _ctranslate2().specs
-    spec = specs.TransformerSpec.from_config(
-        (cfg.encoder_layers, cfg.decoder_layers),
-        cfg.heads,
-        pre_norm=cfg.norm == "pre",
-        activation=specs.Activation.RELU,
-    )
+    layers = {"num_heads": cfg.heads, "pre_norm": cfg.norm == "pre", "activation": specs.Activation.RELU}
+    if cfg.positions == "rotary":  # mtkit rotates the two halves of each head (GPT-NeoX), not interleaved pairs
+        layers.update(rotary_dim=cfg.d_model // cfg.heads, rotary_interleave=False, rotary_base=ROTARY_BASE)
+    encoder = specs.TransformerEncoderSpec(cfg.encoder_layers, **layers)
+    decoder = specs.TransformerDecoderSpec(cfg.decoder_layers, **layers)
+    if cfg.positions == "rotary":
+        del encoder.position_encodings  # the decoder spec leaves it out for rotary; the encoder spec does not
+    spec = specs.TransformerSpec(encoder, decoder)
     _fill_encoder(spec.encoder, model.encoder)
     _fill_decoder(spec.decoder, model.decoder, model.output)
     spec.register_source_vocabulary(vocabulary(src_tok))
@@ -185,10 +192,10 @@ def export_ctranslate2(
     check_replaceable(out_dir)
     bundle = load_for_inference(model_path, torch.device("cpu"))
     positions, window = bundle.cfg.model.positions, bundle.cfg.model.attention_window
-    if positions not in ("sinusoidal", "learned") or window:
+    if positions not in ("sinusoidal", "learned", "rotary") or window:
         raise ConfigError(
-            f"{model_path}: the CTranslate2 export takes sinusoidal or learned positions and no attention window; "
-            f"this model has model.positions {positions} and model.attention_window {window}"
+            f"{model_path}: the CTranslate2 export takes sinusoidal, learned or rotary positions and no "
+            f"attention window; this model has model.positions {positions} and model.attention_window {window}"
         )
     vmap = None
     if shortlist is not None:

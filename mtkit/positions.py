@@ -18,11 +18,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+ROTARY_BASE = 10000.0  # the angle of dimension pair i at position p is p * ROTARY_BASE ** (-2i / Dh)
+
 
 class Rotary(nn.Module):
     """Rotate the two halves of each head's vector by position-dependent angles (GPT-NeoX layout)."""
 
-    def __init__(self, d_head: int, max_positions: int, base: float = 10000.0) -> None:
+    def __init__(self, d_head: int, max_positions: int, base: float = ROTARY_BASE) -> None:
         super().__init__()
         if d_head % 2:
             raise ValueError(f"rotary positions need an even head size, got {d_head}")

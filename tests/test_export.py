@@ -75,6 +75,17 @@ def joint_post_norm_run(root: Path, spm_model: Tokenizer) -> Path:
     return save_run(root / "run", cfg, model, {"src": spm_model, "tgt": spm_model})
 
 
+def rotary_run(root: Path, spm_model: Tokenizer, **model) -> Path:
+    """Post-norm, rotary positions (no position table), one joint vocabulary: the Multi30k recipe's kind."""
+    cfg = RunConfig(model=ModelConfig(**{**MODEL, "positions": "rotary", **model}))
+    torch.manual_seed(5)
+    built = build_model(cfg.model, spm_model.vocab_size, spm_model.vocab_size, PAD_ID)
+    randomise_norms_(built, seed=6)
+    with torch.no_grad():
+        built.output.weight[EOS_ID] *= 3.0  # hypotheses end at varied lengths, not all at the cap
+    return save_run(root / "run", cfg, built, {"src": spm_model, "tgt": spm_model})
+
+
 def separate_pre_norm_run(root: Path, slice_paths: dict[str, Path]) -> Path:
     """Pre-norm (final LayerNorms), learned positions, untied embeddings, separate vocabularies of two sizes."""
     for side, lang, size in (("src", "en", 300), ("tgt", "de", 250)):
@@ -123,7 +134,14 @@ def ending(tmp_path_factory, multi30k_slice) -> Exported:
     return export_of(run, multi30k_slice["val.en"].read_text().splitlines())
 
 
-@pytest.fixture(params=["capped", "ending"])
+@pytest.fixture(scope="module")
+def rotary(tmp_path_factory, multi30k_slice, spm_model) -> Exported:
+    """Joint post-norm model with rotary positions: CTranslate2 must rotate queries and keys as mtkit does."""
+    run = rotary_run(tmp_path_factory.mktemp("rotary"), spm_model)
+    return export_of(run, multi30k_slice["val.en"].read_text().splitlines())
+
+
+@pytest.fixture(params=["capped", "ending", "rotary"])
 def exported(request) -> Exported:
     return request.getfixturevalue(request.param)
 
@@ -320,6 +338,23 @@ def test_bad_options_are_one_line_errors(joint, tmp_path, args, status, message)
     result = invoke("export", joint, "-o", tmp_path / "ct2", *args)
     assert result.exit_code == status
     assert result.stderr.startswith("error: ") and message in result.stderr and result.stderr.count("\n") == 1
+    assert not (tmp_path / "ct2").exists()
+
+
+@pytest.mark.parametrize(
+    ("model", "named"),
+    [
+        (dict(positions="relative"), "model.positions relative and model.attention_window 0"),
+        (dict(attention_window=4), "model.positions rotary and model.attention_window 4"),
+    ],
+)
+def test_positions_ctranslate2_cannot_take_are_refused_before_writing(spm_model, tmp_path, model, named):
+    run = rotary_run(tmp_path, spm_model, **model)
+    result = invoke("export", run, "-o", tmp_path / "ct2")
+    assert result.exit_code == 1 and result.stderr == (
+        f"error: {run}: the CTranslate2 export takes sinusoidal, learned or rotary positions and no attention "
+        f"window; this model has {named}\n"
+    )
     assert not (tmp_path / "ct2").exists()
 
 
