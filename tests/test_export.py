@@ -66,24 +66,27 @@ def save_run(run: Path, cfg: RunConfig, model: Transformer, toks: dict[str, Toke
     return run
 
 
+def joint_run(root: Path, spm_model: Tokenizer, seed: int, ending: bool = False, **model) -> Path:
+    """Post-norm, tied embeddings, one joint vocabulary, ``MODEL`` with ``model``'s overrides; ``ending``
+    makes hypotheses end with eos at varied lengths rather than all at the cap."""
+    cfg = RunConfig(model=ModelConfig(**{**MODEL, **model}))
+    torch.manual_seed(seed)
+    built = build_model(cfg.model, spm_model.vocab_size, spm_model.vocab_size, PAD_ID)
+    randomise_norms_(built, seed=seed + 1)
+    if ending:
+        with torch.no_grad():
+            built.output.weight[EOS_ID] *= 3.0
+    return save_run(root / "run", cfg, built, {"src": spm_model, "tgt": spm_model})
+
+
 def joint_post_norm_run(root: Path, spm_model: Tokenizer) -> Path:
     """Post-norm, sinusoidal positions, tied embeddings, one joint vocabulary: mtkit's defaults."""
-    cfg = RunConfig(model=ModelConfig(**MODEL))
-    torch.manual_seed(1)
-    model = build_model(cfg.model, spm_model.vocab_size, spm_model.vocab_size, PAD_ID)
-    randomise_norms_(model, seed=2)
-    return save_run(root / "run", cfg, model, {"src": spm_model, "tgt": spm_model})
+    return joint_run(root, spm_model, seed=1)
 
 
 def rotary_run(root: Path, spm_model: Tokenizer, **model) -> Path:
     """Post-norm, rotary positions (no position table), one joint vocabulary: the Multi30k recipe's kind."""
-    cfg = RunConfig(model=ModelConfig(**{**MODEL, "positions": "rotary", **model}))
-    torch.manual_seed(5)
-    built = build_model(cfg.model, spm_model.vocab_size, spm_model.vocab_size, PAD_ID)
-    randomise_norms_(built, seed=6)
-    with torch.no_grad():
-        built.output.weight[EOS_ID] *= 3.0  # hypotheses end at varied lengths, not all at the cap
-    return save_run(root / "run", cfg, built, {"src": spm_model, "tgt": spm_model})
+    return joint_run(root, spm_model, seed=5, ending=True, **{"positions": "rotary", **model})
 
 
 def separate_pre_norm_run(root: Path, slice_paths: dict[str, Path]) -> Path:
