@@ -204,7 +204,7 @@ def make_translator(config: Config, run: Path, export_dir: Path, threads: int, s
     import torch
 
     from mtkit.checkpoint import load_for_inference
-    from mtkit.runtime import compute_dtype, set_threads
+    from mtkit.runtime import resolve_precision, set_threads
 
     set_threads(threads)
     device = torch.device("cpu")
@@ -218,7 +218,7 @@ def make_translator(config: Config, run: Path, export_dir: Path, threads: int, s
     from mtkit.shortlist import load
     from mtkit.translate import Translator
 
-    bundle = load_for_inference(run, device, compute_dtype(config.precision, device))
+    bundle = load_for_inference(run, device, resolve_precision(config.precision, device).dtype)
     lexical = load(shortlist, bundle.src_tok, bundle.tgt_tok) if config.shortlist else None
     return Translator(bundle.model, bundle.src_tok, bundle.tgt_tok, decode, device, shortlist=lexical)
 

@@ -8,7 +8,8 @@
 # The longer recipe, fp16/fp32/compile and translation checks stay in benchmarks/gpu_check.py.
 #
 # Usage, from anywhere: bash benchmarks/gpu_check.sh [DATA [OUT]]
-#   DATA  a folder holding multi30k/{train,val}.{en,de}.gz (default: ../shared/data beside the repo)
+#   DATA  a folder holding multi30k/{train,val}.{en,de}.gz for the throughput runs (default: ../shared/data
+#         beside the repo); the tests write their own data
 #   OUT   where the logs, the JSON figures and summary.txt go (default: gpu_check_out)
 # Nothing is installed: the GPU machine's python3 must hold torch, sentencepiece, sacrebleu, typer,
 # rich, numpy, pyarrow and pytest; mtkit runs from this checkout. Exit status 1 if any step failed.
@@ -18,7 +19,7 @@ data=$(realpath "${1:-$repo/../shared/data}")
 out=$(realpath -m "${2:-gpu_check_out}")
 mkdir -p "$out"
 cd "$repo" || exit 1
-export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 MTKIT_TEST_DATA="$data"
+export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 status=0
 
 python3 -m mtkit doctor 2>&1 | tee "$out/doctor.txt"

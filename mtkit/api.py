@@ -2,7 +2,7 @@
 
     import mtkit
 
-    translator = mtkit.load("runs/m30k", device="cpu", precision="bf16")   # the run's decode settings
+    translator = mtkit.load("runs/m30k", device="cpu")   # precision auto; the run's decode settings
     translator.translate(["A dog runs on the beach."], beam=5)             # -> ["Ein Hund läuft ..."]
     for best, *others in translator.hypotheses(open("test.en"), nbest=3): ...  # streamed, with scores
     mtkit.train("m30k.yaml", "runs/m30k", overrides=["train.max_steps=200"])
@@ -32,7 +32,7 @@ def train(
 ) -> dict:
     """Train ``config`` (a RunConfig, a dict of sections or a YAML file, with ``section.key=value``
     overrides) into the run directory ``out``, resuming from its newest checkpoint unless ``restart``.
-    Returns the last validation result."""
+    Returns the last validation result, with "stop": what ended training (see Trainer.run)."""
     from mtkit.trainer import run_training
 
     if isinstance(config, (str, Path)):

@@ -75,6 +75,11 @@ class CleanSummary:
         return asdict(self)
 
 
+def strip_invisible(text: str) -> str:
+    """``text`` without the control and format characters ``normalize`` deletes (whitespace controls stay)."""
+    return _invisible().sub("", text)
+
+
 def normalize(text: str, nfkc: bool) -> str:
     """Text with control and format characters removed, whitespace collapsed to single spaces, and stripped.
 
@@ -84,7 +89,7 @@ def normalize(text: str, nfkc: bool) -> str:
     whose loss changes what the text says. All Unicode whitespace, no-break spaces included, becomes one
     space. Deletion happens before NFKC so that combining marks a soft hyphen separated compose.
     """
-    text = _invisible().sub("", text)
+    text = strip_invisible(text)
     if nfkc:
         text = unicodedata.normalize("NFKC", text)
     return " ".join(text.split())

@@ -23,7 +23,9 @@ class ConfigError(MtkitError, ValueError):
 
 
 SpmType = Literal["unigram", "bpe"]  # SentencePiece model types
-Precision = Literal["fp32", "bf16", "fp16"]  # the number formats of training and translation
+# The number formats of training and translation; auto: bf16 where the device computes it natively, else fp32
+# (mtkit.runtime.choose_precision).
+Precision = Literal["auto", "fp32", "bf16", "fp16"]
 
 
 @dataclass(frozen=True)
@@ -138,7 +140,7 @@ class TrainConfig:
     label_smoothing: float = 0.1  # loss mass spread uniformly over the vocabulary (Szegedy et al., 2016)
     clip_norm: float = 1.0  # global gradient-norm bound; 0 disables clipping
     weight_decay: float = 0.0  # Adam's L2 penalty, added to the gradients (not decoupled as in AdamW)
-    precision: Precision = "fp32"  # bf16: autocast, CPU and GPU; fp16: GPU, loss scaling
+    precision: Precision = "auto"  # bf16 where native (CPU with AVX512-BF16/AMX-BF16, GPU), else fp32; fp16: GPU only
     seed: int = 1  # initial weights, dropout masks and batch order
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto picks cuda when available
     threads: int = 0  # CPU threads for torch; 0 keeps torch's default
@@ -210,7 +212,7 @@ class InferenceConfig:
     of their device, precision and engine."""
 
     device: str = "auto"  # auto: cuda when available, else cpu; or cpu, cuda, cuda:N
-    precision: Precision = "fp32"  # the number format of the weights (fp16 on GPU only)
+    precision: Precision = "auto"  # of the weights: auto is bf16 where the device computes it natively, else fp32
     engine: Engine = "mtkit"  # or ctranslate2, for a folder `mtkit export` wrote
 
 

@@ -11,8 +11,9 @@ recipe.average_last, training that added checkpoints, or an edited output redoes
 it. A missing, damaged or hand-edited RUN/stages.json redoes both stages, never stops the run.
 
 The report (RUN/report.md and RUN/report.json, with RUN/curves.png when matplotlib is installed)
-gives the test scores with their signatures, says whether they fall in the recipe's expected range,
-and lists each stage's wall clock. It describes the hypothesis it scores from the record made with
+gives the test scores with their signatures, says whether they fall in the recipe's expected range
+("incomplete" instead when train.max_time stopped training before train.max_steps), the hardware and
+precision training ran in, and each stage's wall clock. It describes the hypothesis it scores from the record made with
 that hypothesis: the decode settings (the translate note, report.json's test.decode) and the SHA-256
 of the model that wrote it (report.json's test.model_sha256; its first 12 digits in the eval note).
 """
@@ -284,9 +285,12 @@ def _decode_note(decode: dict[str, Any]) -> str:
     return note if decode["early_stop"] else note + ", early_stop false"
 
 
-def _training_curve(out: Path) -> tuple[list[dict], list[dict]]:
-    """The train and valid records of RUN/metrics.jsonl; a torn or edited line is skipped, not fatal."""
-    train, valid = [], []
+def _training_records(out: Path) -> dict[str, list[dict]]:
+    """RUN/metrics.jsonl's records by event (train, valid, start, done), each with an int step; a torn or edited
+    line, or a record whose fields have the wrong types, is skipped, not fatal."""
+    numbers = {"train": ("loss",), "valid": ("valid_loss", "valid_bleu"), "start": (), "done": ("max_steps",)}
+    texts = {"start": ("hardware", "precision", "reason"), "done": ("stopped_by", "reason")}
+    events: dict[str, list[dict]] = {event: [] for event in numbers}
     path = out / "metrics.jsonl"
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if path.exists() else []:
         try:
@@ -295,14 +299,15 @@ def _training_curve(out: Path) -> tuple[list[dict], list[dict]]:
             continue
         if not isinstance(record, dict) or not isinstance(record.get("step"), int):
             continue
-        if record.get("event") == "train" and isinstance(record.get("loss"), (int, float)):
-            train.append(record)
-        elif record.get("event") == "valid" and all(
-            isinstance(record.get(key, 0.0 if key == "valid_bleu" else None), (int, float))
-            for key in ("valid_loss", "valid_bleu")
+        event = record.get("event")
+        if event not in events:
+            continue
+        optional = {"valid_bleu": 0.0}  # validation without BLEU (train.valid_bleu: false)
+        if all(isinstance(record.get(key, optional.get(key)), (int, float)) for key in numbers[event]) and all(
+            isinstance(record.get(key), str) for key in texts.get(event, ())
         ):
-            valid.append(record)
-    return train, valid
+            events[event].append(record)
+    return events
 
 
 def _origin(source: dict | None) -> str:
@@ -327,9 +332,15 @@ def _report(
     stages: list[Stage],
 ) -> dict:
     r = cfg.recipe
-    train, valid = _training_curve(out)
+    events = _training_records(out)
+    train, valid = events["train"], events["valid"]
     bleu = next(s for s in scores if s.name == "BLEU")
-    reproduced = r.bleu_min <= bleu.value <= r.bleu_max
+    done = events["done"][-1] if events["done"] else None
+    incomplete = done is not None and done["stopped_by"] == "max_time"
+    if incomplete:
+        verdict = "incomplete"  # the score of a model cut short says nothing of the recipe
+    else:
+        verdict = "reproduced" if r.bleu_min <= bleu.value <= r.bleu_max else "not reproduced"
     best = max(valid, key=lambda v: v.get("valid_bleu", float("-inf")), default=None)
     plot = _plot(out, train, valid)
     return {
@@ -347,9 +358,12 @@ def _report(
         },
         "scores": [s.to_dict() for s in scores],
         "expected": {"bleu_min": r.bleu_min, "bleu_max": r.bleu_max, "source": r.expected, "hardware": r.hardware},
-        "reproduced": reproduced,
+        "verdict": verdict,
+        "reproduced": None if incomplete else verdict == "reproduced",
         "training": {
             "updates": max((r["step"] for r in train + valid), default=0),
+            "stop": {key: done[key] for key in ("stopped_by", "reason", "max_steps")} if done else None,
+            "machines": _machines(events["start"]),
             "best_valid_bleu": best.get("valid_bleu") if best else None,
             "best_valid_step": best["step"] if best else None,
             "validations": [{"step": v["step"], "bleu": v.get("valid_bleu"), "loss": v["valid_loss"]} for v in valid],
@@ -358,6 +372,16 @@ def _report(
         "stages": [asdict(s) for s in stages],
         "seconds": sum(s.seconds for s in stages),
     }
+
+
+def _machines(starts: list[dict]) -> list[dict]:
+    """Where training ran: the hardware and precision of each start that differs from the one before it."""
+    machines: list[dict] = []
+    for start in starts:
+        machine = {key: start[key] for key in ("step", "hardware", "precision", "reason")}
+        if not machines or {**machines[-1], "step": 0} != {**machine, "step": 0}:
+            machines.append(machine)
+    return machines
 
 
 def _plot(out: Path, train: list[dict], valid: list[dict]) -> str | None:
@@ -392,9 +416,11 @@ def _write_report(out: Path, report: dict) -> None:
 
 def render_report(report: dict) -> str:
     """The report as Markdown."""
-    e = report["expected"]
+    e, t = report["expected"], report["training"]
     bleu = next(s for s in report["scores"] if s["name"] == "BLEU")
-    verdict = "**reproduced**" if report["reproduced"] else "**NOT reproduced**"
+    verdict = {"reproduced": "**reproduced**", "not reproduced": "**NOT reproduced**"}.get(report["verdict"])
+    if verdict is None:
+        verdict = f"**incomplete**: training {t['stop']['reason']}, so the score says nothing of the recipe"
     lines = [
         f"# {Path(report['recipe']).stem}",
         "",
@@ -410,13 +436,15 @@ def render_report(report: dict) -> str:
         *(f"| {s['name']} | {s['value']:.2f} | `{_cell(s['signature'])}` |" for s in report["scores"]),
         "",
     ]
-    t = report["training"]
     if t["best_valid_bleu"] is not None:
         lines += [
             f"Training: {t['updates']:,} updates; best validation BLEU {t['best_valid_bleu']:.2f} "
             f"at update {t['best_valid_step']:,}.",
             "",
         ]
+    for i, m in enumerate(t["machines"]):
+        where = "Trained" if i == 0 else f"Resumed at update {m['step']:,}"
+        lines += [f"{where} on {m['hardware']}, in {m['precision']} ({m['reason']}).", ""]
     if report["curves"]:
         lines += [f"![training curves]({report['curves']})", ""]
     lines += ["| stage | wall clock | |", "| --- | --- | --- |"]

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
+import logging
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from mtkit.errors import MtkitError
+
+log = logging.getLogger("mtkit")
 
 
 class RuntimeSetupError(MtkitError, ValueError):
@@ -49,13 +54,97 @@ def set_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
-    """The matmul dtype of a precision setting; fp16 is GPU-only (it needs loss scaling and fast fp16 units)."""
-    if precision == "fp16" and device.type != "cuda":
-        raise RuntimeSetupError("precision fp16 needs a CUDA device; use bf16 on CPU")
-    if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise RuntimeSetupError("precision bf16 is not supported by this GPU; use fp16")
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+# The x86 CPU features (as /proc/cpuinfo names them) with which oneDNN computes bf16 matrix products in bf16.
+# Without one, bf16 is emulated through fp32 arithmetic and runs several times slower than fp32 itself.
+NATIVE_BF16_CPU_FEATURES = {"avx512_bf16": "AVX512-BF16", "amx_bf16": "AMX-BF16"}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class PrecisionChoice:
+    """The number format a run computes in, and why: what a precision setting (``auto`` included) came to on
+    one device."""
+
+    precision: str  # fp32, bf16 or fp16
+    reason: str  # in words, for logs and reports: "auto: this CPU has AVX512-BF16"
+    native: bool = True  # False: bf16 asked for on a CPU that only emulates it
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.precision]
+
+    def __str__(self) -> str:
+        return f"{self.precision} ({self.reason})"
+
+    def to_dict(self) -> dict[str, str]:
+        return {"precision": self.precision, "reason": self.reason}
+
+
+def choose_precision(asked: str, device_type: str, cpu_features: set[str], cuda_bf16: bool) -> PrecisionChoice:
+    """What the setting ``asked`` (auto, fp32, bf16 or fp16) means on a device with these features.
+
+    A function of the features alone, so that every machine's choice can be tested on any machine: ``auto`` is
+    bf16 where the device computes it natively (a CUDA device that supports it; a CPU with AVX512-BF16 or
+    AMX-BF16), fp32 elsewhere; fp16 only when asked for, and only on CUDA, where it has fast units and the
+    trainer scales the loss.
+    """
+    if asked == "fp16":
+        if device_type != "cuda":
+            raise RuntimeSetupError("precision fp16 needs a CUDA device; use bf16 or auto on CPU")
+        return PrecisionChoice("fp16", "asked for")
+    if device_type == "cuda":
+        if asked == "bf16" and not cuda_bf16:
+            raise RuntimeSetupError("precision bf16 is not supported by this GPU; use fp16 or auto")
+        if asked != "auto":
+            return PrecisionChoice(asked, "asked for")
+        if cuda_bf16:
+            return PrecisionChoice("bf16", "auto: this GPU computes bf16")
+        return PrecisionChoice("fp32", "auto: this GPU does not support bf16")
+    found = [name for feature, name in NATIVE_BF16_CPU_FEATURES.items() if feature in cpu_features]
+    wanted = " or ".join(NATIVE_BF16_CPU_FEATURES.values())
+    if asked == "auto":
+        if found:
+            return PrecisionChoice("bf16", f"auto: this CPU has {' and '.join(found)}")
+        if not cpu_features:
+            return PrecisionChoice("fp32", f"auto: no CPU feature list (/proc/cpuinfo) to find {wanted} in")
+        return PrecisionChoice("fp32", f"auto: this CPU has no {wanted}, so bf16 would be emulated")
+    if asked == "bf16" and cpu_features and not found:
+        return PrecisionChoice("bf16", f"asked for; emulated, as this CPU has no {wanted}", native=False)
+    return PrecisionChoice(asked, "asked for")
+
+
+_warned: set[str] = set()  # the warnings given once per process
+
+
+def resolve_precision(asked: str, device: torch.device) -> PrecisionChoice:
+    """``choose_precision`` on this machine's ``device``; an emulated bf16 is warned about once per process."""
+    cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    choice = choose_precision(asked, device.type, cpu_features(), cuda_bf16)
+    if not choice.native and choice.reason not in _warned:
+        _warned.add(choice.reason)
+        log.warning("precision bf16 %s: several times slower than fp32 here (precision auto picks fp32)", choice.reason)
+    return choice
+
+
+@functools.cache
+def cpu_features() -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them in /proc/cpuinfo; empty where that file is missing."""
+    return frozenset((_proc_field("/proc/cpuinfo", "flags") or "").split())
+
+
+def cpu_name() -> str:
+    """The CPU's model name, as /proc/cpuinfo gives it, else the platform's processor name."""
+    import platform
+
+    return _proc_field("/proc/cpuinfo", "model name") or platform.processor() or platform.machine() or "unknown CPU"
+
+
+def hardware(device: torch.device) -> str:
+    """The machine in a few words, for logs and reports: the GPU's name, or the CPU's name and its bf16 support."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    found = [name for feature, name in NATIVE_BF16_CPU_FEATURES.items() if feature in cpu_features()]
+    return f"{cpu_name()}, {torch.get_num_threads()} threads, bf16: {' and '.join(found) if found else 'emulated'}"
 
 
 def autocast(device: torch.device, dtype: torch.dtype):
@@ -66,11 +155,13 @@ def autocast(device: torch.device, dtype: torch.dtype):
 
 
 def supported_precisions(device: torch.device) -> list[str]:
-    """The train/translate precisions that ``compute_dtype`` accepts on ``device``."""
+    """The train/translate precisions that run on ``device`` (bf16 on a CPU without native bf16 included)."""
     supported = []
     for name in ("fp32", "bf16", "fp16"):
         try:
-            compute_dtype(name, device)
+            choose_precision(
+                name, device.type, cpu_features(), device.type == "cuda" and torch.cuda.is_bf16_supported()
+            )
         except RuntimeSetupError:
             continue
         supported.append(name)
@@ -106,13 +197,13 @@ def environment_report(path: Path = Path(".")) -> dict:
 
     from mtkit.launch import allocator_in_use
 
-    flags = set((_proc_field("/proc/cpuinfo", "flags") or "").split())
     mem_kib = _proc_field("/proc/meminfo", "MemAvailable")  # what a new process can use without swapping
     cuda = torch.cuda.is_available()
     return {
         "torch": torch.__version__,
+        "cpu": cpu_name(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "cpu_bf16_instructions": bool(flags & {"avx512_bf16", "amx_bf16"}),
+        "cpu_bf16_instructions": bool(cpu_features() & set(NATIVE_BF16_CPU_FEATURES)),
         "threads": torch.get_num_threads(),
         "allocator": allocator_in_use(),
         "cuda_available": cuda,
@@ -125,6 +216,10 @@ def environment_report(path: Path = Path(".")) -> dict:
         "precisions": {
             "cpu": supported_precisions(torch.device("cpu")),
             "cuda": supported_precisions(torch.device("cuda")) if cuda else [],
+        },
+        "auto_precision": {
+            "cpu": choose_precision("auto", "cpu", cpu_features(), False).to_dict(),
+            "cuda": resolve_precision("auto", torch.device("cuda")).to_dict() if cuda else None,
         },
         "memory_available_gib": round(int(mem_kib.split()[0]) / 2**20, 1) if mem_kib else None,
         "disk_free_gib": round(shutil.disk_usage(_existing_ancestor(path)).free / 2**30, 1),

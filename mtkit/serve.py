@@ -3,7 +3,7 @@
     POST /v1/translate  {"text": "A dog." | ["A dog.", ...], "beam": 5, "nbest": 1, "scores": false}
                         -> {"translations": [...]}: one per text, in order
     GET  /health        -> 200 once the model is loaded (the server listens only then)
-    GET  /v1/models     -> the model's languages, decode settings and tokenizer hashes; mtkit's version
+    GET  /v1/models     -> the model's languages, precision, decode settings and tokenizer hashes; mtkit's version
 
 The sentences of concurrent requests are searched together (``mtkit.batcher``). Every answer is
 bounded: too much text is 413, a full queue 503 with Retry-After, a request that waits past the
@@ -174,11 +174,13 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        """The model served: its languages, decode settings and tokenizer hashes; the request limits."""
+        """The model served: its languages, precision (and why), decode settings and tokenizer hashes; the
+        request limits."""
         languages = translator.languages
         model = {
             "name": name,
             "languages": {"source": languages[0], "target": languages[1]} if languages else None,
+            "precision": translator.precision,
             "decode": asdict(translator.decode),
             "tokenizers": {"source": translator.src_tok.sha256, "target": translator.tgt_tok.sha256},
         }
@@ -298,10 +300,11 @@ def serve(model: str | Path, cfg: ServeConfig, **load: Any) -> None:
         app = create_app(translator, cfg, str(model), batcher)
         host, port = sock.getsockname()[:2]
         where = f"[{host}]" if ":" in host else host
+        precision = translator.precision or {}
         log.info(
-            "serving %s at http://%s:%d (searches of up to %d sentences, %s; an idle one waits up to %g ms)",
-            model, where, port, cfg.max_batch_size, "continuous" if cfg.continuous else "whole batches",
-            cfg.max_wait_ms,
+            "serving %s at http://%s:%d in %s (%s; searches of up to %d sentences, %s; an idle one waits up to %g ms)",
+            model, where, port, precision.get("precision"), precision.get("reason"), cfg.max_batch_size,
+            "continuous" if cfg.continuous else "whole batches", cfg.max_wait_ms,
         )  # fmt: skip
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
 

@@ -41,7 +41,7 @@ from mtkit.metrics import bleu
 from mtkit.model import build_model, count_parameters
 from mtkit.progress import StageProgress
 from mtkit.run_directory import RunDirectory
-from mtkit.runtime import autocast, compute_dtype, pick_device, require, seed_everything, set_threads
+from mtkit.runtime import autocast, hardware, pick_device, require, resolve_precision, seed_everything, set_threads
 from mtkit.token_store import TokenStore, default_cache_dir, open_or_build, store_key
 from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_spm
 from mtkit.translate import Translator
@@ -326,10 +326,11 @@ class Trainer:
         self._setup_data()
         self._setup_model()
         self._setup_optimizer()
-        self.progress, self.skips = Progress(), SkipPolicy(cfg.train)
+        self.progress, self.skips = Progress(), SkipPolicy(replace(cfg.train, precision=self.precision.precision))
         resumed = self._resume()
         if self.is_main:  # only now: a refused resume leaves the config that describes the checkpoints
             self.run_dir.start_log(cfg, self.progress.step, self.progress.validated)
+            self._log_metrics(self._start_record())
         self._setup_forward()
         if cfg.train.tensorboard and self.is_main:
             self.run_dir.open_tensorboard()
@@ -344,8 +345,21 @@ class Trainer:
         tc = self.cfg.train
         set_threads(tc.threads)
         self.device = self.dist.device(tc.device) or pick_device(tc.device)
-        self.dtype = compute_dtype(tc.precision, self.device)
+        self.precision = resolve_precision(tc.precision, self.device)
+        self.dtype = self.precision.dtype
+        log.info("precision %s on %s", self.precision, hardware(self.device))
         seed_everything(tc.seed)
+
+    def _start_record(self) -> dict:
+        """What metrics.jsonl says of each start: the update it starts from, the machine, and the precision
+        (``auto`` resolved), which report.md shows."""
+        return {
+            "event": "start",
+            "step": self.progress.step,
+            "device": str(self.device),
+            "hardware": hardware(self.device),
+            **self.precision.to_dict(),
+        }
 
     def _setup_data(self) -> None:
         """Tokenizers and the encoded training pairs, made (or found) by rank 0 first; validation batches."""
@@ -380,7 +394,7 @@ class Trainer:
         self.optimizer = torch.optim.Adam(
             self.model.parameters(), lr=tc.lr, betas=(0.9, 0.98), eps=1e-9, weight_decay=tc.weight_decay, fused=True
         )
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=tc.precision == "fp16")
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision.precision == "fp16")
 
     def _resume(self) -> bool:
         """Load the newest checkpoint of the run directory, if there is one; whether there was."""
@@ -617,7 +631,7 @@ class Trainer:
         """Return to the newest checkpoint with a lower learning rate, if the skip policy allows it."""
         tc, p = self.cfg.train, self.progress
         latest = self.skips.rollback_target(p, self.run_dir.latest())
-        what = _nonfinite_at(p.step + 1, tc.precision)
+        what = _nonfinite_at(p.step + 1, self.precision.precision)
         lr_scale = p.lr_scale * tc.rollback_lr_factor
         carried = {**p.counters(), "seconds": p.seconds, "rollbacks": p.rollbacks + 1, "lr_scale": lr_scale}
         self._load(latest)
@@ -716,7 +730,7 @@ class Trainer:
     def _validation_due(self) -> bool:
         """Whether this update is one to validate at (train.valid_every, or the last) and has not been yet."""
         p, every = self.progress, self.cfg.train.valid_every
-        return p.validated < p.step and ((every and p.step % every == 0) or self.stop_reason() is not None)
+        return p.validated < p.step and ((every and p.step % every == 0) or self.stop_condition() is not None)
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -727,17 +741,17 @@ class Trainer:
             self._epoch_indices = (epoch, self.corpus.batch_indices(tc.batch_tokens, seed=tc.seed * 100_003 + epoch))
         return self._epoch_indices[1]
 
-    def stop_reason(self) -> str | None:
-        """Why training is over, or None while any budget is left."""
+    def stop_condition(self) -> tuple[str, str] | None:
+        """The setting that ends training and why, in words; None while every budget has some left."""
         tc, p = self.cfg.train, self.progress
         if p.step >= tc.max_steps:
-            return f"reached train.max_steps {tc.max_steps}"
+            return "max_steps", f"reached train.max_steps {tc.max_steps}"
         if tc.max_epochs and p.epoch > tc.max_epochs:
-            return f"reached train.max_epochs {tc.max_epochs}"
+            return "max_epochs", f"reached train.max_epochs {tc.max_epochs}"
         if tc.max_time and p.seconds >= tc.max_time * 60:
-            return f"reached train.max_time {tc.max_time:g} min"
+            return "max_time", f"stopped by train.max_time ({tc.max_time:g} min) at update {p.step} of {tc.max_steps}"
         if tc.patience and p.stale >= tc.patience:
-            return f"no better validation {tc.best_metric} in {tc.patience} validations (train.patience)"
+            return "patience", f"no better validation {tc.best_metric} in {tc.patience} validations (train.patience)"
         return None
 
     def _update_groups(self) -> Iterator[tuple[list[Batch], int]]:
@@ -748,7 +762,7 @@ class Trainer:
         each time, since a rollback may have moved it.
         """
         tc, world = self.cfg.train, self.dist.world_size
-        while self.stop_reason() is None:
+        while self.stop_condition() is None:
             p = self.progress
             batches = self._epoch_batches(p.epoch)
             if len(batches) - p.batch_in_epoch < world:
@@ -760,7 +774,8 @@ class Trainer:
             yield mine, sum(map(self.corpus.target_tokens, group))
 
     def run(self) -> dict:
-        """Train to the configured budget; returns the last validation result.
+        """Train to the configured budget; returns the last validation result, with "stop": what ended training
+        (``stopped_by`` the setting, the ``reason`` in words, and ``max_steps``).
 
         A checkpoint is saved before the validation of the same update, so a validation that fails
         or is killed costs no training; a run resumed from a checkpoint whose validation did not
@@ -804,11 +819,14 @@ class Trainer:
             if stats["stop"]:
                 self.save_last()
                 raise TrainingStopped(self._signals.received or signal.SIGTERM, self.progress.step)
-        log.info("training done: %s", self.stop_reason())
+        setting, reason = self.stop_condition()
+        (log.warning if setting == "max_time" else log.info)("training done: %s", reason)
         self.save_last()
         if self._validation_due():
             last_result = self._validate_and_log()
-        return last_result
+        stop = {"stopped_by": setting, "reason": reason, "max_steps": tc.max_steps}
+        self._log_metrics({"event": "done", "step": self.progress.step, **stop})
+        return {**last_result, "stop": stop}
 
     def _after_update(self, stats: dict, window: LogWindow) -> LogWindow:
         """Count an applied update, report it, and write a metrics line every ``log_every`` updates."""

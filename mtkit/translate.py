@@ -89,6 +89,7 @@ class LineTranslator(ABC):
     decode: DecodeConfig
     sampling: SamplingConfig | None = None  # engines that draw samples set it
     languages: tuple[str, str] | None = None  # (source, target) as the run's config names them, where known
+    precision: dict[str, str] | None = None  # the number format it computes in and why (PrecisionChoice.to_dict)
 
     @abstractmethod
     def stream(self, chunks: Iterable[list[str]]) -> Iterator[list[Translation]]:
@@ -246,25 +247,32 @@ def load_translator(
     one folder that `mtkit export` wrote.
 
     Decoding follows the settings saved with the (first) model, then ``decode`` (``beam=4``,
-    ``lenpen=0.6``, ...). Weights are cast to ``precision`` once; ``alignments`` adds word alignments
+    ``lenpen=0.6``, ...). Weights are cast to ``precision`` once (``auto``: bf16 where the device computes it
+    natively, else fp32; with CTranslate2, the export's own weight type); ``alignments`` adds word alignments
     from the first model's cross-attention; ``sampling`` draws tokens instead of searching;
     ``shortlist``, a file `mtkit shortlist` wrote, limits each batch's outputs to its candidates.
     """
-    from mtkit.runtime import compute_dtype, pick_device
+    from mtkit.runtime import pick_device, resolve_precision
 
     models = [Path(m) for m in ([models] if isinstance(models, (str, Path)) else models)]
     dev = pick_device(device)
-    dtype = compute_dtype(precision, dev)
     if engine == "ctranslate2":
         from mtkit.export import CTranslate2Translator
 
         if len(models) != 1 or sampling is not None or alignments or shortlist is not None:
             raise ConfigError("the ctranslate2 engine takes one model, and no sampling, alignments or shortlist")
-        compute_type = {"fp32": "default", "bf16": "bfloat16", "fp16": "float16"}[precision]
-        return CTranslate2Translator.from_dir(models[0], decode, dev.type, compute_type, nbest)
+        if precision == "auto":
+            compute_type, chosen = "default", {"precision": "auto", "reason": "the export's own weight type"}
+        else:
+            compute_type = {"fp32": "default", "bf16": "bfloat16", "fp16": "float16"}[precision]
+            chosen = resolve_precision(precision, dev).to_dict()
+        engine_translator = CTranslate2Translator.from_dir(models[0], decode, dev.type, compute_type, nbest)
+        engine_translator.precision = chosen
+        return engine_translator
     if engine != "mtkit":
         raise ConfigError(f"engine must be mtkit or ctranslate2, got {engine!r}")
-    bundles = [load_for_inference(path, dev, dtype) for path in models]
+    choice = resolve_precision(precision, dev)
+    bundles = [load_for_inference(path, dev, choice.dtype) for path in models]
     first = bundles[0]
     for path, other in zip(models[1:], bundles[1:]):
         if (other.src_tok.sha256, other.tgt_tok.sha256) != (first.src_tok.sha256, first.tgt_tok.sha256):
@@ -277,6 +285,7 @@ def load_translator(
         network, first.src_tok, first.tgt_tok, settings, dev, nbest, sampling, aligner, shortlist=lexical
     )
     translator.languages = (first.cfg.data.src_lang, first.cfg.data.tgt_lang)
+    translator.precision = choice.to_dict()
     return translator
 
 

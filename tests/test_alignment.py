@@ -171,7 +171,10 @@ def test_align_batch_matches_aligning_each_pair_alone(spm_model):
 
 
 def test_a_model_that_learned_to_copy_aligns_each_word_with_itself():
-    """Copying needs each output step to attend to the same source position, so alignments are diagonal."""
+    """Copying needs each output step to attend to the same source position, so alignments are diagonal.
+
+    Over seeds 0-5 of weights and data, 500 updates gave 98.2-100% diagonal links (250 updates: 93-99%), well
+    clear of the 90% asked for, whatever a CPU's rounding does to training."""
     vocab = 16  # 4 special ids + 12 symbols, each a one-piece word
 
     def sequences(n: int, generator: torch.Generator) -> list[list[int]]:
@@ -184,7 +187,7 @@ def test_a_model_that_learned_to_copy_aligns_each_word_with_itself():
         src = sequences(32, g)
         return src, src
 
-    model = train_on_task(tiny_model(vocab, seed=0, encoder_layers=1, decoder_layers=1), copying, 250, 1e-2, 30)
+    model = train_on_task(tiny_model(vocab, seed=0, encoder_layers=1, decoder_layers=1), copying, 500, 1e-2, 30)
     pairs = [(s, s) for s in sequences(50, torch.Generator().manual_seed(1))]
     links = [link for line in align_batch(model, ONE_PIECE_WORDS, ONE_PIECE_WORDS, pairs) for link in line.split()]
     diagonal = sum(i == j for i, j in (link.split("-") for link in links))

@@ -1,4 +1,4 @@
-"""The command line end to end on a slice of Multi30k, and one-line errors for bad input."""
+"""The command line end to end on a caption corpus (tests/captions.py), and one-line errors for bad input."""
 
 from __future__ import annotations
 
@@ -26,13 +26,15 @@ def invoke(*args, input=None):
     return runner.invoke(app, [str(a) for a in args], input=input)
 
 
-def write_config(path, slice_paths, **sections):
+def write_config(path, corpus_files, **sections):
+    """A config training a tiny model on ``corpus_files``, in fp32 (not auto) so that what the tests see is the same
+    on every CPU; ``sections`` update it."""
     raw = {
         "data": {
-            "train_src": str(slice_paths["train.en"]),
-            "train_tgt": str(slice_paths["train.de"]),
-            "valid_src": str(slice_paths["val.en"]),
-            "valid_tgt": str(slice_paths["val.de"]),
+            "train_src": str(corpus_files["train.en"]),
+            "train_tgt": str(corpus_files["train.de"]),
+            "valid_src": str(corpus_files["val.en"]),
+            "valid_tgt": str(corpus_files["val.de"]),
             "src_lang": "en",
             "tgt_lang": "de",
         },
@@ -47,6 +49,7 @@ def write_config(path, slice_paths, **sections):
             "save_every": 10,
             "log_every": 5,
             "valid_beam": 2,
+            "precision": "fp32",
         },
     }
     for section, values in sections.items():
@@ -56,10 +59,13 @@ def write_config(path, slice_paths, **sections):
 
 
 @pytest.fixture(scope="module")
-def trained_run(tmp_path_factory, multi30k_slice):
-    """`mtkit train` from a config with no tokenizer model: it trains one first."""
+def trained_run(tmp_path_factory, corpus_files):
+    """`mtkit train` from a config with no tokenizer model: it trains one first. 300 updates, so that it translates
+    each line into words of its own (after 20 it ends every translation at once)."""
     root = tmp_path_factory.mktemp("cli")
-    config = write_config(root / "tiny.yaml", multi30k_slice)
+    config = write_config(
+        root / "tiny.yaml", corpus_files, train={"max_steps": 300, "valid_every": 150, "save_every": 150}
+    )
     result = invoke("train", config, "--out", root / "run")
     assert result.exit_code == 0, result.output
     return root / "run"
@@ -78,8 +84,8 @@ def test_version():
     assert result.exit_code == 0 and result.output.startswith("mtkit ")
 
 
-def test_tokenizer_train_joint_and_separate(tmp_path, multi30k_slice):
-    s, t = multi30k_slice["train.en"], multi30k_slice["train.de"]
+def test_tokenizer_train_joint_and_separate(tmp_path, corpus_files):
+    s, t = corpus_files["train.en"], corpus_files["train.de"]
     assert (
         invoke("tokenizer", "train", "--src", s, "--tgt", t, "-o", tmp_path / "j", "--vocab-size", 300).exit_code == 0
     )
@@ -107,14 +113,14 @@ def test_tokenizer_train_joint_and_separate(tmp_path, multi30k_slice):
 def test_train_writes_a_complete_run_directory(trained_run):
     for name in ("config.yaml", "spm.model", "spm.vocab", "metrics.jsonl", "best/model.safetensors"):
         assert (trained_run / name).is_file(), name
-    assert [path.name for path in checkpoint.run_checkpoints(trained_run)] == ["update-00000010", "update-00000020"]
+    assert [path.name for path in checkpoint.run_checkpoints(trained_run)] == ["update-00000150", "update-00000300"]
     events = [json.loads(line) for line in (trained_run / "metrics.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in events if e["event"] == "valid"] == [10, 20]
+    assert [e["step"] for e in events if e["event"] == "valid"] == [150, 300]
     assert all("bleu_signature" in e for e in events if e["event"] == "valid")
 
 
-def test_dry_run_prints_config_batch_and_schedule(tmp_path, multi30k_slice):
-    config = write_config(tmp_path / "c.yaml", multi30k_slice)
+def test_dry_run_prints_config_batch_and_schedule(tmp_path, corpus_files):
+    config = write_config(tmp_path / "c.yaml", corpus_files)
     result = invoke("train", config, "--set", "train.accum=2", "--dry-run", "--out", tmp_path / "run")
     assert result.exit_code == 0, result.output
     assert "d_model: 32" in result.output and "accum: 2" in result.output
@@ -122,8 +128,8 @@ def test_dry_run_prints_config_batch_and_schedule(tmp_path, multi30k_slice):
     assert not (tmp_path / "run").exists()
 
 
-def test_translate_keeps_one_line_per_input_line(trained_run, multi30k_slice, tmp_path):
-    lines = multi30k_slice["val.en"].read_text().splitlines()[:12]
+def test_translate_keeps_one_line_per_input_line(trained_run, corpus_files, tmp_path):
+    lines = corpus_files["val.en"].read_text().splitlines()[:12]
     lines[3] = ""
     lines[7] = "   "
     src = tmp_path / "in.en"
@@ -144,21 +150,19 @@ def test_translate_keeps_one_line_per_input_line(trained_run, multi30k_slice, tm
     assert piped.stdout.split("\n")[:-1] == hyps  # file and stdin, batch size 4 and 128: same output
 
 
-def test_eval_prints_scores_with_signatures(trained_run, multi30k_slice, tmp_path):
+def test_eval_prints_scores_with_signatures(trained_run, corpus_files, tmp_path):
     hyp = tmp_path / "hyp.de"
-    assert invoke("translate", trained_run, "-i", multi30k_slice["val.en"], "-o", hyp).exit_code == 0
-    result = invoke(
-        "eval", "--hyp", hyp, "--ref", multi30k_slice["val.de"], "--metrics", "bleu", "chrf", "ter", "--json"
-    )
+    assert invoke("translate", trained_run, "-i", corpus_files["val.en"], "-o", hyp).exit_code == 0
+    result = invoke("eval", "--hyp", hyp, "--ref", corpus_files["val.de"], "--metrics", "bleu", "chrf", "ter", "--json")
     assert result.exit_code == 0, result.output
     scores = {s["name"]: s for s in json.loads(result.stdout)}
     assert set(scores) == {"BLEU", "chrF2", "TER"}
     assert all("version:" in s["signature"] for s in scores.values())
     for spelling in (["bleu,chrf,ter"], ["bleu", "--metrics", "chrf,ter"]):
-        again = invoke("eval", "--hyp", hyp, "--ref", multi30k_slice["val.de"], "--json", "--metrics", *spelling)
+        again = invoke("eval", "--hyp", hyp, "--ref", corpus_files["val.de"], "--json", "--metrics", *spelling)
         assert json.loads(again.stdout) == json.loads(result.stdout)
     perfect = invoke(
-        "eval", "--hyp", multi30k_slice["val.de"], "--ref", multi30k_slice["val.de"], "--ref", hyp, "--metrics", "bleu"
+        "eval", "--hyp", corpus_files["val.de"], "--ref", corpus_files["val.de"], "--ref", hyp, "--metrics", "bleu"
     )
     assert perfect.exit_code == 0 and "BLEU = 100.00" in perfect.stdout and "nrefs:2" in perfect.stdout
 
@@ -174,11 +178,11 @@ def one_line_error(result, *fragments: str) -> str:
     return lines[0]
 
 
-def test_bad_translate_and_eval_input_is_one_line_and_exit_1(tmp_path, multi30k_slice):
+def test_bad_translate_and_eval_input_is_one_line_and_exit_1(tmp_path, corpus_files):
     one_line_error(invoke("translate", tmp_path / "no-run"), "checkpoint not found")
     hyp = tmp_path / "hyp"
     hyp.write_text("a\nb\n")
-    one_line_error(invoke("eval", "--hyp", hyp, "--ref", multi30k_slice["val.de"]), "hyp has 2 lines", "has 40")
+    one_line_error(invoke("eval", "--hyp", hyp, "--ref", corpus_files["val.de"]), "hyp has 2 lines", "has 40")
     one_line_error(invoke("eval", "--hyp", hyp, "--ref", hyp, "--metrics", "meteor"), "--metrics")
     one_line_error(invoke("eval", "--hyp", hyp, "--ref", hyp, "--metrics", "bleu", "stray"), "--metrics", "stray")
 
@@ -193,11 +197,11 @@ def test_real_process_exit_status_and_no_traceback(tmp_path):
     assert proc.stderr.strip().count("\n") == 0 and "file not found" in proc.stderr
 
 
-def test_separate_vocabularies_train_and_translate(tmp_path, multi30k_slice):
+def test_separate_vocabularies_train_and_translate(tmp_path, corpus_files):
     config = write_config(
         tmp_path / "sep.yaml",
-        multi30k_slice,
-        tokenizer={"joint": False, "vocab_size": 250},
+        corpus_files,
+        tokenizer={"joint": False, "vocab_size": 200},
         model={"tie_embeddings": False},
         train={"max_steps": 2, "valid_every": 0},
     )
@@ -216,10 +220,10 @@ def wait_for_logged_updates(proc: subprocess.Popen, metrics, count: int) -> None
         time.sleep(0.02)
 
 
-def test_sigterm_saves_a_whole_update_and_the_same_command_resumes(tmp_path, multi30k_slice):
+def test_sigterm_saves_a_whole_update_and_the_same_command_resumes(tmp_path, corpus_files):
     config = write_config(
         tmp_path / "long.yaml",
-        multi30k_slice,
+        corpus_files,
         train={"max_steps": 100_000, "valid_every": 0, "save_every": 0, "log_every": 1},
     )
     run = tmp_path / "run"
@@ -261,10 +265,10 @@ def per_step_losses(metrics_file) -> dict[int, float]:
     return {e["step"]: e["loss"] for e in events if e["event"] == "train"}
 
 
-def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tmp_path, multi30k_slice):
+def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tmp_path, corpus_files):
     config = write_config(
         tmp_path / "kill.yaml",
-        multi30k_slice,
+        corpus_files,
         train={"max_steps": 100_000, "valid_every": 0, "save_every": 2, "log_every": 1},
     )
     killed = tmp_path / "killed"
@@ -295,17 +299,17 @@ def test_every_command_help_ends_with_examples(command):
     assert result.exit_code == 0 and "Examples:" in result.output and f"mtkit {command[0]}" in result.output
 
 
-def test_output_spellings_and_quiet_logging(tmp_path, multi30k_slice):
+def test_output_spellings_and_quiet_logging(tmp_path, corpus_files):
     """-o/--output on every command that writes, the older --out and --out-dir kept; --quiet keeps stderr to
     warnings and errors."""
-    config = write_config(tmp_path / "c.yaml", multi30k_slice, train={"max_steps": 2, "valid_every": 0})
+    config = write_config(tmp_path / "c.yaml", corpus_files, train={"max_steps": 2, "valid_every": 0})
     loud = invoke("train", config, "-o", tmp_path / "a")
     quiet = invoke("--quiet", "train", config, "--output", tmp_path / "b")
     assert loud.exit_code == quiet.exit_code == 0
     assert " INFO " in loud.stderr and " INFO " not in quiet.stderr
     assert invoke("--log-level", "warning", "train", config, "--out", tmp_path / "c").exit_code == 0
     assert all(checkpoint.latest(tmp_path / name) is not None for name in "abc")
-    s, t = multi30k_slice["train.en"], multi30k_slice["train.de"]
+    s, t = corpus_files["train.en"], corpus_files["train.de"]
     for spelling in ("-o", "--output", "--out-dir"):
         folder = tmp_path / spelling.strip("-")
         assert (

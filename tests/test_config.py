@@ -23,6 +23,8 @@ def test_every_shipped_recipe_loads(recipe):
     corpus = CORPORA[cfg.recipe.corpus]
     assert (corpus.src_lang, corpus.tgt_lang) == (cfg.data.src_lang, cfg.data.tgt_lang)
     assert cfg.recipe.expected and cfg.recipe.hardware and 0 < cfg.recipe.bleu_min < cfg.recipe.bleu_max
+    # The machine decides the precision, and the updates the budget, so that a score does not depend on the CPU.
+    assert cfg.train.precision == "auto" and cfg.train.max_time == 0
 
 
 def test_preset_sets_defaults_and_explicit_keys_win():
@@ -63,7 +65,7 @@ def test_overrides_are_typed_and_apply_to_any_key(tmp_path):
         ({"tokenizer": {"joint": False}}, "tie_embeddings needs a joint vocabulary"),
         ({"train": {"valid_bleu": False}}, "best_metric bleu needs train.valid_bleu"),
         ({"train": {"best_metric": "chrf"}}, "train.best_metric must be one of bleu, loss, got 'chrf'"),
-        ({"train": {"precision": 16}}, "train.precision must be one of fp32, bf16, fp16, got 16"),
+        ({"train": {"precision": 16}}, "train.precision must be one of auto, fp32, bf16, fp16, got 16"),
     ],
 )
 def test_bad_keys_and_values_are_named(raw, message):

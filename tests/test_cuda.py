@@ -76,9 +76,9 @@ def test_dropout_and_row_topk_on_the_gpu():
     assert torch.equal(scores.gather(1, index), values)
 
 
-def losses_of_training(tmp_path, slice_paths, spm_model, precision: str, rounds: int = 8) -> list[float]:
+def losses_of_training(tmp_path, corpus_files, spm_model, precision: str, rounds: int = 8) -> list[float]:
     """Per-update losses of ``rounds`` passes over the same 4 batches on the GPU (same seed, same order)."""
-    cfg = small_config(slice_paths, spm_model, device="cuda", precision=precision)
+    cfg = small_config(corpus_files, spm_model, device="cuda", precision=precision)
     trainer = Trainer(cfg, tmp_path / precision)
     assert next(trainer.model.parameters()).is_cuda
     batches = trainer.corpus.batches(cfg.train.batch_tokens, seed=0)[:4]
@@ -92,10 +92,10 @@ def losses_of_training(tmp_path, slice_paths, spm_model, precision: str, rounds:
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_mixed_precision_training_on_the_gpu_follows_fp32(tmp_path, multi30k_slice, spm_model, precision):
+def test_mixed_precision_training_on_the_gpu_follows_fp32(tmp_path, corpus_files, spm_model, precision):
     """bf16 (autocast) and fp16 (autocast + loss scaling) lower the loss as fp32 does, update for update."""
-    reference = losses_of_training(tmp_path, multi30k_slice, spm_model, "fp32")
-    mixed = losses_of_training(tmp_path, multi30k_slice, spm_model, precision)
+    reference = losses_of_training(tmp_path, corpus_files, spm_model, "fp32")
+    mixed = losses_of_training(tmp_path, corpus_files, spm_model, precision)
     learned = sum(reference[:4]) / 4 - sum(reference[-4:]) / 4
     assert learned > 0.3
     assert abs(sum(mixed[-4:]) / 4 - sum(reference[-4:]) / 4) < 0.1 * learned

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import gzip
 
+import captions
 import pytest
-from conftest import MULTI30K, read_gz
 
 from mtkit.data import DataError, collate, filter_pairs, read_lines, read_parallel, token_batches
 from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID
@@ -43,8 +43,9 @@ def test_sorted_batches_keep_padding_small():
 
 def test_batches_of_real_sentence_pairs_pad_little_on_either_side():
     """English and German lengths differ pair by pair, so sorting by one side alone pads the other."""
-    src = [len(line.split()) for line in read_gz(MULTI30K / "train.en.gz", 8000)]
-    tgt = [len(line.split()) for line in read_gz(MULTI30K / "train.de.gz", 8000)]
+    text = captions.parallel(8000, seed=8)
+    src = [len(line.split()) for line in text["en"]]
+    tgt = [len(line.split()) for line in text["de"]]
     batches = token_batches(src, tgt, batch_tokens=2000, seed=0)
 
     def fill(lengths):

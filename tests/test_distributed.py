@@ -101,17 +101,17 @@ def train_losses(run: Path) -> dict[int, float]:
     return {e["step"]: e["loss"] for e in events if e["event"] == "train"}
 
 
-def deterministic_config(slices, spm_model, **train):
+def deterministic_config(corpus_files, spm_model, **train):
     """Without dropout, so that ranks and a single process draw no random numbers that could differ."""
-    raw = small_config(slices, spm_model, **train).to_dict()
+    raw = small_config(corpus_files, spm_model, **train).to_dict()
     return from_dict({**raw, "model": {**raw["model"], "dropout": 0.0}})
 
 
-def test_two_ranks_make_the_updates_of_one_process_with_the_same_global_batch(tmp_path, multi30k_slice, spm_model):
+def test_two_ranks_make_the_updates_of_one_process_with_the_same_global_batch(tmp_path, corpus_files, spm_model):
     steps = dict(max_steps=6, save_every=3, valid_every=6, valid_bleu=True, best_metric="bleu")
-    single = Trainer(deterministic_config(multi30k_slice, spm_model, accum=2, **steps), tmp_path / "one")
+    single = Trainer(deterministic_config(corpus_files, spm_model, accum=2, **steps), tmp_path / "one")
     single_result = single.run()
-    ranks = run_ranks(deterministic_config(multi30k_slice, spm_model, accum=1, **steps), tmp_path / "two")
+    ranks = run_ranks(deterministic_config(corpus_files, spm_model, accum=1, **steps), tmp_path / "two")
 
     one, two = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
     assert list(two) == [1, 2, 3, 4, 5, 6]  # one line per update: only rank 0 logs
@@ -131,24 +131,24 @@ def test_two_ranks_make_the_updates_of_one_process_with_the_same_global_batch(tm
     assert len(saved.state["rng"]) == 2  # each rank's dropout stream, for an exact resume
 
 
-def test_an_out_of_memory_rank_makes_every_rank_skip_the_update(tmp_path, multi30k_slice, spm_model):
-    ranks = run_ranks(small_config(multi30k_slice, spm_model, max_steps=4), tmp_path / "run", fault="oom")
+def test_an_out_of_memory_rank_makes_every_rank_skip_the_update(tmp_path, corpus_files, spm_model):
+    ranks = run_ranks(small_config(corpus_files, spm_model, max_steps=4), tmp_path / "run", fault="oom")
     for rank in ranks:
         assert rank["progress"]["oom_skips"] == 1 and rank["progress"]["step"] == 4
     for name, value in ranks[0]["params"].items():
         assert torch.equal(value, ranks[1]["params"][name]), name
 
 
-def test_a_hung_rank_ends_the_job_with_a_message_naming_it(tmp_path, multi30k_slice, spm_model):
-    cfg = small_config(multi30k_slice, spm_model, max_steps=10, ddp_timeout=3)
+def test_a_hung_rank_ends_the_job_with_a_message_naming_it(tmp_path, corpus_files, spm_model):
+    cfg = small_config(corpus_files, spm_model, max_steps=10, ddp_timeout=3)
     start = time.monotonic()
     ranks = run_ranks(cfg, tmp_path / "run", fault="hang", wait=60)
     assert time.monotonic() - start < 50
     assert "rank(s) 1 stopped responding" in ranks[0]["error"]
 
 
-def test_nproc_per_node_trains_validates_and_resumes_through_torchrun(tmp_path, multi30k_slice):
-    config = write_config(tmp_path / "c.yaml", multi30k_slice, train={"max_steps": 4, "valid_every": 2})
+def test_nproc_per_node_trains_validates_and_resumes_through_torchrun(tmp_path, corpus_files):
+    config = write_config(tmp_path / "c.yaml", corpus_files, train={"max_steps": 4, "valid_every": 2})
     run = tmp_path / "run"
     command = [sys.executable, "-m", "mtkit", "train", str(config), "--out", str(run), "--nproc-per-node", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -178,10 +178,10 @@ def processes_mentioning(text: str) -> list[int]:
 
 
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
-def test_stopping_the_launcher_makes_the_ranks_save_and_exit(tmp_path, multi30k_slice, how):
+def test_stopping_the_launcher_makes_the_ranks_save_and_exit(tmp_path, corpus_files, how):
     """SIGTERM is passed on by torchrun; after SIGKILL the ranks learn of their launcher's death from Linux."""
     config = write_config(
-        tmp_path / "c.yaml", multi30k_slice, train={"max_steps": 100_000, "valid_every": 0, "log_every": 1}
+        tmp_path / "c.yaml", corpus_files, train={"max_steps": 100_000, "valid_every": 0, "log_every": 1}
     )
     run = tmp_path / "orphans"
     command = [sys.executable, "-m", "mtkit", "train", str(config), "--out", str(run), "--nproc-per-node", "2"]
@@ -208,7 +208,7 @@ def test_stopping_the_launcher_makes_the_ranks_save_and_exit(tmp_path, multi30k_
 
 
 @pytest.mark.parametrize("fault", ["missing-file", "bad-line"])
-def test_bad_input_under_nproc_per_node_is_one_error_line(tmp_path, multi30k_slice, fault):
+def test_bad_input_under_nproc_per_node_is_one_error_line(tmp_path, corpus_files, fault):
     """A missing file once gave three error lines and a false 'rank 0 stopped responding (hung or dead)'.
 
     A missing file is found before the ranks start; a bad line only while rank 0 trains the tokenizer,
@@ -216,10 +216,10 @@ def test_bad_input_under_nproc_per_node_is_one_error_line(tmp_path, multi30k_sli
     """
     bad = tmp_path / "bad.de"
     if fault == "bad-line":
-        lines = multi30k_slice["train.de"].read_bytes().split(b"\n")
+        lines = corpus_files["train.de"].read_bytes().split(b"\n")
         lines[100] = b"\xff\xfe not UTF-8"
         bad.write_bytes(b"\n".join(lines))
-    config = write_config(tmp_path / "c.yaml", multi30k_slice, data={"train_tgt": str(bad)}, train={"max_steps": 2})
+    config = write_config(tmp_path / "c.yaml", corpus_files, data={"train_tgt": str(bad)}, train={"max_steps": 2})
     command = [
         sys.executable,
         "-m",

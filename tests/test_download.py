@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import logging
 import os
@@ -15,21 +16,29 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import captions
 import pytest
 
 from mtkit import download
 from mtkit.download import DownloadError, fetch, source_url
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-VAL_DE = DATA / "multi30k" / "val.de.gz"
 CUT = 10_000  # bytes an interrupted response sends before the connection goes
 
 
 @pytest.fixture(scope="module")
 def payload() -> bytes:
-    if not VAL_DE.is_file():
-        pytest.skip(f"{VAL_DE} not found (the shared data folder sits beside the repository)")
-    return VAL_DE.read_bytes()
+    """A corpus file as published: 3,000 gzipped German captions, about 24 KB."""
+    text = "\n".join(captions.parallel(3_000, seed=3, langs=("de",))["de"]) + "\n"
+    return gzip.compress(text.encode(), mtime=0)
+
+
+@pytest.fixture(scope="module")
+def payload_file(payload, tmp_path_factory) -> Path:
+    """The payload in a local mirror folder, as multi30k/val.de.gz."""
+    path = tmp_path_factory.mktemp("mirror") / "multi30k" / "val.de.gz"
+    path.parent.mkdir()
+    path.write_bytes(payload)
+    return path
 
 
 @dataclass
@@ -142,7 +151,7 @@ def test_interrupted_transfer_resumes_with_range_and_is_byte_identical(serve, pa
 
 
 def test_on_a_terminal_a_transfer_shows_its_size_with_the_resumed_part_counted(
-    serve, payload, tmp_path, caplog, capsys, terminal
+    serve, payload, payload_file, tmp_path, caplog, capsys, terminal
 ):
     def bars(starting: str) -> list[str]:
         return [line for line in capsys.readouterr().err.splitlines() if line.startswith(starting)]
@@ -152,7 +161,7 @@ def test_on_a_terminal_a_transfer_shows_its_size_with_the_resumed_part_counted(
         fetch(serve(Site(payload, cut_first=True)), tmp_path / "val.de.gz")
         cut, resumed = bars("downloading val.de.gz")
         assert f"/{kib} KiB" in cut and f"100% {kib}/{kib} KiB" in resumed
-        fetch(str(VAL_DE), tmp_path / "copy" / "val.de.gz")
+        fetch(str(payload_file), tmp_path / "copy" / "val.de.gz")
         assert f"100% {kib}/{kib} KiB" in bars("copying val.de.gz")[0]
 
 
@@ -230,8 +239,8 @@ def test_existing_dest_is_kept_if_its_checksum_matches_and_fetched_again_if_not(
     assert dest.read_bytes() == payload
 
 
-def test_file_url_is_copied(payload, tmp_path):
-    dest = fetch(VAL_DE.as_uri(), tmp_path / "val.de.gz", sha256=sha(payload))
+def test_file_url_is_copied(payload, payload_file, tmp_path):
+    dest = fetch(payload_file.as_uri(), tmp_path / "val.de.gz", sha256=sha(payload))
     assert not dest.is_symlink() and dest.read_bytes() == payload
 
 
@@ -243,8 +252,9 @@ def test_resolve_points_at_the_same_basename_in_the_mirror(tmp_path):
     assert source_url(url, "http://mirror.local/mt") == "http://mirror.local/mt/val.de.gz"
 
 
-def test_local_directory_mirror_is_used_instead_of_the_url(payload, tmp_path):
-    dest = fetch("https://unreachable.invalid/multi30k/val.de.gz", tmp_path / "val.de.gz", mirror=str(VAL_DE.parent))
+def test_local_directory_mirror_is_used_instead_of_the_url(payload, payload_file, tmp_path):
+    mirror = str(payload_file.parent)
+    dest = fetch("https://unreachable.invalid/multi30k/val.de.gz", tmp_path / "val.de.gz", mirror=mirror)
     assert not dest.is_symlink() and dest.read_bytes() == payload
     with pytest.raises(DownloadError, match="no-such.gz: file not found"):
         fetch("https://unreachable.invalid/no-such.gz", tmp_path / "x.gz", mirror=str(tmp_path))
@@ -386,11 +396,11 @@ def test_existing_dest_without_checksum_is_kept_only_if_its_size_was_recorded_by
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full, a device that is always full")
-def test_failed_copy_leaves_neither_dest_nor_part(payload, tmp_path):
+def test_failed_copy_leaves_neither_dest_nor_part(payload, payload_file, tmp_path):
     dest = tmp_path / "val.de.gz"
     dest.with_name("val.de.gz.part").symlink_to("/dev/full")  # the copy runs into a full disk
     with pytest.raises(DownloadError) as err:
-        fetch(str(VAL_DE), dest)
-    assert str(err.value) == f"{VAL_DE}: cannot copy (No space left on device)"
+        fetch(str(payload_file), dest)
+    assert str(err.value) == f"{payload_file}: cannot copy (No space left on device)"
     assert list(tmp_path.iterdir()) == []
-    assert fetch(str(VAL_DE), dest).read_bytes() == payload
+    assert fetch(str(payload_file), dest).read_bytes() == payload

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import socket
 import subprocess
@@ -12,8 +13,8 @@ import sys
 import tarfile
 import xml.etree.ElementTree as ET
 
+import captions
 import pytest
-from conftest import DATA, MULTI30K, read_gz
 from sacrebleu.metrics import BLEU, CHRF, TER
 from test_cli import invoke as invoke_cli
 from typer.testing import CliRunner
@@ -21,7 +22,6 @@ from typer.testing import CliRunner
 from mtkit.cli import app
 from mtkit.metrics import PAPER_STYLE
 
-WMT22 = DATA / "wmt22"
 LINES = 300  # enough for stable scores; TER and the bootstrap stay fast
 WIDTH = 10  # decimals asked of sacrebleu; our values are compared at the same width
 
@@ -57,14 +57,14 @@ def rounded(value: float) -> float:
 
 @pytest.fixture(scope="module")
 def wmt22(tmp_path_factory) -> dict:
-    """The first LINES segments of WMT22 en-de: source, references A and B, and two damaged copies of B."""
-    if not WMT22.is_dir():
-        pytest.skip(f"{WMT22} not found (the shared data folder sits beside the repository)")
+    """LINES English captions as a stand-in for WMT22 en-de's test set: the source, references A and B (B drawn
+    from the German synonyms), and two damaged copies of B."""
     out = tmp_path_factory.mktemp("wmt22")
+    corpus = captions.captions(LINES, seed=22)
     lines = {
-        "src": read_gz(WMT22 / "generaltest2022.en-de.src.en.gz", LINES),
-        "ref_a": read_gz(WMT22 / "generaltest2022.en-de.ref.A.de.gz", LINES),
-        "ref_b": read_gz(WMT22 / "generaltest2022.en-de.ref.B.de.gz", LINES),
+        "src": [c.render("en") for c in corpus],
+        "ref_a": [c.render("de") for c in corpus],
+        "ref_b": [c.render("de", random.Random(f"ref B {i}")) for i, c in enumerate(corpus)],
     }
     # Every third line without its first word; every second line in capitals (so case matters).
     lines["clipped"] = [" ".join(s.split()[1:]) if i % 3 == 0 else s for i, s in enumerate(lines["ref_b"])]
@@ -76,15 +76,13 @@ def wmt22(tmp_path_factory) -> dict:
     return paths
 
 
-SEGMENTS = 200  # Multi30K captions are short: sacreBLEU's command lines below run in well under a second each
+SEGMENTS = 200  # captions are short: sacreBLEU's command lines below run in well under a second each
 
 
 @pytest.fixture(scope="module")
 def m30k(tmp_path_factory) -> dict:
-    """The first SEGMENTS German captions of Multi30K val, a second reference and two edited system outputs."""
-    if not (MULTI30K / "val.de.gz").is_file():
-        pytest.skip(f"{MULTI30K} not found (the shared data folder sits beside the repository)")
-    ref = read_gz(MULTI30K / "val.de.gz", SEGMENTS)
+    """SEGMENTS German captions, a second reference and two edited system outputs."""
+    ref = captions.parallel(SEGMENTS, seed=30, langs=("de",))["de"]
     lines = {
         "ref": ref,
         "ref2": [" ".join(s.split()[:-1]) if i % 5 == 0 else s for i, s in enumerate(ref)],

@@ -81,23 +81,23 @@ def exported(run: Path, lines: list[str]) -> Exported:
 
 
 @pytest.fixture(scope="module")
-def joint(tmp_path_factory, multi30k_slice, spm_model) -> Exported:
+def joint(tmp_path_factory, corpus_files, spm_model) -> Exported:
     """Tied embeddings, one joint vocabulary: mtkit's defaults."""
     root = tmp_path_factory.mktemp("joint")
     run = save_run(root / "run", ModelConfig(**MODEL), {"src": spm_model, "tgt": spm_model}, seed=1)
-    return exported(run, multi30k_slice["val.en"].read_text().splitlines())
+    return exported(run, corpus_files["val.en"].read_text().splitlines())
 
 
 @pytest.fixture(scope="module")
-def separate(tmp_path_factory, multi30k_slice) -> Exported:
+def separate(tmp_path_factory, corpus_files) -> Exported:
     """Untied embeddings, separate vocabularies of two sizes."""
     root = tmp_path_factory.mktemp("separate")
     toks = {}
-    for side, lang, size in (("src", "en", 300), ("tgt", "de", 250)):
-        lines = multi30k_slice[f"train.{lang}"].read_text().splitlines()
+    for side, lang, size in (("src", "en", 200), ("tgt", "de", 260)):
+        lines = corpus_files[f"train.{lang}"].read_text().splitlines()
         toks[side] = Tokenizer(train_spm(lines, root / f"spm.{side}", TokenizerConfig(vocab_size=size)))
-    run = save_run(root / "run", ModelConfig(**MODEL, tie_embeddings=False), toks, seed=3)
-    return exported(run, multi30k_slice["val.en"].read_text().splitlines())
+    run = save_run(root / "run", ModelConfig(**MODEL, tie_embeddings=False), toks, seed=4)  # ends most outputs
+    return exported(run, corpus_files["val.en"].read_text().splitlines())
 
 
 @pytest.fixture(params=["joint", "separate"])
@@ -115,9 +115,9 @@ def source_batch(ex: Exported, lines: list[str]) -> tuple[torch.Tensor, torch.Te
     return src, src_pad_mask, batch
 
 
-def test_logits_equal_mtkit_teacher_forced(export, multi30k_slice):
+def test_logits_equal_mtkit_teacher_forced(export, corpus_files):
     src, src_pad_mask, batch = source_batch(export, export.lines)
-    targets = export.bundle.tgt_tok.encode(multi30k_slice["val.de"].read_text().splitlines())
+    targets = export.bundle.tgt_tok.encode(corpus_files["val.de"].read_text().splitlines())
     tgt_in, _ = source_tensor([[2, *t] for t in targets])  # bos + reference, padded
     decoder_in = tgt_in.clone()
     decoder_in[:, 0] = export.hf.config.decoder_start_token_id  # Marian's start: the appended zero row

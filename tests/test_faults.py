@@ -66,8 +66,10 @@ def at(*calls):
 
 
 def events(run_dir, kind=None) -> list[dict]:
+    """metrics.jsonl's records of ``kind``, or of every update, validation and rollback: not the start and done
+    records, which each start of training adds."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in records if kind is None or r["event"] == kind]
+    return [r for r in records if r["event"] == kind or (kind is None and r["event"] not in ("start", "done"))]
 
 
 def without_dropout(cfg):
@@ -95,9 +97,9 @@ def checkpoint_bytes(run_dir) -> dict[str, bytes]:
 
 
 def test_nonfinite_loss_rolls_back_to_the_checkpoint_with_a_lower_learning_rate(
-    tmp_path, multi30k_slice, spm_model, monkeypatch
+    tmp_path, corpus_files, spm_model, monkeypatch
 ):
-    cfg = small_config(multi30k_slice, spm_model, max_steps=6, save_every=2, rollback_lr_factor=0.25)
+    cfg = small_config(corpus_files, spm_model, max_steps=6, save_every=2, rollback_lr_factor=0.25)
     faults = Faults(monkeypatch, at(4))  # update 4; the newest checkpoint then is update 2
     trainer = Trainer(cfg, tmp_path)
     trainer.run()
@@ -127,12 +129,12 @@ def test_nonfinite_loss_rolls_back_to_the_checkpoint_with_a_lower_learning_rate(
     saved = checkpoint.read_checkpoint(checkpoint.latest(tmp_path))
     assert saved.meta["step"] == 6
     assert saved.state["progress"]["lr_scale"] == 0.25 and saved.state["progress"]["rollbacks"] == 1
-    resumed = Trainer(small_config(multi30k_slice, spm_model, max_steps=8), tmp_path)
+    resumed = Trainer(small_config(corpus_files, spm_model, max_steps=8), tmp_path)
     assert (resumed.progress.lr_scale, resumed.progress.rollbacks) == (0.25, 1)
 
 
-def test_no_rollbacks_left_fails_and_keeps_the_checkpoint(tmp_path, multi30k_slice, spm_model, monkeypatch):
-    cfg = small_config(multi30k_slice, spm_model, max_steps=6, save_every=2, max_rollbacks=0)
+def test_no_rollbacks_left_fails_and_keeps_the_checkpoint(tmp_path, corpus_files, spm_model, monkeypatch):
+    cfg = small_config(corpus_files, spm_model, max_steps=6, save_every=2, max_rollbacks=0)
     on_disk = {}
 
     def snapshot(call, objective):
@@ -151,8 +153,8 @@ def test_no_rollbacks_left_fails_and_keeps_the_checkpoint(tmp_path, multi30k_sli
     assert not events(tmp_path, "rollback")
 
 
-def test_nan_on_every_update_uses_up_the_rollbacks_then_fails(tmp_path, multi30k_slice, spm_model, monkeypatch):
-    cfg = small_config(multi30k_slice, spm_model, max_steps=6, save_every=2, max_rollbacks=2)
+def test_nan_on_every_update_uses_up_the_rollbacks_then_fails(tmp_path, corpus_files, spm_model, monkeypatch):
+    cfg = small_config(corpus_files, spm_model, max_steps=6, save_every=2, max_rollbacks=2)
     Faults(monkeypatch, lambda call: call >= 3)
     trainer = Trainer(cfg, tmp_path)
     with pytest.raises(TrainingFailed, match=r"update 3\b.*rolled back 2 times \(train\.max_rollbacks\)"):
@@ -164,15 +166,15 @@ def test_nan_on_every_update_uses_up_the_rollbacks_then_fails(tmp_path, multi30k
     assert saved.meta["step"] == 2 and saved.state["progress"]["rollbacks"] == 0
 
 
-def test_nan_before_any_checkpoint_fails_without_writing_one(tmp_path, multi30k_slice, spm_model, monkeypatch):
+def test_nan_before_any_checkpoint_fails_without_writing_one(tmp_path, corpus_files, spm_model, monkeypatch):
     Faults(monkeypatch, at(1))
     with pytest.raises(TrainingFailed, match="update 1.*no checkpoint to roll back to yet"):
-        Trainer(small_config(multi30k_slice, spm_model, max_steps=4), tmp_path).run()
+        Trainer(small_config(corpus_files, spm_model, max_steps=4), tmp_path).run()
     assert checkpoint.latest(tmp_path) is None
 
 
-def test_nonfinite_skip_drops_the_update_and_counts_it(tmp_path, multi30k_slice, spm_model, monkeypatch):
-    cfg = small_config(multi30k_slice, spm_model, max_steps=4, nonfinite="skip")
+def test_nonfinite_skip_drops_the_update_and_counts_it(tmp_path, corpus_files, spm_model, monkeypatch):
+    cfg = small_config(corpus_files, spm_model, max_steps=4, nonfinite="skip")
     seen = {}
     faults = Faults(monkeypatch, at(3), on_call=lambda call, objective: seen.update({call: weights(objective.model)}))
     trainer = Trainer(cfg, tmp_path)
@@ -190,8 +192,8 @@ def test_nonfinite_skip_drops_the_update_and_counts_it(tmp_path, multi30k_slice,
     assert checkpoint.read_checkpoint(checkpoint.latest(tmp_path)).state["progress"]["nonfinite_skips"] == 1
 
 
-def test_nonfinite_stop_fails_at_once(tmp_path, multi30k_slice, spm_model, monkeypatch):
-    cfg = small_config(multi30k_slice, spm_model, max_steps=6, save_every=2, nonfinite="stop")
+def test_nonfinite_stop_fails_at_once(tmp_path, corpus_files, spm_model, monkeypatch):
+    cfg = small_config(corpus_files, spm_model, max_steps=6, save_every=2, nonfinite="stop")
     faults = Faults(monkeypatch, at(3))
     trainer = Trainer(cfg, tmp_path)
     with pytest.raises(TrainingFailed, match=r"update 3\b.*train\.nonfinite is stop"):
@@ -203,8 +205,8 @@ def test_nonfinite_stop_fails_at_once(tmp_path, multi30k_slice, spm_model, monke
 # -- out of memory --------------------------------------------------------------------------
 
 
-def test_out_of_memory_skips_one_update_and_training_goes_on(tmp_path, multi30k_slice, spm_model, monkeypatch):
-    cfg = small_config(multi30k_slice, spm_model, max_steps=4)
+def test_out_of_memory_skips_one_update_and_training_goes_on(tmp_path, corpus_files, spm_model, monkeypatch):
+    cfg = small_config(corpus_files, spm_model, max_steps=4)
     seen = {}
     faults = Faults(
         monkeypatch, at(3), "oom", on_call=lambda call, objective: seen.update({call: weights(objective.model)})
@@ -219,8 +221,8 @@ def test_out_of_memory_skips_one_update_and_training_goes_on(tmp_path, multi30k_
     assert [r["oom_skips"] for r in events(tmp_path, "train")] == [0, 0, 1, 1]
 
 
-def test_gradients_of_a_batch_lost_to_out_of_memory_do_not_leak(tmp_path, multi30k_slice, spm_model, monkeypatch):
-    cfg = without_dropout(small_config(multi30k_slice, spm_model, max_steps=4, accum=2))
+def test_gradients_of_a_batch_lost_to_out_of_memory_do_not_leak(tmp_path, corpus_files, spm_model, monkeypatch):
+    cfg = without_dropout(small_config(corpus_files, spm_model, max_steps=4, accum=2))
     hit, fresh = Trainer(cfg, tmp_path / "hit"), Trainer(cfg, tmp_path / "fresh")
     assert_same_weights(weights(hit.model), weights(fresh.model))
     corpus = hit.corpus
@@ -241,19 +243,19 @@ def test_gradients_of_a_batch_lost_to_out_of_memory_do_not_leak(tmp_path, multi3
     assert_same_weights(weights(hit.model), weights(fresh.model))
 
 
-def test_out_of_memory_in_every_update_stops_with_advice(tmp_path, multi30k_slice, spm_model, monkeypatch):
+def test_out_of_memory_in_every_update_stops_with_advice(tmp_path, corpus_files, spm_model, monkeypatch):
     faults = Faults(monkeypatch, lambda call: True, "oom")
-    trainer = Trainer(small_config(multi30k_slice, spm_model, max_steps=20), tmp_path)
+    trainer = Trainer(small_config(corpus_files, spm_model, max_steps=20), tmp_path)
     with pytest.raises(TrainingFailed, match=r"train\.batch_tokens \(now 512\).*train\.accum"):
         trainer.run()
     assert faults.calls == MAX_CONSECUTIVE_OOMS
     assert (trainer.progress.step, trainer.progress.oom_skips) == (0, MAX_CONSECUTIVE_OOMS)
 
 
-def test_out_of_memory_count_restarts_after_a_good_update(tmp_path, multi30k_slice, spm_model, monkeypatch):
+def test_out_of_memory_count_restarts_after_a_good_update(tmp_path, corpus_files, spm_model, monkeypatch):
     run_of_ooms = MAX_CONSECUTIVE_OOMS - 1
     Faults(monkeypatch, lambda call: call % MAX_CONSECUTIVE_OOMS != 0, "oom")  # 4 out of memory, 1 good, ...
-    trainer = Trainer(small_config(multi30k_slice, spm_model, max_steps=3), tmp_path)
+    trainer = Trainer(small_config(corpus_files, spm_model, max_steps=3), tmp_path)
     trainer.run()
     assert (trainer.progress.step, trainer.progress.oom_skips) == (3, 3 * run_of_ooms)
 
@@ -261,8 +263,8 @@ def test_out_of_memory_count_restarts_after_a_good_update(tmp_path, multi30k_sli
 # -- gradient accumulation ------------------------------------------------------------------
 
 
-def test_accumulated_gradients_equal_those_of_one_batch_holding_both(tmp_path, multi30k_slice, spm_model):
-    cfg = without_dropout(small_config(multi30k_slice, spm_model, max_steps=1, batch_tokens=256))
+def test_accumulated_gradients_equal_those_of_one_batch_holding_both(tmp_path, corpus_files, spm_model):
+    cfg = without_dropout(small_config(corpus_files, spm_model, max_steps=1, batch_tokens=256))
     trainer = Trainer(cfg, tmp_path)
     corpus = trainer.corpus
     i1, i2 = corpus.batch_indices(256, seed=0)[:2]
@@ -292,8 +294,8 @@ def test_accumulated_gradients_equal_those_of_one_batch_holding_both(tmp_path, m
         torch.testing.assert_close(combined[name], p.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
-def test_an_update_accumulating_two_batches_equals_one_on_both(tmp_path, multi30k_slice, spm_model):
-    cfg = without_dropout(small_config(multi30k_slice, spm_model, max_steps=2, accum=2))
+def test_an_update_accumulating_two_batches_equals_one_on_both(tmp_path, corpus_files, spm_model):
+    cfg = without_dropout(small_config(corpus_files, spm_model, max_steps=2, accum=2))
     split, joined = Trainer(cfg, tmp_path / "a"), Trainer(cfg, tmp_path / "b")
     batches, group_tokens = next(split._update_groups())  # the first update's group
     first = split._epoch_batches(1)[:2]
@@ -330,10 +332,10 @@ def test_an_update_accumulating_two_batches_equals_one_on_both(tmp_path, multi30
 
 @pytest.mark.slow  # about 50 s with a cold inductor cache on 2 cores, 10 s warm
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
-def test_compiled_training_matches_eager_training(tmp_path, multi30k_slice, spm_model):
+def test_compiled_training_matches_eager_training(tmp_path, corpus_files, spm_model):
     losses = {}
     for compiled in (False, True):
-        cfg = without_dropout(small_config(multi30k_slice, spm_model, max_steps=3, compile=compiled))
+        cfg = without_dropout(small_config(corpus_files, spm_model, max_steps=3, compile=compiled))
         trainer = Trainer(cfg, tmp_path / str(compiled))
         assert (trainer.objective._features != trainer.model.features) == compiled
         # The loop of run() without its final validation, whose no_grad forward would compile a second graph.
@@ -347,10 +349,10 @@ def test_compiled_training_matches_eager_training(tmp_path, multi30k_slice, spm_
     assert losses[True] == pytest.approx(losses[False], rel=1e-4)
 
 
-def test_tensorboard_receives_the_training_loss(tmp_path, multi30k_slice, spm_model):
+def test_tensorboard_receives_the_training_loss(tmp_path, corpus_files, spm_model):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    Trainer(small_config(multi30k_slice, spm_model, max_steps=3, tensorboard=True), tmp_path).run()
+    Trainer(small_config(corpus_files, spm_model, max_steps=3, tensorboard=True), tmp_path).run()
     files = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert len(files) == 1
     acc = EventAccumulator(str(files[0]))
@@ -362,11 +364,11 @@ def test_tensorboard_receives_the_training_loss(tmp_path, multi30k_slice, spm_mo
     assert [s.value for s in scalars] == pytest.approx([r["loss"] for r in logged], rel=1e-6)
 
 
-def test_keep_last_keeps_the_newest_checkpoints_and_the_newest_resumes(tmp_path, multi30k_slice, spm_model):
-    Trainer(small_config(multi30k_slice, spm_model, max_steps=5, save_every=1, keep_last=2), tmp_path).run()
+def test_keep_last_keeps_the_newest_checkpoints_and_the_newest_resumes(tmp_path, corpus_files, spm_model):
+    Trainer(small_config(corpus_files, spm_model, max_steps=5, save_every=1, keep_last=2), tmp_path).run()
     assert [d.name for d in checkpoint.run_checkpoints(tmp_path)] == ["update-00000004", "update-00000005"]
     assert [p.name for p in (tmp_path / checkpoint.CHECKPOINTS_DIR).iterdir() if p.name.startswith(".")] == []
-    resumed = Trainer(small_config(multi30k_slice, spm_model, max_steps=6, save_every=1, keep_last=2), tmp_path)
+    resumed = Trainer(small_config(corpus_files, spm_model, max_steps=6, save_every=1, keep_last=2), tmp_path)
     assert resumed.progress.step == 5
     resumed.run()
     assert [d.name for d in checkpoint.run_checkpoints(tmp_path)] == ["update-00000005", "update-00000006"]
@@ -380,9 +382,9 @@ def write_config(path, cfg):
     return path
 
 
-def test_fp16_overflow_steps_are_skipped_and_counted(tmp_path, multi30k_slice, spm_model, monkeypatch):
+def test_fp16_overflow_steps_are_skipped_and_counted(tmp_path, corpus_files, spm_model, monkeypatch):
     """fp16 itself needs a GPU; the skip-and-count path is the scaler's, so a CPU scaler exercises it."""
-    trainer = Trainer(small_config(multi30k_slice, spm_model, max_steps=4, log_every=4), tmp_path)
+    trainer = Trainer(small_config(corpus_files, spm_model, max_steps=4, log_every=4), tmp_path)
     trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
     before = {}
     Faults(monkeypatch, at(2), on_call=lambda call, objective: call == 2 and before.update(weights(objective)))
@@ -395,8 +397,8 @@ def test_fp16_overflow_steps_are_skipped_and_counted(tmp_path, multi30k_slice, s
     assert int(after_skip) == 4  # Adam stepped 4 times in 5 micro-batches
 
 
-def test_cli_nonfinite_failure_is_one_error_line_and_exit_1(tmp_path, multi30k_slice, spm_model, monkeypatch):
-    config = write_config(tmp_path / "c.yaml", small_config(multi30k_slice, spm_model, max_steps=6))
+def test_cli_nonfinite_failure_is_one_error_line_and_exit_1(tmp_path, corpus_files, spm_model, monkeypatch):
+    config = write_config(tmp_path / "c.yaml", small_config(corpus_files, spm_model, max_steps=6))
     Faults(monkeypatch, at(3))
     args = ["train", str(config), "--out", str(tmp_path / "run"), "--set", "train.nonfinite=stop"]
     result = CliRunner().invoke(app, args)
@@ -408,8 +410,8 @@ def test_cli_nonfinite_failure_is_one_error_line_and_exit_1(tmp_path, multi30k_s
     assert result.exception is None or isinstance(result.exception, SystemExit)
 
 
-def test_cli_dry_run_shows_the_training_flags(tmp_path, multi30k_slice, spm_model):
-    config = write_config(tmp_path / "c.yaml", small_config(multi30k_slice, spm_model, max_steps=6))
+def test_cli_dry_run_shows_the_training_flags(tmp_path, corpus_files, spm_model):
+    config = write_config(tmp_path / "c.yaml", small_config(corpus_files, spm_model, max_steps=6))
     flags = ["--save-every", "7", "--keep-last", "3", "--precision", "bf16", "--compile", "--tensorboard"]
     result = CliRunner().invoke(app, ["train", str(config), "--out", str(tmp_path / "run"), "--dry-run", *flags])
     assert result.exit_code == 0, result.output
@@ -426,10 +428,10 @@ def test_cli_dry_run_shows_the_training_flags(tmp_path, multi30k_slice, spm_mode
 
 @pytest.mark.parametrize("target", ["checkpoints", "best"])
 def test_a_failing_disk_write_keeps_the_last_checkpoint_and_stops_with_the_reason(
-    tmp_path, multi30k_slice, spm_model, monkeypatch, target
+    tmp_path, corpus_files, spm_model, monkeypatch, target
 ):
     """The second save into RUN/checkpoints (or of RUN/best) hits a full disk: the first stays whole and loadable."""
-    cfg = small_config(multi30k_slice, spm_model, max_steps=6, valid_every=2)
+    cfg = small_config(corpus_files, spm_model, max_steps=6, valid_every=2)
     config = write_config(tmp_path / "c.yaml", cfg)
     run = tmp_path / "run"
     real_write_bytes = Path.write_bytes
@@ -476,13 +478,13 @@ def cli_train(config, run, *args):
     return CliRunner().invoke(app, ["train", str(config), "--out", str(run), *map(str, args)])
 
 
-def test_a_validation_pair_longer_than_the_positions_is_left_out_of_the_loss(tmp_path, multi30k_slice, spm_model):
+def test_a_validation_pair_longer_than_the_positions_is_left_out_of_the_loss(tmp_path, corpus_files, spm_model):
     """Such a pair once crashed every first validation with a ValueError, so the run could never pass it."""
     long_valid = tmp_path / "val.de"
-    lines = multi30k_slice["val.de"].read_text().splitlines()
+    lines = corpus_files["val.de"].read_text().splitlines()
     lines[3] = " ".join(lines[:40])  # far over 64 positions
     long_valid.write_text("\n".join(lines) + "\n")
-    cfg = small_config(multi30k_slice, spm_model, max_steps=4, valid_every=2, valid_bleu=True, best_metric="bleu")
+    cfg = small_config(corpus_files, spm_model, max_steps=4, valid_every=2, valid_bleu=True, best_metric="bleu")
     raw = cfg.to_dict()
     raw["data"].update(valid_tgt=str(long_valid), max_tokens=60)
     raw["model"]["max_positions"] = 64
@@ -495,11 +497,11 @@ def test_a_validation_pair_longer_than_the_positions_is_left_out_of_the_loss(tmp
     assert [e["step"] for e in events(tmp_path / "run", "valid")] == [2, 4]
 
 
-def test_a_validation_set_with_an_empty_side_is_refused_before_any_update(tmp_path, multi30k_slice, spm_model):
+def test_a_validation_set_with_an_empty_side_is_refused_before_any_update(tmp_path, corpus_files, spm_model):
     """All-blank references once ended the first validation in a ZeroDivisionError."""
     blank = tmp_path / "blank.de"
     blank.write_text("\n" * 40)
-    raw = small_config(multi30k_slice, spm_model, max_steps=4, valid_every=2).to_dict()
+    raw = small_config(corpus_files, spm_model, max_steps=4, valid_every=2).to_dict()
     raw["data"]["valid_tgt"] = str(blank)
     result = cli_train(write_config(tmp_path / "c.yaml", from_dict(raw)), tmp_path / "run")
     assert result.exit_code == 1 and result.stderr.strip().splitlines()[-1].startswith("error: "), result.output
@@ -507,10 +509,10 @@ def test_a_validation_set_with_an_empty_side_is_refused_before_any_update(tmp_pa
     assert checkpoint.latest(tmp_path / "run") is None
 
 
-def test_the_checkpoint_of_an_update_is_saved_before_its_validation(tmp_path, multi30k_slice, spm_model, monkeypatch):
+def test_the_checkpoint_of_an_update_is_saved_before_its_validation(tmp_path, corpus_files, spm_model, monkeypatch):
     """A validation that fails costs no training: the resumed run validates that update first, then goes on
     exactly as an uninterrupted run does."""
-    cfg = small_config(multi30k_slice, spm_model, max_steps=6, valid_every=2, save_every=2, log_every=1)
+    cfg = small_config(corpus_files, spm_model, max_steps=6, valid_every=2, save_every=2, log_every=1)
     config = write_config(tmp_path / "c.yaml", without_dropout(cfg))
     original = Trainer.validate
 
@@ -539,23 +541,23 @@ def test_the_checkpoint_of_an_update_is_saved_before_its_validation(tmp_path, mu
     assert again.exit_code == 0 and [e["step"] for e in events(tmp_path / "run", "valid")] == [2, 4, 6]
 
 
-def test_the_last_checkpoint_is_written_once(tmp_path, multi30k_slice, spm_model, monkeypatch):
+def test_the_last_checkpoint_is_written_once(tmp_path, corpus_files, spm_model, monkeypatch):
     """With train.max_steps a multiple of train.save_every (the shipped recipe) it was written twice."""
     saved = []
     real_save = checkpoint.save_in_run
     monkeypatch.setattr(checkpoint, "save_in_run", lambda run, step, *a: saved.append(step) or real_save(run, step, *a))
-    cfg = small_config(multi30k_slice, spm_model, max_steps=6, valid_every=3, save_every=3)
+    cfg = small_config(corpus_files, spm_model, max_steps=6, valid_every=3, save_every=3)
     assert cli_train(write_config(tmp_path / "c.yaml", cfg), tmp_path / "run").exit_code == 0
     assert saved == [3, 6]
 
 
-def test_a_disk_that_fills_up_inside_torch_save_stops_training_with_the_reason(tmp_path, multi30k_slice, spm_model):
+def test_a_disk_that_fills_up_inside_torch_save_stops_training_with_the_reason(tmp_path, corpus_files, spm_model):
     """torch.save reports a failed write as RuntimeError 'unexpected pos', which once became a traceback.
 
     The file-size limit of the process (RLIMIT_FSIZE) makes the kernel fail writes beyond it, as a full
     disk does; it sits between the weights' size and the training state's, so the state fails.
     """
-    raw = small_config(multi30k_slice, spm_model, max_steps=2, save_every=2).to_dict()
+    raw = small_config(corpus_files, spm_model, max_steps=2, save_every=2).to_dict()
     raw["model"].update(d_model=128, ffn=512)  # weights well above the tokenizer's size, which is copied too
     cfg = from_dict(raw)
     config = write_config(tmp_path / "c.yaml", cfg)
@@ -583,8 +585,8 @@ def build_model_of(cfg):
     return build_model(cfg.model, 300, 300, 0)
 
 
-def test_a_refused_resume_leaves_the_config_that_describes_the_checkpoints(tmp_path, multi30k_slice, spm_model):
-    config = write_config(tmp_path / "c.yaml", small_config(multi30k_slice, spm_model, max_steps=2))
+def test_a_refused_resume_leaves_the_config_that_describes_the_checkpoints(tmp_path, corpus_files, spm_model):
+    config = write_config(tmp_path / "c.yaml", small_config(corpus_files, spm_model, max_steps=2))
     run = tmp_path / "run"
     assert cli_train(config, run).exit_code == 0
     before = (run / "config.yaml").read_text()
@@ -593,9 +595,9 @@ def test_a_refused_resume_leaves_the_config_that_describes_the_checkpoints(tmp_p
     assert (run / "config.yaml").read_text() == before
 
 
-def test_starting_a_training_leaves_other_programs_temporary_files_alone(tmp_path, multi30k_slice, spm_model):
+def test_starting_a_training_leaves_other_programs_temporary_files_alone(tmp_path, corpus_files, spm_model):
     """It once deleted every .*.tmp in the run directory, so a `translate -o RUN/x` running beside it lost its work."""
-    config = write_config(tmp_path / "c.yaml", small_config(multi30k_slice, spm_model, max_steps=2))
+    config = write_config(tmp_path / "c.yaml", small_config(corpus_files, spm_model, max_steps=2))
     run = tmp_path / "run"
     assert cli_train(config, run).exit_code == 0
     others = [run / ".test.hyp.de.k2j4x9q1.tmp", run / ".avg.safetensors.abcdefgh.tmp"]
@@ -607,9 +609,9 @@ def test_starting_a_training_leaves_other_programs_temporary_files_alone(tmp_pat
     assert all(path.exists() for path in others) and not any(path.exists() for path in mine)
 
 
-def test_the_first_log_line_after_a_resume_is_the_mean_an_uninterrupted_run_logs(tmp_path, multi30k_slice, spm_model):
+def test_the_first_log_line_after_a_resume_is_the_mean_an_uninterrupted_run_logs(tmp_path, corpus_files, spm_model):
     """It once averaged only the updates since the resume."""
-    cfg = without_dropout(small_config(multi30k_slice, spm_model, max_steps=8, save_every=3, log_every=4))
+    cfg = without_dropout(small_config(corpus_files, spm_model, max_steps=8, save_every=3, log_every=4))
     config = write_config(tmp_path / "c.yaml", cfg)
     assert cli_train(config, tmp_path / "straight").exit_code == 0
     assert cli_train(config, tmp_path / "run", "--set", "train.max_steps=3").exit_code == 0  # stops at update 3

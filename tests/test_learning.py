@@ -1,4 +1,9 @@
-"""A tiny Transformer must actually learn: reversing random sequences to >= 95% exact match."""
+"""A tiny Transformer must actually learn: reversing random sequences to >= 95% exact match.
+
+The margin is sized on seeds: training is chaotic, so a CPU whose kernels round differently ends where another
+seed would. Over seeds 0-5 of weights and data, 1,000 updates reached 99.5-100% exact match (on an AMD EPYC);
+600 updates gave 84-99.5%, and an Intel Xeon got 94% at seed 0 where that EPYC got 99%.
+"""
 
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ def test_tiny_transformer_learns_to_reverse():
         src = sequences(64, g)
         return src, [s[::-1] for s in src]
 
-    model = train_on_task(tiny_model(VOCAB, seed=0, d_model=64, ffn=128), reversal, 600, 3e-3, 100)
+    model = train_on_task(tiny_model(VOCAB, seed=0, d_model=64, ffn=128), reversal, 1000, 3e-3, 100)
     test = sequences(200, torch.Generator().manual_seed(123))
     src, mask = source_tensor(test)
     expected = [s[::-1] for s in test]

@@ -124,10 +124,10 @@ def test_blockwise_local_attention_equals_the_banded_mask(relative, causal):
 
 
 @pytest.mark.parametrize("positions, window", [("relative", 2), ("rotary", 0)])
-def test_variants_train_and_translate_through_the_cli(tmp_path, multi30k_slice, positions, window):
+def test_variants_train_and_translate_through_the_cli(tmp_path, corpus_files, positions, window):
     model = {"encoder_layers": 1, "decoder_layers": 1, "d_model": 32, "heads": 2, "ffn": 64}
     model.update(positions=positions, attention_window=window)
-    config = write_config(tmp_path / "c.yaml", multi30k_slice, model=model, train={"max_steps": 4, "valid_every": 2})
+    config = write_config(tmp_path / "c.yaml", corpus_files, model=model, train={"max_steps": 4, "valid_every": 2})
     assert invoke("train", config, "--out", tmp_path / "run").exit_code == 0
     result = invoke("translate", tmp_path / "run", "--beam", 2, input="A dog runs.\n\nTwo men sit.\n")
     assert result.exit_code == 0, result.output

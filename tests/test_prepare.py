@@ -1,4 +1,8 @@
-"""`mtkit prepare` and data_scripts/ against local mirrors: a folder, file:// and a loopback HTTP server."""
+"""`mtkit prepare` and data_scripts/ against local mirrors: a folder, file:// and a loopback HTTP server.
+
+The mirrors hold captions (tests/captions.py) in the published files' layout; the catalogue of each test expects
+their digests (the ``multi30k_mirror`` fixture).
+"""
 
 from __future__ import annotations
 
@@ -11,10 +15,10 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import captions
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import DATA, MULTI30K, read_gz
 from test_cli import invoke
 
 from mtkit import download
@@ -22,7 +26,6 @@ from mtkit.corpora import CORPORA
 from mtkit.hf_corpus import HubCorpus
 
 REPO = Path(__file__).resolve().parents[1]
-WMT22 = DATA / "wmt22"
 
 
 @pytest.fixture(autouse=True)
@@ -34,49 +37,62 @@ def lines(path: Path) -> list[str]:
     return path.read_text(encoding="utf-8").splitlines()
 
 
-def test_multi30k_from_a_folder_mirror_is_complete_aligned_and_prepared_once(tmp_path):
+def read_gz(path: Path) -> list[str]:
+    return gzip.decompress(path.read_bytes()).decode().splitlines()
+
+
+TRAIN_READ = captions.MIRROR_SPLITS["train"] + 3  # the captions and the three pairs added for cleaning to drop
+TEST_LINES = captions.MIRROR_SPLITS["test_2016_flickr"]
+
+
+def test_multi30k_from_a_folder_mirror_is_complete_aligned_and_prepared_once(tmp_path, multi30k_mirror):
     out = tmp_path / "m30k"
-    result = invoke("prepare", "multi30k_en_de", "--out", out, "--mirror", MULTI30K)
+    result = invoke("prepare", "multi30k_en_de", "--out", out, "--mirror", multi30k_mirror)
     assert result.exit_code == 0, result.output
     # valid and test are written as published; train is cleaned, and the record adds up.
-    assert lines(out / "test.de") == read_gz(MULTI30K / "test_2016_flickr.de.gz")
-    assert lines(out / "valid.en") == read_gz(MULTI30K / "val.en.gz")
+    assert lines(out / "test.de") == read_gz(multi30k_mirror / "test_2016_flickr.de.gz")
+    assert lines(out / "valid.en") == read_gz(multi30k_mirror / "val.en.gz")
     record = json.loads((out / "prepare.json").read_text())
     train = record["splits"]["train"]
-    assert train["clean"]["read"] == 29_000
+    assert train["clean"] == dict(
+        read=TRAIN_READ, kept=TRAIN_READ - 3, empty=1, too_short=0, too_long=0, ratio=1, duplicate=1, changed=1
+    )
     assert train["lines"] == train["clean"]["kept"] == len(lines(out / "train.en")) == len(lines(out / "train.de"))
-    drops = sum(train["clean"][k] for k in ("empty", "too_short", "too_long", "ratio", "duplicate"))
-    assert train["clean"]["kept"] + drops == 29_000 and 28_000 < train["lines"] < 29_000
-    assert record["splits"]["test"]["lines"] == 1000
-    assert "multi30k_en_de in" in result.stdout and "test 1,000" in result.stdout
-    assert "INFO preparing multi30k_en_de train: 29,000 pairs in " in result.stderr  # stderr is no terminal
+    first = read_gz(multi30k_mirror / "train.en.gz")[0]
+    assert lines(out / "train.en")[0] == " ".join(first.split()) != first  # normalised
+    assert record["splits"]["test"]["lines"] == TEST_LINES
+    assert "multi30k_en_de in" in result.stdout and f"test {TEST_LINES:,}" in result.stdout
+    assert f"INFO preparing multi30k_en_de train: {TRAIN_READ:,} pairs in " in result.stderr  # stderr is no terminal
 
     # The same request again changes nothing; another cleaning setting prepares again.
     stamps = {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.is_file()}
-    again = invoke("prepare", "multi30k_en_de", "--out", out, "--mirror", MULTI30K)
+    again = invoke("prepare", "multi30k_en_de", "--out", out, "--mirror", multi30k_mirror)
     assert again.exit_code == 0 and "already prepared" in again.stderr
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.is_file()} == stamps
-    invoke("prepare", "multi30k_en_de", "--out", out, "--mirror", MULTI30K, "--no-dedupe")
-    assert json.loads((out / "prepare.json").read_text())["settings"]["clean"]["dedupe"] is False
+    invoke("prepare", "multi30k_en_de", "--out", out, "--mirror", multi30k_mirror, "--no-dedupe")
+    record = json.loads((out / "prepare.json").read_text())
+    assert record["settings"]["clean"]["dedupe"] is False and record["splits"]["train"]["clean"]["duplicate"] == 0
 
 
-def test_reversed_direction_swaps_the_sides(tmp_path):
+def test_reversed_direction_swaps_the_sides(tmp_path, multi30k_mirror):
     out = tmp_path / "de_en"
-    assert invoke("prepare", "multi30k_de_en", "--out", out, "--mirror", f"file://{MULTI30K}").exit_code == 0
-    assert lines(out / "test.de") == read_gz(MULTI30K / "test_2016_flickr.de.gz")
+    assert invoke("prepare", "multi30k_de_en", "--out", out, "--mirror", f"file://{multi30k_mirror}").exit_code == 0
+    assert lines(out / "test.de") == read_gz(multi30k_mirror / "test_2016_flickr.de.gz")
     assert (out / "train.de").is_file() and not (out / "train.fr").exists()
 
 
-def test_a_corrupted_mirror_file_is_refused_in_one_line(tmp_path):
+def test_a_corrupted_mirror_file_is_refused_in_one_line(tmp_path, multi30k_mirror):
+    from mtkit.corpora import _MULTI30K_SHA256
+
     mirror = tmp_path / "mirror"
     mirror.mkdir()
     for name in ("train.en.gz", "train.de.gz", "val.en.gz", "val.de.gz"):
-        (mirror / name).write_bytes((MULTI30K / name).read_bytes())
-    (mirror / "val.de.gz").write_bytes(gzip.compress(b"Ein Hund.\n" * 1014))  # not the published file
+        (mirror / name).write_bytes((multi30k_mirror / name).read_bytes())
+    (mirror / "val.de.gz").write_bytes(gzip.compress(b"Ein Hund.\n" * 100))  # not the published file
     result = invoke("prepare", "multi30k_en_de", "--out", tmp_path / "out", "--mirror", mirror)
     assert result.exit_code == 1 and "Traceback" not in result.stderr
     [line] = [row for row in result.stderr.splitlines() if row.startswith("error:")]
-    assert "val.de.gz" in line and "f0cba2f995189cf5" in line
+    assert "val.de.gz" in line and _MULTI30K_SHA256["val.de.gz"][:16] in line
     assert not (tmp_path / "out" / "prepare.json").exists()
 
 
@@ -130,8 +146,8 @@ def prepare_from_server(handler: type, corpus: str, out: Path):
         server.server_close()
 
 
-def test_http_mirror_with_an_interrupted_transfer_resumes_it(tmp_path):
-    files = {p.name: p.read_bytes() for p in MULTI30K.glob("*.gz")}
+def test_http_mirror_with_an_interrupted_transfer_resumes_it(tmp_path, multi30k_mirror):
+    files = {p.name: p.read_bytes() for p in multi30k_mirror.glob("*.gz")}
     handler = type("Handler", (_Files,), {"files": files, "cut": "train.de.gz", "seen": []})
     result = prepare_from_server(handler, "multi30k_en_de", tmp_path / "out")
     assert result.exit_code == 0, result.output
@@ -140,10 +156,10 @@ def test_http_mirror_with_an_interrupted_transfer_resumes_it(tmp_path):
     assert (tmp_path / "out" / "raw" / "train.de.gz").read_bytes() == files["train.de.gz"]
 
 
-def test_a_download_of_unknown_size_cut_short_is_completed_not_kept(tmp_path):
+def test_a_download_of_unknown_size_cut_short_is_completed_not_kept(tmp_path, multi30k_mirror):
     """A body without Content-Length that ended early was once taken as the whole file; now mtkit asks for what
     follows, and the file is completed (and passes its checksum)."""
-    files = {p.name: p.read_bytes() for p in MULTI30K.glob("*.gz")}
+    files = {p.name: p.read_bytes() for p in multi30k_mirror.glob("*.gz")}
     handler = type("Handler", (_Files,), {"files": files, "cut": "", "seen": [], "unsized": "train.de.gz"})
     result = prepare_from_server(handler, "multi30k_en_de", tmp_path / "out")
     assert result.exit_code == 0, result.output
@@ -199,11 +215,11 @@ def hub_clone(root: Path, dataset: HubCorpus, pairs: dict[str, list[tuple[str, s
         (repo / "README.md").write_text(card(folders), encoding="utf-8")
 
 
-def wmt22_pairs(corpus) -> dict[str, list[tuple[str, str]]]:
-    """WMT22 En-De lines (a stand-in for every Hub corpus: only the form matters here) per dataset split, as
+def hub_pairs(corpus) -> dict[str, list[tuple[str, str]]]:
+    """En-De captions (a stand-in for every Hub corpus: only the form matters here) per dataset split, as
     (first, second language of the dataset's folder name); one train segment holds a line break."""
-    english = read_gz(WMT22 / "generaltest2022.en-de.src.en.gz")
-    german = read_gz(WMT22 / "generaltest2022.en-de.ref.A.de.gz")
+    text = captions.parallel(sum(SPLIT_SIZES.values()), seed=22)
+    english, german = text["en"], text["de"]
     english[0] += "\nsecond line"
     first = (corpus.dataset.config or corpus.dataset.data_dir).removeprefix("iwslt2017-").split("-")[0]
     ordered = list(zip(english, german) if first == "en" else zip(german, english))
@@ -218,7 +234,7 @@ def wmt22_pairs(corpus) -> dict[str, list[tuple[str, str]]]:
 def test_hub_corpora_prepare_from_a_mirror_of_their_repository_once(tmp_path, name):
     corpus = CORPORA[name]
     folder_langs = (corpus.dataset.config or corpus.dataset.data_dir).removeprefix("iwslt2017-").split("-")
-    pairs = wmt22_pairs(corpus)
+    pairs = hub_pairs(corpus)
     hub_clone(tmp_path / "mirror", corpus.dataset, pairs, shards=3 if name.startswith("wmt14") else 1)
     # As (source, target): the folder names the languages in its own order, not the corpus's.
     expected = {split: [p if folder_langs == list(corpus.langs) else p[::-1] for p in split_pairs]
@@ -259,7 +275,7 @@ def test_hub_corpora_prepare_from_a_mirror_of_their_repository_once(tmp_path, na
 @pytest.mark.usefixtures("hf_offline")
 def test_on_a_terminal_each_hub_split_shows_its_pairs_out_of_the_dataset_rows(tmp_path, terminal):
     corpus = CORPORA["wmt16_en_ro"]
-    english = read_gz(WMT22 / "generaltest2022.en-de.src.en.gz")
+    english = captions.parallel(120, seed=23, langs=("en",))["en"]
     sizes = {"train": 120, "validation": 50, "test": 40}
     hub_clone(tmp_path / "mirror", corpus.dataset, {s: [(e, e[::-1]) for e in english[:n]] for s, n in sizes.items()})
     result = invoke("prepare", "wmt16_en_ro", "--out", tmp_path / "out", "--mirror", tmp_path / "mirror")
@@ -308,14 +324,28 @@ def test_list_and_bad_requests(tmp_path):
     assert line == f"error: mirror {tmp_path / 'empty'}: no folder wmt/wmt14 (a clone of the Hub dataset repository)"
 
 
-def test_data_script_runs_prepare_with_its_arguments(tmp_path):
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+def test_data_script_runs_prepare_with_its_arguments(tmp_path, mirror_files):
+    """The script runs the `mtkit` on PATH: here one whose catalogue expects the mirror's digests."""
+    mirror, digests = mirror_files
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "mtkit").write_text(
+        f"#!{sys.executable}\n"
+        "from mtkit import corpora\n"
+        f"corpora._MULTI30K_SHA256.update({digests!r})\n"
+        "corpora.CORPORA.update(corpora._catalogue())\n"
+        "from mtkit.cli import main\n"  # not mtkit.launch, whose restart under mimalloc would drop the digests
+        "main()\n"
+    )
+    (bin_dir / "mtkit").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     out = tmp_path / "fr"
     done = subprocess.run(
-        ["bash", str(REPO / "data_scripts" / "multi30k.sh"), "en-fr", str(out), "--mirror", str(MULTI30K)],
+        ["bash", str(REPO / "data_scripts" / "multi30k.sh"), "en-fr", str(out), "--mirror", str(mirror)],
         capture_output=True,
         text=True,
         env=env,
     )
     assert done.returncode == 0, done.stderr
-    assert lines(out / "test.fr") == read_gz(MULTI30K / "test_2016_flickr.fr.gz")
+    assert lines(out / "test.fr") == read_gz(mirror / "test_2016_flickr.fr.gz")
+    assert lines(out / "test.en") == read_gz(mirror / "test_2016_flickr.en.gz")

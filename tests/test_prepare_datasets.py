@@ -1,5 +1,5 @@
 """`mtkit prepare hf:...`: local folders laid out as Hub dataset repositories, and data files, through
-``datasets``, offline, on slices of the real Multi30k text."""
+``datasets``, offline, on captions (tests/captions.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import json
 import re
 from pathlib import Path
 
+import captions
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import MULTI30K, read_gz
 from test_cli import invoke
 
 import mtkit
@@ -30,16 +30,16 @@ configs:
   - split: test
     path: de-en/test-*
 ---
-Multi30k slices, laid out as a Hub dataset repository.
+Captions, laid out as a Hub dataset repository.
 """
 SIZES = {"train": 200, "validation": 30, "test": 30}
-PREFIXES = {"train": "train", "validation": "val", "test": "test_2016_flickr"}
+_CAPTIONS = captions.parallel(sum(SIZES.values()), seed=40)
 
 
-def multi30k(split: str) -> list[tuple[str, str]]:
-    """(en, de) pairs: the first lines of a Multi30k split (train, validation or test)."""
-    prefix, n = PREFIXES[split], SIZES[split]
-    return list(zip(read_gz(MULTI30K / f"{prefix}.en.gz", n), read_gz(MULTI30K / f"{prefix}.de.gz", n)))
+def caption_pairs(split: str) -> list[tuple[str, str]]:
+    """(en, de) caption pairs of a split (train, validation or test), as a Multi30k-like corpus would give."""
+    start = sum(list(SIZES.values())[: list(SIZES).index(split)])
+    return list(zip(*(_CAPTIONS[lang][start : start + SIZES[split]] for lang in ("en", "de"))))
 
 
 def lines(path: Path) -> list[str]:
@@ -51,7 +51,7 @@ def hub_repository(folder: Path) -> Path:
     (folder / "de-en").mkdir(parents=True)
     (folder / "README.md").write_text(CARD, encoding="utf-8")
     for split in SIZES:
-        pairs = multi30k(split)
+        pairs = caption_pairs(split)
         shards = [pairs[:100], pairs[100:]] if split == "train" else [pairs]
         for i, shard in enumerate(shards):
             rows = [{"translation": {"de": de, "en": en}} for en, de in shard]
@@ -65,8 +65,8 @@ def test_a_local_hub_repository_with_a_translation_column_is_prepared_once_and_r
     result = invoke("prepare", f"hf:{repo}", "--config", "de-en", "--langpair", "en-de", "--out", out)
     assert result.exit_code == 0, result.output
     assert f"hf:{repo} in {out}: train 200, valid 30, test 30 lines" in result.stdout
-    assert lines(out / "valid.en") == [en for en, _ in multi30k("validation")]
-    assert lines(out / "test.de") == [de for _, de in multi30k("test")]
+    assert lines(out / "valid.en") == [en for en, _ in caption_pairs("validation")]
+    assert lines(out / "test.de") == [de for _, de in caption_pairs("test")]
     assert len(lines(out / "train.en")) == len(lines(out / "train.de")) == 200  # these 200 pass cleaning
 
     record = json.loads((out / "prepare.json").read_text())
@@ -94,14 +94,14 @@ def test_flat_columns_are_named_by_src_and_tgt_column(tmp_path):
     repo = tmp_path / "flores"
     repo.mkdir()
     for split in SIZES:
-        english, german = zip(*multi30k(split))
+        english, german = zip(*caption_pairs(split))
         table = pa.table({"id": range(len(english)), "sentence_eng_Latn": english, "sentence_deu_Latn": german})
         pq.write_table(table, repo / f"{split}.parquet")
     columns = ["--src-column", "sentence_deu_Latn", "--tgt-column", "sentence_eng_Latn"]
     result = invoke("prepare", f"hf:{repo}", "--langpair", "de-en", *columns, "--out", tmp_path / "out")
     assert result.exit_code == 0, result.output
-    assert lines(tmp_path / "out" / "test.de") == [de for _, de in multi30k("test")]
-    assert lines(tmp_path / "out" / "test.en") == [en for en, _ in multi30k("test")]
+    assert lines(tmp_path / "out" / "test.de") == [de for _, de in caption_pairs("test")]
+    assert lines(tmp_path / "out" / "test.en") == [en for en, _ in caption_pairs("test")]
 
 
 def test_data_dir_picks_one_corpus_of_a_repository_that_holds_several(tmp_path):
@@ -110,12 +110,14 @@ def test_data_dir_picks_one_corpus_of_a_repository_that_holds_several(tmp_path):
     for corpus, swap in (("m30k-en-de", False), ("m30k-de-en", True)):
         for split in SIZES:
             (repo / corpus / split).mkdir(parents=True)
-            rows = [{"translation": {"en": de if swap else en, "de": en if swap else de}} for en, de in multi30k(split)]
+            rows = [
+                {"translation": {"en": de if swap else en, "de": en if swap else de}} for en, de in caption_pairs(split)
+            ]
             pq.write_table(pa.Table.from_pylist(rows), repo / corpus / split / "0000.parquet")
     out = tmp_path / "out"
     result = invoke("prepare", f"hf:{repo}", "--data-dir", "m30k-en-de", "--langpair", "en-de", "--out", out)
     assert result.exit_code == 0, result.output
-    assert lines(out / "test.en") == [en for en, _ in multi30k("test")]
+    assert lines(out / "test.en") == [en for en, _ in caption_pairs("test")]
     assert json.loads((out / "prepare.json").read_text())["source"]["data_dir"] == "m30k-en-de"
 
 
@@ -123,12 +125,12 @@ def test_jsonl_data_files_with_columns_named_by_language(tmp_path):
     files = []
     for split in SIZES:
         path = tmp_path / f"{split}.jsonl"
-        rows = (json.dumps({"en": en, "de": de}, ensure_ascii=False) for en, de in multi30k(split))
+        rows = (json.dumps({"en": en, "de": de}, ensure_ascii=False) for en, de in caption_pairs(split))
         path.write_text("\n".join(rows) + "\n", encoding="utf-8")
         files += ["--data-files", f"{split}={path}"]
     result = invoke("prepare", "hf:json", *files, "--langpair", "en-de", "--out", tmp_path / "out")
     assert result.exit_code == 0, result.output
-    assert lines(tmp_path / "out" / "valid.de") == [de for _, de in multi30k("validation")]
+    assert lines(tmp_path / "out" / "valid.de") == [de for _, de in caption_pairs("validation")]
     record = json.loads((tmp_path / "out" / "prepare.json").read_text())
     assert record["source"]["data_files"]["test"][0]["sha256"] == file_sha256(tmp_path / "test.jsonl")
 
@@ -142,7 +144,7 @@ def test_csv_and_tsv_data_files(tmp_path, delimiter):
         with open(path, "w", encoding="utf-8", newline="") as f:
             writer = csv.writer(f, delimiter=delimiter)
             writer.writerow(["source", "target"])
-            writer.writerows(multi30k(split))
+            writer.writerows(caption_pairs(split))
         files += ["--data-files", f"{split}={path}"]
     columns = ["--src-column", "source", "--tgt-column", "target"]
     result = invoke(
@@ -150,7 +152,7 @@ def test_csv_and_tsv_data_files(tmp_path, delimiter):
         "--out", tmp_path / "out",
     )  # fmt: skip
     assert result.exit_code == 0, result.output
-    assert lines(tmp_path / "out" / "test.en") == [en for en, _ in multi30k("test")]
+    assert lines(tmp_path / "out" / "test.en") == [en for en, _ in caption_pairs("test")]
     assert not (tmp_path / "out" / "valid.en").exists()
 
 
@@ -183,7 +185,7 @@ def test_an_unknown_dataset_offline_is_one_error_line(tmp_path):
 
 
 def test_a_row_without_text_on_one_side_is_named(tmp_path):
-    rows = [{"en": en, "de": de} for en, de in multi30k("test")]
+    rows = [{"en": en, "de": de} for en, de in caption_pairs("test")]
     rows[2]["de"] = None
     path = tmp_path / "test.jsonl"
     path.write_text("\n".join(json.dumps(row) for row in rows) + "\n", encoding="utf-8")
@@ -196,9 +198,10 @@ def test_a_row_without_text_on_one_side_is_named(tmp_path):
 
 
 def test_rows_keep_their_order_across_shards_row_groups_and_batches_and_a_missing_side_is_named(tmp_path):
-    """20,000 Multi30k pairs in two parquet shards of 3,000-row groups, read back through the Arrow cache's
+    """20,000 caption pairs in two parquet shards of 3,000-row groups, read back through the Arrow cache's
     10,000-row batches: every pair in its place; then one side missing in the second shard, named by its row."""
-    pairs = list(zip(read_gz(MULTI30K / "train.en.gz", 20_000), read_gz(MULTI30K / "train.de.gz", 20_000)))
+    text = captions.parallel(20_000, seed=41)
+    pairs = list(zip(text["en"], text["de"]))
     repo = tmp_path / "repo"
 
     def write_shards() -> None:

@@ -1,5 +1,5 @@
-"""`mtkit run`: a tiny recipe end to end on Multi30k from its mirror, then again with nothing to redo,
-and again after changing what the average or the translation depends on."""
+"""`mtkit run`: a tiny recipe end to end on a Multi30k mirror (of captions, tests/captions.py), then again with
+nothing to redo, and again after changing what the average or the translation depends on."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import hashlib
 import json
 import shutil
 
+import captions
 import pytest
 import yaml
-from conftest import MULTI30K
 from test_cli import TINY_MODEL, invoke
 
 
@@ -38,9 +38,9 @@ def tiny_recipe(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def first_run(tiny_recipe, tmp_path_factory):
+def first_run(tiny_recipe, tmp_path_factory, multi30k_mirror):
     out = tmp_path_factory.mktemp("run") / "tiny"
-    result = invoke("run", tiny_recipe, "--out", out, "--mirror", MULTI30K)
+    result = invoke("run", tiny_recipe, "--out", out, "--mirror", multi30k_mirror)
     assert result.exit_code == 0, result.output
     return out, result
 
@@ -56,14 +56,46 @@ def test_a_recipe_runs_end_to_end_and_reports(first_run):
     assert report["reproduced"] == (0.0 <= bleu <= 5.0)
     assert report["model"].endswith("average-last2.safetensors")
     assert report["training"]["updates"] == 6 and [v["step"] for v in report["training"]["validations"]] == [3, 6]
-    assert len((out / "test.hyp.de").read_text().splitlines()) == 1000
+    assert len((out / "test.hyp.de").read_text().splitlines()) == captions.MIRROR_SPLITS["test_2016_flickr"]
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     markdown = (out / "report.md").read_text()
     assert f"Test BLEU {bleu:.2f}" in markdown and "![training curves](curves.png)" in markdown
     assert result.stdout.strip() == markdown.strip()
 
 
-def test_a_second_run_redoes_nothing_and_judges_a_new_range(first_run, tiny_recipe):
+def test_the_report_says_where_training_ran_in_what_precision_and_what_stopped_it(first_run):
+    """The tiny recipe sets no precision: training runs in auto, which the report resolves and explains."""
+    import torch
+
+    from mtkit.runtime import choose_precision, cpu_features, hardware
+
+    out, _ = first_run
+    report = json.loads((out / "report.json").read_text())
+    choice = choose_precision("auto", "cpu", cpu_features(), False)
+    assert report["training"]["machines"] == [
+        {"step": 0, "hardware": hardware(torch.device("cpu")), "precision": choice.precision, "reason": choice.reason}
+    ]
+    stop = {"stopped_by": "max_steps", "reason": "reached train.max_steps 6", "max_steps": 6}
+    assert report["training"]["stop"] == stop
+    assert report["verdict"] == ("reproduced" if report["reproduced"] else "not reproduced")
+    markdown = (out / "report.md").read_text()
+    assert f"Trained on {hardware(torch.device('cpu'))}, in {choice.precision} ({choice.reason})." in markdown
+
+
+def test_a_run_cut_short_by_max_time_is_incomplete_whatever_its_score(tiny_recipe, tmp_path, multi30k_mirror):
+    out = tmp_path / "short"
+    limits = ["--set", "train.max_time=1e-6", "--set", "recipe.bleu_min=0", "--set", "recipe.bleu_max=100"]
+    result = invoke("run", tiny_recipe, "--out", out, "--mirror", multi30k_mirror, *limits)
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "report.json").read_text())
+    reason = "stopped by train.max_time (1e-06 min) at update 1 of 6"
+    assert report["training"]["stop"] == {"stopped_by": "max_time", "reason": reason, "max_steps": 6}
+    assert report["verdict"] == "incomplete" and report["reproduced"] is None  # though 0 <= BLEU <= 100
+    assert f"**incomplete**: training {reason}" in (out / "report.md").read_text()
+    assert "reproduced" not in (out / "report.md").read_text()
+
+
+def test_a_second_run_redoes_nothing_and_judges_a_new_range(first_run, tiny_recipe, multi30k_mirror):
     out, _ = first_run
     hyp_stamp = (out / "test.hyp.de").stat().st_mtime_ns
     result = invoke(
@@ -72,7 +104,7 @@ def test_a_second_run_redoes_nothing_and_judges_a_new_range(first_run, tiny_reci
         "--out",
         out,
         "--mirror",
-        MULTI30K,
+        multi30k_mirror,
         "--set",
         "recipe.bleu_min=30",
         "--set",
@@ -91,10 +123,12 @@ def test_a_second_run_redoes_nothing_and_judges_a_new_range(first_run, tiny_reci
     assert report["reproduced"] is False and "**NOT reproduced** (expected 30-100" in result.stdout
 
 
-def test_a_second_run_directory_uses_the_same_prepared_corpus(first_run, tiny_recipe, tmp_path):
+def test_a_second_run_directory_uses_the_same_prepared_corpus(first_run, tiny_recipe, tmp_path, multi30k_mirror):
     """One download and one prepared copy for every run of a recipe, outside the run directories."""
     first = json.loads((first_run[0] / "report.json").read_text())
-    result = invoke("run", tiny_recipe, "--out", tmp_path / "other", "--mirror", MULTI30K, "--set", "train.max_steps=3")
+    result = invoke(
+        "run", tiny_recipe, "--out", tmp_path / "other", "--mirror", multi30k_mirror, "--set", "train.max_steps=3"
+    )
     assert result.exit_code == 0, result.output
     second = json.loads((tmp_path / "other" / "report.json").read_text())
     prepared = [next(s for s in r["stages"] if s["name"] == "prepare") for r in (first, second)]
@@ -109,10 +143,10 @@ def _copy_run(first_run, tmp_path):
     return out
 
 
-def _rerun(tiny_recipe, out, *settings):
+def _rerun(tiny_recipe, mirror, out, *settings):
     """``mtkit run`` again into ``out`` with ``--set`` ``settings``; its report.json and its stdout."""
     args = [a for setting in settings for a in ("--set", setting)]
-    result = invoke("run", tiny_recipe, "--out", out, "--mirror", MULTI30K, *args)
+    result = invoke("run", tiny_recipe, "--out", out, "--mirror", mirror, *args)
     assert result.exit_code == 0, result.output
     return json.loads((out / "report.json").read_text()), result.stdout
 
@@ -138,10 +172,12 @@ def test_the_report_names_the_model_and_settings_the_hypothesis_came_from(first_
     assert report["test"]["model_sha256"][:12] in _note(report, "eval")
 
 
-def test_new_decode_settings_translate_again_and_the_report_shows_them(first_run, tiny_recipe, tmp_path):
+def test_new_decode_settings_translate_again_and_the_report_shows_them(
+    first_run, tiny_recipe, tmp_path, multi30k_mirror
+):
     out = _copy_run(first_run, tmp_path)
     before = (out / "test.hyp.de").read_text()
-    report, stdout = _rerun(tiny_recipe, out, "decode.beam=2", "decode.max_len_b=2")
+    report, stdout = _rerun(tiny_recipe, multi30k_mirror, out, "decode.beam=2", "decode.max_len_b=2")
     assert _ran(report) == {"average": False, "translate": True}
     assert _note(report, "translate") == "beam 2, lenpen 1, max_len 0 * source + 2"
     assert "beam 2, lenpen 1, max_len 0 * source + 2" in stdout
@@ -149,24 +185,26 @@ def test_new_decode_settings_translate_again_and_the_report_shows_them(first_run
     assert (out / "test.hyp.de").read_text() != before  # at most 2 tokens now: shorter lines
 
 
-def test_scoring_best_instead_of_the_average_translates_again(first_run, tiny_recipe, tmp_path):
+def test_scoring_best_instead_of_the_average_translates_again(first_run, tiny_recipe, tmp_path, multi30k_mirror):
     out = _copy_run(first_run, tmp_path)
-    report, _ = _rerun(tiny_recipe, out, "recipe.average_last=0")
+    report, _ = _rerun(tiny_recipe, multi30k_mirror, out, "recipe.average_last=0")
     assert _ran(report) == {"average": False, "translate": True}
     assert report["model"].endswith("best")
     assert report["test"]["model_sha256"] == _sha256(out / "best" / "model.safetensors")
 
 
-def test_more_checkpoints_and_a_longer_average_redo_the_average_then_nothing(first_run, tiny_recipe, tmp_path):
+def test_more_checkpoints_and_a_longer_average_redo_the_average_then_nothing(
+    first_run, tiny_recipe, tmp_path, multi30k_mirror
+):
     out = _copy_run(first_run, tmp_path)
     settings = ("train.max_steps=9", "recipe.average_last=3")
-    report, _ = _rerun(tiny_recipe, out, *settings)
+    report, _ = _rerun(tiny_recipe, multi30k_mirror, out, *settings)
     assert report["training"]["updates"] == 9
     assert _ran(report) == {"average": True, "translate": True}
     assert _note(report, "average") == "the newest 3 checkpoints, update-00000003 to update-00000009"
     assert report["test"]["model_sha256"] == _sha256(out / "average-last3.safetensors")
     hyp_stamp = (out / "test.hyp.de").stat().st_mtime_ns
-    again, _ = _rerun(tiny_recipe, out, *settings)
+    again, _ = _rerun(tiny_recipe, multi30k_mirror, out, *settings)
     assert _ran(again) == {"average": False, "translate": False}
     assert (out / "test.hyp.de").stat().st_mtime_ns == hyp_stamp
     assert again["test"]["model_sha256"] == report["test"]["model_sha256"]
@@ -200,23 +238,25 @@ def _edited(text: str) -> bytes:
     ],
     ids=["garbage", "truncated", "a list", "wrong shape", "edited"],
 )
-def test_a_damaged_stage_record_redoes_the_stages_instead_of_failing(first_run, tiny_recipe, tmp_path, damage):
+def test_a_damaged_stage_record_redoes_the_stages_instead_of_failing(
+    first_run, tiny_recipe, tmp_path, damage, multi30k_mirror
+):
     out = _copy_run(first_run, tmp_path)
     record = out / "stages.json"
     record.write_bytes(damage(record.read_text()))
-    report, _ = _rerun(tiny_recipe, out)
+    report, _ = _rerun(tiny_recipe, multi30k_mirror, out)
     assert _ran(report) == {"average": True, "translate": True}
     assert json.loads(record.read_text())["stages"]["translate"]["settings"]["decode"]["beam"] == 1
-    again, _ = _rerun(tiny_recipe, out)
+    again, _ = _rerun(tiny_recipe, multi30k_mirror, out)
     assert _ran(again) == {"average": False, "translate": False}
 
 
-def test_an_edited_hypothesis_is_translated_again(first_run, tiny_recipe, tmp_path):
+def test_an_edited_hypothesis_is_translated_again(first_run, tiny_recipe, tmp_path, multi30k_mirror):
     out = _copy_run(first_run, tmp_path)
     hyp = out / "test.hyp.de"
     original = hyp.read_text()
     hyp.write_text("edited\n" * 1000)
-    report, _ = _rerun(tiny_recipe, out)
+    report, _ = _rerun(tiny_recipe, multi30k_mirror, out)
     assert _ran(report) == {"average": False, "translate": True}
     assert hyp.read_text() == original
 

@@ -43,7 +43,7 @@ def marker(tmp_path):
 REFUSED = "refused: it holds pickled Python objects other than tensors"
 
 
-def test_a_checkpoint_that_runs_code_when_unpickled_is_refused(tmp_path, multi30k_slice, trained_run, marker):  # noqa: F811
+def test_a_checkpoint_that_runs_code_when_unpickled_is_refused(tmp_path, corpus_files, trained_run, marker):  # noqa: F811
     trap = tmp_path / "model.pt"
     torch.save({"format": 1, "model": RunsCode(marker)}, trap)
     not_read = "model.pt: a zip archive (a PyTorch file?), not a checkpoint"  # never unpickled at all
@@ -53,7 +53,7 @@ def test_a_checkpoint_that_runs_code_when_unpickled_is_refused(tmp_path, multi30
     run = tmp_path / "run"  # a run directory whose newest training state was swapped for the trap
     shutil.copytree(trained_run, run)
     shutil.copyfile(trap, checkpoint.latest(run) / checkpoint.STATE_FILE)
-    config = write_config(tmp_path / "c.yaml", multi30k_slice, train={"max_steps": 40})
+    config = write_config(tmp_path / "c.yaml", corpus_files, train={"max_steps": 40})
     one_line_error(invoke("train", config, "--out", run), f"state.pt: {REFUSED}")
 
 
@@ -69,12 +69,12 @@ def test_configs_are_read_with_the_safe_yaml_loader(tmp_path, marker, tag):
 
 
 @pytest.mark.parametrize("hostile", ["$(touch {marker})", "`touch {marker}`", "x; touch {marker}", "~/corpus.en"])
-def test_paths_in_configs_are_taken_literally(tmp_path, multi30k_slice, marker, hostile):
+def test_paths_in_configs_are_taken_literally(tmp_path, corpus_files, marker, hostile):
     path = hostile.format(marker=marker)
     for key in ("train_src", "valid_src"):
-        config = write_config(tmp_path / "c.yaml", multi30k_slice, data={key: path})
+        config = write_config(tmp_path / "c.yaml", corpus_files, data={key: path})
         one_line_error(invoke("train", config, "--out", tmp_path / "run"), f"error: {path}: file not found")
-    config = write_config(tmp_path / "c.yaml", multi30k_slice, tokenizer={"model": path})
+    config = write_config(tmp_path / "c.yaml", corpus_files, tokenizer={"model": path})
     one_line_error(invoke("train", config, "--out", tmp_path / "run"), f"error: {path}: tokenizer model not found")
 
 
@@ -200,7 +200,7 @@ def test_a_tensor_whose_dtype_was_changed_in_the_header_is_refused(tmp_path, tra
     one_line_error(invoke("translate", model, input="A dog.\n"), f"{key} is torch.int32 there, torch.float32 here")
 
 
-def test_a_zip_bombed_training_state_is_refused_before_it_expands(tmp_path, multi30k_slice, trained_run):  # noqa: F811
+def test_a_zip_bombed_training_state_is_refused_before_it_expands(tmp_path, corpus_files, trained_run):  # noqa: F811
     """A 1 MB state.pt whose compressed entry expands to 800 MB, as torch.load would expand it."""
     run = tmp_path / "run"
     shutil.copytree(trained_run, run)
@@ -213,7 +213,7 @@ def test_a_zip_bombed_training_state_is_refused_before_it_expands(tmp_path, mult
             big = info.filename == bombed
             bomb.writestr(info, bytes(200_000_000) if big else content, zipfile.ZIP_DEFLATED if big else None)
     assert state.stat().st_size < 2_000_000
-    config = write_config(tmp_path / "c.yaml", multi30k_slice, train={"max_steps": 40})
+    config = write_config(tmp_path / "c.yaml", corpus_files, train={"max_steps": 40})
     one_line_error(invoke("train", config, "--out", run), "state.pt: refused: it holds compressed entries")
 
 

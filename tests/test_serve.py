@@ -25,6 +25,7 @@ import mtkit
 from mtkit import serve
 from mtkit.batcher import Batcher, Refused
 from mtkit.config import DecodeConfig, ServeConfig
+from mtkit.runtime import choose_precision, cpu_features
 from mtkit.tokenizer import Tokenizer
 from mtkit.translate import LineTranslator, Translation
 
@@ -77,8 +78,8 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def lines(multi30k_slice) -> list[str]:
-    chosen = multi30k_slice["val.en"].read_text().splitlines()[:10]
+def lines(corpus_files) -> list[str]:
+    chosen = corpus_files["val.en"].read_text().splitlines()[:10]
     return [*chosen, "", "A cat."]
 
 
@@ -210,13 +211,14 @@ def test_every_request_but_health_needs_the_api_key(server):
     assert httpx.get(server.url + "/openapi.json", headers=AUTH).json()["info"]["title"] == "mtkit"
 
 
-def test_models_names_languages_decode_settings_and_tokenizers(server, trained_run):  # noqa: F811
+def test_models_names_languages_precision_decode_settings_and_tokenizers(server, trained_run):  # noqa: F811
     info = httpx.get(server.url + "/v1/models", headers=AUTH).json()
     assert info["mtkit_version"] == mtkit.__version__
     (model,) = info["models"]
     sha256 = Tokenizer(trained_run / "spm.model").sha256
     assert model["languages"] == {"source": "en", "target": "de"}
     assert model["decode"]["beam"] == 5 and model["tokenizers"] == {"source": sha256, "target": sha256}
+    assert model["precision"] == choose_precision("auto", "cpu", cpu_features(), False).to_dict()  # the default
     assert info["limits"] == {"max_texts": 64, "max_chars": 20_000, "max_beam": 16}
 
 

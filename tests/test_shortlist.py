@@ -37,15 +37,13 @@ def built(paths, tok: Tokenizer, per_source: int = 4, frequent: int = 10) -> lex
 
 
 @pytest.fixture(scope="module")
-def shortlist(multi30k_slice, spm_model) -> lexical.Shortlist:
-    return built(multi30k_slice, spm_model)
+def shortlist(corpus_files, spm_model) -> lexical.Shortlist:
+    return built(corpus_files, spm_model)
 
 
-def test_each_source_token_keeps_its_strongest_co_occurring_targets(multi30k_slice, spm_model, shortlist):
+def test_each_source_token_keeps_its_strongest_co_occurring_targets(corpus_files, spm_model, shortlist):
     """Against Dice coefficients counted here by brute force: the listed targets are the best, best first."""
-    pairs = [
-        (set(s), set(t)) for s, t in zip(*(spm_model.encode(list(side)) for side in zip(*pairs_of(multi30k_slice))))
-    ]
+    pairs = [(set(s), set(t)) for s, t in zip(*(spm_model.encode(list(side)) for side in zip(*pairs_of(corpus_files))))]
     src_count = {s: sum(s in src for src, _ in pairs) for s in range(spm_model.vocab_size)}
     tgt_count = {t: sum(t in tgt for _, tgt in pairs) for t in range(spm_model.vocab_size)}
     checked = 0
@@ -62,16 +60,16 @@ def test_each_source_token_keeps_its_strongest_co_occurring_targets(multi30k_sli
         checked += bool(row)
     assert checked > 100  # most pieces occur in the source side
     frequency = torch.bincount(
-        torch.tensor([t for _, tgt in pairs_of(multi30k_slice) for t in spm_model.encode([tgt])[0]])
+        torch.tensor([t for _, tgt in pairs_of(corpus_files) for t in spm_model.encode([tgt])[0]])
     )
     assert int(frequency.argmax()) in shortlist.always.tolist()
     assert {0, 1, 2, EOS_ID} <= set(shortlist.always.tolist())
     assert shortlist.always.numel() <= 10 + EOS_ID + 1
 
 
-def test_candidates_of_the_whole_vocabulary_search_exactly_as_without(multi30k_slice, spm_model):
+def test_candidates_of_the_whole_vocabulary_search_exactly_as_without(corpus_files, spm_model):
     """The cut output layer is the whole one: hypotheses, scores and n-best lists are the same, for an ensemble too."""
-    lines = multi30k_slice["val.en"].read_text().splitlines()[:12]
+    lines = corpus_files["val.en"].read_text().splitlines()[:12]
     src, mask = source_tensor(spm_model.encode(lines))
     vocab = spm_model.vocab_size
     decode = DecodeConfig(beam=4)
@@ -83,8 +81,8 @@ def test_candidates_of_the_whole_vocabulary_search_exactly_as_without(multi30k_s
         )
 
 
-def test_a_batchs_candidates_are_rounded_up_with_unused_ids(multi30k_slice, spm_model, shortlist, monkeypatch):
-    src, _ = source_tensor(spm_model.encode(multi30k_slice["val.en"].read_text().splitlines()[:3]))
+def test_a_batchs_candidates_are_rounded_up_with_unused_ids(corpus_files, spm_model, shortlist, monkeypatch):
+    src, _ = source_tensor(spm_model.encode(corpus_files["val.en"].read_text().splitlines()[:3]))
     monkeypatch.setattr(lexical, "CANDIDATE_MULTIPLE", 1)
     exact = shortlist.candidates(src).ids
     for multiple in (64, 1000):
@@ -96,11 +94,11 @@ def test_a_batchs_candidates_are_rounded_up_with_unused_ids(multi30k_slice, spm_
 
 
 def test_outputs_are_candidates_of_their_batch_and_forced_prefixes_still_lead(
-    multi30k_slice, spm_model, shortlist, monkeypatch
+    corpus_files, spm_model, shortlist, monkeypatch
 ):
     monkeypatch.setattr(lexical, "CANDIDATE_MULTIPLE", 1)  # the exact cut, far from the tiny vocabulary
     model = tiny_model(spm_model.vocab_size, seed=5)
-    lines = multi30k_slice["val.en"].read_text().splitlines()[:8]
+    lines = corpus_files["val.en"].read_text().splitlines()[:8]
     src, mask = source_tensor(spm_model.encode(lines))
     candidates = shortlist.candidates(src)
     assert candidates.ids.numel() < spm_model.vocab_size / 2  # a real cut
@@ -116,7 +114,7 @@ def test_outputs_are_candidates_of_their_batch_and_forced_prefixes_still_lead(
     assert all(sentence[0].tokens[:2] == [outside, outside] for sentence in forced)
 
 
-def test_a_saved_shortlist_loads_the_same_and_a_bad_one_is_named(tmp_path, multi30k_slice, spm_model, shortlist):
+def test_a_saved_shortlist_loads_the_same_and_a_bad_one_is_named(tmp_path, corpus_files, spm_model, shortlist):
     path = tmp_path / "shortlist.safetensors"
     shortlist.save(path)
     again = lexical.load(path, spm_model, spm_model)
@@ -158,12 +156,12 @@ def test_sampling_has_no_shortlist(spm_model, shortlist):
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, multi30k_slice, spm_model) -> Path:
+def run(tmp_path_factory, corpus_files, spm_model) -> Path:
     """A run directory whose config names the slice as its training data."""
     run = tmp_path_factory.mktemp("shortlisted") / "run"
     run.mkdir()
     shutil.copy(spm_model.path, run / spm_model.path.name)
-    data = DataConfig(train_src=str(multi30k_slice["train.en"]), train_tgt=str(multi30k_slice["train.de"]))
+    data = DataConfig(train_src=str(corpus_files["train.en"]), train_tgt=str(corpus_files["train.de"]))
     cfg = RunConfig(data=data, model=tiny_model_config())
     record = {"file": spm_model.path.name, "sha256": spm_model.sha256}
     meta = {"config": cfg.to_dict(), "tokenizer": {"src": record, "tgt": record}}
@@ -172,12 +170,12 @@ def run(tmp_path_factory, multi30k_slice, spm_model) -> Path:
     return run
 
 
-def test_shortlist_command_builds_what_translate_uses(run, multi30k_slice, tmp_path):
+def test_shortlist_command_builds_what_translate_uses(run, corpus_files, tmp_path):
     out = tmp_path / "sl.safetensors"
     done = runner.invoke(app, ["shortlist", str(run), "-o", str(out), "--per-source", "3", "--frequent", "5"])
     assert done.exit_code == 0, done.output
     assert "3 candidates per source token" in done.output
-    lines = multi30k_slice["val.en"].read_text().splitlines()
+    lines = corpus_files["val.en"].read_text().splitlines()
     source = tmp_path / "in.en"
     source.write_text("\n".join(lines[:10] + ["", lines[10]]) + "\n", encoding="utf-8")
     hyp = tmp_path / "out.de"

@@ -41,9 +41,9 @@ class Counted:
             yield pair
 
 
-def test_store_holds_exactly_the_kept_pairs_ids_in_two_bytes(tmp_path, multi30k_slice, spm_model):
-    store = build(tmp_path, multi30k_slice, spm_model)
-    src_lines, tgt_lines = read_parallel(multi30k_slice["train.en"], multi30k_slice["train.de"])
+def test_store_holds_exactly_the_kept_pairs_ids_in_two_bytes(tmp_path, corpus_files, spm_model):
+    store = build(tmp_path, corpus_files, spm_model)
+    src_lines, tgt_lines = read_parallel(corpus_files["train.en"], corpus_files["train.de"])
     expected = [
         (s, t)
         for s, t in zip(spm_model.encode(src_lines), spm_model.encode(tgt_lines))
@@ -66,59 +66,59 @@ def test_store_holds_exactly_the_kept_pairs_ids_in_two_bytes(tmp_path, multi30k_
 
 
 def test_on_a_terminal_encoding_shows_the_pairs_out_of_the_source_lines(
-    tmp_path, multi30k_slice, spm_model, caplog, capsys, terminal
+    tmp_path, corpus_files, spm_model, caplog, capsys, terminal
 ):
     with caplog.at_level(logging.INFO, logger="mtkit"):
-        build(tmp_path, multi30k_slice, spm_model)
+        build(tmp_path, corpus_files, spm_model)
     [bar] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("encoding the training pairs")]
     assert "100% 400/400 pairs" in bar
 
 
 def test_off_a_terminal_a_long_encoding_logs_the_pairs_done_now_and_then(
-    tmp_path, multi30k_slice, spm_model, caplog, monkeypatch
+    tmp_path, corpus_files, spm_model, caplog, monkeypatch
 ):
     monkeypatch.setattr(token_store, "CHUNK_PAIRS", 150)
     monkeypatch.setattr(progress, "PLAIN_EVERY_S", 0.0)  # each chunk is "a while"
     with caplog.at_level(logging.INFO, logger="mtkit"):
-        build(tmp_path, multi30k_slice, spm_model)
+        build(tmp_path, corpus_files, spm_model)
     done = [m for m in caplog.messages if m.startswith("encoding the training pairs")]
     assert done == [f"encoding the training pairs: {n} pairs" for n in (150, 300, 400)]
 
 
-def test_same_inputs_reuse_the_store_and_a_changed_file_or_filter_does_not(tmp_path, multi30k_slice, spm_model):
-    first = build(tmp_path, multi30k_slice, spm_model)
-    again = Counted(iter_parallel(multi30k_slice["train.en"], multi30k_slice["train.de"]))
-    assert build(tmp_path, multi30k_slice, spm_model, pairs=again).directory == first.directory
+def test_same_inputs_reuse_the_store_and_a_changed_file_or_filter_does_not(tmp_path, corpus_files, spm_model):
+    first = build(tmp_path, corpus_files, spm_model)
+    again = Counted(iter_parallel(corpus_files["train.en"], corpus_files["train.de"]))
+    assert build(tmp_path, corpus_files, spm_model, pairs=again).directory == first.directory
     assert again.read == 0
 
-    other_filter = build(tmp_path, multi30k_slice, spm_model, max_tokens=200, max_ratio=3.0)
+    other_filter = build(tmp_path, corpus_files, spm_model, max_tokens=200, max_ratio=3.0)
     assert other_filter.directory != first.directory and len(other_filter) > len(first)
 
-    changed = dict(multi30k_slice, **{"train.en": tmp_path / "train.en", "train.de": tmp_path / "train.de"})
+    changed = dict(corpus_files, **{"train.en": tmp_path / "train.en", "train.de": tmp_path / "train.de"})
     for side in ("en", "de"):
-        changed[f"train.{side}"].write_text(multi30k_slice[f"train.{side}"].read_text().replace("dog", "cat"))
+        changed[f"train.{side}"].write_text(corpus_files[f"train.{side}"].read_text().replace("dog", "cat"))
     assert build(tmp_path, changed, spm_model).directory != first.directory
 
 
-def test_encoding_that_fails_midway_leaves_no_store(tmp_path, multi30k_slice, spm_model, monkeypatch):
+def test_encoding_that_fails_midway_leaves_no_store(tmp_path, corpus_files, spm_model, monkeypatch):
     monkeypatch.setattr(token_store, "CHUNK_PAIRS", 50)
 
     def broken():
-        yield from itertools.islice(iter_parallel(multi30k_slice["train.en"], multi30k_slice["train.de"]), 120)
+        yield from itertools.islice(iter_parallel(corpus_files["train.en"], corpus_files["train.de"]), 120)
         raise DataError("train.de:121: invalid UTF-8")
 
     with pytest.raises(DataError, match="121"):
-        build(tmp_path, multi30k_slice, spm_model, pairs=broken())
+        build(tmp_path, corpus_files, spm_model, pairs=broken())
     assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
-    assert len(build(tmp_path, multi30k_slice, spm_model)) == len(build(tmp_path / "b", multi30k_slice, spm_model))
+    assert len(build(tmp_path, corpus_files, spm_model)) == len(build(tmp_path / "b", corpus_files, spm_model))
 
 
-def test_runs_starting_together_encode_once(tmp_path, multi30k_slice, spm_model):
-    readers = [Counted(iter_parallel(multi30k_slice["train.en"], multi30k_slice["train.de"])) for _ in range(3)]
+def test_runs_starting_together_encode_once(tmp_path, corpus_files, spm_model):
+    readers = [Counted(iter_parallel(corpus_files["train.en"], corpus_files["train.de"])) for _ in range(3)]
     stores = [None] * 3
 
     def start(i: int) -> None:
-        stores[i] = build(tmp_path, multi30k_slice, spm_model, pairs=readers[i])
+        stores[i] = build(tmp_path, corpus_files, spm_model, pairs=readers[i])
 
     threads = [threading.Thread(target=start, args=(i,)) for i in range(3)]
     for t in threads:
@@ -129,20 +129,20 @@ def test_runs_starting_together_encode_once(tmp_path, multi30k_slice, spm_model)
     assert len({s.directory for s in stores}) == 1
 
 
-def test_no_pair_left_after_filtering_is_a_data_error(tmp_path, multi30k_slice, spm_model):
+def test_no_pair_left_after_filtering_is_a_data_error(tmp_path, corpus_files, spm_model):
     with pytest.raises(DataError, match=r"train\.en and .*train\.de: no usable training pairs"):
-        build(tmp_path, multi30k_slice, spm_model, max_tokens=1)
+        build(tmp_path, corpus_files, spm_model, max_tokens=1)
 
 
-def test_encoding_memory_does_not_grow_with_the_corpus(tmp_path, multi30k_slice, spm_model, monkeypatch):
+def test_encoding_memory_does_not_grow_with_the_corpus(tmp_path, corpus_files, spm_model, monkeypatch):
     """Python-side peak memory per extra pair stays at a few bytes (lengths), far below holding the corpus."""
     monkeypatch.setattr(token_store, "CHUNK_PAIRS", 500)
-    base = list(iter_parallel(multi30k_slice["train.en"], multi30k_slice["train.de"]))
+    base = list(iter_parallel(corpus_files["train.en"], corpus_files["train.de"]))
 
     def peak(n: int) -> int:
         pairs = ((f"{s} {i}", f"{t} {i}") for i, (s, t) in enumerate(itertools.islice(itertools.cycle(base), n)))
         tracemalloc.start()
-        build(tmp_path / str(n), multi30k_slice, spm_model, pairs=pairs, max_tokens=200, max_ratio=3.0)
+        build(tmp_path / str(n), corpus_files, spm_model, pairs=pairs, max_tokens=200, max_ratio=3.0)
         _, top = tracemalloc.get_traced_memory()
         tracemalloc.stop()
         return top
@@ -152,8 +152,8 @@ def test_encoding_memory_does_not_grow_with_the_corpus(tmp_path, multi30k_slice,
     assert per_pair < 64, f"{per_pair:.0f} bytes of peak memory per extra pair"
 
 
-def test_a_second_run_on_the_same_data_reuses_the_encoding(tmp_path, multi30k_slice, spm_model, encoding_cache):
-    cfg = small_config(multi30k_slice, spm_model, max_steps=1)
+def test_a_second_run_on_the_same_data_reuses_the_encoding(tmp_path, corpus_files, spm_model, encoding_cache):
+    cfg = small_config(corpus_files, spm_model, max_steps=1)
     first = Trainer(cfg, tmp_path / "a")
     meta = first.corpus.directory / "meta.json"
     stamp = meta.stat().st_mtime_ns
@@ -163,22 +163,22 @@ def test_a_second_run_on_the_same_data_reuses_the_encoding(tmp_path, multi30k_sl
     assert first.corpus.directory.parent == encoding_cache
 
 
-def test_a_damaged_store_is_encoded_again(tmp_path, multi30k_slice, spm_model):
-    store = build(tmp_path, multi30k_slice, spm_model)
+def test_a_damaged_store_is_encoded_again(tmp_path, corpus_files, spm_model):
+    store = build(tmp_path, corpus_files, spm_model)
     pairs = [(store.sentence("src", i), store.sentence("tgt", i)) for i in range(len(store))]
     ids = store.directory / "tgt.ids"
     ids.write_bytes(ids.read_bytes()[:-2])  # one token lost, as a bad copy would lose it
     with pytest.raises(DataError, match="damaged token store"):
         TokenStore(store.directory)
-    again = build(tmp_path, multi30k_slice, spm_model)
+    again = build(tmp_path, corpus_files, spm_model)
     assert again.directory == store.directory
     assert [(again.sentence("src", i), again.sentence("tgt", i)) for i in range(len(again))] == pairs
 
 
-def test_ids_overwritten_in_place_are_caught_when_the_store_opens(tmp_path, multi30k_slice, spm_model):
+def test_ids_overwritten_in_place_are_caught_when_the_store_opens(tmp_path, corpus_files, spm_model):
     """Ids beyond the vocabulary (a store edited or damaged in place, same size) once crashed training
     with an IndexError; now the store is found damaged and encoded again."""
-    store = build(tmp_path, multi30k_slice, spm_model)
+    store = build(tmp_path, corpus_files, spm_model)
     pairs = [(store.sentence("src", i), store.sentence("tgt", i)) for i in range(len(store))]
     ids = np.memmap(store.directory / "src.ids", dtype=np.uint16, mode="r+")
     ids[10] = 65_000
@@ -186,7 +186,7 @@ def test_ids_overwritten_in_place_are_caught_when_the_store_opens(tmp_path, mult
     del ids
     with pytest.raises(DataError, match=r"damaged token store \(src ids outside the vocabulary of 300\)"):
         TokenStore(store.directory, (spm_model.vocab_size, spm_model.vocab_size))
-    again = build(tmp_path, multi30k_slice, spm_model)
+    again = build(tmp_path, corpus_files, spm_model)
     assert [(again.sentence("src", i), again.sentence("tgt", i)) for i in range(len(again))] == pairs
 
 
@@ -201,19 +201,19 @@ def test_ids_overwritten_in_place_are_caught_when_the_store_opens(tmp_path, mult
     ],
     ids=["dtype-object", "dtype-path", "pairs-text", "no-filter", "kept-none"],
 )
-def test_an_edited_meta_json_makes_the_store_one_to_encode_again(tmp_path, multi30k_slice, spm_model, edit):
-    store = build(tmp_path, multi30k_slice, spm_model)
+def test_an_edited_meta_json_makes_the_store_one_to_encode_again(tmp_path, corpus_files, spm_model, edit):
+    store = build(tmp_path, corpus_files, spm_model)
     meta = json.loads((store.directory / "meta.json").read_text())
     edit(meta)
     (store.directory / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(DataError, match="unreadable token store"):
         TokenStore(store.directory)
-    assert len(build(tmp_path, multi30k_slice, spm_model)) == len(store)
+    assert len(build(tmp_path, corpus_files, spm_model)) == len(store)
 
 
-def test_training_on_a_store_with_ids_beyond_the_vocabulary_encodes_it_again(tmp_path, multi30k_slice, spm_model):
+def test_training_on_a_store_with_ids_beyond_the_vocabulary_encodes_it_again(tmp_path, corpus_files, spm_model):
     """Through the command line: such a store once crashed `mtkit train` with an IndexError."""
-    raw = small_config(multi30k_slice, spm_model, max_steps=2).to_dict()
+    raw = small_config(corpus_files, spm_model, max_steps=2).to_dict()
     raw["data"]["cache_dir"] = str(tmp_path / "encoded")
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump(raw))

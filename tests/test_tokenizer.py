@@ -11,8 +11,8 @@ from mtkit.config import TokenizerConfig
 from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, TokenizerError, train_spm
 
 
-def test_round_trip_and_special_ids(spm_model, multi30k_slice):
-    lines = multi30k_slice["train.de"].read_text().splitlines()[:50]
+def test_round_trip_and_special_ids(spm_model, corpus_files):
+    lines = corpus_files["train.de"].read_text().splitlines()[:50]
     assert spm_model.decode(spm_model.encode(lines)) == lines
     assert UNK_ID in spm_model.encode(["中"])[0]  # a character never seen in training
     sp = spm_model.sp
@@ -20,8 +20,8 @@ def test_round_trip_and_special_ids(spm_model, multi30k_slice):
     assert spm_model.vocab_size == 300
 
 
-def test_bpe_and_seeded_sampling_are_reproducible(tmp_path, multi30k_slice):
-    lines = multi30k_slice["train.en"].read_text().splitlines()
+def test_bpe_and_seeded_sampling_are_reproducible(tmp_path, corpus_files):
+    lines = corpus_files["train.en"].read_text().splitlines()
     options = TokenizerConfig(vocab_size=200, type="bpe", input_sentence_size=150, seed=7)
     a = train_spm(lines, tmp_path / "a", options)
     b = train_spm(lines, tmp_path / "b", options)
@@ -30,8 +30,8 @@ def test_bpe_and_seeded_sampling_are_reproducible(tmp_path, multi30k_slice):
     assert pieces_a.encode("A man rides a bike.", out_type=str)
 
 
-def test_training_logs_the_sentences_read_then_the_training(tmp_path, multi30k_slice, caplog):
-    lines = multi30k_slice["train.en"].read_text().splitlines()
+def test_training_logs_the_sentences_read_then_the_training(tmp_path, corpus_files, caplog):
+    lines = corpus_files["train.en"].read_text().splitlines()
     with caplog.at_level(logging.INFO, logger="mtkit"):
         train_spm(["", *lines], tmp_path / "spm", TokenizerConfig(vocab_size=200))
     started, read, training, trained = caplog.messages[-4:]
@@ -41,9 +41,9 @@ def test_training_logs_the_sentences_read_then_the_training(tmp_path, multi30k_s
 
 
 def test_on_a_terminal_training_shows_the_sentences_read_and_the_training(
-    tmp_path, multi30k_slice, caplog, capsys, terminal
+    tmp_path, corpus_files, caplog, capsys, terminal
 ):
-    lines = multi30k_slice["train.en"].read_text().splitlines()
+    lines = corpus_files["train.en"].read_text().splitlines()
     with caplog.at_level(logging.INFO, logger="mtkit"):
         train_spm(lines, tmp_path / "spm", TokenizerConfig(vocab_size=200))
     shown = capsys.readouterr().err
@@ -63,9 +63,9 @@ def test_foreign_model_is_rejected(tmp_path):
         Tokenizer(path)
 
 
-def test_the_same_text_and_settings_give_a_byte_identical_model(tmp_path, multi30k_slice):
+def test_the_same_text_and_settings_give_a_byte_identical_model(tmp_path, corpus_files):
     """SentencePiece once stored its random temporary output folder inside the model, so no two were equal."""
-    src, tgt = multi30k_slice["train.en"], multi30k_slice["train.de"]
+    src, tgt = corpus_files["train.en"], corpus_files["train.de"]
     for name in ("a", "b"):
         result = invoke("tokenizer", "train", "--src", src, "--tgt", tgt, "-o", tmp_path / name, "--vocab-size", 250)
         assert result.exit_code == 0, result.output
@@ -75,11 +75,11 @@ def test_the_same_text_and_settings_give_a_byte_identical_model(tmp_path, multi3
     assert len(vocab) == 250 and vocab[:4] == ["<pad>\t0", "<unk>\t0", "<s>\t0", "</s>\t0"]
 
 
-def test_runs_of_one_recipe_with_other_seeds_share_tokenizer_and_store_so_they_ensemble(tmp_path, multi30k_slice):
+def test_runs_of_one_recipe_with_other_seeds_share_tokenizer_and_store_so_they_ensemble(tmp_path, corpus_files):
     """Two runs differing only in train.seed once had tokenizers of different SHA-256: their ensemble was
     refused and each encoded the corpus into a store of its own."""
     cache = tmp_path / "encoded"
-    config = write_config(tmp_path / "c.yaml", multi30k_slice, data={"cache_dir": str(cache)}, train={"max_steps": 2})
+    config = write_config(tmp_path / "c.yaml", corpus_files, data={"cache_dir": str(cache)}, train={"max_steps": 2})
     for seed in (1, 2):
         result = invoke("train", config, "--out", tmp_path / f"seed{seed}", "--set", f"train.seed={seed}")
         assert result.exit_code == 0, result.output

@@ -24,14 +24,15 @@ def test_lr_warms_up_linearly_then_decays_as_inverse_sqrt():
     assert lr_at(7, 1e-3, 0) == 1e-3
 
 
-def small_config(slice_paths, spm_model, **train):
+def small_config(corpus_files, spm_model, **train):
+    """A tiny model on ``corpus_files``, in fp32 (not auto) so that what the tests see is the same on every CPU."""
     return from_dict(
         {
             "data": {
-                "train_src": str(slice_paths["train.en"]),
-                "train_tgt": str(slice_paths["train.de"]),
-                "valid_src": str(slice_paths["val.en"]),
-                "valid_tgt": str(slice_paths["val.de"]),
+                "train_src": str(corpus_files["train.en"]),
+                "train_tgt": str(corpus_files["train.de"]),
+                "valid_src": str(corpus_files["val.en"]),
+                "valid_tgt": str(corpus_files["val.de"]),
             },
             "tokenizer": {"model": str(spm_model.path)},
             "model": {"encoder_layers": 1, "decoder_layers": 1, "d_model": 32, "heads": 2, "ffn": 64, "dropout": 0.1},
@@ -44,6 +45,7 @@ def small_config(slice_paths, spm_model, **train):
                 "valid_bleu": False,
                 "best_metric": "loss",
                 "log_every": 1,
+                "precision": "fp32",
                 **train,
             },
             "decode": {"beam": 2},
@@ -51,8 +53,8 @@ def small_config(slice_paths, spm_model, **train):
     )
 
 
-def test_loss_goes_down_and_checkpoints_are_written(tmp_path, multi30k_slice, spm_model):
-    cfg = small_config(multi30k_slice, spm_model, max_steps=30, lr=3e-3, valid_every=15, valid_bleu=True)
+def test_loss_goes_down_and_checkpoints_are_written(tmp_path, corpus_files, spm_model):
+    cfg = small_config(corpus_files, spm_model, max_steps=30, lr=3e-3, valid_every=15, valid_bleu=True)
     result = Trainer(cfg, tmp_path).run()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if r["event"] == "train"]
@@ -64,28 +66,28 @@ def test_loss_goes_down_and_checkpoints_are_written(tmp_path, multi30k_slice, sp
     assert checkpoint.read_checkpoint(checkpoint.latest(tmp_path)).meta["step"] == 30
 
 
-def test_resumed_training_equals_uninterrupted_training(tmp_path, multi30k_slice, spm_model):
-    straight = Trainer(small_config(multi30k_slice, spm_model, max_steps=6), tmp_path / "a")
+def test_resumed_training_equals_uninterrupted_training(tmp_path, corpus_files, spm_model):
+    straight = Trainer(small_config(corpus_files, spm_model, max_steps=6), tmp_path / "a")
     straight.run()
 
-    Trainer(small_config(multi30k_slice, spm_model, max_steps=3), tmp_path / "b").run()
-    resumed = Trainer(small_config(multi30k_slice, spm_model, max_steps=6), tmp_path / "b")
+    Trainer(small_config(corpus_files, spm_model, max_steps=3), tmp_path / "b").run()
+    resumed = Trainer(small_config(corpus_files, spm_model, max_steps=6), tmp_path / "b")
     assert resumed.progress.step == 3
     resumed.run()
     for (name, a), (_, b) in zip(straight.model.state_dict().items(), resumed.model.state_dict().items()):
         assert torch.equal(a, b), name
 
 
-def test_resume_with_a_different_model_is_refused(tmp_path, multi30k_slice, spm_model):
-    Trainer(small_config(multi30k_slice, spm_model, max_steps=1), tmp_path).run()
-    cfg = small_config(multi30k_slice, spm_model, max_steps=2)
+def test_resume_with_a_different_model_is_refused(tmp_path, corpus_files, spm_model):
+    Trainer(small_config(corpus_files, spm_model, max_steps=1), tmp_path).run()
+    cfg = small_config(corpus_files, spm_model, max_steps=2)
     bigger = from_dict({**cfg.to_dict(), "model": {**cfg.to_dict()["model"], "d_model": 64}})
     with pytest.raises(checkpoint.CheckpointError, match="model settings differ"):
         Trainer(bigger, tmp_path)
 
 
-def test_optimizer_sees_gradients_clipped_to_clip_norm(tmp_path, multi30k_slice, spm_model, monkeypatch):
-    trainer = Trainer(small_config(multi30k_slice, spm_model, max_steps=1, clip_norm=1e-3), tmp_path)
+def test_optimizer_sees_gradients_clipped_to_clip_norm(tmp_path, corpus_files, spm_model, monkeypatch):
+    trainer = Trainer(small_config(corpus_files, spm_model, max_steps=1, clip_norm=1e-3), tmp_path)
     batches = trainer.corpus.batches(512, seed=0)[:1]
     seen = {}
     original = torch.optim.Adam.step
@@ -101,39 +103,44 @@ def test_optimizer_sees_gradients_clipped_to_clip_norm(tmp_path, multi30k_slice,
     assert math.isclose(seen["norm"], 1e-3, rel_tol=1e-3)
 
 
-def test_restart_starts_over_instead_of_resuming(tmp_path, multi30k_slice, spm_model):
-    cfg = small_config(multi30k_slice, spm_model, max_steps=2)
+def test_restart_starts_over_instead_of_resuming(tmp_path, corpus_files, spm_model):
+    cfg = small_config(corpus_files, spm_model, max_steps=2)
     run_training(cfg, tmp_path)
     assert checkpoint.read_checkpoint(checkpoint.latest(tmp_path)).meta["step"] == 2
     assert Trainer(cfg, tmp_path).progress.step == 2  # would resume
     run_training(cfg, tmp_path, restart=True)
-    events = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert events[0] == 1  # the old log went with the old checkpoints
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["event"] == "train"][0] == 1  # the old log went with the old checkpoints
+    assert [r["event"] for r in records].count("start") == 1
 
 
-def test_wall_clock_budget_stops_training(tmp_path, multi30k_slice, spm_model):
-    trainer = Trainer(small_config(multi30k_slice, spm_model, max_steps=1000, max_time=1e-6), tmp_path)
-    trainer.run()
+def test_wall_clock_budget_stops_training_and_says_the_run_is_incomplete(tmp_path, corpus_files, spm_model):
+    trainer = Trainer(small_config(corpus_files, spm_model, max_steps=1000, max_time=1e-6), tmp_path)
+    result = trainer.run()
     assert trainer.progress.step == 1
-    assert "train.max_time" in trainer.stop_reason()
+    reason = "stopped by train.max_time (1e-06 min) at update 1 of 1000"
+    assert trainer.stop_condition() == ("max_time", reason)
+    assert result["stop"] == {"stopped_by": "max_time", "reason": reason, "max_steps": 1000}
+    done = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert done == {"event": "done", "step": 1, **result["stop"]}
     assert checkpoint.read_checkpoint(checkpoint.latest(tmp_path)).state["progress"]["seconds"] > 0
 
 
-def test_patience_stops_after_validations_without_a_new_best(tmp_path, multi30k_slice, spm_model, monkeypatch):
-    trainer = Trainer(small_config(multi30k_slice, spm_model, max_steps=1000, valid_every=2, patience=2), tmp_path)
+def test_patience_stops_after_validations_without_a_new_best(tmp_path, corpus_files, spm_model, monkeypatch):
+    trainer = Trainer(small_config(corpus_files, spm_model, max_steps=1000, valid_every=2, patience=2), tmp_path)
     monkeypatch.setattr(trainer, "validate", lambda: {"valid_loss": 2.0, "valid_nll": 2.0, "valid_ppl": 7.4})
     trainer.run()
     assert trainer.progress.step == 6  # best at update 2, no better at 4 and 6
-    assert "train.patience" in trainer.stop_reason()
+    assert trainer.stop_condition()[0] == "patience" and "train.patience" in trainer.stop_condition()[1]
     assert checkpoint.read_checkpoint(tmp_path / "best").meta["step"] == 2
 
 
-def test_a_second_training_on_the_same_run_directory_is_refused(tmp_path, multi30k_slice, spm_model):
-    first = Trainer(small_config(multi30k_slice, spm_model, max_steps=2), tmp_path)
+def test_a_second_training_on_the_same_run_directory_is_refused(tmp_path, corpus_files, spm_model):
+    first = Trainer(small_config(corpus_files, spm_model, max_steps=2), tmp_path)
     with pytest.raises(checkpoint.CheckpointError, match=f"in use by another training process \\(pid {os.getpid()}\\)"):
-        Trainer(small_config(multi30k_slice, spm_model, max_steps=2), tmp_path)
+        Trainer(small_config(corpus_files, spm_model, max_steps=2), tmp_path)
     first.run()
-    assert Trainer(small_config(multi30k_slice, spm_model, max_steps=4), tmp_path).progress.step == 2
+    assert Trainer(small_config(corpus_files, spm_model, max_steps=4), tmp_path).progress.step == 2
 
 
 def test_repeated_sigterm_still_ends_in_a_save_but_a_second_ctrl_c_aborts():

@@ -26,7 +26,12 @@ _log_level = logging.INFO  # set by the global options (set_log_level)
 ModelPath = Annotated[Path, typer.Argument(help="Run directory (uses best/), checkpoint directory or .safetensors.")]
 Device = Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")]
 WeightPrecision = Annotated[
-    Precision, typer.Option("--precision", help="Number format of the weights (fp16 on GPU only).")
+    Precision,
+    typer.Option(
+        "--precision",
+        help="Number format of the weights; auto: bf16 where the device computes it natively, else fp32 "
+        "(`mtkit doctor` says which); fp16 on GPU only.",
+    ),
 ]
 EngineChoice = Annotated[
     Engine,

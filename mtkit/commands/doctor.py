@@ -18,7 +18,8 @@ def doctor_command(
     path: Annotated[Path, typer.Option("--path", help="Where runs will be written (for free disk).")] = Path("."),
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
-    """What a run will use here: torch, CUDA/NCCL, GPUs, bf16/fp16 support, threads, allocator, memory, disk."""
+    """What a run will use here: torch, CPU, CUDA/NCCL, GPUs, bf16/fp16 support and what precision auto picks,
+    threads, allocator, memory, disk."""
     from mtkit.runtime import environment_report
 
     report = environment_report(path)
@@ -29,12 +30,24 @@ def doctor_command(
     backends = ", ".join(name for name, ok in report["distributed_backends"].items() if ok) or "none"
     rows = [
         ("torch", f"{report['torch']} (CUDA {report['cuda_version'] or 'not built'})"),
-        ("CPU", f"{report['cpu_capability']}, bf16 instructions: {'yes' if report['cpu_bf16_instructions'] else 'no'}"),
+        (
+            "CPU",
+            f"{report['cpu']} ({report['cpu_capability']}), native bf16: "
+            f"{'yes' if report['cpu_bf16_instructions'] else 'no'}",
+        ),
         ("threads", str(report["threads"])),
         ("memory allocator", report["allocator"]),
         ("GPUs", gpus),
         ("distributed backends", backends),
         ("precisions", "; ".join(f"{dev}: {', '.join(p) or '-'}" for dev, p in report["precisions"].items())),
+        (
+            "precision auto",
+            "; ".join(
+                f"{dev}: {c['precision']} ({c['reason'].removeprefix('auto: ')})"
+                for dev, c in report["auto_precision"].items()
+                if c
+            ),
+        ),
         ("memory available", f"{report['memory_available_gib']} GiB"),
         ("disk free", f"{report['disk_free_gib']} GiB at {path.resolve()}"),
     ]

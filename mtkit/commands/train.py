@@ -32,7 +32,9 @@ def train_command(
     out: Annotated[
         Path | None, typer.Option("--output", "-o", "--out", help="Run directory (default: runs/<config name>).")
     ] = None,
-    precision: Annotated[Precision | None, typer.Option(help="Sets train.precision (fp16 on GPU only).")] = None,
+    precision: Annotated[
+        Precision | None, typer.Option(help="Sets train.precision (auto: bf16 where native, else fp32; fp16: GPU).")
+    ] = None,
     save_every: Annotated[int | None, typer.Option(help="Checkpoint every N updates (sets train.save_every).")] = None,
     keep_last: Annotated[
         int | None, typer.Option(help="Checkpoints kept for resuming and averaging; 0 keeps all (train.keep_last).")
@@ -133,6 +135,8 @@ def _run_training(cfg, out: Path, restart: bool) -> None:
     finally:
         dist.close()
     if dist.is_main:
+        if result["stop"]["stopped_by"] == "max_time":
+            typer.echo(f"training {result['stop']['reason']}: the run is incomplete", err=True)
         if "valid_bleu" in result:
             typer.echo(f"final validation BLEU {result['valid_bleu']:.2f} ({result['bleu_signature']})", err=True)
         typer.echo(f"run directory: {out}", err=True)

@@ -1,0 +1,125 @@
+"""Precision ``auto``: what it chooses on each kind of machine (a function of the device's features, so every kind
+is tested on any machine), the warning for an emulated bf16, and where the choice is reported."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+from test_api import run_with_decode_settings  # noqa: F401 (a fixture)
+from test_cli import invoke
+
+import mtkit
+from mtkit import runtime
+from mtkit.runtime import RuntimeSetupError, choose_precision
+
+# /proc/cpuinfo flags of the CPU kinds mtkit runs on, trimmed to those that matter here.
+AMD_EPYC_ZEN4 = {"avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16"}
+INTEL_ICE_LAKE = {"avx2", "fma", "avx512f", "avx512_vnni"}  # AVX-512 with VNNI, no bf16
+INTEL_SAPPHIRE_RAPIDS = {"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"}
+AVX2_ONLY = {"avx2", "fma"}
+NO_CPUINFO = set()  # macOS, Windows: no flags to read
+
+
+@pytest.mark.parametrize(
+    "device, features, cuda_bf16, asked, chosen, native",
+    [
+        ("cpu", AMD_EPYC_ZEN4, False, "auto", "bf16", True),
+        ("cpu", INTEL_SAPPHIRE_RAPIDS, False, "auto", "bf16", True),
+        ("cpu", INTEL_ICE_LAKE, False, "auto", "fp32", True),
+        ("cpu", AVX2_ONLY, False, "auto", "fp32", True),
+        ("cpu", NO_CPUINFO, False, "auto", "fp32", True),
+        ("cpu", INTEL_ICE_LAKE, False, "bf16", "bf16", False),  # asked for: it runs, emulated, with a warning
+        ("cpu", AVX2_ONLY, False, "bf16", "bf16", False),
+        ("cpu", AMD_EPYC_ZEN4, False, "bf16", "bf16", True),
+        ("cpu", NO_CPUINFO, False, "bf16", "bf16", True),  # unknown: not warned about
+        ("cpu", AMD_EPYC_ZEN4, False, "fp32", "fp32", True),
+        ("cuda", INTEL_ICE_LAKE, True, "auto", "bf16", True),  # the GPU decides, not the host CPU
+        ("cuda", AMD_EPYC_ZEN4, False, "auto", "fp32", True),  # a GPU without bf16 (before Ampere): never fp16
+        ("cuda", AMD_EPYC_ZEN4, False, "fp16", "fp16", True),
+        ("cuda", INTEL_ICE_LAKE, True, "fp32", "fp32", True),
+    ],
+)
+def test_auto_is_bf16_only_where_the_device_computes_it_natively(device, features, cuda_bf16, asked, chosen, native):
+    choice = choose_precision(asked, device, set(features), cuda_bf16)
+    assert (choice.precision, choice.native) == (chosen, native)
+    assert choice.reason.startswith("auto: " if asked == "auto" else "asked for")
+
+
+def test_the_reason_names_the_feature_found_or_missing():
+    assert choose_precision("auto", "cpu", AMD_EPYC_ZEN4, False).reason == "auto: this CPU has AVX512-BF16"
+    both = choose_precision("auto", "cpu", INTEL_SAPPHIRE_RAPIDS, False).reason
+    assert both == "auto: this CPU has AVX512-BF16 and AMX-BF16"
+    missing = choose_precision("auto", "cpu", INTEL_ICE_LAKE, False).reason
+    assert missing == "auto: this CPU has no AVX512-BF16 or AMX-BF16, so bf16 would be emulated"
+    assert "/proc/cpuinfo" in choose_precision("auto", "cpu", NO_CPUINFO, False).reason
+    assert "emulated" in choose_precision("bf16", "cpu", INTEL_ICE_LAKE, False).reason
+
+
+def test_fp16_needs_cuda_and_bf16_a_gpu_that_has_it():
+    with pytest.raises(RuntimeSetupError, match="fp16 needs a CUDA device"):
+        choose_precision("fp16", "cpu", AMD_EPYC_ZEN4, False)
+    with pytest.raises(RuntimeSetupError, match="bf16 is not supported by this GPU"):
+        choose_precision("bf16", "cuda", AMD_EPYC_ZEN4, False)
+
+
+@pytest.fixture
+def cpu(monkeypatch):
+    """Make this machine's CPU report the given /proc/cpuinfo flags; warnings given before are forgotten."""
+    monkeypatch.setattr(runtime, "_warned", set())
+
+    def set_features(features: set[str]) -> None:
+        monkeypatch.setattr(runtime, "cpu_features", lambda: frozenset(features))
+
+    return set_features
+
+
+def test_an_explicit_bf16_without_native_support_runs_and_warns_once(run_with_decode_settings, cpu, caplog):  # noqa: F811
+    cpu(INTEL_ICE_LAKE)
+    with caplog.at_level(logging.WARNING, logger="mtkit"):
+        first = mtkit.load(run_with_decode_settings, device="cpu", precision="bf16")
+        mtkit.load(run_with_decode_settings, device="cpu", precision="bf16")
+    assert first.precision["precision"] == "bf16" and "emulated" in first.precision["reason"]
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "no AVX512-BF16 or AMX-BF16" in warning and "slower than fp32" in warning
+    assert first.translate(["A dog runs."]) and len(first.translate(["A dog.", "", "Two cats."])) == 3
+
+
+@pytest.mark.parametrize("features, chosen", [(AMD_EPYC_ZEN4, "bf16"), (INTEL_ICE_LAKE, "fp32")])
+def test_load_and_translate_default_to_auto(run_with_decode_settings, cpu, features, chosen, caplog):  # noqa: F811
+    cpu(features)
+    translator = mtkit.load(run_with_decode_settings, device="cpu")
+    assert translator.precision == choose_precision("auto", "cpu", features, False).to_dict()
+    assert translator.precision["precision"] == chosen
+    assert next(translator.model.parameters()).dtype == runtime.DTYPES[chosen]
+    with caplog.at_level(logging.WARNING, logger="mtkit"):
+        assert invoke("translate", run_with_decode_settings, input="A dog runs.\n").exit_code == 0
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]  # auto never warns
+
+
+@pytest.mark.parametrize("features", [AMD_EPYC_ZEN4, INTEL_ICE_LAKE])
+def test_doctor_says_what_auto_picks_and_why(cpu, features):
+    cpu(features)
+    report = json.loads(invoke("doctor", "--json").stdout)
+    choice = choose_precision("auto", "cpu", features, False)
+    assert report["auto_precision"]["cpu"] == choice.to_dict()
+    assert report["cpu_bf16_instructions"] == (choice.precision == "bf16")
+    [line] = [line for line in invoke("doctor").stdout.splitlines() if line.startswith("precision auto")]
+    assert f"cpu: {choice.precision} ({choice.reason.removeprefix('auto: ')})" in line
+
+
+def test_training_logs_and_records_what_auto_chose(tmp_path, corpus_files, spm_model, cpu, caplog):
+    from test_train import small_config
+
+    from mtkit.trainer import run_training
+
+    cpu(INTEL_ICE_LAKE)
+    with caplog.at_level(logging.INFO, logger="mtkit"):
+        run_training(small_config(corpus_files, spm_model, max_steps=1, precision="auto"), tmp_path)
+    reason = choose_precision("auto", "cpu", INTEL_ICE_LAKE, False).reason
+    assert any(r.getMessage().startswith(f"precision fp32 ({reason}) on ") for r in caplog.records)
+    start = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert start["event"] == "start" and start["step"] == 0 and start["device"] == "cpu"
+    assert (start["precision"], start["reason"]) == ("fp32", reason)
+    assert "bf16: emulated" in start["hardware"] and runtime.cpu_name() in start["hardware"]
