@@ -25,6 +25,8 @@ from typing import Generic, Protocol, TypeVar
 
 log = logging.getLogger("mtkit")
 
+IDLE_WAKE_S = 1.0  # an idle batcher looks up this often, so that signals reach their handlers (``_next_jobs``)
+
 Result = TypeVar("Result")
 Translate = Callable[[list[str], Hashable], list[Result]]
 
@@ -159,7 +161,9 @@ class Batcher(Generic[Result]):
                 if not self._jobs and not busy:
                     if self._closing:
                         return None
-                    self._changed.wait()
+                    # Bounded: the server runs this in the main thread, where Python runs signal handlers only
+                    # between bytecodes; a SIGTERM the kernel hands to another thread waits until this returns.
+                    self._changed.wait(IDLE_WAKE_S)
                     continue
                 groups: dict[Hashable, list[_Job[Result]]] = {}
                 for job in self._jobs:
