@@ -13,8 +13,8 @@ it. A missing, damaged or hand-edited RUN/stages.json redoes both stages, never 
 The report (RUN/report.md and RUN/report.json, with RUN/curves.png when matplotlib is installed)
 gives the test scores with their signatures, says whether they fall in the recipe's expected range
 ("incomplete" instead when train.max_time stopped training before train.max_steps), the hardware and
-precision training ran in, and each stage's wall clock. It describes the hypothesis it scores from the record made with
-that hypothesis: the decode settings (the translate note, report.json's test.decode) and the SHA-256
+precision training ran in, and each stage's wall clock. It describes the hypothesis it scores from the
+record made with that hypothesis: the decode settings (the translate note, report.json's test.decode) and the SHA-256
 of the model that wrote it (report.json's test.model_sha256; its first 12 digits in the eval note).
 """
 

@@ -80,37 +80,47 @@ class PrecisionChoice:
         return {"precision": self.precision, "reason": self.reason}
 
 
-def choose_precision(asked: str, device_type: str, cpu_features: set[str], cuda_bf16: bool) -> PrecisionChoice:
-    """What the setting ``asked`` (auto, fp32, bf16 or fp16) means on a device with these features.
+NATIVE_BF16_GPU = (8, 0)  # the CUDA compute capability from which GPUs have bf16 units (Ampere: A100 and later)
+
+
+def choose_precision(
+    asked: str, device_type: str, cpu_features: set[str], gpu_capability: tuple[int, int] | None = None
+) -> PrecisionChoice:
+    """What the setting ``asked`` (auto, fp32, bf16 or fp16) means on a device with these features: the CPU's
+    /proc/cpuinfo flags, and a GPU's CUDA compute capability.
 
     A function of the features alone, so that every machine's choice can be tested on any machine: ``auto`` is
-    bf16 where the device computes it natively (a CUDA device that supports it; a CPU with AVX512-BF16 or
-    AMX-BF16), fp32 elsewhere; fp16 only when asked for, and only on CUDA, where it has fast units and the
-    trainer scales the loss.
+    bf16 where the device computes it natively (a GPU from Ampere on; a CPU with AVX512-BF16 or AMX-BF16), fp32
+    elsewhere; fp16 only when asked for, and only on CUDA, where it has fast units and the trainer scales the
+    loss. An explicit bf16 where it is emulated runs, marked not ``native``.
     """
     if asked == "fp16":
         if device_type != "cuda":
             raise RuntimeSetupError("precision fp16 needs a CUDA device; use bf16 or auto on CPU")
         return PrecisionChoice("fp16", "asked for")
+    if asked == "fp32":
+        return PrecisionChoice("fp32", "asked for")
     if device_type == "cuda":
-        if asked == "bf16" and not cuda_bf16:
-            raise RuntimeSetupError("precision bf16 is not supported by this GPU; use fp16 or auto")
-        if asked != "auto":
-            return PrecisionChoice(asked, "asked for")
-        if cuda_bf16:
-            return PrecisionChoice("bf16", "auto: this GPU computes bf16")
-        return PrecisionChoice("fp32", "auto: this GPU does not support bf16")
+        native = gpu_capability is not None and tuple(gpu_capability) >= NATIVE_BF16_GPU
+        capability = ".".join(map(str, gpu_capability or ()))
+        if asked == "bf16":
+            if native:
+                return PrecisionChoice("bf16", "asked for")
+            return PrecisionChoice("bf16", f"asked for; emulated on a GPU of compute capability {capability}", False)
+        if native:
+            return PrecisionChoice("bf16", f"auto: this GPU (compute capability {capability}) has bf16 units")
+        return PrecisionChoice("fp32", f"auto: this GPU (compute capability {capability}) has no bf16 units")
     found = [name for feature, name in NATIVE_BF16_CPU_FEATURES.items() if feature in cpu_features]
     wanted = " or ".join(NATIVE_BF16_CPU_FEATURES.values())
-    if asked == "auto":
-        if found:
-            return PrecisionChoice("bf16", f"auto: this CPU has {' and '.join(found)}")
-        if not cpu_features:
-            return PrecisionChoice("fp32", f"auto: no CPU feature list (/proc/cpuinfo) to find {wanted} in")
-        return PrecisionChoice("fp32", f"auto: this CPU has no {wanted}, so bf16 would be emulated")
-    if asked == "bf16" and cpu_features and not found:
-        return PrecisionChoice("bf16", f"asked for; emulated, as this CPU has no {wanted}", native=False)
-    return PrecisionChoice(asked, "asked for")
+    if asked == "bf16":
+        if cpu_features and not found:
+            return PrecisionChoice("bf16", f"asked for; emulated, as this CPU has no {wanted}", native=False)
+        return PrecisionChoice("bf16", "asked for")
+    if found:
+        return PrecisionChoice("bf16", f"auto: this CPU has {' and '.join(found)}")
+    if not cpu_features:
+        return PrecisionChoice("fp32", f"auto: no CPU feature list (/proc/cpuinfo) to find {wanted} in")
+    return PrecisionChoice("fp32", f"auto: this CPU has no {wanted}, so bf16 would be emulated")
 
 
 _warned: set[str] = set()  # the warnings given once per process
@@ -118,12 +128,16 @@ _warned: set[str] = set()  # the warnings given once per process
 
 def resolve_precision(asked: str, device: torch.device) -> PrecisionChoice:
     """``choose_precision`` on this machine's ``device``; an emulated bf16 is warned about once per process."""
-    cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-    choice = choose_precision(asked, device.type, cpu_features(), cuda_bf16)
+    choice = choose_precision(asked, device.type, cpu_features(), gpu_capability(device))
     if not choice.native and choice.reason not in _warned:
         _warned.add(choice.reason)
         log.warning("precision bf16 %s: several times slower than fp32 here (precision auto picks fp32)", choice.reason)
     return choice
+
+
+def gpu_capability(device: torch.device) -> tuple[int, int] | None:
+    """The CUDA compute capability of ``device``; None for a CPU."""
+    return tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
 
 
 @functools.cache
@@ -144,7 +158,8 @@ def hardware(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     found = [name for feature, name in NATIVE_BF16_CPU_FEATURES.items() if feature in cpu_features()]
-    return f"{cpu_name()}, {torch.get_num_threads()} threads, bf16: {' and '.join(found) if found else 'emulated'}"
+    bf16 = f"native bf16: {' and '.join(found)}" if found else "no native bf16"
+    return f"{cpu_name()} ({torch.get_num_threads()} threads, {bf16})"
 
 
 def autocast(device: torch.device, dtype: torch.dtype):
@@ -155,13 +170,11 @@ def autocast(device: torch.device, dtype: torch.dtype):
 
 
 def supported_precisions(device: torch.device) -> list[str]:
-    """The train/translate precisions that run on ``device`` (bf16 on a CPU without native bf16 included)."""
+    """The train/translate precisions that run on ``device`` (bf16 included where it is emulated)."""
     supported = []
     for name in ("fp32", "bf16", "fp16"):
         try:
-            choose_precision(
-                name, device.type, cpu_features(), device.type == "cuda" and torch.cuda.is_bf16_supported()
-            )
+            choose_precision(name, device.type, cpu_features(), gpu_capability(device))
         except RuntimeSetupError:
             continue
         supported.append(name)
@@ -218,7 +231,7 @@ def environment_report(path: Path = Path(".")) -> dict:
             "cuda": supported_precisions(torch.device("cuda")) if cuda else [],
         },
         "auto_precision": {
-            "cpu": choose_precision("auto", "cpu", cpu_features(), False).to_dict(),
+            "cpu": choose_precision("auto", "cpu", cpu_features()).to_dict(),
             "cuda": resolve_precision("auto", torch.device("cuda")).to_dict() if cuda else None,
         },
         "memory_available_gib": round(int(mem_kib.split()[0]) / 2**20, 1) if mem_kib else None,

@@ -71,7 +71,7 @@ def test_the_report_says_where_training_ran_in_what_precision_and_what_stopped_i
 
     out, _ = first_run
     report = json.loads((out / "report.json").read_text())
-    choice = choose_precision("auto", "cpu", cpu_features(), False)
+    choice = choose_precision("auto", "cpu", cpu_features())
     assert report["training"]["machines"] == [
         {"step": 0, "hardware": hardware(torch.device("cpu")), "precision": choice.precision, "reason": choice.reason}
     ]

@@ -218,7 +218,7 @@ def test_models_names_languages_precision_decode_settings_and_tokenizers(server,
     sha256 = Tokenizer(trained_run / "spm.model").sha256
     assert model["languages"] == {"source": "en", "target": "de"}
     assert model["decode"]["beam"] == 5 and model["tokenizers"] == {"source": sha256, "target": sha256}
-    assert model["precision"] == choose_precision("auto", "cpu", cpu_features(), False).to_dict()  # the default
+    assert model["precision"] == choose_precision("auto", "cpu", cpu_features()).to_dict()  # the default
     assert info["limits"] == {"max_texts": 64, "max_chars": 20_000, "max_beam": 16}
 
 
