@@ -27,8 +27,12 @@ def streamed(search: ContinuousBeamSearch, sources: list[list[int]], seed: int) 
     sentence, and the most cache slots the search held."""
     rng = random.Random(seed)
     results, waits, most_slots = {}, [rng.randint(0, 3) for _ in sources], 0
-    next_up = 0
+    next_up, steps = 0, 0
+    # Every sentence ends by its output cap; a search that runs past all of them in a row has lost one.
+    bound = sum(4 + len(s) + search.decode.max_len_b + int(search.decode.max_len_a * len(s)) for s in sources)
     while len(results) < len(sources):
+        steps += 1
+        assert steps <= bound, f"{len(sources) - len(results)} sentences still running after {bound} steps"
         while next_up < len(sources) and waits[next_up] == 0:
             search.add(next_up, sources[next_up])
             next_up += 1

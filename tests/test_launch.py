@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -12,9 +13,15 @@ import pytest
 
 from mtkit import launch
 
-needs_mimalloc = pytest.mark.skipif(
-    launch.mimalloc_library() is None, reason="cmeel-mimalloc provides mimalloc on x86-64 Linux only"
-)
+# Where pyproject installs cmeel-mimalloc; elsewhere the command runs under the system's allocator.
+MIMALLOC_PLATFORM = sys.platform == "linux" and platform.machine() == "x86_64"
+needs_mimalloc = pytest.mark.skipif(not MIMALLOC_PLATFORM, reason="cmeel-mimalloc provides mimalloc on x86-64 Linux")
+
+
+@needs_mimalloc
+def test_the_library_is_found_where_the_dependency_installs_it():
+    library = launch.mimalloc_library()
+    assert library is not None and library.is_file() and library.name == launch.LIBRARY_NAME
 
 
 def doctor(**env: str) -> subprocess.CompletedProcess:
