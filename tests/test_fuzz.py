@@ -48,7 +48,8 @@ json_values = st.recursive(
 
 
 def assert_clean_outcome(result, work: Path, allowed: set[str]) -> None:
-    """Exit 0 or exactly one error line, no traceback, and no file in ``work`` beyond ``allowed``."""
+    """Exit 0 or exactly one error line, no traceback, no file in ``work`` beyond ``allowed``, and nothing beside
+    ``work`` in its parent, which holds only it: a write that climbs out of the folder (../) is caught too."""
     assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
     assert "Traceback" not in result.output, result.output
     if result.exit_code != 0:
@@ -57,6 +58,15 @@ def assert_clean_outcome(result, work: Path, allowed: set[str]) -> None:
         assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     written = {str(path.relative_to(work)) for path in work.rglob("*")}
     assert written <= allowed, sorted(written - allowed)
+    beside = sorted(path.name for path in work.parent.iterdir() if path != work)
+    assert not beside, f"written beside {work}: {beside}"
+
+
+def work_folder(tmp_path_factory, name: str) -> Path:
+    """An empty folder alone in a folder of its own, for ``assert_clean_outcome``."""
+    work = tmp_path_factory.mktemp(name) / "case"
+    work.mkdir()
+    return work
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +159,7 @@ config_keys = st.sampled_from(
     overrides=st.lists(st.text(max_size=30), max_size=2),
 )
 def test_a_config_of_random_sections_keys_and_values(tmp_path_factory, raw, overrides):
-    work = tmp_path_factory.mktemp("config")
+    work = work_folder(tmp_path_factory, "config")
     (work / "c.yaml").write_text(yaml.safe_dump(raw, allow_unicode=True))
     result = invoke(
         "train", work / "c.yaml", "--dry-run", "--out", work / "run", *(a for o in overrides for a in ("--set", o))
@@ -160,7 +170,7 @@ def test_a_config_of_random_sections_keys_and_values(tmp_path_factory, raw, over
 @fuzz(300)
 @given(text=st.text(max_size=300) | st.binary(max_size=300))
 def test_random_text_or_bytes_as_a_config(tmp_path_factory, text):
-    work = tmp_path_factory.mktemp("yaml")
+    work = work_folder(tmp_path_factory, "yaml")
     path = work / "c.yaml"
     path.write_bytes(text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text)
     result = invoke("train", path, "--dry-run", "--out", work / "run")
@@ -170,7 +180,7 @@ def test_random_text_or_bytes_as_a_config(tmp_path_factory, text):
 @fuzz(80)
 @given(content=st.binary(max_size=400) | st.text(max_size=200).map(lambda t: t.encode("utf-8", "surrogatepass")))
 def test_random_input_to_translate_keeps_one_line_per_line(tmp_path_factory, trained_run, content):  # noqa: F811
-    work = tmp_path_factory.mktemp("input")
+    work = work_folder(tmp_path_factory, "input")
     source = work / "in.txt"
     source.write_bytes(content)
     args = ["--beam", 2, "--max-len-a", 0, "--max-len-b", 3]
@@ -185,7 +195,7 @@ def test_random_input_to_translate_keeps_one_line_per_line(tmp_path_factory, tra
 
 @pytest.fixture(scope="module")
 def export_case(tmp_path_factory, trained_run):  # noqa: F811
-    root = tmp_path_factory.mktemp("export")
+    root = work_folder(tmp_path_factory, "export")
     assert invoke("export", trained_run, "-o", root / "ct2").exit_code == 0
     return root, json.loads((root / "ct2" / "mtkit.json").read_text())
 
