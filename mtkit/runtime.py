@@ -60,6 +60,11 @@ NATIVE_BF16_CPU_FEATURES = {"avx512_bf16": "AVX512-BF16", "amx_bf16": "AMX-BF16"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def native_bf16(cpu_features: set[str]) -> list[str]:
+    """The native-bf16 features among ``cpu_features``, by their usual names ("AVX512-BF16")."""
+    return [name for feature, name in NATIVE_BF16_CPU_FEATURES.items() if feature in cpu_features]
+
+
 @dataclass(frozen=True)
 class PrecisionChoice:
     """The number format a run computes in, and why: what a precision setting (``auto`` included) came to on
@@ -110,7 +115,7 @@ def choose_precision(
         if native:
             return PrecisionChoice("bf16", f"auto: this GPU (compute capability {capability}) has bf16 units")
         return PrecisionChoice("fp32", f"auto: this GPU (compute capability {capability}) has no bf16 units")
-    found = [name for feature, name in NATIVE_BF16_CPU_FEATURES.items() if feature in cpu_features]
+    found = native_bf16(cpu_features)
     wanted = " or ".join(NATIVE_BF16_CPU_FEATURES.values())
     if asked == "bf16":
         if cpu_features and not found:
@@ -146,6 +151,7 @@ def cpu_features() -> frozenset[str]:
     return frozenset((_proc_field("/proc/cpuinfo", "flags") or "").split())
 
 
+@functools.cache
 def cpu_name() -> str:
     """The CPU's model name, as /proc/cpuinfo gives it, else the platform's processor name."""
     import platform
@@ -157,7 +163,7 @@ def hardware(device: torch.device) -> str:
     """The machine in a few words, for logs and reports: the GPU's name, or the CPU's name and its bf16 support."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    found = [name for feature, name in NATIVE_BF16_CPU_FEATURES.items() if feature in cpu_features()]
+    found = native_bf16(cpu_features())
     bf16 = f"native bf16: {' and '.join(found)}" if found else "no native bf16"
     return f"{cpu_name()} ({torch.get_num_threads()} threads, {bf16})"
 
@@ -216,7 +222,7 @@ def environment_report(path: Path = Path(".")) -> dict:
         "torch": torch.__version__,
         "cpu": cpu_name(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "cpu_bf16_instructions": bool(cpu_features() & set(NATIVE_BF16_CPU_FEATURES)),
+        "cpu_bf16_instructions": bool(native_bf16(cpu_features())),
         "threads": torch.get_num_threads(),
         "allocator": allocator_in_use(),
         "cuda_available": cuda,
@@ -231,8 +237,8 @@ def environment_report(path: Path = Path(".")) -> dict:
             "cuda": supported_precisions(torch.device("cuda")) if cuda else [],
         },
         "auto_precision": {
-            "cpu": choose_precision("auto", "cpu", cpu_features()).to_dict(),
-            "cuda": resolve_precision("auto", torch.device("cuda")).to_dict() if cuda else None,
+            name: choose_precision("auto", name, cpu_features(), gpu_capability(torch.device(name))).to_dict()
+            for name in ("cpu", *(["cuda"] if cuda else []))
         },
         "memory_available_gib": round(int(mem_kib.split()[0]) / 2**20, 1) if mem_kib else None,
         "disk_free_gib": round(shutil.disk_usage(_existing_ancestor(path)).free / 2**30, 1),

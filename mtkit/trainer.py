@@ -347,7 +347,8 @@ class Trainer:
         self.device = self.dist.device(tc.device) or pick_device(tc.device)
         self.precision = resolve_precision(tc.precision, self.device)
         self.dtype = self.precision.dtype
-        log.info("precision %s on %s", self.precision, hardware(self.device))
+        self.hardware = hardware(self.device)
+        log.info("precision %s on %s", self.precision, self.hardware)
         seed_everything(tc.seed)
 
     def _start_record(self) -> dict:
@@ -357,7 +358,7 @@ class Trainer:
             "event": "start",
             "step": self.progress.step,
             "device": str(self.device),
-            "hardware": hardware(self.device),
+            "hardware": self.hardware,
             **self.precision.to_dict(),
         }
 

@@ -429,8 +429,9 @@ def captions(n: int, seed: int = 0) -> list[Caption]:
     rng, seen, out = random.Random(seed), set(), []
     while len(out) < n:
         caption = Caption(tuple(_clause(rng) for _ in range(2 if rng.random() < 0.2 else 1)))
-        if caption.render("en") not in seen:
-            seen.add(caption.render("en"))
+        english = caption.render("en")
+        if english not in seen:
+            seen.add(english)
             out.append(caption)
     return out
 
@@ -443,9 +444,6 @@ def parallel(n: int, seed: int = 0, langs: tuple[str, ...] = ("en", "de")) -> di
 
 # Split sizes of the stand-in for Multi30k: the files `mtkit prepare multi30k_*` reads, under their names.
 MIRROR_SPLITS = {"train": 2_000, "val": 100, "test_2016_flickr": 100}
-# Training pairs the mirror adds for cleaning to drop: an empty pair, a repeated pair and a German side "@@"
-# (the length ratio); the first training line also carries a no-break space and a trailing space to normalise.
-MIRROR_DEFECTS = {"empty": 1, "duplicate": 1, "ratio": 1, "changed": 1}
 
 
 def write_mirror(folder: Path) -> dict[str, str]:
@@ -458,7 +456,7 @@ def write_mirror(folder: Path) -> dict[str, str]:
     for split, size in MIRROR_SPLITS.items():
         lines = {lang: corpus[lang][start : start + size] for lang in LANGS}
         start += size
-        if split == "train":
+        if split == "train":  # for cleaning: a line to normalise; an empty, a repeated and an "@@" (ratio) pair
             lines["en"][0] = lines["en"][0].replace(" ", "\u00a0 ", 1) + " "
             for lang in LANGS:
                 lines[lang] += ["", lines[lang][1], lines[lang][2] if lang == "en" else "@@"]

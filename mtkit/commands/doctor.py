@@ -45,7 +45,6 @@ def doctor_command(
             "; ".join(
                 f"{dev}: {c['precision']} ({c['reason'].removeprefix('auto: ')})"
                 for dev, c in report["auto_precision"].items()
-                if c
             ),
         ),
         ("memory available", f"{report['memory_available_gib']} GiB"),
