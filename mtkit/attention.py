@@ -234,8 +234,9 @@ class MultiHeadAttention(nn.Module):
         self.relative = relative
         self.window = window
 
-    def rotate(self, x: Tensor, start: int) -> Tensor:
-        """Queries or keys (B, H, L, Dh) at positions start.., rotated when positions are rotary."""
+    def rotate(self, x: Tensor, start: int | Tensor) -> Tensor:
+        """Queries or keys (B, H, L, Dh) at positions start.. (one for all rows, or each row's), rotated when
+        positions are rotary."""
         return self.rotary(x, start) if self.rotary is not None else x
 
     def split_heads(self, x: Tensor) -> Tensor:

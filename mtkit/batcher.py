@@ -10,6 +10,9 @@ sentences at every step and gives back each as it is done, so a request joins a 
 running; a ``WholeBatch`` translates everything it was given in one step. An idle search waits for
 batch-mates: it starts once it has ``max_batch_size`` sentences or its oldest request has waited
 ``max_wait_s``, and a full one never waits behind one still gathering.
+
+A request nobody waits for any more (it timed out, its client went away) is withdrawn: it leaves the
+queue, or its sentences leave the search they are in at its next step.
 """
 
 from __future__ import annotations
@@ -35,6 +38,10 @@ class Refused(RuntimeError):
     """The batcher takes no more work now: its queue is full, or it is closing."""
 
 
+class Withdrawn(RuntimeError):
+    """What the future of a request withdrawn from its search holds (``Batcher.withdraw``)."""
+
+
 class Search(Protocol[Result]):
     """Sentences in, results out, a step at a time."""
 
@@ -43,6 +50,9 @@ class Search(Protocol[Result]):
 
     def step(self) -> list[tuple[Hashable, Result]]:
         """Work one step; the results of the sentences done by it."""
+
+    def drop(self, keys: set[Hashable]) -> None:
+        """Take back the lines of ``keys``: no result comes back for them."""
 
     def __len__(self) -> int:
         """Sentences taken and not yet given back."""
@@ -64,6 +74,10 @@ class WholeBatch(Generic[Result]):
         keys, lines = self.keys, self.lines
         self.keys, self.lines = [], []
         return list(zip(keys, self.translate(lines, self.options)))
+
+    def drop(self, keys: set[Hashable]) -> None:
+        kept = [(key, line) for key, line in zip(self.keys, self.lines) if key not in keys]
+        self.keys, self.lines = [key for key, _ in kept], [line for _, line in kept]
 
     def __len__(self) -> int:
         return len(self.lines)
@@ -105,6 +119,7 @@ class Batcher(Generic[Result]):
         self._waiting = 0  # sentences in self._jobs
         self._closing = False
         self._changed = threading.Condition()
+        self._withdrawn: set[Future[list[Result]]] = set()  # futures of running jobs to take back
         self._searches: dict[Hashable, Search[Result]] = {}  # the worker's alone
         self._running: dict[Hashable, list[_Job[Result]]] = {}  # the jobs in each search
         self._worker = threading.Thread(target=self.run, name="mtkit-batcher", daemon=True)
@@ -128,6 +143,17 @@ class Batcher(Generic[Result]):
             self._changed.notify()
         return job.future
 
+    def withdraw(self, future: Future[list[Result]]) -> None:
+        """Nobody waits for ``future``'s translations any more: its job leaves the queue now, or the search it is
+        in at that search's next step (a whole batch already translating runs to its end); the future then
+        holds ``Withdrawn``."""
+        if future.cancel():  # still queued: ``_drop_cancelled`` takes it off
+            return
+        with self._changed:
+            if not future.done():
+                self._withdrawn.add(future)
+                self._changed.notify()
+
     def close(self) -> None:
         """Take no more jobs, finish those queued and running, and return once the batcher's own thread, if
         it has one, has ended."""
@@ -143,6 +169,7 @@ class Batcher(Generic[Result]):
             for job in taken:
                 if job.future.set_running_or_notify_cancel():  # cancelled ones are skipped
                     self._start(job)
+            self._take_back()
             by_oldest = sorted(self._searches, key=lambda options: self._running[options][0].queued_at)
             for options in by_oldest:
                 self._step(options, self._searches[options])
@@ -197,6 +224,22 @@ class Batcher(Generic[Result]):
         for job in [job for job in self._jobs if job.future.cancelled()]:
             self._jobs.remove(job)
             self._waiting -= len(job.lines)
+
+    def _take_back(self) -> None:
+        """The withdrawn jobs leave their searches; a search left with none is dropped."""
+        with self._changed:
+            withdrawn, self._withdrawn = self._withdrawn, set()
+        if not withdrawn:
+            return
+        for options, jobs in list(self._running.items()):
+            for job in [job for job in jobs if job.future in withdrawn]:
+                jobs.remove(job)
+                self._searches[options].drop({(job, number) for number in range(len(job.lines))})
+                job.future.set_exception(Withdrawn(f"withdrawn with {len(job.results)}/{len(job.lines)} lines done"))
+                log.debug("a request of %d sentences withdrawn from its search", len(job.lines))
+            if not jobs:
+                self._searches.pop(options)
+                self._running.pop(options)
 
     def _start(self, job: _Job[Result]) -> None:
         """``job``'s lines join the search of its options (opened if there is none)."""

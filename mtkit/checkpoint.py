@@ -80,23 +80,59 @@ def check_output_file(path: Path, inputs: Iterable[Path] = ()) -> None:
     """Fail before any work if ``path`` must not be written: OutputError naming it and why.
 
     Refused: a folder, a path in a missing folder, a file without write permission, a file inside a
-    checkpoint directory (its weights and training state must stay a pair), and one of ``inputs``
-    (or a link to one), whose content the command still needs and the user would lose.
+    checkpoint directory (``check_outside_checkpoints``), and one of ``inputs`` (or a link to one), whose
+    content the command still needs and the user would lose. An input that is a model (a run directory,
+    checkpoint or .safetensors file) counts with the files it is read from: its weights and tokenizers.
     """
     path = Path(path)
     if path.is_dir():
         raise OutputError(f"{path}: is a folder; give a file to write")
     if not path.parent.is_dir():
         raise OutputError(f"{path}: cannot write it, folder {path.parent} does not exist")
-    if (path.parent / STATE_FILE).is_file():
-        raise OutputError(f"{path}: is inside the checkpoint {path.parent}; write it elsewhere")
+    check_outside_checkpoints(path)
     if path.exists():
         if not os.access(path, os.W_OK):
             raise OutputError(f"{path}: is read-only; remove it or choose another output")
-        for source in inputs:
-            if Path(source).exists() and os.path.samefile(path, source):
+        for source in map(Path, inputs):
+            if source.exists() and os.path.samefile(path, source):
                 also = "" if str(source) == str(path) else f" ({source})"
                 raise OutputError(f"{path}: is also an input{also}; write the output to another file")
+            if any(os.path.samefile(path, file) for file in _files_read(source)):
+                raise OutputError(f"{path}: the model {source} is read from it; write the output to another file")
+
+
+def check_outside_checkpoints(path: Path) -> None:
+    """OutputError if writing ``path`` (a file, or a folder made whole) would write into a checkpoint directory:
+    one holding training state, a run's ``best/`` (or one a crash set aside) or an ``update-N`` folder with
+    weights. A file written there would leave a checkpoint whose files no longer belong together, or be lost
+    when the next save replaces it."""
+    path = Path(path)
+    for folder in {path.parent, path.resolve().parent}:  # the latter: where a link's file is written
+        if _is_checkpoint_dir(folder):
+            raise OutputError(f"{path}: is inside the checkpoint {folder}; write it elsewhere")
+
+
+def _is_checkpoint_dir(folder: Path) -> bool:
+    """A folder mtkit saves whole, told by what it holds and how mtkit names it, not any folder with weights."""
+    if (folder / STATE_FILE).is_file():
+        return True
+    named = folder.name in (BEST_DIR, set_aside(Path(BEST_DIR)).name) or _UPDATE_DIR.fullmatch(folder.name)
+    return bool(named) and (folder / WEIGHTS_FILE).is_file()
+
+
+def _files_read(source: Path) -> list[Path]:
+    """The weights and tokenizers a model path is read from (the tokenizers where ``load_for_inference`` looks:
+    beside the weights and up to two folders above); none for a path that is no model, such as a text file."""
+    if not (source.is_dir() or source.suffix == ".safetensors"):
+        return []
+    try:
+        resolved = resolve(source)
+    except CheckpointError:  # a run without a checkpoint: the command names it when it loads the model
+        return []
+    weights = resolved / WEIGHTS_FILE if resolved.is_dir() else resolved
+    folders = (weights.parent, weights.parent.parent, weights.parent.parent.parent)
+    tokenizers = [folder / name for folder in folders for name in TOKENIZER_NAMES]
+    return [file for file in (weights, *tokenizers) if file.is_file()]
 
 
 class OutputError(MtkitError, ValueError):

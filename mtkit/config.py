@@ -84,6 +84,14 @@ PRESETS: dict[Preset, dict[str, Any]] = {
 # computed, not stored, so a header's max_positions is not checked by the weights it comes with.
 MAX_POSITIONS = 65_536
 MAX_LAYERS = 1_000  # per stack
+# Hypotheses per sentence (a beam, or n-best translations) that a setting may ask for, wherever it comes from (a
+# flag, a config, a checkpoint header, an export's mtkit.json): 64 lines at beam 1,000 stay in bounded memory.
+MAX_BEAM = 1_000
+# Padded tokens in one batch, and so sentences in it: per side in training, source tokens times the beam in
+# decoding (25 times decoding's default).
+MAX_BATCH_TOKENS = 1 << 20
+# GNMT's alpha is useful from 0.6 to 2; at 10, ((5 + 65,536) / 6) ** alpha still fits a float.
+MAX_LENPEN = 10.0
 
 
 @dataclass(frozen=True)
@@ -167,6 +175,11 @@ class TrainConfig:
             _check(getattr(self, name) >= 1, f"train.{name} must be >= 1")
         for name in ("max_epochs", "warmup", "valid_every", "save_every", "threads", "patience", "keep_last"):
             _check(getattr(self, name) >= 0, f"train.{name} must be >= 0")
+        _check(self.valid_beam <= MAX_BEAM, f"train.valid_beam must be at most {MAX_BEAM:,}, got {self.valid_beam:,}")
+        _check(
+            self.batch_tokens <= MAX_BATCH_TOKENS,
+            f"train.batch_tokens must be at most {MAX_BATCH_TOKENS:,}, got {self.batch_tokens:,}",
+        )
         _check(self.max_rollbacks >= 0, "train.max_rollbacks must be >= 0")
         _check(0.0 < self.rollback_lr_factor <= 1.0, "train.rollback_lr_factor must be in (0, 1]")
         _check(self.ddp_timeout > 0, "train.ddp_timeout must be > 0")
@@ -201,6 +214,15 @@ class DecodeConfig:
         _check(self.lenpen >= 0, "decode.lenpen must be >= 0")
         _check(self.max_len_a >= 0 and self.max_len_b >= 1, "decode.max_len_a must be >= 0 and max_len_b >= 1")
         _check(self.batch_size >= 1, "decode.batch_size must be >= 1")
+        _check(self.beam <= MAX_BEAM, f"decode.beam must be at most {MAX_BEAM:,}, got {self.beam:,}")
+        _check(self.lenpen <= MAX_LENPEN, f"decode.lenpen must be at most {MAX_LENPEN}, got {self.lenpen}")
+        longest = f"at most {MAX_POSITIONS:,} (no output is longer)"
+        _check(self.max_len_a <= MAX_POSITIONS, f"decode.max_len_a must be {longest}, got {self.max_len_a}")
+        _check(self.max_len_b <= MAX_POSITIONS, f"decode.max_len_b must be {longest}, got {self.max_len_b:,}")
+        _check(self.min_len <= MAX_POSITIONS, f"decode.min_len must be {longest}, got {self.min_len:,}")
+        most = f"at most {MAX_BATCH_TOKENS:,}"
+        _check(self.batch_tokens <= MAX_BATCH_TOKENS, f"decode.batch_tokens must be {most}, got {self.batch_tokens:,}")
+        _check(self.batch_size <= MAX_BATCH_TOKENS, f"decode.batch_size must be {most}, got {self.batch_size:,}")
 
 
 Engine = Literal["mtkit", "ctranslate2"]
@@ -234,8 +256,8 @@ class ShortlistConfig:
 @dataclass(frozen=True)
 class ServeConfig:
     """How `mtkit serve` listens, batches concurrent requests and bounds what one request may ask (its --host,
-    --port, --max-batch-size, --max-wait-ms, --continuous, --max-queue, --max-texts, --max-chars, --timeout and
-    --api-key)."""
+    --port, --max-batch-size, --max-wait-ms, --continuous, --max-queue, --max-texts, --max-chars, --timeout,
+    --receive-timeout, --max-connections, --log-format and --api-key)."""
 
     host: str = "127.0.0.1"  # loopback only; 0.0.0.0 listens on every interface (then set api_key too)
     port: int = 8000  # 0: any free port, named in the log line that says where the server listens
@@ -249,16 +271,27 @@ class ServeConfig:
     max_chars: int = 20_000  # characters of one request's texts together; more is refused (413)
     max_beam: int = 16  # the widest beam a request may ask for: its batch-mates wait for its search too
     timeout: float = 30.0  # seconds a request waits for its translations before it is answered 504
+    # seconds a client may take to send a request's headers, and again its body: slower headers close the
+    # connection, a slower body is answered 408 (a client trickling bytes holds a connection no longer)
+    receive_timeout: float = 10.0
+    # connections open at once; one more is answered 503 and closed (kept under the process's file limit)
+    max_connections: int = 512
+    log_format: Literal["plain", "json"] = "plain"  # json: each log line one JSON object (a request's fields)
     # required as "Authorization: Bearer KEY" on every request but /health; "": none (MTKIT_API_KEY sets it too)
     api_key: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         _check(0 <= self.port < 65536, f"--port must be in [0, 65535], got {self.port}")
-        for name in ("max_batch_size", "max_queue", "max_texts", "max_chars"):
+        for name in ("max_batch_size", "max_queue", "max_texts", "max_chars", "max_connections"):
             _check(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        _check(self.max_beam >= 1, f"ServeConfig.max_beam must be >= 1, got {self.max_beam}")
+        _check(1 <= self.max_beam <= MAX_BEAM, f"ServeConfig.max_beam must be in [1, {MAX_BEAM}], got {self.max_beam}")
         _check(0 <= self.max_wait_ms < math.inf, f"--max-wait-ms must be a finite number >= 0, got {self.max_wait_ms}")
         _check(0 < self.timeout < math.inf, f"--timeout must be a finite number > 0, got {self.timeout}")
+        _check(
+            0 < self.receive_timeout < math.inf,
+            f"--receive-timeout must be a finite number > 0, got {self.receive_timeout}",
+        )
+        _check(self.log_format in ("plain", "json"), f"--log-format must be plain or json, got {self.log_format!r}")
 
 
 @dataclass(frozen=True)

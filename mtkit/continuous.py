@@ -11,19 +11,25 @@ The search is ``mtkit.search.beam_search``'s, step for step (the same candidates
 finished hypotheses, the same rules for when a sentence is done), so a sentence gets the same
 translation whichever sentences share its steps. What differs is the layout: sentences that joined
 at different steps share the self-attention cache, each row seeing only the slots from its own start
-on and embedding its own position. That needs absolute positions (sinusoidal or learned) and no
-attention window; ``supports`` says whether a model has them.
+on. Each row embeds (absolute positions) or rotates (rotary ones) its token at its own position;
+relative positions and attention windows need only the distance between two slots, which is the
+distance between their positions. Any single model can be searched so (``supports``); an ensemble
+averages models step by step in a layout of its own, and searches in whole batches.
+
+A sentence whose request is withdrawn (``drop``) leaves at the next step, without hypotheses.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Hashable
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mtkit.alignment import align_batch
 from mtkit.attention import DecoderCache
 from mtkit.config import DecodeConfig
 from mtkit.data import source_tensor
@@ -36,12 +42,8 @@ log = logging.getLogger("mtkit")
 
 
 def supports(model: object) -> bool:
-    """Whether ``model`` can be searched continuously: one Transformer, absolute positions, no window."""
-    if not isinstance(model, Transformer):
-        return False
-    embed, attention = model.decoder.embed, model.decoder.layers[0].self_attn
-    absolute = embed.learned is not None or embed.table is not None
-    return absolute and attention.rotary is None and attention.relative is None and not attention.window
+    """Whether ``model`` can be searched continuously: one Transformer, with positions of any kind."""
+    return isinstance(model, Transformer)
 
 
 class ContinuousBeamSearch:
@@ -56,10 +58,11 @@ class ContinuousBeamSearch:
 
     def __init__(self, model: Transformer, decode: DecodeConfig, nbest: int = 1) -> None:
         if not supports(model):
-            raise ValueError("continuous batching needs absolute positions (sinusoidal or learned) and no window")
+            raise ValueError("continuous batching searches one model, not an ensemble")
         self.model, self.decode, self.nbest, self.beam = model, decode, nbest, decode.beam
         self.device = next(model.parameters()).device
         self.waiting: list[tuple[Hashable, list[int]]] = []
+        self.withdrawn: set[Hashable] = set()  # live sentences that leave, unanswered, at the next step
         self._reset()
 
     def _reset(self) -> None:
@@ -82,8 +85,14 @@ class ContinuousBeamSearch:
         back its hypotheses with ``key``."""
         self.waiting.append((key, ids))
 
+    def drop(self, keys: set[Hashable]) -> None:
+        """Withdraw the sentences of ``keys``: those waiting at once, live ones at the next step, whose results
+        leave them out."""
+        self.waiting = [(key, ids) for key, ids in self.waiting if key not in keys]
+        self.withdrawn |= keys & set(self.keys)
+
     def __len__(self) -> int:
-        """Sentences live or waiting to join."""
+        """Sentences live (withdrawn ones until they leave) or waiting to join."""
         return len(self.keys) + len(self.waiting)
 
     @torch.inference_mode()
@@ -128,17 +137,21 @@ class ContinuousBeamSearch:
         if decode.early_stop:
             self.top_ended |= cand_eos[:, 0] & torch.isfinite(cand_scores[:, 0])
             done |= self.top_ended & (counts >= self.nbest)
+        withdrawn, self.withdrawn = self.withdrawn, set()
+        if withdrawn:
+            done |= torch.tensor([key in withdrawn for key in self.keys], device=self.device)
+        leaving = done.tolist()
         results = [
             (key, sorted(hyps, key=lambda h: -h.score)[: self.nbest])
-            for key, hyps, gone in zip(self.keys, self.finished, done.tolist())
-            if gone
+            for key, hyps, gone in zip(self.keys, self.finished, leaving)
+            if gone and key not in withdrawn
         ]
-        if not results:
+        if not any(leaving):
             self.tokens = torch.cat([self.tokens[rows], next_tok], dim=1)
             self.scores = scores
             self.pending = (rows, None, 0)
             return results
-        if len(results) == n:
+        if all(leaving):
             self._reset()
             return results
         keep = (~done).nonzero().squeeze(1)
@@ -210,23 +223,25 @@ class ContinuousBeamSearch:
 
 class LineSearch:
     """Texts in, translations out, over a ``ContinuousBeamSearch`` with ``translator``'s model and settings:
-    each text is tokenized as it joins and its ``nbest`` translations detokenized as it is done. An empty text
-    (or one of no tokens) is done at the next step without the model, and one longer than the model's
-    positions is truncated to fit, as ``mtkit translate`` does."""
+    each text is tokenized as it joins and its ``nbest`` translations detokenized as it is done, the best with
+    its word alignment when the translator has an aligner. An empty text (or one of no tokens) is done at the
+    next step without the model, and one longer than the model's positions is truncated to fit, as
+    ``mtkit translate`` does."""
 
     def __init__(self, translator: Translator) -> None:
         self.translator = translator
         self.search = ContinuousBeamSearch(translator.model, translator.decode, translator.nbest)
         self.empty: list[Hashable] = []  # keys of texts that need no search
+        self.sources: dict[Hashable, list[int]] = {}  # each live text's ids, which its alignment needs
 
     @staticmethod
     def accepts(translator: LineTranslator) -> bool:
-        """Whether ``translator`` can be searched this way: mtkit's beam search on a model ``supports`` allows,
-        without sampling or word alignments."""
+        """Whether ``translator`` can be searched this way: mtkit's beam search over the whole vocabulary, on a
+        model ``supports`` allows."""
         return (
             isinstance(translator, Translator)
             and translator.sampling is None
-            and translator.aligner is None
+            and translator.shortlist is None
             and supports(translator.model)
         )
 
@@ -235,17 +250,33 @@ class LineSearch:
         ids = self.translator.src_tok.encode_capped([line], limit)[0] if line.strip() else []
         if len(ids) > limit:
             log.warning("a text of over %d source tokens, truncated to %d (model.max_positions)", limit, limit)
-        if ids:
-            self.search.add(key, ids[:limit])
-        else:
+        if not ids:
             self.empty.append(key)
+            return
+        self.search.add(key, ids[:limit])
+        if self.translator.aligner is not None:
+            self.sources[key] = ids[:limit]
+
+    def drop(self, keys: set[Hashable]) -> None:
+        """Withdraw the texts of ``keys``: no result comes back for them."""
+        self.empty = [key for key in self.empty if key not in keys]
+        self.search.drop(keys)
+        for key in keys:
+            self.sources.pop(key, None)
 
     def step(self) -> list[tuple[Hashable, list[Translation]]]:
         done: list[tuple[Hashable, list[Translation]]] = [(key, [EMPTY]) for key in self.empty]
         self.empty = []
-        for key, hyps in self.search.step():
+        finished = self.search.step()
+        alignments = [""] * len(finished)
+        if self.translator.aligner is not None and finished:
+            pairs = [(self.sources.pop(key), hyps[0].tokens) for key, hyps in finished]
+            alignments = align_batch(self.translator.aligner, self.translator.src_tok, self.translator.tgt_tok, pairs)
+        for (key, hyps), alignment in zip(finished, alignments):
             texts = self.translator.tgt_tok.decode([h.tokens for h in hyps])
-            done.append((key, [Translation(text, h.score, h.logprob) for text, h in zip(texts, hyps)]))
+            translations = [Translation(text, h.score, h.logprob) for text, h in zip(texts, hyps)]
+            translations[0] = replace(translations[0], alignment=alignment)
+            done.append((key, translations))
         return done
 
     def __len__(self) -> int:

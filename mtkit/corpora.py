@@ -5,7 +5,9 @@ Multi30k is the official release's gzip text files by URL, with their SHA-256; a
 
 The Hub corpora (WMT14, WMT16, IWSLT17) are Hugging Face datasets, loaded through ``datasets`` as
 ``mtkit prepare hf:...`` loads any (mtkit.hf_corpus), so its cache, ``HF_HOME``, ``HF_TOKEN``, offline mode
-and ``HF_ENDPOINT`` apply. WMT14 is pinned to a Hub commit. WMT16 (``main``) and IWSLT17 (the Hub's
+and ``HF_ENDPOINT`` apply. WMT14 is pinned to a Hub commit, one not yet checked against the Hub (``--list``
+says so; a revision the Hub does not have is one error line naming the corpus and the revision). WMT16
+(``main``) and IWSLT17 (the Hub's
 parquet conversion of a script dataset, the branch ``refs/convert/parquet``) name a branch; prepare.json, and
 the report of ``mtkit run``, record the commit each resolved to. A mirror of a Hub corpus is a local
 folder holding its repository under its id, as ``git clone`` lays it out (MIRROR/wmt/wmt14/README.md,
@@ -48,6 +50,7 @@ class Corpus:
     about: str  # what it is, and the standard test set it reports on
     splits: dict[str, Split] = field(default_factory=dict)  # train, valid, test as text files; none for a Hub corpus
     dataset: HubCorpus | None = None  # a Hub corpus: the dataset, config and revision it loads
+    caveat: str | None = None  # what `mtkit prepare --list` must say of it, e.g. an unchecked pin
 
     @property
     def langs(self) -> tuple[str, str]:
@@ -88,8 +91,8 @@ def _multi30k(src: str, tgt: str) -> Corpus:
     )
 
 
-def _hub(name: str, about: str, dataset: HubCorpus) -> Corpus:
-    return Corpus(name, dataset.src_lang, dataset.tgt_lang, about, dataset=dataset)
+def _hub(name: str, about: str, dataset: HubCorpus, caveat: str | None = None) -> Corpus:
+    return Corpus(name, dataset.src_lang, dataset.tgt_lang, about, dataset=dataset, caveat=caveat)
 
 
 def _wmt14_en_de(src: str, tgt: str) -> Corpus:
@@ -97,8 +100,9 @@ def _wmt14_en_de(src: str, tgt: str) -> Corpus:
         f"wmt14_{src}_{tgt}",
         "WMT14 English-German (Europarl v7, Common Crawl, News Commentary v9): 4.5M pairs; "
         "newstest2013 valid, newstest2014 test",
-        # The commit of main, last modified 2024-04-03.
+        # Meant as the commit of main, last modified 2024-04-03; written down without a look at the Hub.
         HubCorpus("wmt/wmt14", src, tgt, config="de-en", revision="b199e406369ec1b7634206d3ded5ba45de2fe696"),
+        "revision not yet checked against the Hub",
     )
 
 

@@ -4,9 +4,9 @@ The command speaks two dialects, told apart by how the hypothesis is given. As `
 stdin it is sacreBLEU's command line, and every default and every output is the ``sacrebleu`` tool's:
 BLEU alone, ``-lc`` for BLEU only, chrF case-sensitive and TER case-insensitive unless asked
 otherwise, single-system scores sorted by metric, JSON rounded to one decimal. As ``--hyp FILE``
-mtkit's own conventions hold, so existing scripts keep their numbers: BLEU and chrF, ``--lowercase``
-for every metric and otherwise every metric case-sensitive, text blocks with the signature below
-each score, JSON lists at full precision.
+mtkit's own conventions hold: BLEU and chrF by default, ``--lowercase`` for both, text blocks with the
+signature below each score, JSON lists at full precision. Each metric's case is sacreBLEU's by default
+in both (BLEU and chrF case-sensitive, TER not), so a score means what the same metric means elsewhere.
 """
 
 from __future__ import annotations
@@ -126,14 +126,14 @@ def _metric_names(request: Request) -> tuple[str, ...]:
 
 
 def _options(request: Request) -> Options:
-    """With --hyp, chrF and TER follow --lowercase unless their own flag is given; sacreBLEU sets each alone."""
+    """With --hyp, chrF follows --lowercase unless its own flag is given; sacreBLEU sets each alone."""
     own = request.sacrebleu_style
     return Options(
         tokenize=request.tokenize,
         lowercase=request.lowercase,
         trg_lang=request.langpair.split("-")[1] if request.langpair else "",
         chrf_lowercase=request.chrf_lowercase if own else request.chrf_lowercase or None,
-        ter_case_sensitive=request.ter_case_sensitive if own else request.ter_case_sensitive or None,
+        ter_case_sensitive=request.ter_case_sensitive,
         chrf_word_order=request.chrf_word_order,
     )
 

@@ -17,8 +17,9 @@ from mtkit's modules, so each of mtkit's choices is mapped here, where a reviewe
   the source gets the eos mtkit appends (``add_source_eos``) and decoding starts from bos.
 
 An export directory holds CTranslate2's files (model.bin, config.json, vocabularies), the tokenizer
-model(s) and ``mtkit.json`` (tokenizer file names, positions, decoding defaults), so
-``CTranslate2Translator.from_dir`` needs nothing else.
+model(s) and ``mtkit.json`` (tokenizer file names, positions, decoding defaults, and the SHA-256 and step
+of the weights it came from, never a path on the exporter's machine), so ``CTranslate2Translator.from_dir``
+needs nothing else.
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ from torch import nn
 
 from mtkit import __version__, untrusted
 from mtkit.attention import MultiHeadAttention
-from mtkit.checkpoint import TOKENIZER_NAMES, CheckpointError, load_for_inference, resolve
+from mtkit.checkpoint import TOKENIZER_NAMES, WEIGHTS_FILE, CheckpointError, load_for_inference, resolve
 from mtkit.config import MAX_POSITIONS, ConfigError, DecodeConfig, ModelConfig, from_dict
-from mtkit.files import atomic_write_directory
+from mtkit.files import atomic_write_directory, file_sha256
 from mtkit.model import Decoder, Embedder, Encoder, FeedForward, Transformer
 from mtkit.positions import ROTARY_BASE
 from mtkit.search import length_penalty, max_length
@@ -58,6 +59,7 @@ log = logging.getLogger("mtkit")
 
 MANIFEST = "mtkit.json"
 VMAP = "vmap.txt"  # CTranslate2's name for a vocabulary map in a model folder
+MODEL_FILE = "model.bin"  # CTranslate2's weights file in a model folder
 MANIFEST_FORMAT = 1
 
 
@@ -190,7 +192,8 @@ def export_ctranslate2(
     if quantization is not None and quantization not in accepted:
         raise ConfigError(f"--quantization must be one of {', '.join(accepted)}, got {quantization!r}")
     check_replaceable(out_dir)
-    bundle = load_for_inference(model_path, torch.device("cpu"))
+    checkpoint = resolve(model_path)
+    bundle = load_for_inference(checkpoint, torch.device("cpu"))
     positions, window = bundle.cfg.model.positions, bundle.cfg.model.attention_window
     if positions not in ("sinusoidal", "learned", "rotary") or window:
         raise ConfigError(
@@ -208,8 +211,7 @@ def export_ctranslate2(
     manifest = {
         "format": MANIFEST_FORMAT,
         "mtkit_version": __version__,
-        "source": str(resolve(model_path)),
-        "step": bundle.step,
+        **provenance(checkpoint, bundle.step),
         "quantization": quantization or "float32",
         "tokenizer": {"src": bundle.src_tok.path.name, "tgt": bundle.tgt_tok.path.name},
         "max_positions": bundle.cfg.model.max_positions,
@@ -224,6 +226,14 @@ def export_ctranslate2(
 
     atomic_write_directory(out_dir, fill)
     return out_dir
+
+
+def provenance(checkpoint: Path, step: int) -> dict[str, Any]:
+    """What an export's manifest says of the checkpoint it came from: the SHA-256 of its weights file and its
+    update step, which identify it to anyone who holds it. Never its path: an export is made to be handed on,
+    and a path tells its recipients the exporter's folders and often their user name."""
+    weights = checkpoint / WEIGHTS_FILE if checkpoint.is_dir() else checkpoint
+    return {"weights_sha256": file_sha256(weights), "step": step}
 
 
 def check_replaceable(out_dir: Path) -> None:
@@ -268,6 +278,21 @@ def read_manifest(ct2_dir: Path) -> dict[str, Any]:
 # -- translating ----------------------------------------------------------------------------
 
 
+# What CTranslate2's loading errors say when its weights file is the cause: cut short, unreadable, of another
+# binary version. The other causes (config.json, the vocabularies, the device) name themselves.
+_WEIGHTS_ERRORS = (MODEL_FILE, "Variable '", "binary version")
+
+
+def _load_engine(ct2_dir: Path, device: str, compute_type: str) -> Any:
+    """``ctranslate2.Translator`` over the export, its failure one line naming the file at fault where it can."""
+    try:
+        return _ctranslate2().Translator(str(ct2_dir), device=device, compute_type=compute_type)
+    except (RuntimeError, ValueError) as err:  # the C++ library's exceptions, as its bindings raise them
+        reason = " ".join(str(err).split())
+        where = ct2_dir / MODEL_FILE if any(mark in reason for mark in _WEIGHTS_ERRORS) else ct2_dir
+        raise CheckpointError(f"{where}: CTranslate2 cannot load it on {device} ({reason})") from None
+
+
 class CTranslate2Translator(LineTranslator):
     """An exported model, its tokenizers and decoding settings, with ``mtkit.translate.Translator``'s interface.
 
@@ -307,12 +332,11 @@ class CTranslate2Translator(LineTranslator):
         use_vmap: bool = False,
     ) -> None:
         check_nbest(nbest, decode)
-        ctranslate2 = _ctranslate2()
         self.max_positions = read_manifest(ct2_dir)["max_positions"]
         if use_vmap and not (Path(ct2_dir) / VMAP).is_file():
             raise ConfigError(f"{ct2_dir}: the export has no vocabulary map; export it with --shortlist")
         self.use_vmap = use_vmap
-        self.engine = ctranslate2.Translator(str(ct2_dir), device=device, compute_type=compute_type)
+        self.engine = _load_engine(Path(ct2_dir), device, compute_type)
         self.src_tok, self.tgt_tok = src_tok, tgt_tok
         self.decode, self.nbest = decode, nbest
         self.eos = tgt_tok.sp.id_to_piece(EOS_ID)

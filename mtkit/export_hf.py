@@ -57,7 +57,7 @@ from mtkit import __version__
 from mtkit.attention import MultiHeadAttention
 from mtkit.checkpoint import CheckpointError, load_for_inference, resolve
 from mtkit.config import ConfigError, DecodeConfig, ModelConfig
-from mtkit.export import MANIFEST, MANIFEST_FORMAT, check_replaceable, vocabulary
+from mtkit.export import MANIFEST, MANIFEST_FORMAT, check_replaceable, provenance, vocabulary
 from mtkit.files import atomic_write_directory
 from mtkit.model import DecoderLayer, EncoderLayer, FeedForward, Transformer
 from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
@@ -307,7 +307,8 @@ def export_transformers(model_path: Path, out_dir: Path) -> Path:
     out_dir = Path(out_dir)
     transformers = _transformers()
     check_replaceable(out_dir)
-    bundle = load_for_inference(model_path, torch.device("cpu"))
+    checkpoint = resolve(model_path)
+    bundle = load_for_inference(checkpoint, torch.device("cpu"))
     cfg = bundle.cfg.model
     try:
         check_expressible(cfg)
@@ -321,8 +322,7 @@ def export_transformers(model_path: Path, out_dir: Path) -> Path:
         "format": MANIFEST_FORMAT,
         "runtime": RUNTIME,
         "mtkit_version": __version__,
-        "source": str(resolve(model_path)),
-        "step": bundle.step,
+        **provenance(checkpoint, bundle.step),
         "decode": asdict(bundle.cfg.decode),
     }
 

@@ -35,10 +35,10 @@ class Options:
     """How every metric of one evaluation compares text."""
 
     tokenize: str | None = None  # BLEU's tokenizer; None: 13a, or what sacreBLEU picks for trg_lang
-    lowercase: bool = False  # case-insensitive BLEU, and chrF and TER unless their own settings say otherwise
+    lowercase: bool = False  # case-insensitive BLEU, and chrF unless its own setting says otherwise
     trg_lang: str = ""  # from --langpair: sacreBLEU then picks zh, ja-mecab or ko-mecab for BLEU, as its CLI does
     chrf_lowercase: bool | None = None  # None: as ``lowercase``
-    ter_case_sensitive: bool | None = None  # None: the opposite of ``lowercase``
+    ter_case_sensitive: bool = False  # as sacreBLEU's TER, which ignores case unless asked (its signature: case:lc)
     chrf_word_order: int = 0  # word n-grams of the "chrf" metric (2 is chrF++); "chrf++" always has 2
 
     def __post_init__(self) -> None:
@@ -124,8 +124,7 @@ def _metric(name: str, options: Options, sentence: bool, references: list[list[s
         word_order = 2 if name == "chrf++" else options.chrf_word_order
         return CHRF(word_order=word_order, lowercase=lowercase, references=references)
     if name == "ter":
-        case_sensitive = not options.lowercase if options.ter_case_sensitive is None else options.ter_case_sensitive
-        return TER(case_sensitive=case_sensitive, references=references)
+        return TER(case_sensitive=options.ter_case_sensitive, references=references)
     raise ConfigError(f"unknown metric {name!r} (known: {', '.join(METRICS)})")
 
 

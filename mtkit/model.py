@@ -78,20 +78,27 @@ class DecoderLayer(nn.Module):
         src_allowed: Tensor,
         cache: LayerCache | None,
         self_allowed: Tensor | None = None,
+        positions: Tensor | None = None,
     ) -> Tensor:
         """x (B, T, D); with a cache, x holds only the new positions and keys/values accumulate, and
-        ``self_allowed`` (B, 1, 1, positions) may say which cached positions each row sees."""
-        x = self.res_self(x, lambda h: self._self_attend(h, cache, self_allowed))
+        ``self_allowed`` (B, 1, 1, slots) may say which cache slots each row sees and ``positions`` (B,) the
+        position of each row's new token (rows of a continuous search began at different slots)."""
+        x = self.res_self(x, lambda h: self._self_attend(h, cache, self_allowed, positions))
         x = self.res_cross(x, lambda h: self._cross_attend(h, memory, src_allowed, cache))
         return self.res_ffn(x, self.ffn)
 
-    def _self_attend(self, h: Tensor, cache: LayerCache | None, allowed: Tensor | None = None) -> Tensor:
+    def _self_attend(
+        self, h: Tensor, cache: LayerCache | None, allowed: Tensor | None = None, positions: Tensor | None = None
+    ) -> Tensor:
         attn = self.self_attn
         if cache is None:
             return attn(h, h, causal=True)
-        start = cache.self_len  # the position of h's first row
+        # The slot of h's first position. Relative positions and windows need only distances, which slots
+        # keep; rotary ones rotate each row by its own position, stored rotated with its key.
+        start = cache.self_len
+        rotation = start if positions is None else positions
         k, v = attn.project_kv(h)
-        k, v = cache.append_self(attn.rotate(k, start), v)
+        k, v = cache.append_self(attn.rotate(k, rotation), v)
         # New positions see every cached position and, among themselves, only earlier ones.
         causal = h.size(1) > 1
         if causal and k.size(2) != h.size(1):
@@ -101,7 +108,7 @@ class DecoderLayer(nn.Module):
             k_start = max(0, k.size(2) - attn.window - 1)
             k, v = k[:, :, k_start:], v[:, :, k_start:]
             allowed = allowed[..., k_start:] if allowed is not None else None
-        q = attn.rotate(attn.split_heads(attn.q_proj(h)), start)
+        q = attn.rotate(attn.split_heads(attn.q_proj(h)), rotation)
         return attn.attend(q, k, v, allowed, causal, start, k_start)
 
     def _cross_attend(self, h: Tensor, memory: Tensor | None, src_allowed: Tensor, cache: LayerCache | None) -> Tensor:
@@ -194,17 +201,17 @@ class Decoder(nn.Module):
         None once the cache holds its keys and values (``cross_cache``)."""
         allowed = ~src_pad_mask[:, None, None, :]
         offset: int | Tensor = 0
-        self_allowed = None
+        self_allowed = positions = None
         if cache is not None:
             offset = cache.length if cache.positions is None else cache.positions
-            self_allowed = cache.self_allowed
+            self_allowed, positions = cache.self_allowed, cache.positions
             if not cache.layers:
                 cache.layers = [LayerCache() for _ in self.layers]
             cache.length += tgt_in.size(1)
         x = self.embed(tgt_in, offset)
         memory = autocast_once(memory) if memory is not None else None  # one cast for every cross-attention
         for i, layer in enumerate(self.layers):
-            x = layer(x, memory, allowed, cache.layers[i] if cache is not None else None, self_allowed)
+            x = layer(x, memory, allowed, cache.layers[i] if cache is not None else None, self_allowed, positions)
         return self.final_norm(x)
 
     def cross_cache(self, memory: Tensor) -> DecoderCache:

@@ -33,12 +33,18 @@ class Rotary(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(self, x: Tensor, start: int = 0) -> Tensor:
-        """x (B, H, L, Dh) at positions start..start+L-1, rotated."""
+    def forward(self, x: Tensor, start: int | Tensor = 0) -> Tensor:
+        """x (B, H, L, Dh) at positions start..start+L-1, rotated; ``start`` is one for all rows, or (B,), each
+        row's own (rows of a continuous search began at different steps)."""
         length = x.size(-2)
-        if start + length > self.cos.size(0):
-            raise ValueError(f"position {start + length - 1} is beyond model.max_positions {self.cos.size(0)}")
-        cos, sin = self.cos[start : start + length].to(x.dtype), self.sin[start : start + length].to(x.dtype)
+        last = int(start.max()) if isinstance(start, Tensor) else start
+        if last + length > self.cos.size(0):
+            raise ValueError(f"position {last + length - 1} is beyond model.max_positions {self.cos.size(0)}")
+        if isinstance(start, Tensor):
+            at = start[:, None] + torch.arange(length, device=start.device)  # (B, L)
+            cos, sin = self.cos[at][:, None].to(x.dtype), self.sin[at][:, None].to(x.dtype)  # (B, 1, L, Dh/2)
+        else:
+            cos, sin = self.cos[start : start + length].to(x.dtype), self.sin[start : start + length].to(x.dtype)
         first, second = x.chunk(2, dim=-1)
         return torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
 

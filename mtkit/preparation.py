@@ -12,7 +12,9 @@ Layout of the output folder::
                                 resolved revision) and each split's fingerprint
 
 Every text file is written under a temporary name and renamed, and prepare.json last: a folder
-whose prepare.json matches the request is complete, and is left alone on a re-run.
+whose prepare.json matches the request is complete, and is left alone on a re-run, unless the local
+data files it was made from no longer have the SHA-256 it records. prepare.json is read as untrusted
+data: a record not of the form written here (edited, damaged, too large) means prepare again.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from mtkit import hf_corpus, untrusted
 from mtkit.clean import CleanSummary, clean_pairs
 from mtkit.config import CleanConfig, ConfigError
 from mtkit.corpora import Corpus, RemoteFile
-from mtkit.data import count_lines, iter_aligned
+from mtkit.data import DataError, count_lines, iter_aligned
 from mtkit.download import fetch, source_url
 from mtkit.files import atomic_write
 from mtkit.progress import StageProgress, shows_bar
@@ -40,6 +42,8 @@ from mtkit.progress import StageProgress, shows_bar
 log = logging.getLogger("mtkit")
 
 RECORD = "prepare.json"
+# A record is a few KB, or ~150 bytes per local data file: 16 MiB is ~100k files; larger is not one mtkit wrote.
+_RECORD_MAX_BYTES = 16 << 20
 # Line and paragraph separators that would break line alignment if written inside a segment.
 _LINE_BREAKS = str.maketrans({c: " " for c in "\r\n\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"})
 
@@ -48,11 +52,13 @@ def prepare_corpus(corpus: Corpus, out: Path, mirror: str | None = None, clean: 
     """Prepare ``corpus`` into ``out`` (see the module docstring); returns the prepare.json record.
 
     A Hub corpus is loaded as ``prepare_dataset`` loads one, from its mirror if given (see ``_mirrored``)."""
+    _check_out(out)
     settings = _settings(corpus, clean)
-    if (done := _done(out, settings, corpus.name)) is not None:
+    dataset = _mirrored(corpus.dataset, mirror) if corpus.dataset is not None else None
+    if (done := _done(out, settings, corpus.name, dataset)) is not None:
         return done
-    if corpus.dataset is not None:
-        return _load_and_write(_mirrored(corpus.dataset, mirror), out, corpus.name, settings, clean)
+    if dataset is not None:
+        return _load_and_write(dataset, out, corpus.name, settings, clean)
 
     def splits() -> Iterator[tuple[str, Iterator[tuple[str, str]], int | None, dict]]:
         for name, split in corpus.splits.items():
@@ -90,25 +96,55 @@ def prepare_dataset(
 ) -> dict:
     """Prepare a Hugging Face ``datasets`` corpus into ``out``, laid out as ``prepare_corpus`` lays a standard
     one; prepare.json adds the source's resolved revision (or its files' checksums) and each split's fingerprint."""
+    _check_out(out)
     settings = {"dataset": corpus.settings(), "clean": asdict(clean)}
-    if (done := _done(out, settings, corpus.name)) is not None:
+    if (done := _done(out, settings, corpus.name, corpus)) is not None:
         return done
     return _load_and_write(corpus, out, corpus.name, settings, clean, num_proc)
 
 
-def _done(out: Path, settings: dict, label: str) -> dict | None:
-    """The record of an earlier run with the same settings: the folder is complete, and left alone."""
+def _check_out(out: Path) -> None:
+    """Refuse an output folder that is a file (or lies under one) before any download or conversion."""
+    existing = next((path for path in (out, *out.absolute().parents) if path.exists()), None)
+    if existing is not None and not existing.is_dir():
+        what = "a file" if existing == out else f"{existing} is a file"
+        raise ConfigError(f"{out}: {what}, not a folder; --out names the folder to prepare into")
+
+
+def _done(out: Path, settings: dict, label: str, dataset: hf_corpus.HubCorpus | None) -> dict | None:
+    """The record of an earlier run with the same settings and, for local data, the same data files: the folder
+    is complete, and left alone."""
     done = _record(out)
-    if done is None or done.get("settings") != settings:
+    if done is None or done["settings"] != settings:
         return None
+    recorded = (done.get("source") or {}).get("data_files")
+    if dataset is not None and dataset.is_local and recorded is not None:
+        if changed := _changed_files(recorded, hf_corpus.local_checksums(dataset)):
+            log.warning("%s: %s changed since %s was prepared from it; preparing again", label, changed, out)
+            return None
     log.info("%s: already prepared in %s", label, out)
     return done
+
+
+def _changed_files(recorded: dict, now: dict) -> str:
+    """The first data file whose SHA-256 differs from the record (or that came or went); empty if none."""
+    if recorded == now:
+        return ""
+    before, after = ({f["file"]: f["sha256"] for fs in files.values() for f in fs} for files in (recorded, now))
+    changed = sorted(name for name in before.keys() | after.keys() if before.get(name) != after.get(name))
+    return changed[0] if changed else "the split of its data files"
 
 
 def _load_and_write(
     corpus: hf_corpus.HubCorpus, out: Path, label: str, settings: dict, clean: CleanConfig, num_proc: int | None = None
 ) -> dict:
-    source, loaded = hf_corpus.load(corpus, num_proc)
+    """Load a ``datasets`` corpus and write it; an error names the catalogue corpus too, if it is one."""
+    try:
+        source, loaded = hf_corpus.load(corpus, num_proc)
+    except DataError as err:
+        if label == corpus.name:
+            raise
+        raise DataError(f"{label}: {err}") from None
     splits = ((split.name, split.pairs, split.rows, split.about) for split in loaded)
     return _write_prepared(out, label, corpus.langs, settings, clean, splits, source)
 
@@ -159,15 +195,62 @@ def _write_prepared(
 
 
 def _record(out: Path) -> dict | None:
-    """The prepare.json of an earlier run, if it has the form ``prepare`` writes; None means prepare again."""
+    """The prepare.json of an earlier run, if it has the form ``prepare`` writes, whole; None means prepare
+    again (with a warning when there was a record)."""
     try:
-        record = json.loads((out / RECORD).read_text(encoding="utf-8"))
-        untrusted.mapping(record, RECORD, required=("settings", "splits"))
-        for name, split in untrusted.mapping(record["splits"], "splits").items():
-            untrusted.integer(untrusted.mapping(split, name, required=("lines",))["lines"], f"{name}.lines")
-    except (OSError, ValueError, RecursionError):  # missing, not JSON, or not of that form (Malformed)
+        with open(out / RECORD, "rb") as f:
+            raw = f.read(_RECORD_MAX_BYTES + 1)
+    except OSError:  # missing, or unreadable: prepared again, and rewritten
         return None
+    try:
+        if len(raw) > _RECORD_MAX_BYTES:
+            raise untrusted.Malformed(f"larger than {_RECORD_MAX_BYTES >> 20} MiB")
+        return _checked(json.loads(raw))
+    except (ValueError, RecursionError) as err:  # not JSON, nested too deep, or not of that form (Malformed)
+        log.warning("%s: not a record mtkit wrote (%s); preparing again", out / RECORD, str(err)[:200])
+        return None
+
+
+def _checked(record: object) -> dict:
+    """``record`` if every value has the type ``_write_prepared`` gives it, else Malformed."""
+    untrusted.mapping(record, RECORD, required=("settings", "splits"), optional=("source", "seconds"))
+    untrusted.mapping(record["settings"], "settings")
+    for name, split in untrusted.mapping(record["splits"], "splits").items():
+        untrusted.one_of(name, "a split's name", hf_corpus.OUTPUT_SPLITS)
+        optional = ("clean", "dataset_split", "fingerprint", "rows")
+        untrusted.mapping(split, name, required=("lines",), optional=optional)
+        for key in ("lines", "rows"):
+            if key in split:
+                untrusted.integer(split[key], f"{name}.{key}")
+        for key, value in untrusted.mapping(split.get("clean", {}), f"{name}.clean").items():
+            untrusted.integer(value, f"{name}.clean.{key}")
+        for key in ("dataset_split", "fingerprint"):
+            if key in split:
+                untrusted.string(split[key], f"{name}.{key}")
+    if "source" in record:
+        _check_source(record["source"])
+    if "seconds" in record:
+        untrusted.number(record["seconds"], "seconds")
     return record
+
+
+def _check_source(source: object) -> None:
+    """prepare.json's ``source``, as hf_corpus.load returns it (read by `mtkit run` for its report)."""
+    keys = ("dataset", "config", "data_dir", "revision", "data_files")
+    untrusted.mapping(source, "source", required=keys, optional=())
+    untrusted.string(source["dataset"], "source.dataset")
+    for key in ("config", "data_dir", "revision"):
+        if source[key] is not None:
+            untrusted.string(source[key], f"source.{key}")
+    if source["data_files"] is not None:
+        for split, files in untrusted.mapping(source["data_files"], "source.data_files").items():
+            if not isinstance(files, list):
+                raise untrusted.Malformed(f"source.data_files.{split} must be a list, got {untrusted.shown(files)}")
+            for i, entry in enumerate(files):
+                what = f"source.data_files.{split}[{i}]"
+                untrusted.mapping(entry, what, required=("file", "sha256"), optional=())
+                untrusted.string(entry["file"], f"{what}.file")
+                untrusted.sha256(entry["sha256"], f"{what}.sha256")
 
 
 def _download(file: RemoteFile, folder: Path, mirror: str | None) -> Path:

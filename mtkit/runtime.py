@@ -218,6 +218,7 @@ def environment_report(path: Path = Path(".")) -> dict:
 
     mem_kib = _proc_field("/proc/meminfo", "MemAvailable")  # what a new process can use without swapping
     cuda = torch.cuda.is_available()
+    disk = _existing_ancestor(path)
     return {
         "torch": torch.__version__,
         "cpu": cpu_name(),
@@ -241,5 +242,6 @@ def environment_report(path: Path = Path(".")) -> dict:
             for name in ("cpu", *(["cuda"] if cuda else []))
         },
         "memory_available_gib": round(int(mem_kib.split()[0]) / 2**20, 1) if mem_kib else None,
-        "disk_free_gib": round(shutil.disk_usage(_existing_ancestor(path)).free / 2**30, 1),
+        "disk_free_gib": round(shutil.disk_usage(disk).free / 2**30, 1),
+        "disk_path": str(disk),  # where disk_free_gib was measured: ``path``, or its nearest existing parent
     }

@@ -8,7 +8,9 @@ A store is a directory in the encoding cache (``data.cache_dir``)::
 
 Its name is a digest of what it was built from: the training files (path, size, modification
 time), both tokenizers' SHA-256 and the length filters. Any run with the same inputs reuses it
-instead of encoding again; a changed file or tokenizer gets a new store. Encoding streams the
+instead of encoding again; a changed file or tokenizer gets a new store (a training file that an
+older store in the cache holds at another size or modification time is named in a warning: a run
+resumed on it goes on with the edited data). Encoding streams the
 corpus a chunk at a time (SentencePiece encodes each chunk on all cores), and training reads only
 the sentence lengths into memory: about 8 bytes per pair. Stores are never deleted by mtkit; old ones
 can be removed by hand at any time when no run is starting.
@@ -49,6 +51,7 @@ log = logging.getLogger("mtkit")
 FORMAT = 1
 CHUNK_PAIRS = 20_000  # pairs encoded at a time: enough for SentencePiece's threads, a few MiB of Python lists
 SIDES = ("src", "tgt")
+_META_MAX_BYTES = 1 << 20  # a meta.json is under 2 KB
 
 
 def default_cache_dir() -> Path:
@@ -178,6 +181,12 @@ def open_or_build(
         if store is not None:
             log.info("training data: reusing the encoded pairs in %s", directory)
         else:
+            if changed := _edited_files(cache_dir, key):
+                log.warning(
+                    "training data: %s changed since an earlier run encoded it; encoding it again (a resumed run "
+                    "goes on training on the changed data)",
+                    " and ".join(changed),
+                )
             log.info("training data: encoding the pairs into %s", directory)
             atomic_write_directory(directory, lambda tmp: _encode(tmp, pairs, key, src_tok, tgt_tok))
             store = TokenStore(directory, vocab_sizes)
@@ -203,6 +212,22 @@ def _open_if_complete(directory: Path, vocab_sizes: tuple[int, int]) -> TokenSto
     except DataError as err:
         log.warning("%s; encoding it again", err)
         return None
+
+
+def _edited_files(cache_dir: Path, key: dict) -> list[str]:
+    """The training files of ``key`` that another store in ``cache_dir`` encoded at another size or modification
+    time. Its meta.json is untrusted: one that is not of the form written here is passed over."""
+    now = {f["path"]: f for f in key["files"]}
+    changed = set()
+    for meta in cache_dir.glob("*/meta.json"):
+        try:
+            if meta.stat().st_size > _META_MAX_BYTES:
+                continue
+            files = json.loads(meta.read_text(encoding="utf-8"))["key"]["files"]
+            changed.update(f["path"] for f in files if f["path"] in now and f != now[f["path"]])
+        except (OSError, ValueError, RecursionError, LookupError, TypeError):  # unreadable, or not of that form
+            continue
+    return sorted(changed)
 
 
 def _check_meta(meta: object) -> dict:

@@ -25,7 +25,7 @@ import torch
 
 from mtkit.alignment import align_batch
 from mtkit.checkpoint import CheckpointError, load_for_inference
-from mtkit.config import ConfigError, DecodeConfig, Engine, InferenceConfig, Precision, SamplingConfig
+from mtkit.config import MAX_BEAM, ConfigError, DecodeConfig, Engine, InferenceConfig, Precision, SamplingConfig
 from mtkit.data import source_tensor
 from mtkit.ensemble import Ensemble
 from mtkit.model import Transformer
@@ -118,7 +118,10 @@ class LineTranslator(ABC):
 
 
 def check_nbest(nbest: int, decode: DecodeConfig, sampling: SamplingConfig | None = None) -> None:
-    """A search keeps ``beam`` hypotheses, so it has at most that many to give (samples are drawn anew)."""
+    """A search keeps ``beam`` hypotheses, so it has at most that many to give (samples are drawn anew); each
+    sample is a row of its own, so their number is bounded as a beam is."""
+    if not 1 <= nbest <= MAX_BEAM:
+        raise ConfigError(f"nbest must be between 1 and {MAX_BEAM:,}, got {nbest:,}")
     if sampling is None and nbest > decode.beam:
         raise ConfigError(f"nbest {nbest} needs a beam of at least {nbest} (the beam is {decode.beam})")
 

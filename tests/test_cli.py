@@ -259,6 +259,16 @@ def test_doctor_reports_the_machine(tmp_path):
     assert text.exit_code == 0 and "distributed backends" in text.stdout
 
 
+def test_doctor_on_a_path_not_made_yet_says_where_it_measured_the_disk(tmp_path):
+    missing = tmp_path / "runs" / "first"
+    text = invoke("doctor", "--path", missing)
+    assert text.exit_code == 0, text.output
+    [row] = [line for line in text.stdout.splitlines() if line.startswith("disk free")]
+    assert row.endswith(f"GiB at {tmp_path.resolve()} ({missing} does not exist: its nearest existing parent)")
+    assert json.loads(invoke("doctor", "--json", "--path", missing).stdout)["disk_path"] == str(tmp_path.resolve())
+    assert "does not exist" not in invoke("doctor", "--path", tmp_path).stdout
+
+
 def per_step_losses(metrics_file) -> dict[int, float]:
     """Training loss by update; a resumed run re-logs updates lost in the kill, so the last entry wins."""
     events = [json.loads(line) for line in metrics_file.read_text().splitlines()]

@@ -10,6 +10,7 @@ from typing import Literal
 
 import pytest
 
+from mtkit import config
 from mtkit.config import PRESETS, SECTIONS, ConfigError, ModelConfig, Preset, from_dict, read_config
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -108,6 +109,33 @@ def test_a_value_outside_the_choices_names_the_key_and_the_choices(tmp_path, key
 def test_choices_are_checked_when_a_section_is_built_in_python():
     with pytest.raises(ConfigError, match=re.escape("model.norm must be one of post, pre, got 'mid'")):
         ModelConfig(norm="mid")
+
+
+# Each size a setting may ask of a search, with the bound in mtkit.config that every source of settings passes
+# (a flag, a config, a checkpoint header, an export's mtkit.json).
+SIZE_BOUNDS = {
+    "decode.beam": "MAX_BEAM",
+    "decode.lenpen": "MAX_LENPEN",
+    "decode.max_len_a": "MAX_POSITIONS",
+    "decode.max_len_b": "MAX_POSITIONS",
+    "decode.min_len": "MAX_POSITIONS",
+    "decode.batch_size": "MAX_BATCH_TOKENS",
+    "decode.batch_tokens": "MAX_BATCH_TOKENS",
+    "train.valid_beam": "MAX_BEAM",
+    "train.batch_tokens": "MAX_BATCH_TOKENS",
+}
+
+
+@pytest.mark.parametrize("key, bound", SIZE_BOUNDS.items(), ids=list(SIZE_BOUNDS))
+def test_a_size_is_taken_up_to_its_bound_and_refused_beyond_it(tmp_path, key, bound):
+    """decode.beam 1000000000 in a checkpoint header or an export once had the kernel kill the process."""
+    section, name = key.split(".")
+    limit = getattr(config, bound)
+    assert getattr(getattr(from_dict({section: {name: limit}}), section), name) == limit
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{section}:\n  {name}: {limit + 1}\n")
+    with pytest.raises(ConfigError, match=re.escape(f"{path}:2: {key} must be at most {limit:,}")):
+        read_config(path)
 
 
 def test_bad_override_and_missing_file(tmp_path):

@@ -43,10 +43,21 @@ def streamed(search: ContinuousBeamSearch, sources: list[list[int]], seed: int) 
     return results, most_slots
 
 
-@pytest.mark.parametrize("positions", ["sinusoidal", "learned"])
+# Every kind of position, and a window short enough that long outputs slide past it.
+POSITIONS = [
+    {"positions": "sinusoidal"},
+    {"positions": "learned"},
+    {"positions": "rotary"},
+    {"positions": "relative", "relative_clip": 3},
+    {"positions": "sinusoidal", "attention_window": 3},
+    {"positions": "rotary", "attention_window": 3},
+]
+
+
+@pytest.mark.parametrize("positions", POSITIONS, ids=lambda p: "-".join(map(str, p.values())))
 @pytest.mark.parametrize("decode, nbest", SETTINGS)
 def test_sentences_that_join_at_any_step_get_the_hypotheses_of_beam_search(positions, decode, nbest):
-    model = tiny_model(30, seed=4, positions=positions)
+    model = tiny_model(30, seed=4, **positions)
     sources = random_sources(24, 30, seed=2)
     results, _ = streamed(ContinuousBeamSearch(model, decode, nbest), sources, seed=1)
     for i, source in enumerate(sources):
@@ -81,10 +92,35 @@ def test_a_search_that_ran_dry_starts_afresh():
     assert search.step() == []  # nothing live, nothing waiting
 
 
-def test_only_absolute_positions_without_a_window_can_be_searched_continuously():
-    assert supports(tiny_model(30)) and supports(tiny_model(30, positions="learned"))
-    for overrides in ({"positions": "rotary"}, {"positions": "relative"}, {"attention_window": 4}):
-        assert not supports(tiny_model(30, **overrides))
+def test_withdrawn_sentences_leave_without_results_and_the_others_are_unchanged():
+    """Sentences withdrawn while waiting or mid-search give nothing back, the search ends with none of them
+    live, and the sentences that stayed get beam_search's hypotheses as if the others had never been there."""
+    model = tiny_model(30, seed=4, positions="rotary")
+    decode = DecodeConfig(beam=3)
+    sources = random_sources(12, 30, seed=7)
+    search = ContinuousBeamSearch(model, decode)
+    for i, source in enumerate(sources[:8]):
+        search.add(i, source)
+    results = dict(search.step())
+    search.drop({1, 2, 5})  # live
+    for i, source in enumerate(sources[8:], start=8):
+        search.add(i, source)
+    search.drop({9})  # still waiting
+    for _ in range(200):
+        if not len(search):
+            break
+        results.update(search.step())
+    assert not len(search) and search.cache.length == 0
+    assert sorted(results) == [i for i in range(12) if i not in {1, 2, 5, 9}]
+    for i, hyps in results.items():
+        alone = beam_search(model, *source_tensor([sources[i]]), decode)[0]
+        assert [h.tokens for h in hyps] == [h.tokens for h in alone], f"sentence {i}"
+
+
+def test_a_single_model_of_any_positions_is_searched_continuously_and_an_ensemble_is_not():
+    for overrides in ({}, {"positions": "learned"}, {"positions": "rotary"}, {"positions": "relative"}):
+        assert supports(tiny_model(30, **overrides))
+    assert supports(tiny_model(30, attention_window=4))
     assert not supports(Ensemble([tiny_model(30, seed=1), tiny_model(30, seed=2)]))
-    with pytest.raises(ValueError, match="absolute positions"):
-        ContinuousBeamSearch(tiny_model(30, positions="rotary"), DecodeConfig())
+    with pytest.raises(ValueError, match="ensemble"):
+        ContinuousBeamSearch(Ensemble([tiny_model(30, seed=1), tiny_model(30, seed=2)]), DecodeConfig())

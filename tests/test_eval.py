@@ -20,7 +20,7 @@ from test_cli import invoke as invoke_cli
 from typer.testing import CliRunner
 
 from mtkit.cli import app
-from mtkit.metrics import PAPER_STYLE
+from mtkit.metrics import METRICS, PAPER_STYLE, score
 
 LINES = 300  # enough for stable scores; TER and the bootstrap stay fast
 WIDTH = 10  # decimals asked of sacrebleu; our values are compared at the same width
@@ -146,12 +146,14 @@ def test_a_sacrebleu_command_line_prints_what_sacrebleu_prints(m30k, command_lin
         assert ours.count('"comparable": true') == theirs.count('"score"') > 0
 
 
-# With --hyp every metric is case-sensitive unless --lowercase; sacreBLEU sets each metric's case alone.
+# With --hyp, --lowercase is BLEU's and chrF's; sacreBLEU sets each metric's case alone. TER ignores case in both
+# unless --ter-case-sensitive.
 SAME_CASE = [
-    ([], ["--ter-case-sensitive"]),
+    ([], []),
     (["--lowercase"], ["-lc", "--chrf-lowercase"]),
     (["-lc", "--ter-case-sensitive"], ["-lc", "--chrf-lowercase", "--ter-case-sensitive"]),
-    (["--chrf-lowercase"], ["--chrf-lowercase", "--ter-case-sensitive"]),
+    (["--chrf-lowercase"], ["--chrf-lowercase"]),
+    (["--ter-case-sensitive"], ["--ter-case-sensitive"]),
 ]
 
 
@@ -160,6 +162,31 @@ def test_hyp_keeps_mtkit_case_rules_and_input_takes_sacrebleus(m30k, hyp_flags, 
     metrics = ["-m", "bleu", "chrf", "ter", "-w", 4]
     ours = mtkit_json("--hyp", m30k["hyp"], "--ref", m30k["ref"], *metrics, *hyp_flags)
     assert ours == json.loads(invoke(m30k["ref"], "-i", m30k["hyp"], *metrics, *input_flags).stdout)
+
+
+# Each metric mtkit eval offers, as the sacrebleu tool's command line asks for it.
+SACREBLEU_METRIC = {
+    "bleu": ["-m", "bleu"],
+    "chrf": ["-m", "chrf"],
+    "chrf++": ["-m", "chrf", "-cw", 2],
+    "ter": ["-m", "ter"],
+}
+
+
+def test_every_metric_defaults_to_what_the_sacrebleu_tool_computes(m30k):
+    """TER with --hyp (and in `mtkit run`'s report) was case-sensitive where sacreBLEU's ignores case: 52.81
+    against sacreBLEU's 52.23 on a WMT22 en-de output. With no option, every metric is sacreBLEU's."""
+    assert set(SACREBLEU_METRIC) == set(METRICS)  # a new metric needs its sacreBLEU spelling here
+    ter = ["-m", "ter", "-b", "-w", 4]
+    assert sacrebleu(m30k["ref"], "-i", m30k["hyp"], *ter) != sacrebleu(
+        m30k["ref"], "-i", m30k["hyp"], *ter, "--ter-case-sensitive"
+    )  # the hypothesis' case differs from the reference's, so the default shows
+    hyps, refs = m30k["hyp"].read_text().splitlines(), m30k["ref"].read_text().splitlines()
+    for name, spelling in SACREBLEU_METRIC.items():
+        theirs = sacrebleu(m30k["ref"], "-i", m30k["hyp"], *spelling, "-b", "-w", 4)
+        assert invoke("--hyp", m30k["hyp"], "--ref", m30k["ref"], "-m", name, "-b", "-w", 4).stdout == theirs, name
+        assert invoke(m30k["ref"], "-i", m30k["hyp"], "-m", name, "-b", "-w", 4).stdout == theirs, name
+        assert f"{score(hyps, [refs], (name,))[0].value:.4f}\n" == theirs, name  # as `mtkit run` scores
 
 
 def test_hyp_keeps_mtkit_defaults_and_output(m30k):
@@ -188,18 +215,18 @@ def test_tok_is_the_tokenizer_and_t_still_the_test_set(m30k):
 
 
 def assert_equal_scores(ours: list[dict], theirs: dict[str, dict]) -> None:
-    for score in ours:
-        assert rounded(score["score"]) == theirs[score["name"]]["score"], score["name"]
-        assert score["signature"] == theirs[score["name"]]["signature"]
+    for entry in ours:
+        assert rounded(entry["score"]) == theirs[entry["name"]]["score"], entry["name"]
+        assert entry["signature"] == theirs[entry["name"]]["signature"]
 
 
 @pytest.mark.parametrize(
     "hyp, refs, mtkit_flags, sacrebleu_flags",
     [
-        ("ref_b", ["ref_a"], [], ["--ter-case-sensitive"]),
-        ("clipped", ["ref_a", "ref_b"], [], ["--ter-case-sensitive"]),
+        ("ref_b", ["ref_a"], [], []),
+        ("clipped", ["ref_a", "ref_b"], [], []),
         ("shouted", ["ref_a"], ["--tokenize", "intl", "--lowercase"], ["-tok", "intl", "-lc", "--chrf-lowercase"]),
-        ("src", ["ref_a"], ["--tokenize", "char"], ["-tok", "char", "--ter-case-sensitive"]),
+        ("src", ["ref_a"], ["--tokenize", "char", "--ter-case-sensitive"], ["-tok", "char", "--ter-case-sensitive"]),
     ],
 )
 def test_corpus_scores_equal_the_sacrebleu_tool(wmt22, hyp, refs, mtkit_flags, sacrebleu_flags):
@@ -238,7 +265,7 @@ def test_sentence_scores_equal_sacrebleu_sentence_score(wmt22):
         PAPER_STYLE: BLEU(tokenize="13a", lowercase=True, effective_order=True),
         "chrF2": CHRF(),
         "chrF2++": CHRF(word_order=2),
-        "TER": TER(case_sensitive=True),
+        "TER": TER(),
     }
     assert list(ours) == list(metrics)
     text = wmt22["lines"]

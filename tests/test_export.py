@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import shutil
 import sys
 from dataclasses import dataclass, replace
@@ -26,6 +27,7 @@ from mtkit.cli import app
 from mtkit.config import ConfigError, DecodeConfig, ModelConfig, RunConfig, TokenizerConfig
 from mtkit.data import source_tensor
 from mtkit.export import MANIFEST, VMAP, CTranslate2Translator, export_ctranslate2
+from mtkit.files import file_sha256
 from mtkit.model import Transformer, build_model
 from mtkit.search import greedy_search, max_lengths
 from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_spm
@@ -289,6 +291,29 @@ def test_export_command_writes_a_folder_that_translates_and_can_be_replaced(join
     lines = ["A man in an orange hat.", "", "Two dogs play in the snow."]
     results = list(CTranslate2Translator.from_dir(out).stream([lines]))  # the run's decode settings
     assert [bool(r[0].text) for r in results] == [True, False, True]
+
+
+def test_the_manifest_names_the_weights_by_digest_and_no_file_by_path(joint, tmp_path):
+    """mtkit.json once recorded the path of the checkpoint on the exporter's machine; its recipients get the
+    SHA-256 of the weights and their update step, and no file of the export holds a path."""
+    out = tmp_path / "ct2"
+    assert invoke("export", joint, "-o", out).exit_code == 0
+    manifest = json.loads((out / MANIFEST).read_text())
+    weights = checkpoint.resolve(joint) / checkpoint.WEIGHTS_FILE
+    assert manifest["weights_sha256"] == file_sha256(weights) and manifest["step"] == 1
+    for path in out.iterdir():
+        assert str(joint.parent).encode() not in path.read_bytes(), path.name
+
+
+@pytest.mark.parametrize("kept", [0.0, 0.5, 0.9999], ids=["empty", "half", "all-but-the-end"])
+def test_a_truncated_model_bin_is_one_error_line_naming_it(joint, tmp_path, kept):
+    """A model.bin cut short (a copy that stopped) was a RuntimeError traceback."""
+    out = export_ctranslate2(joint, tmp_path / "ct2")
+    model = out / "model.bin"
+    os.truncate(model, int(model.stat().st_size * kept))
+    result = runner.invoke(app, ["translate", str(out), "--engine", "ctranslate2"], input="A dog.\n")
+    assert result.exit_code == 1 and result.stderr.count("\n") == 1, result.output
+    assert result.stderr.startswith(f"error: {model}: CTranslate2 cannot load it on cpu ("), result.stderr
 
 
 def test_a_shortlist_goes_with_the_export_as_ctranslate2s_vocabulary_map(

@@ -26,6 +26,7 @@ from mtkit.config import DecodeConfig, ModelConfig, RunConfig, TokenizerConfig
 from mtkit.data import source_tensor
 from mtkit.export import MANIFEST
 from mtkit.export_hf import export_transformers
+from mtkit.files import file_sha256
 from mtkit.model import build_model
 from mtkit.search import beam_search, greedy_search, max_lengths
 from mtkit.tokenizer import EOS_ID, PAD_ID, Tokenizer, train_spm
@@ -270,6 +271,16 @@ def test_export_command_writes_a_transformers_folder_and_replaces_it(joint, tmp_
         refused.exit_code == 1
         and refused.stderr == f"error: {out}: an export for 'transformers', not for CTranslate2\n"
     )
+
+
+def test_the_manifest_names_the_weights_by_digest_and_no_file_by_path(joint):
+    """mtkit.json once recorded the path of the checkpoint on the exporter's machine; its recipients get the
+    SHA-256 of the weights and their update step, and no file of the folder (config, tokenizer files) holds a path."""
+    manifest = json.loads((joint.hf_dir / MANIFEST).read_text())
+    weights = checkpoint.resolve(joint.run) / checkpoint.WEIGHTS_FILE
+    assert manifest["weights_sha256"] == file_sha256(weights) and manifest["step"] == 1
+    for path in joint.hf_dir.iterdir():
+        assert str(joint.run.parent).encode() not in path.read_bytes(), path.name
 
 
 @pytest.mark.parametrize(

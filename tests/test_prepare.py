@@ -312,7 +312,7 @@ def test_list_and_bad_requests(tmp_path):
     listed = invoke("prepare", "--list")
     assert listed.exit_code == 0 and set(CORPORA) == {row.split()[0] for row in listed.stdout.splitlines()}
     [wmt14] = [row for row in listed.stdout.splitlines() if row.startswith("wmt14_en_de ")]
-    assert wmt14.endswith("[hf:wmt/wmt14 config de-en revision b199e406369ec1b7634206d3ded5ba45de2fe696]")
+    assert "[hf:wmt/wmt14 config de-en revision b199e406369ec1b7634206d3ded5ba45de2fe696" in wmt14
     unknown = invoke("prepare", "wmt99_xx_yy", "--out", tmp_path / "x")
     assert unknown.exit_code == 1 and unknown.stderr.startswith("error: unknown corpus 'wmt99_xx_yy'")
     missing = invoke("prepare", "multi30k_en_de", "--out", tmp_path / "x", "--mirror", tmp_path / "empty")
@@ -322,6 +322,87 @@ def test_list_and_bad_requests(tmp_path):
     assert no_clone.exit_code == 1 and "Traceback" not in no_clone.stderr
     [line] = no_clone.stderr.strip().splitlines()
     assert line == f"error: mirror {tmp_path / 'empty'}: no folder wmt/wmt14 (a clone of the Hub dataset repository)"
+
+
+def test_the_listing_says_the_wmt14_pin_is_unchecked():
+    listed = invoke("prepare", "--list").stdout.splitlines()
+    for name in ("wmt14_en_de", "wmt14_de_en"):
+        [row] = [row for row in listed if row.startswith(f"{name} ")]
+        assert row.endswith(
+            "revision b199e406369ec1b7634206d3ded5ba45de2fe696; revision not yet checked against the Hub]"
+        )
+    assert not any("not yet checked" in row for row in listed if not row.startswith("wmt14_"))
+
+
+class _HubWithoutRevisions(BaseHTTPRequestHandler):
+    """A Hub mirror (HF_ENDPOINT) that has no revision of any dataset: every request is the Hub's answer for an
+    unknown revision."""
+
+    seen: list[str] = []
+
+    def _unknown_revision(self) -> None:
+        self.seen.append(self.path)
+        self.send_response(404)
+        self.send_header("X-Error-Code", "RevisionNotFound")
+        self.send_header("X-Error-Message", "Invalid rev id")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_GET = do_HEAD = _unknown_revision
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_a_pinned_revision_the_hub_mirror_does_not_have_is_one_error_line(tmp_path, monkeypatch):
+    import datasets
+    import huggingface_hub
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _HubWithoutRevisions)
+    threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True).start()
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):  # online, to the mirror: the revision is asked for
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf" / "datasets")
+    monkeypatch.setattr(datasets.config, "HF_ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
+    try:
+        result = invoke("prepare", "wmt14_en_de", "--out", tmp_path / "out")
+    finally:
+        server.shutdown()
+        server.server_close()
+    revision = CORPORA["wmt14_en_de"].dataset.revision
+    assert result.exit_code == 1 and "Traceback" not in result.stderr, result.output
+    [line] = [row for row in result.stderr.splitlines() if row.startswith("error:")]
+    assert line.startswith(f"error: wmt14_en_de: hf:wmt/wmt14 revision {revision}: cannot load the dataset ("), line
+    assert any(f"/datasets/wmt/wmt14/resolve/{revision}/" in p for p in _HubWithoutRevisions.seen)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda record: record.update(source="x"),
+        lambda record: record.update(source={"a": 1}),
+        lambda record: record["splits"]["test"].update(lines="many"),
+        lambda record: record["splits"].update({"../../x": {"lines": 1}}),
+        lambda record: record.update(padding="x" * (16 << 20)),
+    ],
+    ids=["source-string", "source-other-mapping", "lines-text", "split-path", "huge"],
+)
+def test_an_edited_prepare_json_is_prepared_again_with_a_warning(tmp_path, multi30k_mirror, edit):
+    out = tmp_path / "m30k"
+    assert invoke("prepare", "multi30k_en_de", "--out", out, "--mirror", multi30k_mirror).exit_code == 0
+    record = json.loads((out / "prepare.json").read_text())
+    edit(record)
+    (out / "prepare.json").write_text(json.dumps(record))
+    again = invoke("prepare", "multi30k_en_de", "--out", out, "--mirror", multi30k_mirror)
+    assert again.exit_code == 0, again.output
+    assert f"{out / 'prepare.json'}: not a record mtkit wrote (" in again.stderr and "preparing again" in again.stderr
+    rewritten = json.loads((out / "prepare.json").read_text())
+    assert "source" not in rewritten and set(rewritten["splits"]) == {"train", "valid", "test"}
+    assert f"test {TEST_LINES:,} lines" in again.stdout
 
 
 def test_data_script_runs_prepare_with_its_arguments(tmp_path, mirror_files):

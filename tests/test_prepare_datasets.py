@@ -234,3 +234,154 @@ def test_the_python_api_prepares_an_hf_corpus_as_the_command_does(tmp_path):
     assert record["splits"]["train"]["lines"] == len(lines(tmp_path / "api" / "train.en"))
     with pytest.raises(mtkit.MtkitError, match="hf: corpora only"):
         mtkit.prepare("multi30k_en_de", tmp_path / "x", config="de-en")
+
+
+# -- bad local datasets: one error line naming the file, nothing run, nothing read outside the folder ----------
+
+
+def _jsonl_folder(folder: Path, name: str = "train.jsonl") -> Path:
+    """A folder holding ``name``: the train split's caption pairs as jsonl, one column per language."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = (json.dumps({"en": en, "de": de}, ensure_ascii=False) for en, de in caption_pairs("train"))
+    (folder / name).write_text("\n".join(rows) + "\n", encoding="utf-8")
+    return folder
+
+
+def _script(repo: Path, marker: Path) -> Path:
+    _jsonl_folder(repo)
+    (repo / f"{repo.name}.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n", encoding="utf-8")
+    return repo / f"{repo.name}.py"
+
+
+def _string_translation(repo: Path, marker: Path) -> Path:
+    repo.mkdir()
+    rows = (json.dumps({"translation": f"{en} ||| {de}"}) for en, de in caption_pairs("train"))
+    (repo / "train.jsonl").write_text("\n".join(rows) + "\n", encoding="utf-8")
+    return repo / "train.jsonl"
+
+
+def _latin1(repo: Path, marker: Path) -> Path:
+    _jsonl_folder(repo)
+    with open(repo / "train.jsonl", "ab") as f:
+        f.write(b'{"en": "a caf\xe9", "de": "ein Caf\xe9"}\n')  # Latin-1, line 201
+    return repo / "train.jsonl"
+
+
+def _corrupt_parquet(repo: Path, marker: Path) -> Path:
+    repo.mkdir()
+    english, german = zip(*caption_pairs("train"))
+    pq.write_table(pa.table({"en": english, "de": german}), repo / "train.parquet")
+    data = (repo / "train.parquet").read_bytes()
+    (repo / "train.parquet").write_bytes(data[: len(data) // 2])  # cut short: no footer
+    return repo / "train.parquet"
+
+
+def _bad_card(front_matter: str):
+    def make(repo: Path, marker: Path) -> Path:
+        _jsonl_folder(repo)
+        (repo / "README.md").write_text(f"---\n{front_matter.format(marker=marker)}\n---\n# A card\n", encoding="utf-8")
+        return repo / "README.md"
+
+    return make
+
+
+def _empty_split(repo: Path, marker: Path) -> Path:
+    repo.mkdir()
+    (repo / "train.jsonl").write_bytes(b"")
+    return repo / "train.jsonl"
+
+
+@pytest.mark.parametrize(
+    "make, expected",
+    [
+        (_script, "a dataset loading script; mtkit never runs one"),
+        (_string_translation, "the translation column holds string, not {language: text}"),
+        (_latin1, ":201: not UTF-8 text"),
+        (_corrupt_parquet, "not a readable parquet file"),
+        (_bad_card("configs: [unclosed\n  - : :"), "unreadable YAML front matter, line 3"),
+        (_bad_card('x: !!python/object/apply:os.system ["touch {marker}"]'), "could not determine a constructor"),
+        (_empty_split, "an empty file"),
+        (None, "not a data file (--data-files takes .parquet, .jsonl, .json, .csv or .tsv files, compressed or not)"),
+    ],
+    ids=[
+        "loading-script",
+        "translation-no-language",
+        "non-utf8-jsonl",
+        "corrupt-parquet",
+        "invalid-yaml-card",
+        "python-tag-card",
+        "empty-split",
+        "data-files-etc-passwd",
+    ],  # fmt: skip
+)
+def test_a_bad_local_dataset_is_one_error_line_naming_the_file_and_nothing_in_it_runs(tmp_path, make, expected):
+    marker = tmp_path / "ran"
+    if make is None:
+        bad, args = Path("/etc/passwd"), ["hf:json", "--data-files", "train=/etc/passwd"]
+    else:
+        bad = make(tmp_path / "repo", marker)
+        args = [f"hf:{tmp_path / 'repo'}"]
+    result = invoke("prepare", *args, "--splits", "train=train", "--langpair", "en-de", "--out", tmp_path / "out")
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.exception  # no traceback
+    [line] = [row for row in result.stderr.splitlines() if row.startswith("error:")]
+    assert str(bad) in line and expected in line, line
+    assert not marker.exists() and not (tmp_path / "out" / "prepare.json").exists()
+
+
+def _card_path(where: str):
+    """A card whose train split is the file ``where`` names ("relative": ../outside.jsonl, "absolute")."""
+
+    def make(repo: Path, outside: Path) -> Path:
+        repo.mkdir()
+        path = "../outside.jsonl" if where == "relative" else str(outside)
+        card = f"---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n    path: {path}\n---\n"
+        (repo / "README.md").write_text(card, encoding="utf-8")
+        return repo / path
+
+    return make
+
+
+def _symlink(repo: Path, outside: Path) -> Path:
+    repo.mkdir()
+    (repo / "train.jsonl").symlink_to(outside)
+    return repo / "train.jsonl"
+
+
+@pytest.mark.parametrize("make", [_card_path("relative"), _card_path("absolute"), _symlink],
+                         ids=["dot-dot", "absolute", "symlink"])  # fmt: skip
+def test_a_folder_naming_a_file_outside_itself_is_refused(tmp_path, make):
+    outside = _jsonl_folder(tmp_path, "outside.jsonl") / "outside.jsonl"
+    named = make(tmp_path / "repo", outside)
+    result = invoke("prepare", f"hf:{tmp_path / 'repo'}", "--splits", "train=train", "--langpair", "en-de",
+                    "--out", tmp_path / "out")  # fmt: skip
+    assert result.exit_code == 1 and "Traceback" not in result.stderr, result.output
+    [line] = [row for row in result.stderr.splitlines() if row.startswith("error:")]
+    assert line.startswith(f"error: {named}: outside the dataset folder {tmp_path / 'repo'}"), line
+    assert line.endswith("; a folder's data must lie inside it")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_changed_data_file_is_prepared_again_with_a_warning_naming_it(tmp_path):
+    repo, out = _jsonl_folder(tmp_path / "repo"), tmp_path / "out"
+    args = ["prepare", f"hf:{repo}", "--splits", "train=train", "--langpair", "en-de", "--out", out]
+    assert invoke(*args).exit_code == 0
+    rows = [json.dumps({"en": f"{en} again", "de": f"{de} wieder"}) for en, de in caption_pairs("train")]
+    (repo / "train.jsonl").write_text("\n".join(rows) + "\n", encoding="utf-8")
+    again = invoke(*args)
+    assert again.exit_code == 0, again.output
+    assert "already prepared" not in again.stderr
+    assert f"WARNING hf:{repo}: {repo / 'train.jsonl'} changed since {out} was prepared from it" in again.stderr
+    assert lines(out / "train.en")[0].endswith(" again")
+    [entry] = json.loads((out / "prepare.json").read_text())["source"]["data_files"]["train"]
+    assert entry["sha256"] == file_sha256(repo / "train.jsonl")
+    assert "already prepared" in invoke(*args).stderr  # unchanged since: left alone
+
+
+def test_an_output_that_is_a_file_is_refused_before_any_work(tmp_path):
+    repo, out = _jsonl_folder(tmp_path / "repo"), tmp_path / "notes.txt"
+    out.write_text("keep me\n")
+    result = invoke("prepare", f"hf:{repo}", "--splits", "train=train", "--langpair", "en-de", "--out", out)
+    assert result.exit_code == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == f"error: {out}: a file, not a folder; --out names the folder to prepare into"
+    assert out.read_text() == "keep me\n"
+    assert not list((tmp_path / "hf").rglob("*.arrow"))  # nothing converted

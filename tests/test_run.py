@@ -261,6 +261,21 @@ def test_an_edited_hypothesis_is_translated_again(first_run, tiny_recipe, tmp_pa
     assert hyp.read_text() == original
 
 
+@pytest.mark.parametrize("source", ["x", {"a": 1}], ids=["a-string", "another-mapping"])
+def test_an_edited_prepare_json_source_prepares_again_and_the_run_reports(
+    first_run, tiny_recipe, tmp_path, multi30k_mirror, source
+):
+    """Such a record once went through training, translation and scoring to a TypeError in the report."""
+    data = tmp_path / "data"
+    assert invoke("prepare", "multi30k_en_de", "--out", data, "--mirror", multi30k_mirror).exit_code == 0
+    record = json.loads((data / "prepare.json").read_text())
+    (data / "prepare.json").write_text(json.dumps({**record, "source": source}))
+    report, _ = _rerun(tiny_recipe, multi30k_mirror, _copy_run(first_run, tmp_path), f"recipe.data_dir={data}")
+    assert report["corpus_source"] is None and _note(report, "prepare") == str(data)
+    assert next(s["ran"] for s in report["stages"] if s["name"] == "prepare") is True
+    assert "source" not in json.loads((data / "prepare.json").read_text())
+
+
 def test_a_config_without_a_corpus_is_a_one_line_error(tmp_path):
     path = tmp_path / "plain.yaml"
     path.write_text("train: {max_steps: 1}\n")

@@ -5,6 +5,7 @@ on its own, with a translate function written in the test."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -14,20 +15,24 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
+import torch
 import uvicorn
+from conftest import tiny_model
 from test_cli import invoke, trained_run  # noqa: F401  (trained_run is a fixture)
 
 import mtkit
 from mtkit import serve
-from mtkit.batcher import Batcher, Refused
+from mtkit.batcher import Batcher, Refused, Withdrawn
 from mtkit.config import DecodeConfig, ServeConfig
+from mtkit.ensemble import Ensemble
 from mtkit.runtime import choose_precision, cpu_features
 from mtkit.tokenizer import Tokenizer
-from mtkit.translate import LineTranslator, Translation
+from mtkit.translate import LineTranslator, Translation, Translator
 
 KEY = "a-key-for-tests"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -220,6 +225,47 @@ def test_models_names_languages_precision_decode_settings_and_tokenizers(server,
     assert model["decode"]["beam"] == 5 and model["tokenizers"] == {"source": sha256, "target": sha256}
     assert model["precision"] == choose_precision("auto", "cpu", cpu_features()).to_dict()  # the default
     assert info["limits"] == {"max_texts": 64, "max_chars": 20_000, "max_beam": 16}
+    assert model["batching"] == "continuous" and "continuous" in server.log.read_text()
+
+
+def test_models_shows_no_path_of_the_server(server, trained_run):  # noqa: F811
+    text = httpx.get(server.url + "/v1/models", headers=AUTH).text
+    assert json.loads(text)["models"][0]["name"] == trained_run.name
+    assert str(trained_run.parent) not in text and str(trained_run.parent).replace("/", "\\/") not in text
+
+
+@pytest.mark.parametrize("positions", ["sinusoidal", "learned", "rotary", "relative", "windowed"])
+def test_a_model_of_any_positions_is_searched_continuously(positions, spm_model):
+    kind = {"positions": positions} if positions != "windowed" else {"attention_window": 4}
+    model = tiny_model(spm_model.vocab_size, **kind)
+    translator = Translator(model, spm_model, spm_model, DecodeConfig(beam=2), torch.device("cpu"))
+    assert serve.batching(translator, continuous=True) == "continuous"
+    assert serve.batching(translator, continuous=False) == "whole batches (--no-continuous)"
+    ensemble = Translator(Ensemble([model, model]), spm_model, spm_model, DecodeConfig(beam=2), torch.device("cpu"))
+    assert serve.batching(ensemble, continuous=True) == "whole batches (an ensemble)"
+
+
+def test_alignments_and_json_log_lines(trained_run, tmp_path, lines):  # noqa: F811
+    """A request asks for word alignments: each translation comes with the one `mtkit translate --alignments`
+    gives it. With --log-format json, every log line is a JSON object, a request's with its fields."""
+    library = mtkit.load(trained_run, device="cpu", alignments=True)
+    want = [{"text": best[0].text, "alignment": best[0].alignment} for best in library.hypotheses(lines, beam=2)]
+    served = Server(trained_run, tmp_path / "stderr", "--log-format", "json")
+    try:
+        response = served.post({"text": lines, "beam": 2, "alignments": True})
+        assert response.status_code == 200, response.text
+        assert response.json()["translations"] == want
+        assert any(entry["alignment"] for entry in want)
+        refused = served.post({"text": lines, "beam": 2, "nbest": 2, "alignments": True})
+        assert refused.status_code == 422 and "best translation only" in refused.text
+        number = int(response.headers["X-Request-ID"])
+        served.wait_for_log(rf'"request": {number},', 1)
+    finally:
+        assert served.stop() == 0
+    entries = [json.loads(line) for line in served.log.read_text().splitlines()]
+    assert {"time", "level", "message"} <= set(entries[0])
+    (logged,) = [entry for entry in entries if entry.get("request") == number]
+    assert logged["status"] == 200 and logged["sentences"] == len(lines) and logged["path"] == "/v1/translate"
 
 
 def test_each_request_is_one_log_line(server):
@@ -246,7 +292,8 @@ def test_a_full_queue_is_503_and_a_long_wait_504(trained_run, tmp_path):  # noqa
 
 def test_sigterm_under_load_answers_every_accepted_request(trained_run, tmp_path, distinct, expected):  # noqa: F811
     """Three requests waiting for batch-mates and four clients sending batches of four one after another when
-    SIGTERM comes: every answer that arrives is right, the waiting three all get one, and the process exits 0."""
+    SIGTERM comes: every answer that arrives is right, the waiting three all get one, the process exits 0, and
+    every request the server took (logged it) reached its client: none was lost mid-response."""
     server = Server(trained_run, tmp_path / "stderr", "--max-wait-ms", "3000", "--max-batch-size", "4")
     answers: list[bool] = []
     stop = threading.Event()
@@ -260,7 +307,7 @@ def test_sigterm_under_load_answers_every_accepted_request(trained_run, tmp_path
             while not stop.is_set():
                 try:
                     response = client.post("/v1/translate", json={"text": [distinct[i]]})  # the model's beam, 5
-                except httpx.TransportError:  # the server closed the connection before taking the request
+                except httpx.TransportError:  # refused, or lost: the count of the server's log lines tells
                     return
                 right = response.status_code == 200 and response.json()["translations"] == [expected[5][distinct[i]]]
                 answers.append(right)
@@ -269,14 +316,16 @@ def test_sigterm_under_load_answers_every_accepted_request(trained_run, tmp_path
         waited = [pool.submit(waiting, i) for i in range(3)]
         server.wait_for_log(r"queued 1 sentences", 3)
         loops = [pool.submit(repeating, i) for i in range(4)]
-        time.sleep(1.0)  # full batches of four at beam 5 go by the three still gathering at beam 2
+        wait_until(lambda: len(answers) >= 8, 60)  # full batches of four at beam 5 go by the three gathering
         server.process.send_signal(signal.SIGTERM)
         assert [future.result() for future in waited] == [True] * 3
         assert server.process.wait(timeout=60) == 0
         stop.set()
         for loop in loops:
             loop.result()
-    assert len(answers) >= 8 and all(answers)
+    assert all(answers)
+    taken = len(re.findall(r"POST /v1/translate: \d+ sentences, [\d.]+ ms, status \d+", server.log.read_text()))
+    assert taken == len(answers) + 3
     with pytest.raises(httpx.ConnectError):
         server.post({"text": "A dog."})
 
@@ -291,6 +340,11 @@ def test_a_ctranslate2_export_is_served_as_the_library_translates_it(trained_run
         response = served.post({"text": distinct, "beam": 3})
         assert response.status_code == 200, response.text
         assert response.json()["translations"] == expected
+        batching = "whole batches (the ctranslate2 engine batches its own searches)"
+        assert httpx.get(served.url + "/v1/models").json()["models"][0]["batching"] == batching
+        assert batching in served.log.read_text()
+        refused = served.post({"text": distinct, "alignments": True})
+        assert refused.status_code == 422 and "no word alignments" in refused.text
     finally:
         assert served.stop() == 0
 
@@ -308,21 +362,32 @@ class Scripted(LineTranslator):
 
 
 @contextlib.contextmanager
-def serving_in_this_process(translator: LineTranslator, cfg: ServeConfig):
-    """``create_app`` under uvicorn in a thread, on a free port; its URL."""
+def serving_in_this_process(translator: LineTranslator, cfg: ServeConfig, batcher: Batcher | None = None):
+    """``create_app`` under uvicorn, set up as `mtkit serve` sets it up, in a thread on a free port; its URL.
+    ``batcher``: one the caller runs, as ``create_app`` takes it."""
     sock = serve.bind("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(serve.create_app(translator, cfg, "scripted"), log_level="warning"))
+    app = serve.create_app(translator, cfg, "scripted", batcher)
+    server = uvicorn.Server(serve.uvicorn_config(app, cfg))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]})
     thread.start()
     try:
         while not server.started:
             assert thread.is_alive()
             time.sleep(0.01)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+        yield Served(f"http://127.0.0.1:{sock.getsockname()[1]}", sock.getsockname()[1], server, thread, app)
     finally:
         server.should_exit = True
         thread.join()
         sock.close()
+
+
+@dataclass
+class Served:
+    url: str
+    port: int
+    server: uvicorn.Server
+    thread: threading.Thread
+    app: object
 
 
 def test_each_of_many_concurrent_requests_gets_its_own_texts_answers_in_order():
@@ -335,23 +400,29 @@ def test_each_of_many_concurrent_requests_gets_its_own_texts_answers_in_order():
                     return False
         return True
 
-    with serving_in_this_process(Scripted(), ServeConfig(max_wait_ms=20, max_batch_size=8)) as url:
+    with serving_in_this_process(Scripted(), ServeConfig(max_wait_ms=20, max_batch_size=8)) as served:
+        url = served.url
         with ThreadPoolExecutor(16) as pool:
             assert all(pool.map(work, range(16)))
 
 
-def test_a_request_that_breaks_the_search_is_500_and_harms_none_of_its_batch_mates():
-    def one(i: int) -> tuple[int, str]:
-        response = httpx.post(url + "/v1/translate", json={"text": ["boom" if i % 3 == 0 else f"line {i}"]})
-        return response.status_code, response.json()
+def test_a_request_that_breaks_the_search_is_500_and_harms_none_of_its_batch_mates(caplog):
+    """The client of a failed request learns its number, not the exception; the log has the exception under it."""
 
-    with serving_in_this_process(Scripted(), ServeConfig(max_wait_ms=100)) as url:
+    def one(i: int) -> tuple[int, dict, str]:
+        response = httpx.post(url + "/v1/translate", json={"text": ["boom" if i % 3 == 0 else f"line {i}"]})
+        return response.status_code, response.json(), response.headers["x-request-id"]
+
+    with serving_in_this_process(Scripted(), ServeConfig(max_wait_ms=100)) as served:
+        url = served.url
         with ThreadPoolExecutor(12) as pool:
             answers = list(pool.map(one, range(12)))
-        assert one(1) == (200, {"translations": ["LINE 1"]})  # and the server goes on
-    for i, (status, body) in enumerate(answers):
+        assert one(1)[:2] == (200, {"translations": ["LINE 1"]})  # and the server goes on
+    for i, (status, body, number) in enumerate(answers):
         if i % 3 == 0:
-            assert (status, body) == (500, {"detail": "translation failed: RuntimeError: the search broke"})
+            detail = f"translation failed; the server's log has the details of request {number}"
+            assert (status, body) == (500, {"detail": detail})
+            assert f"request {number}: translation failed: the search broke" in caplog.text
         else:
             assert (status, body) == (200, {"translations": [f"LINE {i}"]})
 
@@ -485,6 +556,10 @@ class Countdown:
             del self.live[key]
         return done
 
+    def drop(self, keys: set) -> None:
+        for key in keys & set(self.live):
+            del self.live[key]
+
     def __len__(self) -> int:
         return len(self.live)
 
@@ -505,3 +580,150 @@ def test_jobs_join_a_running_search_and_leave_it_as_each_is_done():
     joined = [i for i, lines in enumerate(steps) if "bb" in lines][0]
     a = "a" * 40
     assert steps[joined : joined + 4] == [[a, "bb", "c"], [a, "bb"], [a, "dd", "ee"], [a, "dd", "ee"]]
+
+
+def test_a_withdrawn_job_leaves_its_running_search_and_its_search_mates_go_on():
+    steps: list[list[str]] = []
+    batcher = Batcher(shout, max_batch_size=8, max_wait_s=0.0, max_queue=100, open_search=lambda _: Countdown(steps))
+    batcher.start()
+    stays, leaves = batcher.submit(["a" * 30], 1), batcher.submit(["b" * 300, "c"], 1)
+    while len(steps) < 5:
+        time.sleep(0.001)
+    batcher.withdraw(leaves)  # mid-search: its "c" is done already, its long line is not
+    with pytest.raises(Withdrawn):
+        leaves.result(timeout=5)
+    assert stays.result(timeout=5) == ["A" * 30]
+    assert all("b" * 300 not in seen for seen in steps[-3:])  # stepped no further once withdrawn
+    queued = batcher.submit(["d" * 300], 2)  # a search of other options
+    batcher.withdraw(queued)
+    assert queued.cancelled() or isinstance(queued.exception(timeout=5), Withdrawn)
+    batcher.close()
+    assert len(steps) < 100  # the search of the withdrawn 300-step lines did not run on
+
+
+# Bounds the server keeps against slow, greedy or vanishing clients, on the application in this process.
+
+
+@contextlib.contextmanager
+def stepwise_server(cfg: ServeConfig):
+    """A server whose requests are searched by a ``Countdown`` (a line takes a step of 10 ms per character); the
+    served application and the searches it opened."""
+    searches: list[Countdown] = []
+
+    class Answering(Countdown):  # each line done as the server renders it
+        def step(self) -> list:
+            return [(key, [Translation(text, -1.0, -2.0)]) for key, text in super().step()]
+
+    def open_search(options) -> Countdown:
+        searches.append(Answering([]))
+        return searches[-1]
+
+    batcher = Batcher(shout, cfg.max_batch_size, cfg.max_wait_ms / 1000, cfg.max_queue, open_search)
+    batcher.start()
+    try:
+        with serving_in_this_process(Scripted(), cfg, batcher) as served:
+            yield served, searches
+    finally:
+        batcher.close()
+
+
+def wait_until(condition, limit_s: float = 10.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def raw_request(port: int, head: bytes, body: bytes = b"") -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(head + body)
+    return sock
+
+
+def head(length: int) -> bytes:
+    return (
+        f"POST /v1/translate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {length}\r\n\r\n"
+    ).encode()
+
+
+def test_a_request_that_times_out_leaves_its_search(caplog):
+    with stepwise_server(ServeConfig(timeout=0.3, max_wait_ms=0)) as (served, searches):
+        response = httpx.post(served.url + "/v1/translate", json={"text": ["x" * 3000]}, timeout=10)
+        assert response.status_code == 504
+        wait_until(lambda: len(searches[0]) == 0, 1.0)  # long before its 30 s of steps
+
+
+def test_a_client_that_goes_away_withdraws_its_request_and_is_one_log_line(caplog):
+    with stepwise_server(ServeConfig(max_wait_ms=0)) as (served, searches):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(served.url + "/v1/translate", json={"text": ["x" * 3000]}, timeout=0.3)
+        wait_until(lambda: "status 499" in caplog.text)
+        assert len(searches[0]) == 0
+        sock = raw_request(served.port, head(100), b'{"text": ')  # gone mid-body
+        sock.close()
+        wait_until(lambda: caplog.text.count("status 499") == 2)
+    assert "Traceback" not in caplog.text and "Exception" not in caplog.text
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read():
+    with stepwise_server(ServeConfig(max_wait_ms=0)) as (served, _):
+        with raw_request(served.port, head(10**12), b'{"text": "a"}') as sock:
+            assert sock.recv(4096).startswith(b"HTTP/1.1 413")
+
+
+def test_slow_headers_close_the_connection_and_a_slow_body_is_408():
+    with stepwise_server(ServeConfig(max_wait_ms=0, receive_timeout=0.5)) as (served, _):
+        start = time.monotonic()
+        with raw_request(served.port, b"POST /v1/translate HTTP/1.1\r\nHost: 127.0.0.1\r\n") as sock:
+            for _ in range(20):  # a header byte every 0.1 s, as a slowloris client sends them
+                try:
+                    sock.sendall(b"X")
+                    time.sleep(0.1)
+                except OSError:
+                    break
+            assert sock.recv(4096) == b""
+        assert time.monotonic() - start < 1.5
+        with raw_request(served.port, head(40), b'{"text": ') as sock:
+            for _ in range(10):
+                time.sleep(0.1)
+                sock.sendall(b" ")
+            assert sock.recv(4096).startswith(b"HTTP/1.1 408")
+
+
+def test_connections_beyond_the_limit_are_503():
+    with stepwise_server(ServeConfig(max_wait_ms=0, max_connections=3)) as (served, _):
+        held = [socket.create_connection(("127.0.0.1", served.port)) for _ in range(3)]
+        try:
+            with socket.create_connection(("127.0.0.1", served.port), timeout=10) as extra:
+                assert extra.recv(4096).startswith(b"HTTP/1.1 503")
+            held.pop().close()
+            wait_until(lambda: len(served.server.server_state.connections) < 3)
+            assert httpx.post(served.url + "/v1/translate", json={"text": "a"}).json() == {"translations": ["A"]}
+        finally:
+            for sock in held:
+                sock.close()
+
+
+def test_shutdown_waits_for_trickling_clients_no_longer_than_its_bound():
+    cfg = ServeConfig(max_wait_ms=0, receive_timeout=0.5, timeout=1.0)
+    with stepwise_server(cfg) as (served, _):
+        trickling = [raw_request(served.port, head(1000), b"{") for _ in range(5)]
+        start = time.monotonic()
+        served.server.should_exit = True
+        served.thread.join(timeout=10)
+        assert not served.thread.is_alive() and time.monotonic() - start < 4
+        for sock in trickling:
+            sock.close()
+
+
+def test_a_stop_that_cuts_requests_off_is_counted():
+    with stepwise_server(ServeConfig(max_wait_ms=0)) as (served, searches):
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(httpx.post, served.url + "/v1/translate", json={"text": ["x" * 300]}, timeout=10)
+            wait_until(lambda: searches and len(searches[0]) == 1)
+            served.server.should_exit = served.server.force_exit = True  # a second signal
+            served.thread.join(timeout=10)
+            with contextlib.suppress(httpx.TransportError):  # or uvicorn answers 500 for the cancelled request
+                assert pending.result().status_code == 500
+        assert served.app.state.tally.cut_off == 1

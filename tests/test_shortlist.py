@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import tiny_model, tiny_model_config
 from safetensors.torch import load_file, save_file
+from test_cli import invoke, one_line_error
 from typer.testing import CliRunner
 
 from mtkit import checkpoint
@@ -170,9 +171,14 @@ def run(tmp_path_factory, corpus_files, spm_model) -> Path:
     return run
 
 
+def training_pairs(corpus_files) -> list[str]:
+    return ["--src", str(corpus_files["train.en"]), "--tgt", str(corpus_files["train.de"])]
+
+
 def test_shortlist_command_builds_what_translate_uses(run, corpus_files, tmp_path):
     out = tmp_path / "sl.safetensors"
-    done = runner.invoke(app, ["shortlist", str(run), "-o", str(out), "--per-source", "3", "--frequent", "5"])
+    options = ["-o", str(out), "--per-source", "3", "--frequent", "5", *training_pairs(corpus_files)]
+    done = runner.invoke(app, ["shortlist", str(run), *options])
     assert done.exit_code == 0, done.output
     assert "3 candidates per source token" in done.output
     lines = corpus_files["val.en"].read_text().splitlines()
@@ -184,13 +190,91 @@ def test_shortlist_command_builds_what_translate_uses(run, corpus_files, tmp_pat
     outputs = hyp.read_text(encoding="utf-8").split("\n")[:-1]
     assert len(outputs) == 12 and outputs[10] == ""
 
+    missing = ["--src", str(tmp_path / "none.en"), "--tgt", str(corpus_files["train.de"])]
     for args, message in (
         (["translate", str(run), "-i", str(source), "--shortlist", str(out), "--sample"], "beam search"),
         (["translate", str(run), "-i", str(source), "--shortlist", str(tmp_path / "none")], "none"),
-        (["shortlist", str(run), "-o", str(out), "--src", str(tmp_path / "none.en")], "none.en"),
+        (["shortlist", str(run), "-o", str(out), *missing], "none.en"),
     ):
         done = runner.invoke(app, args)
         assert done.exit_code == 1 and done.output.startswith("error: ") and message in done.output, done.output
     out.write_bytes(b"\0" * 64)
     done = runner.invoke(app, ["translate", str(run), "-i", str(source), "--shortlist", str(out)])
     assert done.exit_code == 1 and done.output.startswith(f"error: {out}: "), done.output
+
+
+def test_shortlist_opens_no_training_data_its_checkpoint_names(run, corpus_files, tmp_path):
+    """A header's paths are data: a downloaded checkpoint must not make mtkit read a file of the user's.
+    They are shown as a hint, and the user names the training pairs."""
+    out = tmp_path / "sl.safetensors"
+    line = one_line_error(invoke("shortlist", run, "-o", out), "--src")
+    assert repr(str(corpus_files["train.en"])) in line and repr(str(corpus_files["train.de"])) in line
+    one_line_error(invoke("shortlist", run, "-o", out, "--src", corpus_files["train.en"]), "--tgt")
+    assert not out.exists()
+
+
+def test_a_shortlist_built_over_several_chunks_is_the_one_built_at_once(corpus_files, spm_model, monkeypatch):
+    """Counts carried from chunk to chunk, and --pairs cutting the last chunk short, as ``CHUNK_PAIRS`` does with
+    more pairs than a test can afford."""
+    pairs = pairs_of(corpus_files)
+    for first in (len(pairs), 150):
+        whole = lexical.build(lexical.co_occurring_pairs(spm_model, spm_model, pairs[:first]), spm_model, spm_model, 4)
+        with monkeypatch.context() as small:
+            small.setattr(lexical, "CHUNK_PAIRS", 64)
+            chunks = list(lexical.co_occurring_pairs(spm_model, spm_model, pairs, first))
+        assert [len(src) for src, _ in chunks] == [64] * (first // 64) + [first % 64]
+        chunked = lexical.build(chunks, spm_model, spm_model, 4)
+        assert torch.equal(chunked.table, whole.table) and torch.equal(chunked.always, whole.always)
+
+
+def model_of(vocab: int, seeds: tuple[int, ...]):
+    models = [tiny_model(vocab, seed=seed) for seed in seeds]
+    return models[0] if len(models) == 1 else Ensemble(models)
+
+
+def scores(hyps: list[list]) -> list[float]:
+    return [value for sentence in hyps for h in sentence for value in (h.score, h.logprob)]
+
+
+def masked(model, allowed: torch.Tensor, vocab: int):
+    """``model`` (each member of an ensemble) with its logits outside ``allowed`` at -inf: the whole-vocabulary
+    search that a search over the candidates ``allowed`` must equal."""
+    mask = torch.full((vocab,), float("-inf"))
+    mask[allowed] = 0.0
+    for member in getattr(model, "members", [model]):
+        member.decode = lambda *args, decode=member.decode: decode(*args) + mask
+    return model
+
+
+def test_a_real_cut_searches_as_the_whole_vocabulary_with_the_rest_masked(
+    corpus_files, spm_model, shortlist, monkeypatch
+):
+    """Outputs, n-best lists and scores of a cut to under half the vocabulary, against the full model's search
+    with the other ids' logits at -inf: an id taken for another (a column for its id) changes them."""
+    monkeypatch.setattr(lexical, "CANDIDATE_MULTIPLE", 1)
+    lines = corpus_files["val.en"].read_text().splitlines()[:12]
+    src, mask = source_tensor(spm_model.encode(lines))
+    prefixes = [spm_model.encode(["Ein Hund"])[0]] + [[]] * (len(lines) - 1)
+    candidates = shortlist.candidates(src, prefixes)
+    vocab = spm_model.vocab_size
+    assert candidates.ids.numel() < vocab / 2, candidates.ids.numel()
+    decode = DecodeConfig(beam=4, min_len=2, max_len_a=0.0, max_len_b=16)
+    for seeds in ((3,), (3, 4)):  # one model, an ensemble
+        cut = beam_search(model_of(vocab, seeds), src, mask, decode, 3, prefixes, candidates)
+        reference = beam_search(masked(model_of(vocab, seeds), candidates.ids, vocab), src, mask, decode, 3, prefixes)
+        assert [[h.tokens for h in sentence] for sentence in cut] == [[h.tokens for h in s] for s in reference]
+        # The two project and normalise rows of other widths: scores agree up to float rounding.
+        assert scores(cut) == pytest.approx(scores(reference), rel=1e-6, abs=1e-5)
+        assert reference != beam_search(model_of(vocab, seeds), src, mask, decode, 3, prefixes)  # a cut that tells
+
+
+def test_the_ctranslate2_engine_refuses_a_shortlist_for_the_exports_own_map(run, corpus_files, shortlist, tmp_path):
+    """CTranslate2 applies the map `export --shortlist` stores (use_vmap); a shortlist file it would not apply."""
+    path, export = tmp_path / "sl.safetensors", tmp_path / "ct2"
+    shortlist.save(path)
+    done = invoke("export", run, "-o", export, "--shortlist", path)
+    assert done.exit_code == 0 and (export / "vmap.txt").is_file(), done.output
+    out = tmp_path / "out.de"
+    args = ["translate", export, "--engine", "ctranslate2", "-i", corpus_files["val.en"], "-o", out]
+    one_line_error(invoke(*args, "--shortlist", path), "--engine ctranslate2", "--shortlist", "use_vmap")
+    assert not out.exists()

@@ -226,3 +226,24 @@ def test_training_on_a_store_with_ids_beyond_the_vocabulary_encodes_it_again(tmp
     result = invoke("train", config, "--out", tmp_path / "b")
     assert result.exit_code == 0, result.output
     assert "damaged token store (tgt ids outside the vocabulary of 300); encoding it again" in result.stderr
+
+
+def test_resuming_after_a_training_file_was_edited_warns_naming_it(tmp_path, corpus_files, spm_model):
+    """The edited file is encoded again, as always; now the resumed run says that it goes on on other data."""
+    train = {side: tmp_path / f"train.{side}" for side in ("en", "de")}
+    for side, path in train.items():
+        path.write_text(corpus_files[f"train.{side}"].read_text(encoding="utf-8"), encoding="utf-8")
+    raw = small_config(dict(corpus_files, **{"train.en": train["en"], "train.de": train["de"]}), spm_model).to_dict()
+    raw["data"]["cache_dir"] = str(tmp_path / "encoded")
+    raw["train"]["max_steps"] = 2
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    first = invoke("train", config, "--out", tmp_path / "run")
+    assert first.exit_code == 0 and "changed since" not in first.stderr
+    train["en"].write_text(train["en"].read_text(encoding="utf-8").replace("dog", "cat"), encoding="utf-8")
+    resumed = invoke("train", config, "--out", tmp_path / "run", "--set", "train.max_steps=4")
+    assert resumed.exit_code == 0, resumed.output
+    assert "resuming from" in resumed.stderr
+    [warning] = [line for line in resumed.stderr.splitlines() if " WARNING " in line and "changed since" in line]
+    assert f"training data: {train['en'].resolve()} changed since an earlier run encoded it" in warning
+    assert str(train["de"].resolve()) not in warning

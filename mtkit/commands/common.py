@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import os
 import sys
@@ -90,14 +91,34 @@ def set_log_level(level: int) -> None:
     _log_level = level
 
 
-def setup_logging(quiet: bool = False) -> None:
-    """One handler on the current stderr (an earlier in-process call may have left one on a closed stream)."""
+class JsonLines(logging.Formatter):
+    """Each record as one JSON object: time, level, message and the fields a record carries (a server's request
+    line: its number, method, path, sentences, milliseconds and status), for log collectors to parse."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
+            "level": record.levelname.lower(),
+            "message": record.getMessage(),
+            **getattr(record, "fields", {}),
+        }
+        if record.exc_info:
+            entry["traceback"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
+
+
+def setup_logging(quiet: bool = False, json_lines: bool = False) -> None:
+    """One handler on the current stderr (an earlier in-process call may have left one on a closed stream);
+    ``json_lines``: each line a JSON object (``JsonLines``)."""
     for handler in list(log.handlers):
         log.removeHandler(handler)
-    if stderr.is_terminal:
+    if json_lines:
+        handler: logging.Handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(JsonLines())
+    elif stderr.is_terminal:
         from rich.logging import RichHandler
 
-        handler: logging.Handler = RichHandler(console=stderr, show_path=False, show_time=False)
+        handler = RichHandler(console=stderr, show_path=False, show_time=False)
     else:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))

@@ -129,7 +129,7 @@ def prepare_command(
     tgt_column: Annotated[str | None, typer.Option(help="hf: the target text's column.")] = None,
     data_files: Annotated[
         list[str] | None,
-        typer.Option(help="hf: SPLIT=FILE (parquet, jsonl, csv, tsv; globs as load_dataset takes), repeatable."),
+        typer.Option(help="hf: SPLIT=FILE (parquet, jsonl, json, csv, tsv; globs as load_dataset takes), repeatable."),
     ] = None,
     num_proc: Annotated[
         int | None, typer.Option(min=1, help="hf: processes converting the data files to Arrow.")
@@ -143,7 +143,8 @@ def prepare_command(
     HF_HUB_OFFLINE and HF_ENDPOINT apply; prepare.json records the commit they resolved to (or
     local files' SHA-256) and each split's fingerprint. Only the training split is cleaned
     (normalised, filtered by length and ratio, deduplicated); valid and test are written as
-    published. OUT/prepare.json records what was done, and a re-run with the same settings does nothing.
+    published. OUT/prepare.json records what was done, and a re-run with the same settings does nothing
+    (unless local data files changed: their SHA-256 are compared with the record).
     """
     from mtkit.config import ConfigError
     from mtkit.corpora import CORPORA
@@ -154,7 +155,8 @@ def prepare_command(
     setup_logging()
     if list_corpora:
         for c in CORPORA.values():
-            typer.echo(f"{c.name:<16} {c.about}" + (f" [{_hub_origin(c.dataset)}]" if c.dataset else ""))
+            origin = f" [{_hub_origin(c.dataset)}{f'; {c.caveat}' if c.caveat else ''}]" if c.dataset else ""
+            typer.echo(f"{c.name:<16} {c.about}{origin}")
         return
     if corpus is None or out is None:
         raise ConfigError("give a corpus and --out, e.g. mtkit prepare multi30k_en_de --out data/multi30k_en_de")

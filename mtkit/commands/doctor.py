@@ -15,7 +15,12 @@ commands = typer.Typer()
 
 @commands.command("doctor", epilog=examples("mtkit doctor", "mtkit doctor --path runs/ --json"))
 def doctor_command(
-    path: Annotated[Path, typer.Option("--path", help="Where runs will be written (for free disk).")] = Path("."),
+    path: Annotated[
+        Path,
+        typer.Option(
+            "--path", help="Where runs will be written (for free disk; a folder not made yet: its nearest parent)."
+        ),
+    ] = Path("."),
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
     """What a run will use here: torch, CPU, CUDA/NCCL, GPUs, bf16/fp16 support and what precision auto picks,
@@ -48,8 +53,13 @@ def doctor_command(
             ),
         ),
         ("memory available", f"{report['memory_available_gib']} GiB"),
-        ("disk free", f"{report['disk_free_gib']} GiB at {path.resolve()}"),
+        ("disk free", f"{report['disk_free_gib']} GiB at {report['disk_path']}{_not_there(path)}"),
     ]
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         typer.echo(f"{name:<{width}}  {value}")
+
+
+def _not_there(path: Path) -> str:
+    """Why the free disk is not measured at ``path`` itself, if it is not."""
+    return "" if path.exists() else f" ({path} does not exist: its nearest existing parent)"

@@ -96,7 +96,7 @@ def eval_command(
     ] = None,
     lowercase: Annotated[
         bool,
-        typer.Option("--lowercase/--no-lowercase", "-lc", help="Case-insensitive BLEU; with --hyp chrF and TER too."),
+        typer.Option("--lowercase/--no-lowercase", "-lc", help="Case-insensitive BLEU; with --hyp chrF too."),
     ] = False,
     chrf_lowercase: Annotated[bool, typer.Option("--chrf-lowercase", help="Case-insensitive chrF.")] = False,
     chrf_word_order: Annotated[
@@ -104,7 +104,7 @@ def eval_command(
     ] = 0,
     ter_case_sensitive: Annotated[
         bool,
-        typer.Option("--ter-case-sensitive", help="Case-sensitive TER (with --hyp it is, unless --lowercase)."),
+        typer.Option("--ter-case-sensitive", help="Case-sensitive TER (by default it ignores case, as sacreBLEU's)."),
     ] = False,
     sentence: Annotated[
         bool, typer.Option("--sentence", "--sentence-level", "-sl", help="A score per segment and metric.")

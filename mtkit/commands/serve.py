@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -10,6 +10,8 @@ from mtkit.commands.common import Device, EngineChoice, ModelPath, WeightPrecisi
 from mtkit.config import InferenceConfig, ServeConfig
 
 commands = typer.Typer()
+
+LogFormat = Literal["plain", "json"]
 
 
 @commands.command(
@@ -51,6 +53,19 @@ def serve_command(
     timeout: Annotated[
         float, typer.Option(help="Seconds a request waits for its translations before it gets 504.")
     ] = ServeConfig.timeout,
+    receive_timeout: Annotated[
+        float,
+        typer.Option(
+            help="Seconds a client may take to send a request's headers (then the connection closes), "
+            "and again its body (then 408)."
+        ),
+    ] = ServeConfig.receive_timeout,
+    max_connections: Annotated[
+        int, typer.Option(help="Connections open at once; one more gets 503 and is closed.")
+    ] = ServeConfig.max_connections,
+    log_format: Annotated[
+        LogFormat, typer.Option(help="plain, or json: each log line a JSON object, a request's with its fields.")
+    ] = ServeConfig.log_format,
     api_key: Annotated[
         str,
         typer.Option(
@@ -65,21 +80,24 @@ def serve_command(
     The sentences of concurrent requests are searched together, up to --max-batch-size at a time; a
     request joins a search already running and leaves it as soon as its sentences are done.
     Decoding follows the settings saved with the model unless a request says otherwise. SIGINT or
-    SIGTERM stops taking connections, finishes the requests in flight and exits 0.
+    SIGTERM stops taking connections, finishes the requests in flight and exits 0; a second one stops at
+    once, and exits 1 if that cut requests off.
     """
     from mtkit.runtime import require
 
-    setup_logging()
+    setup_logging(json_lines=log_format == "json")
     for module in ("fastapi", "uvicorn"):
         require(module, "mtkit serve", "'mtkit[serve]'")
     cfg = ServeConfig(
         host=host, port=port, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, continuous=continuous,
         max_queue=max_queue,
-        max_texts=max_texts, max_chars=max_chars, timeout=timeout, api_key=api_key,
+        max_texts=max_texts, max_chars=max_chars, timeout=timeout, receive_timeout=receive_timeout,
+        max_connections=max_connections, log_format=log_format, api_key=api_key,
     )  # fmt: skip
     from mtkit.serve import serve
 
     try:
-        serve(model, cfg, device=device, precision=precision, engine=engine)
+        status = serve(model, cfg, device=device, precision=precision, engine=engine)
     except KeyboardInterrupt:  # Ctrl-C before the server listens (while the model loads): stop quietly
         raise typer.Exit(130) from None
+    raise typer.Exit(status)

@@ -217,7 +217,7 @@ def attention_command(
 
     setup_logging()
     require("matplotlib", "drawing attention", "matplotlib")
-    check_output_file(output)
+    check_output_file(output, inputs=[model])
     bundle = load_for_inference(model, pick_device(device))
     decode = with_overrides(bundle.cfg.decode, given(beam=beam))
     result = translate_with_attention(bundle.model, bundle.src_tok, bundle.tgt_tok, src, decode)
@@ -259,10 +259,12 @@ def export_command(
     ] = None,
 ) -> None:
     """Convert a trained model for CTranslate2 or transformers; its tokenizers and decode settings go with it."""
+    from mtkit.checkpoint import check_outside_checkpoints
     from mtkit.config import ConfigError
     from mtkit.export import export_ctranslate2
     from mtkit.export_hf import export_transformers
 
+    check_outside_checkpoints(output)
     if fmt == "hf":
         if quantization is not None:
             raise ConfigError("--quantization is for --format ctranslate2; a transformers export keeps float32 weights")
@@ -280,7 +282,7 @@ def export_command(
 @commands.command(
     "shortlist",
     epilog=examples(
-        "mtkit shortlist runs/m30k -o runs/m30k/shortlist.safetensors",
+        "mtkit shortlist runs/m30k --src train.en --tgt train.de -o runs/m30k/shortlist.safetensors",
         "mtkit translate runs/m30k --shortlist runs/m30k/shortlist.safetensors -i test.en",
         "mtkit shortlist runs/wmt --src train.en --tgt train.de --per-source 20 -o wmt.shortlist.safetensors",
     ),
@@ -293,10 +295,11 @@ def shortlist_command(
     ],
     src: Annotated[
         Path | None,
-        typer.Option(help="Training source text, or a .tsv of both sides. [default: the model's data.train_src]"),
+        typer.Option(help="Training source text, or a .tsv of both sides. Required.", show_default=False),
     ] = None,
     tgt: Annotated[
-        Path | None, typer.Option(help="Training target text, line-aligned. [default: the model's data.train_tgt]")
+        Path | None,
+        typer.Option(help="Training target text, line-aligned. Required unless --src is a .tsv.", show_default=False),
     ] = None,
     per_source: Annotated[
         int, typer.Option(min=1, max=MAX_PER_SOURCE, help="Candidates per source token.")
@@ -310,7 +313,8 @@ def shortlist_command(
 
     Each source token keeps the target tokens that co-occur with it most strongly in the training
     pairs (Dice coefficient over sentences); the most frequent target tokens and the special ids are
-    always candidates. The file is tied to the model's tokenizers.
+    always candidates. The file is tied to the model's tokenizers. The training pairs are always named
+    here: the paths in a checkpoint's header are never opened, as a downloaded one could name any file.
     """
     import torch
 
@@ -320,20 +324,34 @@ def shortlist_command(
     from mtkit.data import check_input_file, is_tsv, iter_parallel
 
     setup_logging()
-    bundle = load_for_inference(model, torch.device("cpu"))
-    src_path = src if src is not None else Path(bundle.cfg.data.train_src) if bundle.cfg.data.train_src else None
-    tgt_path = tgt if tgt is not None else Path(bundle.cfg.data.train_tgt) if bundle.cfg.data.train_tgt else None
-    if src_path is None:
-        raise ConfigError(f"{model}: its config names no training data; give it with --src and --tgt")
-    if tgt_path is None and not is_tsv(src_path):
-        raise ConfigError(f"{src_path}: give the target side with --tgt, or a .tsv of both sides")
-    for path, given_here in ((src_path, src), (tgt_path, tgt)):
-        if path is not None and given_here is None and not path.is_file():
-            raise ConfigError(f"{path}: the model's training data is not there; give it with --src and --tgt")
+    if src is None:
+        raise ConfigError(f"give the training pairs with --src and --tgt (or a .tsv with --src){_trained_on(model)}")
+    if tgt is None and not is_tsv(src):
+        raise ConfigError(f"{src}: give the target side with --tgt, or a .tsv of both sides")
+    for path in (src, tgt):
         if path is not None:
             check_input_file(path)
-    check_output_file(output, inputs=[p for p in (src_path, tgt_path, model) if p is not None])
-    chunks = lexical.co_occurring_pairs(bundle.src_tok, bundle.tgt_tok, iter_parallel(src_path, tgt_path), pairs)
+    check_output_file(output, inputs=[p for p in (src, tgt, model) if p is not None])
+    bundle = load_for_inference(model, torch.device("cpu"))
+    chunks = lexical.co_occurring_pairs(bundle.src_tok, bundle.tgt_tok, iter_parallel(src, tgt), pairs)
     built = lexical.build(chunks, bundle.src_tok, bundle.tgt_tok, per_source, frequent)
     built.save(output)
     typer.echo(f"wrote {output} ({per_source} candidates per source token, {built.always.numel()} always)", err=True)
+
+
+def _trained_on(model: Path) -> str:
+    """The training data the model's header names, quoted as a hint only: never opened, as a checkpoint from
+    elsewhere could name any file of the user's."""
+    from mtkit import untrusted
+    from mtkit.checkpoint import read_checkpoint, resolve
+    from mtkit.errors import MtkitError
+
+    try:
+        data = read_checkpoint(resolve(model), with_state=False).cfg.data
+    except (MtkitError, OSError):  # the missing option is the error to report
+        return ""
+    sides = (("data.train_src", data.train_src), ("data.train_tgt", data.train_tgt))
+    named = [f"{name} {untrusted.shown(value)}" for name, value in sides if value]
+    if not named:
+        return ""
+    return f"; the model was trained on {' and '.join(named)} (not opened: pass them if they are yours)"
