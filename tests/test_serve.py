@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import signal
@@ -406,7 +407,15 @@ def test_each_of_many_concurrent_requests_gets_its_own_texts_answers_in_order():
             assert all(pool.map(work, range(16)))
 
 
-def test_a_request_that_breaks_the_search_is_500_and_harms_none_of_its_batch_mates(caplog):
+@pytest.fixture
+def mtkit_log(caplog, monkeypatch):
+    """caplog with mtkit's info lines: an earlier command in this process may have set its logger apart."""
+    monkeypatch.setattr(logging.getLogger("mtkit"), "propagate", True)
+    caplog.set_level(logging.INFO, logger="mtkit")
+    return caplog
+
+
+def test_a_request_that_breaks_the_search_is_500_and_harms_none_of_its_batch_mates(mtkit_log):
     """The client of a failed request learns its number, not the exception; the log has the exception under it."""
 
     def one(i: int) -> tuple[int, dict, str]:
@@ -422,7 +431,7 @@ def test_a_request_that_breaks_the_search_is_500_and_harms_none_of_its_batch_mat
         if i % 3 == 0:
             detail = f"translation failed; the server's log has the details of request {number}"
             assert (status, body) == (500, {"detail": detail})
-            assert f"request {number}: translation failed: the search broke" in caplog.text
+            assert f"request {number}: translation failed: the search broke" in mtkit_log.text
         else:
             assert (status, body) == (200, {"translations": [f"LINE {i}"]})
 
@@ -647,19 +656,20 @@ def head(length: int) -> bytes:
     ).encode()
 
 
-def test_a_request_that_times_out_leaves_its_search(caplog):
+def test_a_request_that_times_out_leaves_its_search():
     with stepwise_server(ServeConfig(timeout=0.3, max_wait_ms=0)) as (served, searches):
         response = httpx.post(served.url + "/v1/translate", json={"text": ["x" * 3000]}, timeout=10)
         assert response.status_code == 504
         wait_until(lambda: len(searches[0]) == 0, 1.0)  # long before its 30 s of steps
 
 
-def test_a_client_that_goes_away_withdraws_its_request_and_is_one_log_line(caplog):
+def test_a_client_that_goes_away_withdraws_its_request_and_is_one_log_line(mtkit_log):
+    caplog = mtkit_log
     with stepwise_server(ServeConfig(max_wait_ms=0)) as (served, searches):
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(served.url + "/v1/translate", json={"text": ["x" * 3000]}, timeout=0.3)
         wait_until(lambda: "status 499" in caplog.text)
-        assert len(searches[0]) == 0
+        wait_until(lambda: len(searches[0]) == 0, 1.0)  # at the search's next steps, long before its 30 s
         sock = raw_request(served.port, head(100), b'{"text": ')  # gone mid-body
         sock.close()
         wait_until(lambda: caplog.text.count("status 499") == 2)
