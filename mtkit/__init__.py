@@ -5,8 +5,8 @@ The Python API (``mtkit.load``, ``mtkit.train``, ``mtkit.evaluate``, ``mtkit.pre
 """
 
 from mtkit.errors import MtkitError
+from mtkit.version import __version__ as __version__
 
-__version__ = "0.1.0"
 __all__ = ["MtkitError", "evaluate", "load", "prepare", "read_config", "train"]
 
 

@@ -38,7 +38,7 @@ from typing import Any, BinaryIO
 import safetensors.torch
 import torch
 
-from mtkit import __version__, untrusted
+from mtkit import untrusted
 from mtkit.config import ConfigError, ModelConfig, RecipeConfig, RunConfig, from_dict
 from mtkit.errors import MtkitError
 from mtkit.files import (
@@ -50,6 +50,7 @@ from mtkit.files import (
 )
 from mtkit.model import Transformer, build_model
 from mtkit.tokenizer import PAD_ID, Tokenizer, is_sentencepiece_model
+from mtkit.version import __version__
 
 FORMAT_VERSION = 2
 WEIGHTS_FILE, STATE_FILE = "model.safetensors", "state.pt"

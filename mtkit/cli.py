@@ -15,9 +15,9 @@ from typing import Annotated
 import typer
 from typer.core import TyperGroup
 
-from mtkit import __version__
 from mtkit.commands import data, doctor, evaluate, serve, train, translate
 from mtkit.commands.common import LogLevel, set_log_level
+from mtkit.version import __version__
 
 # The base class of Click's usage errors: typer's own copy of Click, or Click itself for older typer.
 _CLICK_ERROR = getattr(typer, "TyperException", None) or __import__("click").ClickException

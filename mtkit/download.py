@@ -41,10 +41,10 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from mtkit import __version__
 from mtkit.data import DataError
 from mtkit.files import file_sha256
 from mtkit.progress import StageProgress
+from mtkit.version import __version__
 
 log = logging.getLogger("mtkit")
 

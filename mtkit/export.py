@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mtkit import __version__, untrusted
+from mtkit import untrusted
 from mtkit.attention import MultiHeadAttention
 from mtkit.checkpoint import TOKENIZER_NAMES, WEIGHTS_FILE, CheckpointError, load_for_inference, resolve
 from mtkit.config import MAX_POSITIONS, ConfigError, DecodeConfig, ModelConfig, from_dict
@@ -54,6 +54,7 @@ from mtkit.translate import (
     source_ids,
     with_overrides,
 )
+from mtkit.version import __version__
 
 log = logging.getLogger("mtkit")
 

@@ -53,7 +53,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mtkit import __version__
 from mtkit.attention import MultiHeadAttention
 from mtkit.checkpoint import CheckpointError, load_for_inference, resolve
 from mtkit.config import ConfigError, DecodeConfig, ModelConfig
@@ -61,6 +60,7 @@ from mtkit.export import MANIFEST, MANIFEST_FORMAT, check_replaceable, provenanc
 from mtkit.files import atomic_write_directory
 from mtkit.model import DecoderLayer, EncoderLayer, FeedForward, Transformer
 from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
+from mtkit.version import __version__
 
 RUNTIME = "transformers"  # the manifest's runtime, which tells this export from a CTranslate2 one
 START_PIECE = "<pad>"  # the id after both vocabularies: Marian's pad and decoder start, named as Marian names it

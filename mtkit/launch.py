@@ -35,15 +35,6 @@ def mimalloc_library() -> Path | None:
     return found[0] if found and found[0].is_file() else None
 
 
-def allocator_in_use() -> str:
-    """Which allocator this process runs under: "mimalloc" or "system"."""
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return "system"
-    return "mimalloc" if "libmimalloc" in maps else "system"
-
-
 def preload_environment(environ: dict[str, str] | None = None) -> dict[str, str] | None:
     """``environ`` (default: this process's) with mimalloc preloaded, or None where it is not to be or
     cannot be: not Linux, not installed, MTKIT_ALLOCATOR=system, or already preloaded."""

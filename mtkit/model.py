@@ -8,6 +8,7 @@ query may attend (``attn_allowed``).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +16,9 @@ from torch import Tensor, nn
 
 from mtkit.attention import DecoderCache, Dropout, LayerCache, MultiHeadAttention, autocast_once, self_attention
 from mtkit.config import ModelConfig
-from mtkit.shortlist import Candidates
+
+if TYPE_CHECKING:  # a type only: shortlists belong to decoding, above the model
+    from mtkit.shortlist import Candidates
 
 
 class FeedForward(nn.Module):

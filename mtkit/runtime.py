@@ -208,13 +208,20 @@ def _existing_ancestor(path: Path) -> Path:
     return path
 
 
+def allocator_in_use() -> str:
+    """Which allocator this process runs under: "mimalloc" (which the mtkit command preloads) or "system"."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "system"
+    return "mimalloc" if "libmimalloc" in maps else "system"
+
+
 def environment_report(path: Path = Path(".")) -> dict:
     """What a run on this machine will use: torch, devices, precisions, threads, memory, disk at ``path``."""
     import shutil
 
     import torch.distributed as dist
-
-    from mtkit.launch import allocator_in_use
 
     mem_kib = _proc_field("/proc/meminfo", "MemAvailable")  # what a new process can use without swapping
     cuda = torch.cuda.is_available()

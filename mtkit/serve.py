@@ -48,13 +48,13 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from mtkit import __version__
 from mtkit.batcher import Batcher, Refused, Search, WholeBatch
 from mtkit.config import ServeConfig
 from mtkit.continuous import LineSearch
 from mtkit.ensemble import Ensemble
 from mtkit.runtime import RuntimeSetupError
 from mtkit.translate import LineTranslator, Translation, Translator, load_translator
+from mtkit.version import __version__
 
 log = logging.getLogger("mtkit")
 
