@@ -130,7 +130,7 @@ def _files_read(source: Path) -> list[Path]:
         resolved = resolve(source)
     except CheckpointError:  # a run without a checkpoint: the command names it when it loads the model
         return []
-    weights = resolved / WEIGHTS_FILE if resolved.is_dir() else resolved
+    weights = weights_file(resolved)
     folders = (weights.parent, weights.parent.parent, weights.parent.parent.parent)
     tokenizers = [folder / name for folder in folders for name in TOKENIZER_NAMES]
     return [file for file in (weights, *tokenizers) if file.is_file()]
@@ -304,6 +304,11 @@ def latest(run_dir: Path) -> Path | None:
     """Where training resumes from: the newest checkpoint, if any."""
     found = run_checkpoints(run_dir)
     return found[-1] if found else None
+
+
+def weights_file(model: Path) -> Path:
+    """The file holding a model's weights: a checkpoint directory's model.safetensors, or the file itself."""
+    return model / WEIGHTS_FILE if model.is_dir() else model
 
 
 def resolve(model_path: Path) -> Path:

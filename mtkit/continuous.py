@@ -155,7 +155,7 @@ class ContinuousBeamSearch:
             self._reset()
             return results
         keep = (~done).nonzero().squeeze(1)
-        kept = done.logical_not().tolist()
+        kept = [not gone for gone in leaving]
         self.keys = [key for key, live in zip(self.keys, kept) if live]
         self.finished = [hyps for hyps, live in zip(self.finished, kept) if live]
         keep_rows = (keep[:, None] * k + torch.arange(k, device=self.device)).view(-1)

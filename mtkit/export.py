@@ -36,7 +36,7 @@ from torch import nn
 
 from mtkit import untrusted
 from mtkit.attention import MultiHeadAttention
-from mtkit.checkpoint import TOKENIZER_NAMES, WEIGHTS_FILE, CheckpointError, load_for_inference, resolve
+from mtkit.checkpoint import TOKENIZER_NAMES, CheckpointError, load_for_inference, resolve, weights_file
 from mtkit.config import MAX_POSITIONS, ConfigError, DecodeConfig, ModelConfig, from_dict
 from mtkit.files import atomic_write_directory, file_sha256
 from mtkit.model import Decoder, Embedder, Encoder, FeedForward, Transformer
@@ -233,8 +233,7 @@ def provenance(checkpoint: Path, step: int) -> dict[str, Any]:
     """What an export's manifest says of the checkpoint it came from: the SHA-256 of its weights file and its
     update step, which identify it to anyone who holds it. Never its path: an export is made to be handed on,
     and a path tells its recipients the exporter's folders and often their user name."""
-    weights = checkpoint / WEIGHTS_FILE if checkpoint.is_dir() else checkpoint
-    return {"weights_sha256": file_sha256(weights), "step": step}
+    return {"weights_sha256": file_sha256(weights_file(checkpoint)), "step": step}
 
 
 def check_replaceable(out_dir: Path) -> None:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import filelock
 
-from mtkit.checkpoint import WEIGHTS_FILE
+from mtkit.checkpoint import WEIGHTS_FILE, weights_file
 from mtkit.config import ConfigError, RunConfig
 
 if TYPE_CHECKING:
@@ -234,18 +234,13 @@ def _average(cfg: RunConfig, out: Path, stages: list[Stage], record: StageRecord
     return target
 
 
-def _weights_file(model: Path) -> Path:
-    """The file holding a model's weights: a checkpoint directory's model.safetensors, or the file itself."""
-    return model / WEIGHTS_FILE if model.is_dir() else model
-
-
 def _translate(
     cfg: RunConfig, model: Path, source: Path, out: Path, stages: list[Stage], record: StageRecord
 ) -> tuple[Path, dict]:
     """The test set's translation, and the record of the model, source and settings it was made with."""
     hyp_path = out / f"test.hyp.{cfg.data.tgt_lang}"
     start = time.perf_counter()
-    inputs = {"model": record.digests.of(_weights_file(model)), "source": record.digests.of(source)}
+    inputs = {"model": record.digests.of(weights_file(model)), "source": record.digests.of(source)}
     settings = {"decode": asdict(cfg.decode)}
     entry = record.current("translate", hyp_path, inputs, settings)
     ran = entry is None

@@ -53,7 +53,7 @@ from mtkit.config import ServeConfig
 from mtkit.continuous import LineSearch
 from mtkit.ensemble import Ensemble
 from mtkit.runtime import RuntimeSetupError
-from mtkit.translate import LineTranslator, Translation, Translator, load_translator
+from mtkit.translate import LineTranslator, Translation, Translator, aligner_of, load_translator
 from mtkit.version import __version__
 
 log = logging.getLogger("mtkit")
@@ -128,7 +128,7 @@ def aligning(translator: LineTranslator) -> LineTranslator:
     if not isinstance(translator, Translator):
         raise ValueError("only mtkit's engine gives word alignments")
     chosen = copy.copy(translator)
-    chosen.aligner = translator.model.members[0] if isinstance(translator.model, Ensemble) else translator.model
+    chosen.aligner = aligner_of(translator.model)
     return chosen
 
 

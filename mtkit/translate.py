@@ -234,6 +234,11 @@ class Translator(LineTranslator):
         return results
 
 
+def aligner_of(model: Transformer | Ensemble) -> Transformer:
+    """The model whose cross-attention gives word alignments: the model itself, or an ensemble's first member."""
+    return model.members[0] if isinstance(model, Ensemble) else model
+
+
 def load_translator(
     models: str | Path | Sequence[str | Path],
     device: str = InferenceConfig.device,
@@ -281,7 +286,7 @@ def load_translator(
         if (other.src_tok.sha256, other.tgt_tok.sha256) != (first.src_tok.sha256, first.tgt_tok.sha256):
             raise CheckpointError(f"{path}: its tokenizers differ from those of {models[0]}; cannot ensemble them")
     network = Ensemble([b.model for b in bundles]) if len(bundles) > 1 else first.model
-    aligner = first.model if alignments else None  # an ensemble aligns with its first member
+    aligner = aligner_of(network) if alignments else None
     settings = with_overrides(first.cfg.decode, decode)
     lexical = load_shortlist(Path(shortlist), first.src_tok, first.tgt_tok) if shortlist is not None else None
     translator = Translator(
