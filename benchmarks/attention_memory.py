@@ -21,7 +21,7 @@ import time
 import torch
 
 from mtkit.config import ModelConfig
-from mtkit.model import build_model
+from mtkit.model.transformer import build_model
 
 
 def current_rss_mib() -> float:

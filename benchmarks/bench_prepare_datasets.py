@@ -61,8 +61,8 @@ def parquet_pairs(paths: list[Path]) -> Iterator[tuple[str, str]]:
 def pyarrow_prepare(repo: Path, out: Path) -> None:
     """The baseline, in a child: each split read by ``parquet_pairs``, train cleaned with mtkit's default
     settings, both sides written; prepare.json with the counts that ``check_prepared`` reads."""
-    from mtkit.clean import CleanSummary, clean_pairs
     from mtkit.config import CleanConfig
+    from mtkit.data.clean import CleanSummary, clean_pairs
 
     out.mkdir(parents=True)
     shards = shard_paths(repo)

@@ -54,7 +54,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from mtkit.corpora import CORPORA
+from mtkit.data.corpora import CORPORA
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = CORPORA["wmt14_en_de"]

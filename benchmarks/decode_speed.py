@@ -15,7 +15,7 @@ under the memory allocator the ``mtkit`` command uses (mimalloc where installed,
 The grid is every combination of ``--engines`` x ``--precisions`` x ``--beams`` x ``--batch-sizes``
 x ``--early-stop``, less the combinations that do not exist:
 
-- engine ``mtkit``: mtkit's own batched search (``mtkit.translate.Translator``), weights in fp32
+- engine ``mtkit``: mtkit's own batched search (``mtkit.decoding.translate.Translator``), weights in fp32
   or bf16 (``mtkit translate --precision``); it has no int8.
 - engine ``ct2``: the model exported with ``mtkit export --format ctranslate2`` and decoded by
   CTranslate2 (``mtkit translate --engine ctranslate2``), skipped when the ctranslate2 package is
@@ -156,8 +156,8 @@ def grid(args: argparse.Namespace, ct2_bf16: bool) -> list[Config]:
 
 def timed_translation(translator, source: Path) -> tuple[list[str], float]:
     """Outputs and seconds from opening the input to writing the last output line."""
-    from mtkit.data import read_lines
-    from mtkit.translate import chunked
+    from mtkit.data.parallel import read_lines
+    from mtkit.decoding.translate import chunked
 
     with tempfile.TemporaryFile("w+", encoding="utf-8") as out:
         start = time.perf_counter()
@@ -176,8 +176,8 @@ class NativeCTranslate2:
     def __init__(self, export_dir: Path, config: Config, threads: int) -> None:
         import ctranslate2
 
-        from mtkit.export import read_manifest
-        from mtkit.tokenizer import Tokenizer
+        from mtkit.data.tokenizer import Tokenizer
+        from mtkit.interop.ct2_export import read_manifest
 
         names = read_manifest(export_dir)["tokenizer"]
         self.src_tok, self.tgt_tok = (Tokenizer(export_dir / names[side]) for side in ("src", "tgt"))
@@ -186,7 +186,7 @@ class NativeCTranslate2:
         self.config = config
 
     def stream(self, chunks):
-        from mtkit.translate import Translation
+        from mtkit.decoding.translate import Translation
 
         pieces = [self.src_tok.sp.encode(line, out_type=str) for chunk in chunks for line in chunk]
         results = self.engine.translate_batch(
@@ -203,7 +203,7 @@ class NativeCTranslate2:
 def make_translator(config: Config, run: Path, export_dir: Path, threads: int, shortlist: Path | None = None):
     import torch
 
-    from mtkit.checkpoint import load_for_inference
+    from mtkit.model.checkpoint import load_for_inference
     from mtkit.runtime import resolve_precision, set_threads
 
     set_threads(threads)
@@ -212,11 +212,11 @@ def make_translator(config: Config, run: Path, export_dir: Path, threads: int, s
     if config.engine == "ct2native":
         return NativeCTranslate2(export_dir, config, threads)
     if config.engine == "ct2":
-        from mtkit.export import CTranslate2Translator
+        from mtkit.interop.ct2_export import CTranslate2Translator
 
         return CTranslate2Translator.from_dir(export_dir, decode, "cpu", CT2_COMPUTE[config.precision])
-    from mtkit.shortlist import load
-    from mtkit.translate import Translator
+    from mtkit.decoding.shortlist import load
+    from mtkit.decoding.translate import Translator
 
     bundle = load_for_inference(run, device, resolve_precision(config.precision, device).dtype)
     lexical = load(shortlist, bundle.src_tok, bundle.tgt_tok) if config.shortlist else None
@@ -225,8 +225,8 @@ def make_translator(config: Config, run: Path, export_dir: Path, threads: int, s
 
 def child_main(args: argparse.Namespace) -> None:
     """One configuration; prints its figures as one JSON line."""
-    from mtkit.data import read_lines
-    from mtkit.metrics import bleu
+    from mtkit.data.parallel import read_lines
+    from mtkit.scoring.metrics import bleu
 
     translator = make_translator(Config.parse(args.config), args.run, args.export_dir, args.threads, args.shortlist)
     # The fastest of --repeat passes: other tenants of a shared machine only ever slow a pass down.
@@ -356,7 +356,7 @@ def main() -> None:
                 continue
             if config.engine in CT2_ENGINES and not export_dir.exists():
                 from mtkit.config import ConfigError
-                from mtkit.export import export_ctranslate2
+                from mtkit.interop.ct2_export import export_ctranslate2
 
                 print(f"exporting {export_dir.name} ...", file=sys.stderr, flush=True)
                 vmap = args.shortlist if config.shortlist else None

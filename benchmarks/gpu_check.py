@@ -88,8 +88,8 @@ def flops_per_target_token(data_dir: Path, base: Path) -> float:
     sys.path.insert(0, str(REPO / "benchmarks"))
     from train_throughput import bench_config, train_flops
 
-    from mtkit.data import collate, read_parallel, token_batches
-    from mtkit.tokenizer import Tokenizer
+    from mtkit.data.parallel import collate, read_parallel, token_batches
+    from mtkit.data.tokenizer import Tokenizer
 
     cfg = bench_config(data_dir / "train.en.gz", data_dir / "train.de.gz", base / "spm.model", "bf16", 0)
     tok = Tokenizer(base / "spm.model")
@@ -174,7 +174,7 @@ def phase_compile_equivalence(out: Path, data: list[str], base: Path) -> None:
 def phase_oom(out: Path, data_dir: Path, base: Path) -> None:
     """A group of batches far over a capped memory budget is skipped; the next update trains."""
     from mtkit.config import read_config
-    from mtkit.trainer import Trainer
+    from mtkit.training.trainer import Trainer
 
     overrides = [
         f"data.train_src={data_dir / 'train.en.gz'}",
@@ -211,8 +211,8 @@ def phase_oom(out: Path, data_dir: Path, base: Path) -> None:
 
 
 def phase_translation(out: Path, data_dir: Path, base: Path) -> None:
-    from mtkit.data import read_lines
-    from mtkit.metrics import bleu
+    from mtkit.data.parallel import read_lines
+    from mtkit.scoring.metrics import bleu
 
     refs = read_lines(data_dir / "test_2016_flickr.de.gz")
     for precision in ("fp32", "bf16"):

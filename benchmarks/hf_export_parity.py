@@ -29,12 +29,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from mtkit.checkpoint import load_for_inference  # noqa: E402
-from mtkit.data import source_tensor  # noqa: E402
-from mtkit.export_hf import export_transformers, transformers_length_penalty  # noqa: E402
-from mtkit.metrics import score  # noqa: E402
-from mtkit.search import greedy_search, max_lengths  # noqa: E402
-from mtkit.translate import Translator  # noqa: E402
+from mtkit.data.parallel import source_tensor  # noqa: E402
+from mtkit.decoding.search import greedy_search, max_lengths  # noqa: E402
+from mtkit.decoding.translate import Translator  # noqa: E402
+from mtkit.interop.hf_export import export_transformers, transformers_length_penalty  # noqa: E402
+from mtkit.model.checkpoint import load_for_inference  # noqa: E402
+from mtkit.scoring.metrics import score  # noqa: E402
 
 
 def read_lines(path: Path) -> list[str]:

@@ -221,7 +221,7 @@ def search_bound(args: argparse.Namespace, lines: list[str], in_flight: int) -> 
     (one joins as one is done), no HTTP. What the server would give if answering HTTP cost nothing."""
     script = f"""
 import sys, time, torch, mtkit
-from mtkit.continuous import LineSearch
+from mtkit.decoding.continuous import LineSearch
 torch.set_num_threads({args.threads})
 search = LineSearch(mtkit.load({str(args.model)!r}))
 lines = sys.stdin.read().splitlines()

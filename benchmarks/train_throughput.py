@@ -8,7 +8,7 @@ transformer has them; ``--set model.positions=rotary`` trains the recipe's own):
    torch thread count in effect; 8192 on a GPU, fp32 without TF32), best of a few repeats after a
    warm-up. This is the yardstick for MFU.
 2. Training: real (non-pad) target tokens/s, updates/s and seconds/update over ``--steps`` timed
-   updates of the real ``mtkit.trainer.Trainer`` on the corpus's batches, after ``--warmup`` updates.
+   updates of the real ``mtkit.training.trainer.Trainer`` on the corpus's batches, after ``--warmup`` updates.
    MFU is the analytic training FLOPs (see ``train_flops``) per second over each measured peak.
 3. Peak memory: each precision trains in its own child process, which reports its peak RSS
    (and on a GPU its peak allocated GPU memory). Children run under the allocator the ``mtkit``
@@ -53,7 +53,7 @@ import torch
 
 from mtkit import config
 from mtkit.config import ModelConfig, RunConfig
-from mtkit.data import Batch
+from mtkit.data.parallel import Batch
 from mtkit.launch import allocator_in_use, preload_environment
 from mtkit.runtime import set_threads
 
@@ -155,7 +155,7 @@ def bench_config(
 
 def measure_training(cfg: RunConfig, work: Path, steps: int, warmup: int) -> dict:
     """Throughput of ``steps`` Trainer updates on the corpus's first batches, after ``warmup`` updates."""
-    from mtkit.trainer import Trainer
+    from mtkit.training.trainer import Trainer
 
     trainer = Trainer(cfg, work)
     indices = trainer.corpus.batch_indices(cfg.train.batch_tokens, seed=cfg.train.seed)
@@ -230,8 +230,8 @@ def run_tokenizer(args: argparse.Namespace, work: Path) -> Path:
         return args.tokenizer
     if args.run:
         return args.run / "spm.model"
-    from mtkit.data import iter_parallel
-    from mtkit.trainer import prepare_tokenizers
+    from mtkit.data.parallel import iter_parallel
+    from mtkit.training.trainer import prepare_tokenizers
 
     print("training the SentencePiece model (no --run or --tokenizer given) ...", file=sys.stderr, flush=True)
     cfg = config_for(args, "fp32", "")
@@ -257,7 +257,7 @@ def fairseq_data(args: argparse.Namespace, cfg: RunConfig, tokenizer: Path, work
     """The training pairs as the run's SentencePiece pieces, binarized by fairseq-preprocess (untimed)."""
     import sentencepiece as spm
 
-    from mtkit.data import iter_parallel
+    from mtkit.data.parallel import iter_parallel
 
     print("fairseq: pieces and fairseq-preprocess ...", file=sys.stderr, flush=True)
     sp = spm.SentencePieceProcessor(model_file=str(tokenizer))

@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from mtkit.config import RunConfig, apply_override, from_dict, read_config
-from mtkit.metrics import Options, Score, score
-from mtkit.translate import load_translator
+from mtkit.scoring.metrics import Options, Score, score
+from mtkit.translation.engines import load_translator
 
-load = load_translator  # mtkit.load("runs/m30k", device="cpu", beam=4): see translate.load_translator
+load = load_translator  # mtkit.load("runs/m30k", device="cpu", beam=4): see translation.engines.load_translator
 
 
 def train(
@@ -33,7 +33,7 @@ def train(
     """Train ``config`` (a RunConfig, a dict of sections or a YAML file, with ``section.key=value``
     overrides) into the run directory ``out``, resuming from its newest checkpoint unless ``restart``.
     Returns the last validation result, with "stop": what ended training (see Trainer.run)."""
-    from mtkit.trainer import run_training
+    from mtkit.training.trainer import run_training
 
     if isinstance(config, (str, Path)):
         cfg = read_config(config, list(overrides))
@@ -75,9 +75,9 @@ def prepare(corpus: str, out: str | Path, mirror: str | None = None, **settings:
     ``tgt_column``, ``data_files``, ``data_dir``).
     Returns prepare.json."""
     from mtkit.config import CleanConfig, ConfigError
-    from mtkit.corpora import corpus as find_corpus
-    from mtkit.hf_corpus import PREFIX, HubCorpus
-    from mtkit.preparation import prepare_corpus, prepare_dataset
+    from mtkit.data.corpora import corpus as find_corpus
+    from mtkit.data.hf_corpus import PREFIX, HubCorpus
+    from mtkit.data.preparation import prepare_corpus, prepare_dataset
 
     cleaning = {name: settings.pop(name) for name in [f.name for f in fields(CleanConfig)] if name in settings}
     clean = CleanConfig(**cleaning)

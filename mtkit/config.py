@@ -263,7 +263,7 @@ class ServeConfig:
     port: int = 8000  # 0: any free port, named in the log line that says where the server listens
     max_batch_size: int = 64  # sentences of concurrent requests searched together (one request is never split)
     max_wait_ms: float = 5.0  # how long the oldest sentence waits for search-mates before an idle search starts
-    # requests join a search already running, and leave it as they are done (mtkit.continuous); False: each
+    # requests join a search already running, and leave it as they are done (mtkit.decoding.continuous); False: each
     # search takes the requests waiting when it starts and ends with the last of them
     continuous: bool = True
     max_queue: int = 1024  # sentences waiting beyond this are refused (503), so a burst fails fast, not by timeouts

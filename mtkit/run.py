@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Any
 
 import filelock
 
-from mtkit.checkpoint import WEIGHTS_FILE, weights_file
 from mtkit.config import ConfigError, RunConfig
+from mtkit.model.checkpoint import WEIGHTS_FILE, weights_file
 
 if TYPE_CHECKING:
-    from mtkit.trainer import Reporter
+    from mtkit.training.trainer import Reporter
 from mtkit.files import atomic_write_text, file_sha256
 
 log = logging.getLogger("mtkit")
@@ -58,7 +58,7 @@ class Stage:
 def run_recipe(cfg: RunConfig, recipe: Path, out: Path, mirror: str | None, reporter: Reporter | None = None) -> dict:
     """Run every stage of ``cfg``'s recipe into ``out``; returns the report. ``reporter`` shows training's
     progress; a signal stops training with ``TrainingStopped``, after its checkpoint."""
-    from mtkit.trainer import run_training
+    from mtkit.training.trainer import run_training
 
     stages: list[Stage] = []
     if importlib.util.find_spec("matplotlib") is None:  # said now, not after an hour of training
@@ -73,8 +73,8 @@ def run_recipe(cfg: RunConfig, recipe: Path, out: Path, mirror: str | None, repo
     model = _average(cfg, out, stages, record)
     hyp_path, hyp_record = _translate(cfg, model, test[0], out, stages, record)
 
-    from mtkit.data import read_lines
-    from mtkit.metrics import score
+    from mtkit.data.parallel import read_lines
+    from mtkit.scoring.metrics import score
 
     start = time.perf_counter()
     scores = score(read_lines(hyp_path), [read_lines(test[1])], ("bleu", "chrf", "ter"))
@@ -94,8 +94,8 @@ def _prepare(
     r = cfg.recipe
     if not r.corpus:
         raise ConfigError("recipe.corpus is not set: `mtkit run` needs a corpus from `mtkit prepare --list`")
-    from mtkit.corpora import corpus
-    from mtkit.preparation import RECORD, prepare_corpus, shared_folder
+    from mtkit.data.corpora import corpus
+    from mtkit.data.preparation import RECORD, prepare_corpus, shared_folder
 
     spec = corpus(r.corpus)
     if (spec.src_lang, spec.tgt_lang) != (cfg.data.src_lang, cfg.data.tgt_lang):
@@ -210,7 +210,7 @@ def _read_stages(path: Path) -> dict:
 
 def _average(cfg: RunConfig, out: Path, stages: list[Stage], record: StageRecord) -> Path:
     """The model to score: the mean of the newest ``recipe.average_last`` checkpoints, or best/."""
-    from mtkit.checkpoint import resolve, run_checkpoints, write_average
+    from mtkit.model.checkpoint import resolve, run_checkpoints, write_average
 
     k = cfg.recipe.average_last
     checkpoints = run_checkpoints(out)[-k:] if k else []
@@ -254,11 +254,11 @@ def _translate(
 def _write_translation(cfg: RunConfig, model: Path, source: Path, hyp_path: Path) -> None:
     import torch
 
-    from mtkit.checkpoint import load_for_inference
-    from mtkit.data import read_lines
+    from mtkit.data.parallel import read_lines
+    from mtkit.decoding.translate import Translator, chunked
     from mtkit.files import atomic_write
+    from mtkit.model.checkpoint import load_for_inference
     from mtkit.runtime import pick_device
-    from mtkit.translate import Translator, chunked
 
     device = pick_device(cfg.train.device)
     bundle = load_for_inference(model, device, torch.float32)

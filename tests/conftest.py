@@ -15,8 +15,8 @@ import torch
 
 from mtkit import progress
 from mtkit.config import ModelConfig, TokenizerConfig
-from mtkit.model import Transformer, build_model
-from mtkit.tokenizer import PAD_ID, Tokenizer, train_spm
+from mtkit.data.tokenizer import PAD_ID, Tokenizer, train_spm
+from mtkit.model.transformer import Transformer, build_model
 
 # Set by .ci/run: there a skipped test is a failure unless it needs a GPU (CI has none), so that no test can stop
 # running unnoticed, for want of a file, a package or a device.
@@ -51,10 +51,10 @@ def tiny_model_config(**overrides) -> ModelConfig:
 
 def train_on_task(model: Transformer, pairs, steps: int, peak_lr: float, warmup: int) -> Transformer:
     """Plain training of a tiny model on a toy task: ``pairs()`` gives each step's (sources, targets)."""
-    from mtkit.data import collate
-    from mtkit.loss import linear_cross_entropy
-    from mtkit.tokenizer import PAD_ID
-    from mtkit.trainer import lr_at
+    from mtkit.data.parallel import collate
+    from mtkit.data.tokenizer import PAD_ID
+    from mtkit.model.loss import linear_cross_entropy
+    from mtkit.training.trainer import lr_at
 
     model.train()
     optimizer = torch.optim.Adam(model.parameters(), betas=(0.9, 0.98), eps=1e-9)
@@ -131,7 +131,7 @@ def multi30k_mirror(mirror_files) -> Iterator[Path]:
     """A folder laid out as Multi30k's published files (captions.write_mirror), whose digests the corpus catalogue
     expects, in place of the published ones, while the tests of one module run: `mtkit prepare multi30k_*` and
     `mtkit run` take it as the real corpus's mirror."""
-    from mtkit import corpora
+    from mtkit.data import corpora
 
     folder, digests = mirror_files
     with pytest.MonkeyPatch.context() as patch:

@@ -12,7 +12,9 @@ import torch
 from conftest import tiny_model, train_on_task
 from test_checkpoint import invoke, run_dir_with
 
-from mtkit.alignment import (
+from mtkit.data.parallel import pad, source_tensor
+from mtkit.data.tokenizer import BOS_ID
+from mtkit.decoding.alignment import (
     align_batch,
     alignment_layer,
     alignment_line,
@@ -21,9 +23,7 @@ from mtkit.alignment import (
     recording,
     word_alignment,
 )
-from mtkit.attention import MultiHeadAttention
-from mtkit.data import pad, source_tensor
-from mtkit.tokenizer import BOS_ID
+from mtkit.model.attention import MultiHeadAttention
 
 VOCAB = 40
 PHARAOH = re.compile(r"(\d+-\d+( \d+-\d+)*)?")
@@ -246,7 +246,7 @@ def test_attention_command_without_matplotlib_says_how_to_get_it(tiny_run, tmp_p
 
 
 def test_a_lone_word_start_piece_is_space_not_a_word():
-    from mtkit.alignment import word_index
+    from mtkit.decoding.alignment import word_index
 
     # "▁" "(" "a" ")" detokenizes to "(a)": one word; "▁" "▁" runs of space count for nothing.
     assert word_index(["▁", "(", "a", ")", "▁", "▁", "▁b"]) == [-1, 0, 0, 0, -1, -1, 1]

@@ -7,9 +7,9 @@ import pytest
 from test_cli import invoke, write_config
 
 import mtkit
-import mtkit.translate
+import mtkit.decoding.translate
 from mtkit.config import SamplingConfig
-from mtkit.search import beam_search
+from mtkit.decoding.search import beam_search
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def searches(monkeypatch) -> list[dict]:
         seen.append({k: getattr(decode, k) for k in ("beam", "lenpen", "max_len_a", "max_len_b")})
         return beam_search(model, src, src_pad_mask, decode, *args, **kwargs)
 
-    monkeypatch.setattr(mtkit.translate, "beam_search", recording)
+    monkeypatch.setattr(mtkit.decoding.translate, "beam_search", recording)
     return seen
 
 

@@ -21,8 +21,8 @@ import safetensors.torch
 import torch
 from test_cli import invoke, one_line_error, trained_run, write_config  # noqa: F401  (trained_run is a fixture)
 
-from mtkit import checkpoint
 from mtkit.launch import preload_environment
+from mtkit.model import checkpoint
 
 
 def train_on(tmp_path, corpus_files, spm_model, name: str, **data) -> object:

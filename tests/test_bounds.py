@@ -18,7 +18,7 @@ import pytest
 from test_export import export_ctranslate2, joint_post_norm_run
 from test_security import with_header
 
-from mtkit import checkpoint
+from mtkit.model import checkpoint
 
 ADDRESS_SPACE = 8 << 30  # bytes: mtkit translating one line with CTranslate2 maps well under half of it
 HUGE = 10**9

@@ -13,11 +13,12 @@ import torch
 from conftest import tiny_model, tiny_model_config
 from typer.testing import CliRunner
 
-from mtkit import checkpoint, files
-from mtkit.checkpoint import CheckpointError
+from mtkit import files
 from mtkit.cli import app
 from mtkit.config import RunConfig
-from mtkit.run_directory import recover
+from mtkit.model import checkpoint
+from mtkit.model.checkpoint import CheckpointError
+from mtkit.training.run_directory import recover
 
 runner = CliRunner()
 

@@ -9,8 +9,8 @@ from dataclasses import fields
 import captions
 import pytest
 
-from mtkit.clean import CleanSummary, SeenDigests, clean_pairs, normalize
 from mtkit.config import CleanConfig, ConfigError
+from mtkit.data.clean import CleanSummary, SeenDigests, clean_pairs, normalize
 
 DROPS = ("empty", "too_short", "too_long", "ratio", "duplicate")
 

@@ -14,8 +14,8 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-from mtkit import checkpoint
 from mtkit.cli import app
+from mtkit.model import checkpoint
 
 runner = CliRunner()
 

@@ -18,7 +18,7 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES.glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_recipe_loads(recipe):
-    from mtkit.corpora import CORPORA
+    from mtkit.data.corpora import CORPORA
 
     cfg = read_config(recipe)
     corpus = CORPORA[cfg.recipe.corpus]

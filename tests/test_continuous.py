@@ -10,10 +10,10 @@ from conftest import tiny_model
 from test_search import random_sources
 
 from mtkit.config import DecodeConfig
-from mtkit.continuous import ContinuousBeamSearch, supports
-from mtkit.data import source_tensor
-from mtkit.ensemble import Ensemble
-from mtkit.search import beam_search
+from mtkit.data.parallel import source_tensor
+from mtkit.decoding.continuous import ContinuousBeamSearch, supports
+from mtkit.decoding.ensemble import Ensemble
+from mtkit.decoding.search import beam_search
 
 SETTINGS = [
     (DecodeConfig(beam=4, lenpen=1.0), 2),

@@ -12,12 +12,12 @@ import torch
 from conftest import tiny_model
 from test_train import small_config
 
-from mtkit.attention import dropout
 from mtkit.config import DecodeConfig
-from mtkit.data import source_tensor
-from mtkit.loss import linear_cross_entropy
-from mtkit.search import beam_search, row_topk
-from mtkit.trainer import Trainer
+from mtkit.data.parallel import source_tensor
+from mtkit.decoding.search import beam_search, row_topk
+from mtkit.model.attention import dropout
+from mtkit.model.loss import linear_cross_entropy
+from mtkit.training.trainer import Trainer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 GPU = torch.device("cuda")

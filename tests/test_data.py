@@ -7,8 +7,8 @@ import gzip
 import captions
 import pytest
 
-from mtkit.data import DataError, collate, filter_pairs, read_lines, read_parallel, token_batches
-from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from mtkit.data.parallel import DataError, collate, filter_pairs, read_lines, read_parallel, token_batches
+from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 
 def test_collate_shifts_target_and_marks_padding():

@@ -17,11 +17,11 @@ import torch
 from test_cli import write_config
 from test_train import small_config
 
-from mtkit import checkpoint
 from mtkit.config import from_dict
-from mtkit.distributed import DistributedError, from_environment
-from mtkit.loss import TrainingObjective
-from mtkit.trainer import Trainer
+from mtkit.model import checkpoint
+from mtkit.model.loss import TrainingObjective
+from mtkit.training.distributed import DistributedError, from_environment
+from mtkit.training.trainer import Trainer
 
 
 def free_port() -> int:

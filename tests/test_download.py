@@ -19,8 +19,8 @@ from pathlib import Path
 import captions
 import pytest
 
-from mtkit import download
-from mtkit.download import DownloadError, fetch, source_url
+from mtkit.data import download
+from mtkit.data.download import DownloadError, fetch, source_url
 
 CUT = 10_000  # bytes an interrupted response sends before the connection goes
 
@@ -272,7 +272,7 @@ def test_killed_transfer_leaves_only_the_part_and_the_next_fetch_completes_it(se
     url = serve(site)
     dest = tmp_path / "val.de.gz"
     part = tmp_path / "val.de.gz.part"
-    code = f"from mtkit.download import fetch; fetch({url!r}, {str(dest)!r})"
+    code = f"from mtkit.data.download import fetch; fetch({url!r}, {str(dest)!r})"
     child = subprocess.Popen([sys.executable, "-c", code])
     try:
         deadline = time.monotonic() + 30

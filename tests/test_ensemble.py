@@ -9,10 +9,10 @@ from conftest import tiny_model
 from test_search import random_sources
 
 from mtkit.config import DecodeConfig
-from mtkit.data import source_tensor
-from mtkit.ensemble import Ensemble
-from mtkit.search import beam_search, greedy_search
-from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from mtkit.data.parallel import source_tensor
+from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from mtkit.decoding.ensemble import Ensemble
+from mtkit.decoding.search import beam_search, greedy_search
 
 
 def test_an_ensemble_of_copies_decodes_like_the_model():

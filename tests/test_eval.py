@@ -20,7 +20,7 @@ from test_cli import invoke as invoke_cli
 from typer.testing import CliRunner
 
 from mtkit.cli import app
-from mtkit.metrics import METRICS, PAPER_STYLE, score
+from mtkit.scoring.metrics import METRICS, PAPER_STYLE, score
 
 LINES = 300  # enough for stable scores; TER and the bootstrap stay fast
 WIDTH = 10  # decimals asked of sacrebleu; our values are compared at the same width

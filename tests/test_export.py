@@ -21,17 +21,17 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from typer.testing import CliRunner
 
-from mtkit import checkpoint
-from mtkit import shortlist as lexical
 from mtkit.cli import app
 from mtkit.config import ConfigError, DecodeConfig, ModelConfig, RunConfig, TokenizerConfig
-from mtkit.data import source_tensor
-from mtkit.export import MANIFEST, VMAP, CTranslate2Translator, export_ctranslate2
+from mtkit.data.parallel import source_tensor
+from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_spm
+from mtkit.decoding import shortlist as lexical
+from mtkit.decoding.search import greedy_search, max_lengths
+from mtkit.decoding.translate import EMPTY, Translation, Translator
 from mtkit.files import file_sha256
-from mtkit.model import Transformer, build_model
-from mtkit.search import greedy_search, max_lengths
-from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_spm
-from mtkit.translate import EMPTY, Translation, Translator
+from mtkit.interop.ct2_export import MANIFEST, VMAP, CTranslate2Translator, export_ctranslate2
+from mtkit.model import checkpoint
+from mtkit.model.transformer import Transformer, build_model
 
 # CTranslate2 brings its own OpenMP, whose threads spin for a while after each call: alternating it with torch
 # on a 2-core machine made torch 30x slower. The library reads the wait policy as it loads.

@@ -20,16 +20,16 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from mtkit import checkpoint
 from mtkit.cli import app
 from mtkit.config import DecodeConfig, ModelConfig, RunConfig, TokenizerConfig
-from mtkit.data import source_tensor
-from mtkit.export import MANIFEST
-from mtkit.export_hf import export_transformers
+from mtkit.data.parallel import source_tensor
+from mtkit.data.tokenizer import EOS_ID, PAD_ID, Tokenizer, train_spm
+from mtkit.decoding.search import beam_search, greedy_search, max_lengths
 from mtkit.files import file_sha256
-from mtkit.model import build_model
-from mtkit.search import beam_search, greedy_search, max_lengths
-from mtkit.tokenizer import EOS_ID, PAD_ID, Tokenizer, train_spm
+from mtkit.interop.ct2_export import MANIFEST
+from mtkit.interop.hf_export import export_transformers
+from mtkit.model import checkpoint
+from mtkit.model.transformer import build_model
 
 with pytest.MonkeyPatch.context() as env:
     env.setenv("HF_HUB_OFFLINE", "1")  # read as transformers loads: nothing may come from the Hub

@@ -22,11 +22,11 @@ import yaml
 from test_train import small_config
 from typer.testing import CliRunner
 
-from mtkit import checkpoint
 from mtkit.cli import app
 from mtkit.config import from_dict
-from mtkit.loss import TrainingObjective
-from mtkit.trainer import MAX_CONSECUTIVE_OOMS, Trainer, TrainingFailed, lr_at
+from mtkit.model import checkpoint
+from mtkit.model.loss import TrainingObjective
+from mtkit.training.trainer import MAX_CONSECUTIVE_OOMS, Trainer, TrainingFailed, lr_at
 
 
 class Faults:
@@ -581,7 +581,7 @@ def test_a_disk_that_fills_up_inside_torch_save_stops_training_with_the_reason(t
 
 
 def build_model_of(cfg):
-    from mtkit.model import build_model
+    from mtkit.model.transformer import build_model
 
     return build_model(cfg.model, 300, 300, 0)
 

@@ -24,8 +24,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_cli import invoke, trained_run  # noqa: F401  (trained_run is a fixture)
 
-from mtkit import checkpoint
 from mtkit.config import SECTIONS
+from mtkit.model import checkpoint
 
 SCALE = int(os.environ.get("MTKIT_FUZZ_SCALE", "1"))
 

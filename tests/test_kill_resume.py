@@ -30,7 +30,7 @@ import pytest
 import torch
 from test_cli import write_config
 
-from mtkit import checkpoint
+from mtkit.model import checkpoint
 
 SEED = int(os.environ.get("MTKIT_KILL_SEED", "20260301"))
 KILLS = 20
@@ -47,12 +47,12 @@ TRAIN = {
 
 # Where each phase lives, as module:attribute; the trainer looks each one up when it calls it.
 PHASES = {
-    "step": "mtkit.trainer:Trainer.train_step",
-    "validation": "mtkit.trainer:Trainer._validate_and_log",  # decoding, best/ and the metrics line
-    "checkpoint": "mtkit.trainer:Trainer.save_last",  # the state, its rename into place, pruning
-    "spm": "mtkit.trainer:train_spm",
+    "step": "mtkit.training.trainer:Trainer.train_step",
+    "validation": "mtkit.training.trainer:Trainer._validate_and_log",  # decoding, best/ and the metrics line
+    "checkpoint": "mtkit.training.trainer:Trainer.save_last",  # the state, its rename into place, pruning
+    "spm": "mtkit.training.trainer:train_spm",
     "config": "mtkit.files:atomic_write_text",  # first called for RUN/config.yaml
-    "encode": "mtkit.trainer:open_training_data",
+    "encode": "mtkit.training.trainer:open_training_data",
 }
 LOOP_PHASES = ("step", "validation", "checkpoint")
 KINDS = ("any", "file")  # which events a kill counts: all calls and returns, or the C calls that change files

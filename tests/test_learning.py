@@ -11,8 +11,8 @@ import torch
 from conftest import tiny_model, train_on_task
 
 from mtkit.config import DecodeConfig
-from mtkit.data import source_tensor
-from mtkit.search import beam_search, greedy_search
+from mtkit.data.parallel import source_tensor
+from mtkit.decoding.search import beam_search, greedy_search
 
 VOCAB = 16  # 4 special ids + 12 symbols
 

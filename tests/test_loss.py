@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mtkit import loss as loss_module
-from mtkit.loss import linear_cross_entropy
+from mtkit.model import loss as loss_module
+from mtkit.model.loss import linear_cross_entropy
 
 
 def reference(features, weight, target, eps):

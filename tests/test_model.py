@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_model
 
-from mtkit.attention import DecoderCache, MultiHeadAttention, _explicit_attention, dropout
 from mtkit.config import from_dict
-from mtkit.model import build_model, count_parameters
-from mtkit.tokenizer import PAD_ID
+from mtkit.data.tokenizer import PAD_ID
+from mtkit.model.attention import DecoderCache, MultiHeadAttention, _explicit_attention, dropout
+from mtkit.model.transformer import build_model, count_parameters
 
 VOCAB = 40
 

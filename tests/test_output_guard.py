@@ -11,8 +11,8 @@ import pytest
 from conftest import tiny_model, tiny_model_config
 from test_cli import invoke, one_line_error
 
-from mtkit import checkpoint
 from mtkit.config import RunConfig
+from mtkit.model import checkpoint
 
 
 @pytest.fixture

@@ -16,9 +16,9 @@ import torch
 from conftest import tiny_model_config
 from test_cli import invoke, write_config
 
-from mtkit.attention import DecoderCache, MultiHeadAttention
-from mtkit.model import build_model
-from mtkit.positions import RelativePositions, Rotary
+from mtkit.model.attention import DecoderCache, MultiHeadAttention
+from mtkit.model.positions import RelativePositions, Rotary
+from mtkit.model.transformer import build_model
 
 VARIANTS = ["sinusoidal", "learned", "relative", "rotary"]
 

@@ -118,7 +118,7 @@ def test_doctor_says_what_auto_picks_and_why(cpu, features):
 def test_training_logs_and_records_what_auto_chose(tmp_path, corpus_files, spm_model, cpu, caplog):
     from test_train import small_config
 
-    from mtkit.trainer import run_training
+    from mtkit.training.trainer import run_training
 
     cpu(INTEL_ICE_LAKE)
     with caplog.at_level(logging.INFO, logger="mtkit"):

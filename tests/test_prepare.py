@@ -21,9 +21,9 @@ import pyarrow.parquet as pq
 import pytest
 from test_cli import invoke
 
-from mtkit import download
-from mtkit.corpora import CORPORA
-from mtkit.hf_corpus import HubCorpus
+from mtkit.data import download
+from mtkit.data.corpora import CORPORA
+from mtkit.data.hf_corpus import HubCorpus
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -82,7 +82,7 @@ def test_reversed_direction_swaps_the_sides(tmp_path, multi30k_mirror):
 
 
 def test_a_corrupted_mirror_file_is_refused_in_one_line(tmp_path, multi30k_mirror):
-    from mtkit.corpora import _MULTI30K_SHA256
+    from mtkit.data.corpora import _MULTI30K_SHA256
 
     mirror = tmp_path / "mirror"
     mirror.mkdir()
@@ -298,7 +298,7 @@ def test_shared_folders_differ_by_the_dataset_settings():
     """`mtkit run` prepares a Hub corpus in a folder of its dataset's settings: another revision, another folder."""
     from dataclasses import replace
 
-    from mtkit.preparation import shared_folder
+    from mtkit.data.preparation import shared_folder
 
     wmt14 = CORPORA["wmt14_en_de"]
     assert shared_folder(wmt14) == shared_folder(wmt14)

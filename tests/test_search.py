@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_model
 
-from mtkit.attention import DecoderCache
 from mtkit.config import DecodeConfig, SamplingConfig
-from mtkit.data import source_tensor
-from mtkit.search import (
+from mtkit.data.parallel import source_tensor
+from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from mtkit.decoding.search import (
     beam_search,
     beam_step,
     greedy_search,
@@ -23,7 +23,7 @@ from mtkit.search import (
     row_topk,
     sample_search,
 )
-from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from mtkit.model.attention import DecoderCache
 
 A, B, C = 4, 5, 6
 VOCAB = 7

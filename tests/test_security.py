@@ -20,7 +20,7 @@ import safetensors.torch
 import torch
 from test_cli import invoke, one_line_error, trained_run, write_config  # noqa: F401  (trained_run is a fixture)
 
-from mtkit import checkpoint
+from mtkit.model import checkpoint
 
 
 class RunsCode:

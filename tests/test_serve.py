@@ -27,13 +27,13 @@ from conftest import tiny_model
 from test_cli import invoke, trained_run  # noqa: F401  (trained_run is a fixture)
 
 import mtkit
-from mtkit import serve
-from mtkit.batcher import Batcher, Refused, Withdrawn
 from mtkit.config import DecodeConfig, ServeConfig
-from mtkit.ensemble import Ensemble
+from mtkit.data.tokenizer import Tokenizer
+from mtkit.decoding.ensemble import Ensemble
+from mtkit.decoding.translate import LineTranslator, Translation, Translator
 from mtkit.runtime import choose_precision, cpu_features
-from mtkit.tokenizer import Tokenizer
-from mtkit.translate import LineTranslator, Translation, Translator
+from mtkit.serving import server as serve
+from mtkit.serving.batcher import Batcher, Refused, Withdrawn
 
 KEY = "a-key-for-tests"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -12,16 +12,17 @@ from safetensors.torch import load_file, save_file
 from test_cli import invoke, one_line_error
 from typer.testing import CliRunner
 
-from mtkit import checkpoint
-from mtkit import shortlist as lexical
 from mtkit.cli import app
 from mtkit.config import ConfigError, DataConfig, DecodeConfig, RunConfig, SamplingConfig
-from mtkit.data import source_tensor
-from mtkit.ensemble import Ensemble
-from mtkit.search import beam_search
-from mtkit.shortlist import Candidates, ShortlistError
-from mtkit.tokenizer import EOS_ID, Tokenizer
-from mtkit.translate import Translator
+from mtkit.data.parallel import source_tensor
+from mtkit.data.tokenizer import EOS_ID, Tokenizer
+from mtkit.decoding import shortlist as lexical
+from mtkit.decoding.ensemble import Ensemble
+from mtkit.decoding.search import beam_search
+from mtkit.decoding.shortlist import ShortlistError
+from mtkit.decoding.translate import Translator
+from mtkit.model import checkpoint
+from mtkit.model.transformer import Candidates
 
 runner = CliRunner()
 CPU = torch.device("cpu")

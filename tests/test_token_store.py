@@ -15,11 +15,12 @@ import yaml
 from test_cli import invoke
 from test_train import small_config
 
-from mtkit import progress, token_store
-from mtkit.data import DataError, collate, iter_parallel, read_parallel
-from mtkit.token_store import TokenStore, open_or_build, store_key
-from mtkit.tokenizer import Tokenizer
-from mtkit.trainer import Trainer
+from mtkit import progress
+from mtkit.data import token_store
+from mtkit.data.parallel import DataError, collate, iter_parallel, read_parallel
+from mtkit.data.token_store import TokenStore, open_or_build, store_key
+from mtkit.data.tokenizer import Tokenizer
+from mtkit.training.trainer import Trainer
 
 
 def build(cache, paths, tok: Tokenizer, pairs=None, max_tokens: int = 30, max_ratio: float = 2.0) -> TokenStore:

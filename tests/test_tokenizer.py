@@ -8,7 +8,7 @@ import pytest
 from test_cli import invoke, write_config
 
 from mtkit.config import TokenizerConfig
-from mtkit.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, TokenizerError, train_spm
+from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, TokenizerError, train_spm
 
 
 def test_round_trip_and_special_ids(spm_model, corpus_files):

@@ -10,10 +10,10 @@ import signal
 import pytest
 import torch
 
-from mtkit import checkpoint
 from mtkit.config import from_dict
-from mtkit.run_directory import trim_metrics
-from mtkit.trainer import StopSignals, Trainer, lr_at, run_training
+from mtkit.model import checkpoint
+from mtkit.training.run_directory import trim_metrics
+from mtkit.training.trainer import StopSignals, Trainer, lr_at, run_training
 
 
 def test_lr_warms_up_linearly_then_decays_as_inverse_sqrt():

@@ -12,7 +12,7 @@ from mtkit.commands.common import examples, setup_logging, user_errors
 from mtkit.config import CleanConfig, SpmType, TokenizerConfig
 
 if TYPE_CHECKING:
-    from mtkit.hf_corpus import HubCorpus
+    from mtkit.data.hf_corpus import HubCorpus
 
 commands = typer.Typer()
 tokenizer_commands = typer.Typer(help="Train SentencePiece tokenizer models.", no_args_is_help=True)
@@ -46,8 +46,8 @@ def tokenizer_train_command(
     seed: Annotated[int, typer.Option(min=0, max=2**32 - 1, help="Seed for sentence sampling.")] = TokenizerConfig.seed,
 ) -> None:
     """Train SentencePiece model(s) with mtkit's special ids (pad 0, unk 1, bos 2, eos 3)."""
-    from mtkit.data import iter_lines
-    from mtkit.tokenizer import train_spm
+    from mtkit.data.parallel import iter_lines
+    from mtkit.data.tokenizer import train_spm
 
     options = TokenizerConfig(
         type=model_type,
@@ -147,10 +147,10 @@ def prepare_command(
     (unless local data files changed: their SHA-256 are compared with the record).
     """
     from mtkit.config import ConfigError
-    from mtkit.corpora import CORPORA
-    from mtkit.corpora import corpus as find_corpus
-    from mtkit.hf_corpus import PREFIX, HubCorpus, parse_data_files, parse_splits
-    from mtkit.preparation import prepare_corpus, prepare_dataset
+    from mtkit.data.corpora import CORPORA
+    from mtkit.data.corpora import corpus as find_corpus
+    from mtkit.data.hf_corpus import PREFIX, HubCorpus, parse_data_files, parse_splits
+    from mtkit.data.preparation import prepare_corpus, prepare_dataset
 
     setup_logging()
     if list_corpora:

@@ -152,7 +152,7 @@ def eval_command(
     sets (-t wmt22 -l en-de) from sacreBLEU's cache or download.
     """
     from mtkit.config import ConfigError
-    from mtkit.evaluation import Request, score_request
+    from mtkit.scoring.evaluation import Request, score_request
 
     if as_json and output_format not in (None, "json"):
         raise ConfigError(f"--json and --format {output_format} ask for different outputs; give one of them")

@@ -1,4 +1,4 @@
-"""``mtkit serve``: a trained model behind an HTTP API (the library side is ``mtkit.serve``)."""
+"""``mtkit serve``: a trained model behind an HTTP API (the library side is ``mtkit.serving.server``)."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def serve_command(
         max_texts=max_texts, max_chars=max_chars, timeout=timeout, receive_timeout=receive_timeout,
         max_connections=max_connections, log_format=log_format, api_key=api_key,
     )  # fmt: skip
-    from mtkit.serve import serve
+    from mtkit.serving.server import serve
 
     try:
         status = serve(model, cfg, device=device, precision=precision, engine=engine)

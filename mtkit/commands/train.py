@@ -66,7 +66,7 @@ def train_command(
     share of each update's batches with DistributedDataParallel; rank 0 validates and writes.
     """
     from mtkit.config import ConfigError, read_config
-    from mtkit.distributed import launched_by_torchrun
+    from mtkit.training.distributed import launched_by_torchrun
 
     flags = {
         "precision": precision,
@@ -84,7 +84,7 @@ def train_command(
     if nproc_per_node < 1:
         raise ConfigError(f"--nproc-per-node must be >= 1, got {nproc_per_node}")
     if nproc_per_node > 1 and not launched_by_torchrun():
-        from mtkit.trainer import check_trainable
+        from mtkit.training.trainer import check_trainable
 
         check_trainable(cfg)  # here, once, rather than in every rank
         command = ["train", str(config), "--out", str(out), *(a for o in overrides for a in ("--set", o))]
@@ -97,7 +97,7 @@ def train_command(
 def _plan(cfg, out: Path, processes: int) -> str:
     """What --dry-run prints: the resolved config, then the run directory, the batch and the LR schedule."""
     from mtkit.config import dump
-    from mtkit.trainer import schedule_preview
+    from mtkit.training.trainer import schedule_preview
 
     tc = cfg.train
     schedule = ", ".join(f"update {step}: {lr:.3g}" for step, lr in schedule_preview(cfg))
@@ -116,9 +116,9 @@ def _stopped(stop, out: Path) -> typer.Exit:
 
 
 def _run_training(cfg, out: Path, restart: bool) -> None:
-    from mtkit.distributed import DistributedError, from_environment
     from mtkit.progress import TrainingProgress
-    from mtkit.trainer import TrainingStopped, run_training
+    from mtkit.training.distributed import DistributedError, from_environment
+    from mtkit.training.trainer import TrainingStopped, run_training
 
     dist = from_environment(cfg.train.device, cfg.train.ddp_timeout)
     try:
@@ -148,7 +148,7 @@ def _hand_over_to_torchrun(nproc_per_node: int, command: list[str]) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    from mtkit.distributed import torchrun_arguments
+    from mtkit.training.distributed import torchrun_arguments
 
     args = get_args_parser().parse_args(torchrun_arguments(nproc_per_node, command))
     # The launcher's own log of a failed rank repeats what the rank printed and what is said below.
@@ -196,7 +196,7 @@ def run_command(
     from mtkit.progress import TrainingProgress
     from mtkit.run import render_report
     from mtkit.run import run_recipe as run_all
-    from mtkit.trainer import TrainingStopped
+    from mtkit.training.trainer import TrainingStopped
 
     setup_logging()
     cfg = read_config(recipe, overrides)

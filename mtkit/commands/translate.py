@@ -130,7 +130,7 @@ def translate_command(
     are truncated (with a warning), never split.
     """
     from mtkit.config import ConfigError
-    from mtkit.lines import Interrupted, translate_file
+    from mtkit.translation.lines import Interrupted, translate_file
 
     setup_logging()
     if alignments and nbest > 1:
@@ -175,7 +175,7 @@ def average_command(
     ] = None,
 ) -> None:
     """Average the weights of checkpoints of one model; often scores better than the last one alone."""
-    from mtkit.checkpoint import WEIGHTS_FILE, check_output_file, checkpoints_to_average, write_average
+    from mtkit.model.checkpoint import WEIGHTS_FILE, check_output_file, checkpoints_to_average, write_average
 
     check_output_file(output, inputs=[*inputs, *(path / WEIGHTS_FILE for path in inputs)])
     paths = checkpoints_to_average(inputs, last)
@@ -210,10 +210,10 @@ def attention_command(
     Prints the translation, then its word alignment in Pharaoh format ('i-j': source word i, target
     word j, from 0), taken from the head-averaged cross-attention. Needs matplotlib.
     """
-    from mtkit.alignment import alignment_line, plot_attention, translate_with_attention, word_alignment
-    from mtkit.checkpoint import check_output_file, load_for_inference
+    from mtkit.decoding.alignment import alignment_line, plot_attention, translate_with_attention, word_alignment
+    from mtkit.decoding.translate import with_overrides
+    from mtkit.model.checkpoint import check_output_file, load_for_inference
     from mtkit.runtime import pick_device, require
-    from mtkit.translate import with_overrides
 
     setup_logging()
     require("matplotlib", "drawing attention", "matplotlib")
@@ -259,10 +259,10 @@ def export_command(
     ] = None,
 ) -> None:
     """Convert a trained model for CTranslate2 or transformers; its tokenizers and decode settings go with it."""
-    from mtkit.checkpoint import check_outside_checkpoints
     from mtkit.config import ConfigError
-    from mtkit.export import export_ctranslate2
-    from mtkit.export_hf import export_transformers
+    from mtkit.interop.ct2_export import export_ctranslate2
+    from mtkit.interop.hf_export import export_transformers
+    from mtkit.model.checkpoint import check_outside_checkpoints
 
     check_outside_checkpoints(output)
     if fmt == "hf":
@@ -318,10 +318,10 @@ def shortlist_command(
     """
     import torch
 
-    from mtkit import shortlist as lexical
-    from mtkit.checkpoint import check_output_file, load_for_inference
     from mtkit.config import ConfigError
-    from mtkit.data import check_input_file, is_tsv, iter_parallel
+    from mtkit.data.parallel import check_input_file, is_tsv, iter_parallel
+    from mtkit.decoding import shortlist as lexical
+    from mtkit.model.checkpoint import check_output_file, load_for_inference
 
     setup_logging()
     if src is None:
@@ -343,8 +343,8 @@ def _trained_on(model: Path) -> str:
     """The training data the model's header names, quoted as a hint only: never opened, as a checkpoint from
     elsewhere could name any file of the user's."""
     from mtkit import untrusted
-    from mtkit.checkpoint import read_checkpoint, resolve
     from mtkit.errors import MtkitError
+    from mtkit.model.checkpoint import read_checkpoint, resolve
 
     try:
         data = read_checkpoint(resolve(model), with_state=False).cfg.data

@@ -1,0 +1,161 @@
+"""SentencePiece training and a thin wrapper that knows the special ids.
+
+Every model mtkit trains uses the same special ids (pad 0, unk 1, bos 2, eos 3), so source and
+target models of a separate-vocabulary run agree on them and search needs no per-side ids.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import sentencepiece as spm
+
+from mtkit.data.clean import strip_invisible
+from mtkit.config import TokenizerConfig
+from mtkit.errors import MtkitError
+from mtkit.files import atomic_write, atomic_write_text, file_sha256
+from mtkit.progress import StageProgress
+
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+CHARS_PER_TOKEN = 32  # twice SentencePiece's longest piece (max_sentencepiece_length 16)
+PARALLEL_LINES = 256  # fewer lines than this are encoded and decoded one by one, on one thread
+
+
+class TokenizerError(MtkitError, ValueError):
+    """A tokenizer model that cannot be trained or used."""
+
+
+def train_spm(
+    sentences: Iterable[str], out_prefix: Path, options: TokenizerConfig, source: str = "the input", threads: int = 2
+) -> Path:
+    """Train a SentencePiece model on ``sentences``; writes PREFIX.model and PREFIX.vocab.
+
+    The model is built in memory, so the same sentences and options give a byte-identical file
+    (SentencePiece records the path it writes to inside a model it writes itself). Both files are
+    written atomically, the .model last, so a crash never leaves a torn model that a resumed run
+    would pick up. ``source`` names the text in errors.
+
+    Progress shows in two stages: the sentences SentencePiece reads (it takes them all before it
+    learns anything), then its training, which says nothing until it is done.
+    """
+    spm.set_random_generator_seed(options.seed)
+    failures: list[Exception] = []
+    given = 0
+    path = out_prefix.with_name(out_prefix.name + ".model")  # not with_suffix: "spm.src" would lose ".src"
+    stages = contextlib.ExitStack()
+
+    def nonblank() -> Iterator[str]:
+        """The sentences to learn from, remembering an input error that SentencePiece would swallow."""
+        nonlocal given
+        try:
+            with StageProgress(f"reading sentences for {path.name}", unit="sentences") as reading:
+                for sentence in sentences:
+                    if sentence.strip():
+                        given += 1
+                        reading.advance()
+                        yield sentence
+        except Exception as err:
+            failures.append(err)
+            raise
+        stages.enter_context(StageProgress(f"training {path.name} ({options.vocab_size:,} pieces)", unit=None))
+
+    sampling = {}
+    if options.input_sentence_size:
+        sampling = dict(input_sentence_size=options.input_sentence_size, shuffle_input_sentence=True)
+    model = io.BytesIO()
+    feed = nonblank()
+    try:
+        with stages, contextlib.closing(feed):
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=feed,
+                model_writer=model,
+                vocab_size=options.vocab_size,
+                model_type=options.type,
+                character_coverage=options.character_coverage,
+                pad_id=PAD_ID,
+                unk_id=UNK_ID,
+                bos_id=BOS_ID,
+                eos_id=EOS_ID,
+                num_threads=threads,
+                minloglevel=2,
+                **sampling,
+            )
+    except RuntimeError as err:
+        if failures:  # the input was at fault (unreadable, misaligned): its own error says where
+            raise failures[0] from None
+        if not given:
+            raise TokenizerError(f"{source}: no text to learn a tokenizer from (every line is empty)") from None
+        # e.g. "Vocabulary size too high (8000). Please set it to a value <= 1234."
+        raise TokenizerError(f"SentencePiece training failed: {str(err).strip().splitlines()[-1]}") from None
+    trained = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    vocab = "".join(f"{trained.id_to_piece(i)}\t{trained.get_score(i):g}\n" for i in range(trained.get_piece_size()))
+    atomic_write_text(path.with_suffix(".vocab"), vocab)
+    atomic_write(path, lambda f: f.write(model.getvalue()))
+    return path
+
+
+def is_sentencepiece_model(path: Path) -> bool:
+    try:
+        spm.SentencePieceProcessor(model_file=str(path))
+    except (RuntimeError, OSError):
+        return False
+    return True
+
+
+class Tokenizer:
+    """A SentencePiece model: text <-> ids, with the shared special ids."""
+
+    def __init__(self, model_path: Path) -> None:
+        self.path = Path(model_path)
+        if not self.path.is_file():
+            raise TokenizerError(f"{self.path}: tokenizer model not found")
+        try:
+            self.sp = spm.SentencePieceProcessor(model_file=str(self.path))
+        except (RuntimeError, OSError):
+            raise TokenizerError(f"{self.path}: not a SentencePiece model") from None
+        ids = (self.sp.pad_id(), self.sp.unk_id(), self.sp.bos_id(), self.sp.eos_id())
+        if ids != (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
+            raise TokenizerError(
+                f"{self.path}: special ids pad/unk/bos/eos are {ids}, mtkit needs "
+                f"{(PAD_ID, UNK_ID, BOS_ID, EOS_ID)} (train it with `mtkit tokenizer train`)"
+            )
+        self.sha256 = file_sha256(self.path)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.sp.get_piece_size()
+
+    def encode(self, lines: list[str]) -> list[list[int]]:
+        """Ids without bos/eos (the data and search code add them), of the text less the control and format
+        characters `mtkit prepare` deletes from training data (a line of U+2060 alone is no text, not an unknown
+        piece). SentencePiece splits a list over all cores, starting threads at every call: about 80 us, twenty
+        times what one short line takes, so a few lines are encoded one by one."""
+        lines = [strip_invisible(line) for line in lines]
+        if len(lines) < PARALLEL_LINES:
+            return [self.sp.encode(line, out_type=int) for line in lines]
+        return self.sp.encode(lines, out_type=int, num_threads=len(os.sched_getaffinity(0)))
+
+    def encode_capped(self, lines: list[str], limit: int) -> list[list[int]]:
+        """Ids of ``lines``, each cut to at most ``limit + 1``: enough to tell a line over ``limit`` tokens.
+
+        A line is encoded from its first ``limit * CHARS_PER_TOKEN`` characters: its first ``limit``
+        tokens come from there (a piece has at most 16 characters), so a 26 MB line costs no more
+        memory than a line just over the limit. Only a line whose start encodes to no more than
+        ``limit`` tokens (runs of whitespace, which encode to nothing) is encoded whole.
+        """
+        cut = limit * CHARS_PER_TOKEN
+        seqs = self.encode([line[:cut] for line in lines])
+        for i, line in enumerate(lines):
+            if len(line) > cut and len(seqs[i]) <= limit:
+                seqs[i] = self.encode([line])[0]
+        return [seq[: limit + 1] for seq in seqs]
+
+    def decode(self, ids: list[list[int]]) -> list[str]:
+        """Text of each id list; a few one by one, as ``encode`` does."""
+        if len(ids) < PARALLEL_LINES:
+            return [self.sp.decode(one) for one in ids]
+        return self.sp.decode(ids)

@@ -1,0 +1,283 @@
+"""Continuous batching: one beam search that sentences join and leave at every step.
+
+A batch-at-a-time search runs until its longest sentence is done, its steps thinning as the others
+end, and a sentence that arrives meanwhile waits for the next batch. Here the search goes on as long
+as there is work: each ``step`` first admits the sentences added since (their encoder pass, their
+rows appended to the batch), then extends every live sentence's beams by one token, and a sentence
+that is done leaves at once with its hypotheses. Fed by a server's stream of requests, the batch
+stays full and no request waits for another's long sentence.
+
+The search is ``mtkit.decoding.search.beam_search``'s, step for step (the same candidates, the same filing of
+finished hypotheses, the same rules for when a sentence is done), so a sentence gets the same
+translation whichever sentences share its steps. What differs is the layout: sentences that joined
+at different steps share the self-attention cache, each row seeing only the slots from its own start
+on. Each row embeds (absolute positions) or rotates (rotary ones) its token at its own position;
+relative positions and attention windows need only the distance between two slots, which is the
+distance between their positions. Any single model can be searched so (``supports``); an ensemble
+averages models step by step in a layout of its own, and searches in whole batches.
+
+A sentence whose request is withdrawn (``drop``) leaves at the next step, without hypotheses.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from mtkit.config import DecodeConfig
+from mtkit.data.parallel import source_tensor
+from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from mtkit.decoding.alignment import align_batch
+from mtkit.decoding.search import Hypothesis, beam_step, best_extensions, length_penalty, max_lengths
+from mtkit.decoding.translate import EMPTY, LineTranslator, Translation, Translator
+from mtkit.model.attention import DecoderCache
+from mtkit.model.transformer import Transformer
+
+log = logging.getLogger("mtkit")
+
+
+def supports(model: object) -> bool:
+    """Whether ``model`` can be searched continuously: one Transformer, with positions of any kind."""
+    return isinstance(model, Transformer)
+
+
+class ContinuousBeamSearch:
+    """Beam search over the sentences ``add`` gives, ``step`` by ``step``, with ``decode``'s settings
+    (beam, lenpen, max_len_a, max_len_b, min_len, early_stop) and ``nbest`` hypotheses per sentence.
+
+    State, for the n live sentences and their beam-sized groups of rows (one group per sentence, in order):
+    ``tokens`` (rows, slots + 1) holds each row's inputs by cache slot (pad before its start, bos at it),
+    ``start`` (n,) the slot each sentence began at, ``scores`` (n, beam) its live hypotheses'
+    log-probabilities and ``mask`` (n, S) its source padding.
+    """
+
+    def __init__(self, model: Transformer, decode: DecodeConfig, nbest: int = 1) -> None:
+        if not supports(model):
+            raise ValueError("continuous batching searches one model, not an ensemble")
+        self.model, self.decode, self.nbest, self.beam = model, decode, nbest, decode.beam
+        self.device = next(model.parameters()).device
+        self.waiting: list[tuple[Hashable, list[int]]] = []
+        self.withdrawn: set[Hashable] = set()  # live sentences that leave, unanswered, at the next step
+        self._reset()
+
+    def _reset(self) -> None:
+        device, k = self.device, self.beam
+        self.cache = DecoderCache()
+        self.tokens = torch.empty(0, 1, dtype=torch.long, device=device)
+        self.start = torch.empty(0, dtype=torch.long, device=device)
+        self.scores = torch.empty(0, k, device=device)
+        self.mask = torch.empty(0, 1, dtype=torch.bool, device=device)
+        self.max_lens = torch.empty(0, dtype=torch.long, device=device)
+        self.top_ended = torch.empty(0, dtype=torch.bool, device=device)  # best candidate has ended once
+        self.keys: list[Hashable] = []
+        self.finished: list[list[Hypothesis]] = []
+        # The last step's reordering of the cache (rows, sentences kept, slots dropped), done at the next
+        # step's start in one copy with room for the sentences that join then.
+        self.pending: tuple[Tensor, Tensor | None, int] | None = None
+
+    def add(self, key: Hashable, ids: list[int]) -> None:
+        """Queue a sentence (source ids without eos, at least one) to join at the next step; ``step`` hands
+        back its hypotheses with ``key``."""
+        self.waiting.append((key, ids))
+
+    def drop(self, keys: set[Hashable]) -> None:
+        """Withdraw the sentences of ``keys``: those waiting at once, live ones at the next step, whose results
+        leave them out."""
+        self.waiting = [(key, ids) for key, ids in self.waiting if key not in keys]
+        self.withdrawn |= keys & set(self.keys)
+
+    def __len__(self) -> int:
+        """Sentences live (withdrawn ones until they leave) or waiting to join."""
+        return len(self.keys) + len(self.waiting)
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[Hashable, list[Hypothesis]]]:
+        """Admit the waiting sentences, extend every live one by a token; the sentences done, with their
+        ``nbest`` best finished hypotheses, best first."""
+        joining, self.waiting = self.waiting, []
+        if self.pending is not None:
+            rows, cross_index, front = self.pending
+            self.cache.select(rows, cross_index, front, new_rows=len(joining) * self.beam)
+            self.pending = None
+        if joining:
+            self._admit(joining)
+        if not self.keys:
+            return []
+        k, decode, cache = self.beam, self.decode, self.cache
+        n, slots = len(self.keys), cache.length + 1
+        steps = cache.length - self.start  # tokens each sentence has generated: its input's position
+        cache.positions = steps.repeat_interleave(k)
+        seen = torch.arange(slots, device=self.device)[None, :] >= self.start[:, None]
+        cache.self_allowed = seen.repeat_interleave(k, dim=0)[:, None, None, :]
+        logits = self.model.decode(self.tokens[:, -1:], None, self.mask, cache)[:, -1].float()
+        must_end = steps + 1 >= self.max_lens
+        row_lprobs, row_tok = best_extensions(
+            logits,
+            2 * k,
+            eos_allowed=(steps >= decode.min_len).repeat_interleave(k),
+            forced=None,
+            must_end=must_end.repeat_interleave(k),
+        )
+        cand_scores, cand_beam, cand_tok = beam_step(self.scores, row_lprobs, row_tok, k)
+        cand_eos = cand_tok == EOS_ID
+        self._file_ended(cand_scores, cand_beam, cand_eos)
+
+        # Continue with the best k candidates that did not end.
+        scores, pick = cand_scores.masked_fill(cand_eos, float("-inf")).topk(k, dim=1)
+        rows = (torch.arange(n, device=self.device)[:, None] * k + cand_beam.gather(1, pick)).view(-1)
+        next_tok = cand_tok.gather(1, pick).view(-1, 1)
+
+        counts = torch.tensor([len(hyps) for hyps in self.finished], device=self.device)
+        done = must_end | (counts >= k)
+        if decode.early_stop:
+            self.top_ended |= cand_eos[:, 0] & torch.isfinite(cand_scores[:, 0])
+            done |= self.top_ended & (counts >= self.nbest)
+        withdrawn, self.withdrawn = self.withdrawn, set()
+        if withdrawn:
+            done |= torch.tensor([key in withdrawn for key in self.keys], device=self.device)
+        leaving = done.tolist()
+        results = [
+            (key, sorted(hyps, key=lambda h: -h.score)[: self.nbest])
+            for key, hyps, gone in zip(self.keys, self.finished, leaving)
+            if gone and key not in withdrawn
+        ]
+        if not any(leaving):
+            self.tokens = torch.cat([self.tokens[rows], next_tok], dim=1)
+            self.scores = scores
+            self.pending = (rows, None, 0)
+            return results
+        if all(leaving):
+            self._reset()
+            return results
+        keep = (~done).nonzero().squeeze(1)
+        kept = [not gone for gone in leaving]
+        self.keys = [key for key, live in zip(self.keys, kept) if live]
+        self.finished = [hyps for hyps, live in zip(self.finished, kept) if live]
+        keep_rows = (keep[:, None] * k + torch.arange(k, device=self.device)).view(-1)
+        self.start, self.scores, self.max_lens = self.start[keep], scores[keep], self.max_lens[keep]
+        self.top_ended = self.top_ended[keep]
+        front = int(self.start.min())  # slots before every kept sentence's start: nobody sees them now
+        self.start -= front
+        self.tokens = torch.cat([self.tokens[rows[keep_rows], front:], next_tok[keep_rows]], dim=1)
+        self.pending = (rows[keep_rows], keep, front)
+        self.mask = self.mask[keep]
+        sources = int((~self.mask).sum(dim=1).max())
+        if sources < self.mask.size(1):  # the longest source has left: its padding goes too
+            self.mask = self.mask[:, :sources].contiguous()
+            cache.narrow_sources(sources)
+        return results
+
+    def _file_ended(self, cand_scores: Tensor, cand_beam: Tensor, cand_eos: Tensor) -> None:
+        """File the eos candidates that rank among a sentence's best k as its finished hypotheses."""
+        k = self.beam
+        ending = cand_eos[:, :k] & torch.isfinite(cand_scores[:, :k])
+        if not ending.any():
+            return
+        beam_of, score_of, starts = cand_beam.tolist(), cand_scores.tolist(), self.start.tolist()
+        for r, c in ending.nonzero().tolist():
+            if len(self.finished[r]) < k:
+                history = self.tokens[r * k + beam_of[r][c], starts[r] + 1 :].tolist()
+                logprob = score_of[r][c]
+                score = logprob / length_penalty(len(history) + 1, self.decode.lenpen)
+                self.finished[r].append(Hypothesis(history, score, logprob))
+
+    def _admit(self, joining: list[tuple[Hashable, list[int]]]) -> None:
+        """Sentences join: their encoder pass, cross-attention keys/values and rows (the cache's select made
+        room for them), starting at the next slot. Their first step extends one hypothesis (the others
+        start at -inf), as beam_search's does."""
+        keys, ids = zip(*joining)
+        k, device, cache = self.beam, self.device, self.cache
+        src, pad_mask = (t.to(device) for t in source_tensor(list(ids)))
+        limit = self.model.decoder.embed.max_positions
+        max_lens = max_lengths(pad_mask, self.decode.max_len_a, self.decode.max_len_b, limit)
+        joined = self.model.decoder.cross_cache(self.model.encode(src, pad_mask))
+        m, slot = len(keys), cache.length
+        scores = torch.full((m, k), float("-inf"), device=device)
+        scores[:, 0] = 0.0
+        tokens = torch.full((m * k, slot + 1), PAD_ID, dtype=torch.long, device=device)
+        tokens[:, -1] = BOS_ID
+        if self.keys:
+            cache.join_sources(joined)
+            width = max(self.mask.size(1), pad_mask.size(1))
+            self.mask = torch.cat(
+                [
+                    F.pad(self.mask, (0, width - self.mask.size(1)), value=True),
+                    F.pad(pad_mask, (0, width - pad_mask.size(1)), value=True),
+                ]
+            )
+        else:
+            self.cache, self.mask = joined, pad_mask
+        self.tokens = torch.cat([self.tokens, tokens])
+        self.start = torch.cat([self.start, torch.full((m,), slot, dtype=torch.long, device=device)])
+        self.scores = torch.cat([self.scores, scores])
+        self.max_lens = torch.cat([self.max_lens, max_lens])
+        self.top_ended = torch.cat([self.top_ended, torch.zeros(m, dtype=torch.bool, device=device)])
+        self.keys += keys
+        self.finished += [[] for _ in keys]
+
+
+class LineSearch:
+    """Texts in, translations out, over a ``ContinuousBeamSearch`` with ``translator``'s model and settings:
+    each text is tokenized as it joins and its ``nbest`` translations detokenized as it is done, the best with
+    its word alignment when the translator has an aligner. An empty text (or one of no tokens) is done at the
+    next step without the model, and one longer than the model's positions is truncated to fit, as
+    ``mtkit translate`` does."""
+
+    def __init__(self, translator: Translator) -> None:
+        self.translator = translator
+        self.search = ContinuousBeamSearch(translator.model, translator.decode, translator.nbest)
+        self.empty: list[Hashable] = []  # keys of texts that need no search
+        self.sources: dict[Hashable, list[int]] = {}  # each live text's ids, which its alignment needs
+
+    @staticmethod
+    def accepts(translator: LineTranslator) -> bool:
+        """Whether ``translator`` can be searched this way: mtkit's beam search over the whole vocabulary, on a
+        model ``supports`` allows."""
+        return (
+            isinstance(translator, Translator)
+            and translator.sampling is None
+            and translator.shortlist is None
+            and supports(translator.model)
+        )
+
+    def add(self, key: Hashable, line: str) -> None:
+        limit = self.translator.model.encoder.embed.max_positions - 1  # a position is left for the source eos
+        ids = self.translator.src_tok.encode_capped([line], limit)[0] if line.strip() else []
+        if len(ids) > limit:
+            log.warning("a text of over %d source tokens, truncated to %d (model.max_positions)", limit, limit)
+        if not ids:
+            self.empty.append(key)
+            return
+        self.search.add(key, ids[:limit])
+        if self.translator.aligner is not None:
+            self.sources[key] = ids[:limit]
+
+    def drop(self, keys: set[Hashable]) -> None:
+        """Withdraw the texts of ``keys``: no result comes back for them."""
+        self.empty = [key for key in self.empty if key not in keys]
+        self.search.drop(keys)
+        for key in keys:
+            self.sources.pop(key, None)
+
+    def step(self) -> list[tuple[Hashable, list[Translation]]]:
+        done: list[tuple[Hashable, list[Translation]]] = [(key, [EMPTY]) for key in self.empty]
+        self.empty = []
+        finished = self.search.step()
+        alignments = [""] * len(finished)
+        if self.translator.aligner is not None and finished:
+            pairs = [(self.sources.pop(key), hyps[0].tokens) for key, hyps in finished]
+            alignments = align_batch(self.translator.aligner, self.translator.src_tok, self.translator.tgt_tok, pairs)
+        for (key, hyps), alignment in zip(finished, alignments):
+            texts = self.translator.tgt_tok.decode([h.tokens for h in hyps])
+            translations = [Translation(text, h.score, h.logprob) for text, h in zip(texts, hyps)]
+            translations[0] = replace(translations[0], alignment=alignment)
+            done.append((key, translations))
+        return done
+
+    def __len__(self) -> int:
+        return len(self.search) + len(self.empty)

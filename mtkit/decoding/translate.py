@@ -1,0 +1,243 @@
+"""Lines in, lines out: tokenize, batch by length, search, detokenize, restore input order.
+
+Input is taken in chunks (up to ``CHUNK_LINES`` at a time), so memory stays bounded on inputs of
+any length while each chunk is still sorted by length into batches that waste little padding.
+Results come back in input order as each chunk finishes, which makes ``translate`` usable in a
+pipeline.
+
+Exactly one result per input line: empty and whitespace-only lines give an empty translation
+without touching the model, and lines longer than the model's positions are truncated to fit
+(with a warning naming the line), never split, so line alignment holds.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, fields, replace
+from itertools import islice
+from typing import Any
+
+import torch
+
+from mtkit.config import MAX_BEAM, ConfigError, DecodeConfig, SamplingConfig
+from mtkit.data.parallel import source_tensor
+from mtkit.data.tokenizer import Tokenizer
+from mtkit.decoding.alignment import align_batch
+from mtkit.decoding.ensemble import Ensemble
+from mtkit.decoding.search import beam_search, sample_search
+from mtkit.decoding.shortlist import Shortlist
+from mtkit.model.transformer import Transformer
+
+log = logging.getLogger("mtkit")
+
+CHUNK_LINES = 10_000
+
+
+@dataclass(frozen=True)
+class Translation:
+    """One hypothesis for one input line."""
+
+    text: str
+    score: float  # length-normalised log-probability, what the beam ranks by
+    logprob: float  # log-probability of the whole output, eos included
+    alignment: str = ""  # Pharaoh "i-j" source-target word pairs, when asked for
+
+
+EMPTY = Translation("", 0.0, 0.0)
+
+
+class PrefixMismatch(ValueError):
+    """Target prefixes that are not line-aligned with the input."""
+
+
+def source_ids(tok: Tokenizer, lines: list[str], numbers: list[int], max_positions: int) -> list[list[int]]:
+    """Token ids of ``lines`` (numbered ``numbers`` for warnings), truncated to leave the source eos a position."""
+    limit = max_positions - 1
+    seqs = tok.encode_capped(lines, limit)
+    for number, seq in zip(numbers, seqs):
+        if len(seq) > limit:
+            log.warning("line %d: over %d source tokens, truncated to %d (model.max_positions)", number, limit, limit)
+    return [seq[:limit] for seq in seqs]
+
+
+def length_batches(lengths: list[int], batch_size: int, batch_tokens: int, rows: int = 1) -> list[list[int]]:
+    """Indices sorted by length (longest first), cut into batches of at most ``batch_size`` sentences
+    and ``batch_tokens`` padded source tokens, each sentence counted ``rows`` times (its beam) since
+    the search holds that many rows for it (a longer sentence still forms a batch of one)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    budget = batch_tokens / rows
+    batches: list[list[int]] = []
+    for i in order:
+        current = batches[-1] if batches else None
+        # The first sentence of a batch is its longest, so the padded size is count x that length.
+        if current and len(current) < batch_size and (len(current) + 1) * lengths[current[0]] <= budget:
+            current.append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+class LineTranslator(ABC):
+    """What every translator offers on top of ``stream``: a list in, a list out, and settings per call."""
+
+    decode: DecodeConfig
+    sampling: SamplingConfig | None = None  # engines that draw samples set it
+    languages: tuple[str, str] | None = None  # (source, target) as the run's config names them, where known
+    precision: dict[str, str] | None = None  # the number format it computes in and why (PrecisionChoice.to_dict)
+
+    @abstractmethod
+    def stream(self, chunks: Iterable[list[str]]) -> Iterator[list[Translation]]:
+        """The translations of each line of each chunk, in order: each engine translates its own way."""
+
+    nbest: int
+
+    def using(self, nbest: int | None = None, **decode: Any) -> LineTranslator:
+        """This translator with ``nbest`` or some decode settings changed (``beam=4, lenpen=0.6``); the model
+        is shared."""
+        changed = copy.copy(self)
+        changed.decode = with_overrides(self.decode, decode)
+        changed.nbest = self.nbest if nbest is None else nbest
+        check_nbest(changed.nbest, changed.decode, changed.sampling)
+        return changed
+
+    def translate(self, lines: Iterable[str], **decode: Any) -> list[str]:
+        """The best translation of each line, in order: one string per line, "" for an empty line."""
+        return [best[0].text for best in self.hypotheses(lines, **decode)]
+
+    def hypotheses(self, lines: Iterable[str], **decode: Any) -> Iterator[list[Translation]]:
+        """The translations of each line (``nbest`` of them, best first, with scores and alignments when
+        asked for), streamed: lines are read and translated in chunks, so any iterable will do, an open
+        file too (a line's ending newline is not part of it)."""
+        yield from self.using(**decode).stream(chunked(line.removesuffix("\n").removesuffix("\r") for line in lines))
+
+
+def check_nbest(nbest: int, decode: DecodeConfig, sampling: SamplingConfig | None = None) -> None:
+    """A search keeps ``beam`` hypotheses, so it has at most that many to give (samples are drawn anew); each
+    sample is a row of its own, so their number is bounded as a beam is."""
+    if not 1 <= nbest <= MAX_BEAM:
+        raise ConfigError(f"nbest must be between 1 and {MAX_BEAM:,}, got {nbest:,}")
+    if sampling is None and nbest > decode.beam:
+        raise ConfigError(f"nbest {nbest} needs a beam of at least {nbest} (the beam is {decode.beam})")
+
+
+def with_overrides(decode: DecodeConfig, overrides: dict[str, Any]) -> DecodeConfig:
+    """``decode`` with the given settings replaced, checked as a config is."""
+    known = {f.name for f in fields(DecodeConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ConfigError(f"unknown decode setting {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    return replace(decode, **overrides)
+
+
+class Translator(LineTranslator):
+    """A model, its tokenizers and decoding settings: translates lines, streaming or all at once."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        src_tok: Tokenizer,
+        tgt_tok: Tokenizer,
+        decode: DecodeConfig,
+        device: torch.device,
+        nbest: int = 1,
+        sampling: SamplingConfig | None = None,
+        aligner: Transformer | None = None,
+        on_batch: Callable[[int], None] | None = None,
+        shortlist: Shortlist | None = None,
+    ) -> None:
+        """``aligner``: the model whose cross-attention gives each best translation a word alignment;
+        ``on_batch(n)``: called as each batch of ``n`` lines is done (lines that need no model count as one batch),
+        to show progress; ``shortlist``: beam search over each batch's candidate target tokens only."""
+        check_nbest(nbest, decode, sampling)
+        if shortlist is not None and sampling is not None:
+            raise ConfigError("a shortlist is for beam search; sampling draws from the whole vocabulary")
+        self.shortlist = shortlist
+        self.model, self.src_tok, self.tgt_tok = model, src_tok, tgt_tok
+        self.decode, self.device, self.nbest = decode, device, nbest
+        self.sampling = sampling
+        self.aligner = aligner
+        self.on_batch = on_batch
+        self.generator = torch.Generator(device).manual_seed(sampling.seed) if sampling is not None else None
+
+    def stream(self, chunks: Iterable[list[str]], prefixes: Iterable[str] | None = None) -> Iterator[list[Translation]]:
+        """The ``nbest`` translations of each line, best first, in input order, chunk by chunk.
+
+        Each chunk is sorted into batches by length; all its results come out before the next
+        chunk is read, so the caller decides how much input is held at once. ``prefixes``,
+        line-aligned with the input, gives the start each translation must have ("" for none).
+        """
+        first_line = 1
+        prefix_lines = iter(prefixes) if prefixes is not None else None
+        for chunk in chunks:
+            chunk_prefixes = None
+            if prefix_lines is not None:
+                chunk_prefixes = list(islice(prefix_lines, len(chunk)))
+                if len(chunk_prefixes) < len(chunk):
+                    raise PrefixMismatch(f"no prefix for input line {first_line + len(chunk_prefixes)}")
+            yield from self._translate_chunk(chunk, first_line, chunk_prefixes)
+            first_line += len(chunk)
+        if prefix_lines is not None and next(prefix_lines, None) is not None:
+            raise PrefixMismatch(f"more prefixes than the {first_line - 1} input lines")
+
+    def _translate_chunk(
+        self, lines: list[str], first_line: int, prefixes: list[str] | None
+    ) -> list[list[Translation]]:
+        results: list[list[Translation]] = [[EMPTY] for _ in lines]
+        forced = self.tgt_tok.encode_capped(prefixes, self.model.decoder.embed.max_positions) if prefixes else None
+        for i, prefix in enumerate(forced or []):
+            if len(prefix) >= self.model.decoder.embed.max_positions:  # no position left for its eos
+                raise PrefixMismatch(
+                    f"line {first_line + i}: the prefix is longer than the model's outputs can be "
+                    f"({self.model.decoder.embed.max_positions - 1} tokens, model.max_positions)"
+                )
+        todo = [i for i, line in enumerate(lines) if line.strip()]
+        max_positions = self.model.encoder.embed.max_positions
+        ids = dict(
+            zip(todo, source_ids(self.src_tok, [lines[i] for i in todo], [first_line + i for i in todo], max_positions))
+        )
+        todo = [i for i in todo if ids[i]]  # text of no tokens (U+200B alone) is an empty line too
+        if self.on_batch is not None and len(todo) < len(lines):
+            self.on_batch(len(lines) - len(todo))
+        d = self.decode
+        rows = self.nbest if self.sampling is not None else d.beam
+        for batch in length_batches([len(ids[i]) + 1 for i in todo], d.batch_size, d.batch_tokens, rows):
+            chunk = [todo[b] for b in batch]
+            src, src_pad_mask = source_tensor([ids[i] for i in chunk])
+            src, src_pad_mask = src.to(self.device), src_pad_mask.to(self.device)
+            batch_prefixes = [forced[i] for i in chunk] if forced is not None else None
+            if self.sampling is not None:  # nbest independent draws per line, each its own batch row
+                n = self.nbest
+                drawn = sample_search(
+                    self.model, src.repeat_interleave(n, 0), src_pad_mask.repeat_interleave(n, 0), self.sampling, d,
+                    [p for p in batch_prefixes for _ in range(n)] if batch_prefixes else None, self.generator,
+                )  # fmt: skip
+                hyps = [sorted(drawn[i : i + n], key=lambda h: -h.score) for i in range(0, len(drawn), n)]
+            else:
+                candidates = self.shortlist.candidates(src, batch_prefixes) if self.shortlist is not None else None
+                hyps = beam_search(self.model, src, src_pad_mask, d, self.nbest, batch_prefixes, candidates)
+            alignments = [""] * len(chunk)
+            if self.aligner is not None:
+                pairs = [(ids[i], sentence[0].tokens) for i, sentence in zip(chunk, hyps)]
+                alignments = align_batch(self.aligner, self.src_tok, self.tgt_tok, pairs)
+            for i, sentence, alignment in zip(chunk, hyps, alignments):
+                texts = self.tgt_tok.decode([h.tokens for h in sentence])
+                results[i] = [Translation(t, h.score, h.logprob) for t, h in zip(texts, sentence)]
+                results[i][0] = replace(results[i][0], alignment=alignment)
+            if self.on_batch is not None:
+                self.on_batch(len(chunk))
+        return results
+
+
+def aligner_of(model: Transformer | Ensemble) -> Transformer:
+    """The model whose cross-attention gives word alignments: the model itself, or an ensemble's first member."""
+    return model.members[0] if isinstance(model, Ensemble) else model
+
+
+def chunked(lines: Iterable[str], size: int = CHUNK_LINES) -> Iterator[list[str]]:
+    """Consecutive lists of up to ``size`` lines."""
+    it = iter(lines)
+    while chunk := list(islice(it, size)):
+        yield chunk

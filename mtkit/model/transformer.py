@@ -1,0 +1,312 @@
+"""The encoder-decoder Transformer (Vaswani et al., 2017), read top-down from parts to the whole.
+
+Shape legend: B batch, S source length, T target length, D d_model, H heads, Dh = D // H, V vocab.
+Mask polarity: ``src_pad_mask`` is True at padding; attention masks handed to SDPA are True where a
+query may attend (``attn_allowed``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mtkit.config import ModelConfig
+from mtkit.model.attention import DecoderCache, Dropout, LayerCache, MultiHeadAttention, autocast_once, self_attention
+
+
+@dataclass
+class Candidates:
+    """One batch's target ids (sorted; the special ids, the lowest, keep their own positions) and the
+    output weights cut down to them, cut once per batch and output layer rather than at every step."""
+
+    ids: Tensor
+    _cut: dict[int, tuple[Tensor, Tensor | None]] = field(default_factory=dict, repr=False)
+
+    def project(self, features: Tensor, output: nn.Linear) -> Tensor:
+        """``output(features)`` over the candidates only: (..., len(ids))."""
+        cut = self._cut.get(id(output))
+        if cut is None:
+            bias = None if output.bias is None else output.bias[self.ids]
+            cut = self._cut[id(output)] = (output.weight[self.ids], bias)
+        return F.linear(features, *cut)
+
+    def columns(self, ids: Tensor) -> Tensor:
+        """The positions of target ``ids`` (each one of the candidates, or -1, kept) among the candidates."""
+        return torch.where(ids >= 0, torch.searchsorted(self.ids, ids.clamp(min=0)), ids)
+
+
+class FeedForward(nn.Module):
+    """Position-wise FFN: Linear -> ReLU -> dropout -> Linear."""
+
+    def __init__(self, d_model: int, ffn: int, dropout: float) -> None:
+        super().__init__()
+        self.up = nn.Linear(d_model, ffn)
+        self.down = nn.Linear(ffn, d_model)
+        self.dropout = Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(self.dropout(F.relu(self.up(x))))
+
+
+class Residual(nn.Module):
+    """Residual connection with LayerNorm: post-norm LN(x + f(x)) or pre-norm x + f(LN(x))."""
+
+    def __init__(self, d_model: int, dropout: float, pre_norm: bool) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d_model)
+        self.dropout = Dropout(dropout)
+        self.pre_norm = pre_norm
+
+    def forward(self, x: Tensor, sublayer) -> Tensor:
+        if self.pre_norm:
+            return x + self.dropout(sublayer(self.norm(x)))
+        return self.norm(x + self.dropout(sublayer(x)))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        pre = cfg.norm == "pre"
+        self.self_attn = self_attention(cfg)
+        self.ffn = FeedForward(cfg.d_model, cfg.ffn, cfg.activation_dropout)
+        self.res_attn = Residual(cfg.d_model, cfg.dropout, pre)
+        self.res_ffn = Residual(cfg.d_model, cfg.dropout, pre)
+
+    def forward(self, x: Tensor, attn_allowed: Tensor) -> Tensor:
+        x = self.res_attn(x, lambda h: self.self_attn(h, h, attn_allowed))
+        return self.res_ffn(x, self.ffn)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        pre = cfg.norm == "pre"
+        self.self_attn = self_attention(cfg)
+        self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.attention_dropout)
+        self.ffn = FeedForward(cfg.d_model, cfg.ffn, cfg.activation_dropout)
+        self.res_self = Residual(cfg.d_model, cfg.dropout, pre)
+        self.res_cross = Residual(cfg.d_model, cfg.dropout, pre)
+        self.res_ffn = Residual(cfg.d_model, cfg.dropout, pre)
+
+    def forward(
+        self,
+        x: Tensor,
+        memory: Tensor | None,
+        src_allowed: Tensor,
+        cache: LayerCache | None,
+        self_allowed: Tensor | None = None,
+        positions: Tensor | None = None,
+    ) -> Tensor:
+        """x (B, T, D); with a cache, x holds only the new positions and keys/values accumulate, and
+        ``self_allowed`` (B, 1, 1, slots) may say which cache slots each row sees and ``positions`` (B,) the
+        position of each row's new token (rows of a continuous search began at different slots)."""
+        x = self.res_self(x, lambda h: self._self_attend(h, cache, self_allowed, positions))
+        x = self.res_cross(x, lambda h: self._cross_attend(h, memory, src_allowed, cache))
+        return self.res_ffn(x, self.ffn)
+
+    def _self_attend(
+        self, h: Tensor, cache: LayerCache | None, allowed: Tensor | None = None, positions: Tensor | None = None
+    ) -> Tensor:
+        attn = self.self_attn
+        if cache is None:
+            return attn(h, h, causal=True)
+        # The slot of h's first position. Relative positions and windows need only distances, which slots
+        # keep; rotary ones rotate each row by its own position, stored rotated with its key.
+        start = cache.self_len
+        rotation = start if positions is None else positions
+        k, v = attn.project_kv(h)
+        k, v = cache.append_self(attn.rotate(k, rotation), v)
+        # New positions see every cached position and, among themselves, only earlier ones.
+        causal = h.size(1) > 1
+        if causal and k.size(2) != h.size(1):
+            raise ValueError("a cached decoder step takes one new position at a time")
+        k_start = 0
+        if attn.window and not causal:  # one new position: only the last window + 1 keys can matter
+            k_start = max(0, k.size(2) - attn.window - 1)
+            k, v = k[:, :, k_start:], v[:, :, k_start:]
+            allowed = allowed[..., k_start:] if allowed is not None else None
+        q = attn.rotate(attn.split_heads(attn.q_proj(h)), rotation)
+        return attn.attend(q, k, v, allowed, causal, start, k_start)
+
+    def _cross_attend(self, h: Tensor, memory: Tensor | None, src_allowed: Tensor, cache: LayerCache | None) -> Tensor:
+        attn = self.cross_attn
+        if cache is None:
+            return attn(h, memory, src_allowed)
+        if cache.cross_k is None:
+            cache.cross_k, cache.cross_v = attn.project_kv(memory)
+        # Beam search keeps one memory row per sentence for its ``group`` consecutive rows of h
+        # (its beams): their queries attend together, each sentence's keys read once.
+        rows, length, _ = h.shape
+        group = rows // cache.cross_k.size(0)
+        q = attn.split_heads(attn.q_proj(h))  # (rows, H, length, Dh)
+        if group > 1:
+            q = q.unflatten(0, (-1, group)).transpose(1, 2).flatten(2, 3)  # (sentences, H, group * length, Dh)
+        out = attn.attend(q, cache.cross_k, cache.cross_v, src_allowed, False)
+        return out.view(rows, length, -1)
+
+
+def sinusoidal_table(max_positions: int, d_model: int) -> Tensor:
+    """(max_positions, D) table: sin on even dimensions, cos on odd ones."""
+    position = torch.arange(max_positions, dtype=torch.float32)[:, None]
+    inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model))
+    table = torch.zeros(max_positions, d_model)
+    table[:, 0::2] = torch.sin(position * inv_freq)
+    table[:, 1::2] = torch.cos(position * inv_freq)
+    return table
+
+
+class Embedder(nn.Module):
+    """Token embedding scaled by sqrt(D), plus sinusoidal or learned positions (if absolute), then dropout."""
+
+    def __init__(self, tokens: nn.Embedding, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.tokens = tokens
+        self.scale = math.sqrt(cfg.d_model)
+        self.max_positions = cfg.max_positions
+        self.learned = None
+        if cfg.positions == "learned":
+            self.learned = nn.Embedding(cfg.max_positions, cfg.d_model)
+            nn.init.normal_(self.learned.weight, std=cfg.d_model**-0.5)
+        # None for rotary and relative positions, which live in self-attention instead
+        table = sinusoidal_table(cfg.max_positions, cfg.d_model) if cfg.positions == "sinusoidal" else None
+        self.register_buffer("table", table, persistent=False)
+        self.dropout = Dropout(cfg.dropout)
+
+    def forward(self, ids: Tensor, offset: int | Tensor = 0) -> Tensor:
+        """ids (B, L) at positions offset..offset+L-1 -> (B, L, D); ``offset`` is one for all rows, or (B,)."""
+        length = ids.size(1)
+        last = int(offset.max()) if isinstance(offset, Tensor) else offset
+        if last + length > self.max_positions:
+            raise ValueError(f"sequence of {last + length} positions exceeds model.max_positions {self.max_positions}")
+        x = self.tokens(ids) * self.scale
+        table = self.learned.weight if self.learned is not None else self.table
+        if table is None:
+            return self.dropout(x)
+        if isinstance(offset, Tensor):
+            return self.dropout(x + table[offset[:, None] + torch.arange(length, device=ids.device)])
+        return self.dropout(x + table[offset : offset + length])
+
+
+class Encoder(nn.Module):
+    def __init__(self, embed: Embedder, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed = embed
+        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.encoder_layers))
+        self.final_norm = nn.LayerNorm(cfg.d_model) if cfg.norm == "pre" else nn.Identity()
+
+    def forward(self, src: Tensor, src_pad_mask: Tensor) -> Tensor:
+        """src (B, S) -> memory (B, S, D)."""
+        allowed = ~src_pad_mask[:, None, None, :]  # (B, 1, 1, S)
+        x = self.embed(src)
+        for layer in self.layers:
+            x = layer(x, allowed)
+        return self.final_norm(x)
+
+
+class Decoder(nn.Module):
+    def __init__(self, embed: Embedder, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed = embed
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
+        self.final_norm = nn.LayerNorm(cfg.d_model) if cfg.norm == "pre" else nn.Identity()
+
+    def forward(
+        self, tgt_in: Tensor, memory: Tensor | None, src_pad_mask: Tensor, cache: DecoderCache | None = None
+    ) -> Tensor:
+        """tgt_in (B, T) -> features (B, T, D). With a cache, tgt_in holds only the new positions, and
+        memory may hold one row per group of B / len(memory) consecutive rows (a sentence's beams), or be
+        None once the cache holds its keys and values (``cross_cache``)."""
+        allowed = ~src_pad_mask[:, None, None, :]
+        offset: int | Tensor = 0
+        self_allowed = positions = None
+        if cache is not None:
+            offset = cache.length if cache.positions is None else cache.positions
+            self_allowed, positions = cache.self_allowed, cache.positions
+            if not cache.layers:
+                cache.layers = [LayerCache() for _ in self.layers]
+            cache.length += tgt_in.size(1)
+        x = self.embed(tgt_in, offset)
+        memory = autocast_once(memory) if memory is not None else None  # one cast for every cross-attention
+        for i, layer in enumerate(self.layers):
+            x = layer(x, memory, allowed, cache.layers[i] if cache is not None else None, self_allowed, positions)
+        return self.final_norm(x)
+
+    def cross_cache(self, memory: Tensor) -> DecoderCache:
+        """A cache holding each layer's cross-attention keys/values of ``memory`` and nothing decoded yet."""
+        memory = autocast_once(memory)
+        layers = []
+        for layer in self.layers:
+            k, v = layer.cross_attn.project_kv(memory)
+            layers.append(LayerCache(cross_k=k, cross_v=v))
+        return DecoderCache(layers)
+
+
+class Transformer(nn.Module):
+    """Encoder-decoder with ``encode`` and ``decode`` exposed separately for search."""
+
+    def __init__(self, encoder: Encoder, decoder: Decoder, output: nn.Linear) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.decoder = decoder
+        self.output = output  # features (.., D) -> logits (.., V)
+
+    def encode(self, src: Tensor, src_pad_mask: Tensor) -> Tensor:
+        return self.encoder(src, src_pad_mask)
+
+    def decode(
+        self,
+        tgt_in: Tensor,
+        memory: Tensor | None,
+        src_pad_mask: Tensor,
+        cache: DecoderCache | None = None,
+        candidates: Candidates | None = None,
+    ) -> Tensor:
+        """Logits (B, T, V) for tgt_in (B, T) given the encoder memory; with a shortlist's ``candidates``,
+        (B, T, len(candidates.ids)) over those target ids only."""
+        features = self.decoder(tgt_in, memory, src_pad_mask, cache)
+        return self.output(features) if candidates is None else candidates.project(features, self.output)
+
+    def features(self, src: Tensor, src_pad_mask: Tensor, tgt_in: Tensor) -> Tensor:
+        """Decoder features (B, T, D); training projects only the non-pad positions to the vocabulary."""
+        return self.decoder(tgt_in, self.encode(src, src_pad_mask), src_pad_mask)
+
+    def forward(self, src: Tensor, src_pad_mask: Tensor, tgt_in: Tensor) -> Tensor:
+        return self.output(self.features(src, src_pad_mask, tgt_in))
+
+
+def build_model(cfg: ModelConfig, src_vocab: int, tgt_vocab: int, pad_id: int) -> Transformer:
+    """The one place that maps a ModelConfig to modules, including embedding tying."""
+    if cfg.tie_embeddings and src_vocab != tgt_vocab:
+        raise ValueError("model.tie_embeddings needs one joint vocabulary (tokenizer.joint: true)")
+    d = cfg.d_model
+
+    def embedding(vocab: int) -> nn.Embedding:
+        emb = nn.Embedding(vocab, d, padding_idx=pad_id)
+        nn.init.normal_(emb.weight, std=d**-0.5)
+        with torch.no_grad():
+            emb.weight[pad_id].zero_()
+        return emb
+
+    src_tokens = embedding(src_vocab)
+    tgt_tokens = src_tokens if cfg.tie_embeddings else embedding(tgt_vocab)
+    output = nn.Linear(d, tgt_vocab, bias=False)
+    if cfg.tie_embeddings:
+        output.weight = tgt_tokens.weight
+    else:
+        nn.init.normal_(output.weight, std=d**-0.5)
+    encoder = Encoder(Embedder(src_tokens, cfg), cfg)
+    decoder = Decoder(Embedder(tgt_tokens, cfg), cfg)
+    model = Transformer(encoder, decoder, output)
+    for name, p in model.named_parameters():
+        if p.dim() == 2 and "tokens" not in name and "output" not in name and "learned" not in name:
+            nn.init.xavier_uniform_(p)
+    return model
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Distinct parameters (tied weights counted once)."""
+    return sum(p.numel() for p in model.parameters())

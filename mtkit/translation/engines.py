@@ -1,0 +1,72 @@
+"""Which engine translates: mtkit's own search (mtkit.decoding) or CTranslate2 over an export
+(mtkit.interop), both behind ``LineTranslator``; ``mtkit.load`` is ``load_translator``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from mtkit.config import ConfigError, Engine, InferenceConfig, Precision, SamplingConfig
+from mtkit.decoding.ensemble import Ensemble
+from mtkit.decoding.shortlist import load as load_shortlist
+from mtkit.decoding.translate import LineTranslator, Translator, aligner_of, with_overrides
+from mtkit.model.checkpoint import CheckpointError, load_for_inference
+
+
+def load_translator(
+    models: str | Path | Sequence[str | Path],
+    device: str = InferenceConfig.device,
+    precision: Precision = InferenceConfig.precision,
+    engine: Engine = InferenceConfig.engine,
+    nbest: int = 1,
+    sampling: SamplingConfig | None = None,
+    alignments: bool = False,
+    shortlist: str | Path | None = None,
+    **decode: Any,
+) -> LineTranslator:
+    """A translator over ``models``: run directories (their best/), checkpoints or .safetensors files,
+    several of them an ensemble that averages their log-probabilities; with ``engine="ctranslate2"``,
+    one folder that `mtkit export` wrote.
+
+    Decoding follows the settings saved with the (first) model, then ``decode`` (``beam=4``,
+    ``lenpen=0.6``, ...). Weights are cast to ``precision`` once (``auto``: bf16 where the device computes it
+    natively, else fp32; with CTranslate2, the export's own weight type); ``alignments`` adds word alignments
+    from the first model's cross-attention; ``sampling`` draws tokens instead of searching;
+    ``shortlist``, a file `mtkit shortlist` wrote, limits each batch's outputs to its candidates.
+    """
+    from mtkit.runtime import pick_device, resolve_precision
+
+    models = [Path(m) for m in ([models] if isinstance(models, (str, Path)) else models)]
+    dev = pick_device(device)
+    if engine == "ctranslate2":
+        from mtkit.interop.ct2_export import CTranslate2Translator
+
+        if len(models) != 1 or sampling is not None or alignments or shortlist is not None:
+            raise ConfigError("the ctranslate2 engine takes one model, and no sampling, alignments or shortlist")
+        if precision == "auto":
+            compute_type, chosen = "default", {"precision": "auto", "reason": "the export's own weight type"}
+        else:
+            compute_type = {"fp32": "default", "bf16": "bfloat16", "fp16": "float16"}[precision]
+            chosen = resolve_precision(precision, dev).to_dict()
+        engine_translator = CTranslate2Translator.from_dir(models[0], decode, dev.type, compute_type, nbest)
+        engine_translator.precision = chosen
+        return engine_translator
+    if engine != "mtkit":
+        raise ConfigError(f"engine must be mtkit or ctranslate2, got {engine!r}")
+    choice = resolve_precision(precision, dev)
+    bundles = [load_for_inference(path, dev, choice.dtype) for path in models]
+    first = bundles[0]
+    for path, other in zip(models[1:], bundles[1:]):
+        if (other.src_tok.sha256, other.tgt_tok.sha256) != (first.src_tok.sha256, first.tgt_tok.sha256):
+            raise CheckpointError(f"{path}: its tokenizers differ from those of {models[0]}; cannot ensemble them")
+    network = Ensemble([b.model for b in bundles]) if len(bundles) > 1 else first.model
+    aligner = aligner_of(network) if alignments else None
+    settings = with_overrides(first.cfg.decode, decode)
+    lexical = load_shortlist(Path(shortlist), first.src_tok, first.tgt_tok) if shortlist is not None else None
+    translator = Translator(
+        network, first.src_tok, first.tgt_tok, settings, dev, nbest, sampling, aligner, shortlist=lexical
+    )
+    translator.languages = (first.cfg.data.src_lang, first.cfg.data.tgt_lang)
+    translator.precision = choice.to_dict()
+    return translator
