@@ -215,11 +215,11 @@ def make_translator(config: Config, run: Path, export_dir: Path, threads: int, s
         from mtkit.interop.ct2_export import CTranslate2Translator
 
         return CTranslate2Translator.from_dir(export_dir, decode, "cpu", CT2_COMPUTE[config.precision])
-    from mtkit.decoding.shortlist import load
+    from mtkit.decoding.shortlist import load_shortlist
     from mtkit.decoding.translate import Translator
 
     bundle = load_for_inference(run, device, resolve_precision(config.precision, device).dtype)
-    lexical = load(shortlist, bundle.src_tok, bundle.tgt_tok) if config.shortlist else None
+    lexical = load_shortlist(shortlist, bundle.src_tok, bundle.tgt_tok) if config.shortlist else None
     return Translator(bundle.model, bundle.src_tok, bundle.tgt_tok, decode, device, shortlist=lexical)
 
 

@@ -119,7 +119,7 @@ def test_outputs_are_candidates_of_their_batch_and_forced_prefixes_still_lead(
 def test_a_saved_shortlist_loads_the_same_and_a_bad_one_is_named(tmp_path, corpus_files, spm_model, shortlist):
     path = tmp_path / "shortlist.safetensors"
     shortlist.save(path)
-    again = lexical.load(path, spm_model, spm_model)
+    again = lexical.load_shortlist(path, spm_model, spm_model)
     assert torch.equal(again.table, shortlist.table) and torch.equal(again.always, shortlist.always)
 
     tensors, meta = load_file(path), {"format": lexical.FORMAT, "src_sha256": spm_model.sha256}
@@ -134,12 +134,12 @@ def test_a_saved_shortlist_loads_the_same_and_a_bad_one_is_named(tmp_path, corpu
     for message, (metadata, contents) in bad.items():
         save_file(contents, str(path), metadata=metadata)
         with pytest.raises(ShortlistError, match=f"{path}: .*{message}"):
-            lexical.load(path, spm_model, spm_model)
+            lexical.load_shortlist(path, spm_model, spm_model)
     path.write_bytes(b"not safetensors at all")
     with pytest.raises(ShortlistError, match="unreadable shortlist"):
-        lexical.load(path, spm_model, spm_model)
+        lexical.load_shortlist(path, spm_model, spm_model)
     with pytest.raises(ShortlistError, match="not found"):
-        lexical.load(tmp_path / "missing", spm_model, spm_model)
+        lexical.load_shortlist(tmp_path / "missing", spm_model, spm_model)
 
 
 def test_sampling_has_no_shortlist(spm_model, shortlist):

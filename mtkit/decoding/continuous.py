@@ -34,7 +34,7 @@ from mtkit.data.parallel import source_tensor
 from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from mtkit.decoding.alignment import align_batch
 from mtkit.decoding.search import Hypothesis, beam_step, best_extensions, length_penalty, max_lengths
-from mtkit.decoding.translate import EMPTY, LineTranslator, Translation, Translator
+from mtkit.decoding.translate import EMPTY, LineTranslator, Translation, Translator, source_ids
 from mtkit.model.attention import DecoderCache
 from mtkit.model.transformer import Transformer
 
@@ -246,16 +246,13 @@ class LineSearch:
         )
 
     def add(self, key: Hashable, line: str) -> None:
-        limit = self.translator.model.encoder.embed.max_positions - 1  # a position is left for the source eos
-        ids = self.translator.src_tok.encode_capped([line], limit)[0] if line.strip() else []
-        if len(ids) > limit:
-            log.warning("a text of over %d source tokens, truncated to %d (model.max_positions)", limit, limit)
-        if not ids:
+        ids = source_ids(self.translator.src_tok, [line], self.translator.model.encoder.embed.max_positions).get(0)
+        if ids is None:
             self.empty.append(key)
             return
-        self.search.add(key, ids[:limit])
+        self.search.add(key, ids)
         if self.translator.aligner is not None:
-            self.sources[key] = ids[:limit]
+            self.sources[key] = ids
 
     def drop(self, keys: set[Hashable]) -> None:
         """Withdraw the texts of ``keys``: no result comes back for them."""

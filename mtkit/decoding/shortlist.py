@@ -132,7 +132,7 @@ def build(
     return Shortlist(torch.from_numpy(table), torch.from_numpy(always), n_tgt, src_tok.sha256, tgt_tok.sha256)
 
 
-def load(path: Path, src_tok: Tokenizer, tgt_tok: Tokenizer) -> Shortlist:
+def load_shortlist(path: Path, src_tok: Tokenizer, tgt_tok: Tokenizer) -> Shortlist:
     """A shortlist file, checked before use: its format, shapes, ids and that it was built for these tokenizers."""
     from safetensors import SafetensorError, safe_open
 

@@ -53,14 +53,21 @@ class PrefixMismatch(ValueError):
     """Target prefixes that are not line-aligned with the input."""
 
 
-def source_ids(tok: Tokenizer, lines: list[str], numbers: list[int], max_positions: int) -> list[list[int]]:
-    """Token ids of ``lines`` (numbered ``numbers`` for warnings), truncated to leave the source eos a position."""
+def source_ids(
+    tok: Tokenizer, lines: list[str], max_positions: int, first_line: int | None = None
+) -> dict[int, list[int]]:
+    """The token ids of each of ``lines`` that needs a search, by index: empty, blank and token-less lines
+    (U+200B alone) need none. Ids are truncated to leave the source eos a position, with a warning that
+    names the line where lines are numbered (``first_line``: the number of ``lines[0]``). Every engine
+    encodes its sources here."""
+    todo = [i for i, line in enumerate(lines) if line.strip()]
     limit = max_positions - 1
-    seqs = tok.encode_capped(lines, limit)
-    for number, seq in zip(numbers, seqs):
+    seqs = tok.encode_capped([lines[i] for i in todo], limit)
+    for i, seq in zip(todo, seqs):
         if len(seq) > limit:
-            log.warning("line %d: over %d source tokens, truncated to %d (model.max_positions)", number, limit, limit)
-    return [seq[:limit] for seq in seqs]
+            where = "a text" if first_line is None else f"line {first_line + i}:"
+            log.warning("%s over %d source tokens, truncated to %d (model.max_positions)", where, limit, limit)
+    return {i: seq[:limit] for i, seq in zip(todo, seqs) if seq}
 
 
 def length_batches(lengths: list[int], batch_size: int, batch_tokens: int, rows: int = 1) -> list[list[int]]:
@@ -193,12 +200,8 @@ class Translator(LineTranslator):
                     f"line {first_line + i}: the prefix is longer than the model's outputs can be "
                     f"({self.model.decoder.embed.max_positions - 1} tokens, model.max_positions)"
                 )
-        todo = [i for i, line in enumerate(lines) if line.strip()]
-        max_positions = self.model.encoder.embed.max_positions
-        ids = dict(
-            zip(todo, source_ids(self.src_tok, [lines[i] for i in todo], [first_line + i for i in todo], max_positions))
-        )
-        todo = [i for i in todo if ids[i]]  # text of no tokens (U+200B alone) is an empty line too
+        ids = source_ids(self.src_tok, lines, self.model.encoder.embed.max_positions, first_line)
+        todo = list(ids)
         if self.on_batch is not None and len(todo) < len(lines):
             self.on_batch(len(lines) - len(todo))
         d = self.decode

@@ -38,8 +38,7 @@ from mtkit import untrusted
 from mtkit.config import MAX_POSITIONS, ConfigError, DecodeConfig, ModelConfig, from_dict
 from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 from mtkit.decoding.search import length_penalty, max_length
-from mtkit.decoding.shortlist import load as load_shortlist
-from mtkit.decoding.shortlist import vocabulary_map
+from mtkit.decoding.shortlist import load_shortlist, vocabulary_map
 from mtkit.decoding.translate import (
     EMPTY,
     LineTranslator,
@@ -368,12 +367,8 @@ class CTranslate2Translator(LineTranslator):
 
     def _translate_chunk(self, lines: list[str], first_line: int) -> list[list[Translation]]:
         results: list[list[Translation]] = [[EMPTY] for _ in lines]
-        todo = [i for i, line in enumerate(lines) if line.strip()]
-        if not todo:
-            return results
-        numbers = [first_line + i for i in todo]
-        ids = dict(zip(todo, source_ids(self.src_tok, [lines[i] for i in todo], numbers, self.max_positions)))
-        todo = [i for i in todo if ids[i]]  # text of no tokens (U+200B alone) is an empty line too
+        ids = source_ids(self.src_tok, lines, self.max_positions, first_line)
+        todo = list(ids)
         if not todo:
             return results
         d = self.decode

@@ -9,7 +9,7 @@ from typing import Any
 
 from mtkit.config import ConfigError, Engine, InferenceConfig, Precision, SamplingConfig
 from mtkit.decoding.ensemble import Ensemble
-from mtkit.decoding.shortlist import load as load_shortlist
+from mtkit.decoding.shortlist import load_shortlist
 from mtkit.decoding.translate import LineTranslator, Translator, aligner_of, with_overrides
 from mtkit.model.checkpoint import CheckpointError, load_for_inference
 
