@@ -203,7 +203,7 @@ class NativeCTranslate2:
 def make_translator(config: Config, run: Path, export_dir: Path, threads: int, shortlist: Path | None = None):
     import torch
 
-    from mtkit.model.checkpoint import load_for_inference
+    from mtkit.model.loading import load_for_inference
     from mtkit.runtime import resolve_precision, set_threads
 
     set_threads(threads)
@@ -212,7 +212,7 @@ def make_translator(config: Config, run: Path, export_dir: Path, threads: int, s
     if config.engine == "ct2native":
         return NativeCTranslate2(export_dir, config, threads)
     if config.engine == "ct2":
-        from mtkit.interop.ct2_export import CTranslate2Translator
+        from mtkit.interop.ct2_translator import CTranslate2Translator
 
         return CTranslate2Translator.from_dir(export_dir, decode, "cpu", CT2_COMPUTE[config.precision])
     from mtkit.decoding.shortlist import load_shortlist

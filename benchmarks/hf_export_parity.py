@@ -33,8 +33,8 @@ from mtkit.data.parallel import source_tensor  # noqa: E402
 from mtkit.decoding.search import greedy_search, max_lengths  # noqa: E402
 from mtkit.decoding.translate import Translator  # noqa: E402
 from mtkit.interop.hf_export import export_transformers, transformers_length_penalty  # noqa: E402
-from mtkit.model.checkpoint import load_for_inference  # noqa: E402
-from mtkit.scoring.metrics import score  # noqa: E402
+from mtkit.model.loading import load_for_inference  # noqa: E402
+from mtkit.scoring.metrics import corpus_scores  # noqa: E402
 
 
 def read_lines(path: Path) -> list[str]:
@@ -115,7 +115,7 @@ def ctranslate2_run(hf_dir: Path, out_dir: Path, bundle, src: list[str], ref: li
         for pieces in translate(src, beam_size=settings.num_beams, length_penalty=lenpen)
     ]
     print(f"ctranslate2_seconds={time.perf_counter() - start:.1f}")
-    print(f"ctranslate2_beam_bleu={score(hyps, [ref], ('bleu',))[0].value:.2f}")
+    print(f"ctranslate2_beam_bleu={corpus_scores(hyps, [ref], ('bleu',))[0].value:.2f}")
     if not args.greedy_lines:
         return
     lines = src[: args.greedy_lines]
@@ -165,8 +165,8 @@ def main() -> None:
         print(f"transformers_path={'pipeline' if has_pipeline() else 'generate'} transformers_length_penalty={lenpen}")
         hf_hyps = transformers_translations(hf_dir, src, args.batch_size, lenpen)
         print(f"transformers_seconds={time.perf_counter() - start:.1f}")
-        mtkit_bleu = score(mtkit_hyps, [ref], ("bleu",))[0]
-        hf_bleu = score(hf_hyps, [ref], ("bleu",))[0]
+        mtkit_bleu = corpus_scores(mtkit_hyps, [ref], ("bleu",))[0]
+        hf_bleu = corpus_scores(hf_hyps, [ref], ("bleu",))[0]
         print(f"lines={len(src)} bleu_signature={hf_bleu.signature}")
         print(f"mtkit_beam_bleu={mtkit_bleu.value:.2f}")
         print(f"transformers_beam_bleu={hf_bleu.value:.2f}")

@@ -231,7 +231,7 @@ def run_tokenizer(args: argparse.Namespace, work: Path) -> Path:
     if args.run:
         return args.run / "spm.model"
     from mtkit.data.parallel import iter_parallel
-    from mtkit.training.trainer import prepare_tokenizers
+    from mtkit.training.tokenizers import prepare_tokenizers
 
     print("training the SentencePiece model (no --run or --tokenizer given) ...", file=sys.stderr, flush=True)
     cfg = config_for(args, "fp32", "")

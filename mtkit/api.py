@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from mtkit.config import RunConfig, apply_override, from_dict, read_config
-from mtkit.scoring.metrics import Options, Score, score
+from mtkit.scoring.metrics import DEFAULT_METRICS, Options, Score, corpus_scores
 from mtkit.translation.engines import load_translator
 
 load = load_translator  # mtkit.load("runs/m30k", device="cpu", beam=4): see translation.engines.load_translator
@@ -53,7 +53,7 @@ def _with_overrides(raw: dict, overrides: Sequence[str]) -> RunConfig:
 def evaluate(
     hypotheses: Sequence[str],
     references: Sequence[Sequence[str]],
-    metrics: Sequence[str] = ("bleu", "chrf"),
+    metrics: Sequence[str] = DEFAULT_METRICS,
     tokenize: str | None = None,
     lowercase: bool = False,
     target_language: str = "",
@@ -63,7 +63,7 @@ def evaluate(
     ``references`` is a list of reference streams, each as long as ``hypotheses``.
     """
     options = Options(tokenize, lowercase, trg_lang=target_language)
-    return score(list(hypotheses), [list(r) for r in references], tuple(metrics), options)
+    return corpus_scores(list(hypotheses), [list(r) for r in references], tuple(metrics), options)
 
 
 def prepare(corpus: str, out: str | Path, mirror: str | None = None, **settings: Any) -> dict:
@@ -75,7 +75,7 @@ def prepare(corpus: str, out: str | Path, mirror: str | None = None, **settings:
     ``tgt_column``, ``data_files``, ``data_dir``).
     Returns prepare.json."""
     from mtkit.config import CleanConfig, ConfigError
-    from mtkit.data.corpora import corpus as find_corpus
+    from mtkit.data.corpora import find_corpus
     from mtkit.data.hf_corpus import PREFIX, HubCorpus
     from mtkit.data.preparation import prepare_corpus, prepare_dataset
 

@@ -72,12 +72,35 @@ class TokenizerConfig:
 Preset = Literal["transformer-base", "transformer-big", "transformer-small"]
 PRESETS: dict[Preset, dict[str, Any]] = {
     # Vaswani et al. (2017), Table 3: 65M parameters on a 37k joint vocabulary.
-    "transformer-base": dict(encoder_layers=6, decoder_layers=6, d_model=512, heads=8, ffn=2048, dropout=0.1),
+    "transformer-base": {
+        "encoder_layers": 6,
+        "decoder_layers": 6,
+        "d_model": 512,
+        "heads": 8,
+        "ffn": 2048,
+        "dropout": 0.1,
+    },
     # Vaswani et al. (2017), Table 3: 213M parameters on a 37k joint vocabulary.
-    "transformer-big": dict(encoder_layers=6, decoder_layers=6, d_model=1024, heads=16, ffn=4096, dropout=0.3),
+    "transformer-big": {
+        "encoder_layers": 6,
+        "decoder_layers": 6,
+        "d_model": 1024,
+        "heads": 16,
+        "ffn": 4096,
+        "dropout": 0.3,
+    },
     # Small enough to train on a laptop CPU in an hour (Multi30k-sized corpora).
-    "transformer-small": dict(encoder_layers=3, decoder_layers=3, d_model=256, heads=4, ffn=1024, dropout=0.1),
+    "transformer-small": {
+        "encoder_layers": 3,
+        "decoder_layers": 3,
+        "d_model": 256,
+        "heads": 4,
+        "ffn": 1024,
+        "dropout": 0.1,
+    },
 }
+DEFAULT_PRESET: Preset = "transformer-small"
+_DEFAULT_MODEL = PRESETS[DEFAULT_PRESET]  # ModelConfig's defaults for the keys a preset sets
 
 
 # Bounds on what a config (one in a checkpoint header too) can make mtkit build. Position tables are
@@ -96,13 +119,13 @@ MAX_LENPEN = 10.0
 
 @dataclass(frozen=True)
 class ModelConfig:
-    preset: Preset = "transformer-small"  # sets the defaults below; explicit keys override it
-    encoder_layers: int = 3  # layers in the encoder stack
-    decoder_layers: int = 3  # layers in the decoder stack
-    d_model: int = 256  # width of the embeddings and of every layer's input and output
-    heads: int = 4  # attention heads per layer; each has d_model / heads dimensions
-    ffn: int = 1024  # hidden width of each layer's feed-forward block
-    dropout: float = 0.1  # on embeddings and residual branches
+    preset: Preset = DEFAULT_PRESET  # sets the defaults below; explicit keys override it
+    encoder_layers: int = _DEFAULT_MODEL["encoder_layers"]  # layers in the encoder stack
+    decoder_layers: int = _DEFAULT_MODEL["decoder_layers"]  # layers in the decoder stack
+    d_model: int = _DEFAULT_MODEL["d_model"]  # width of the embeddings and of every layer's input and output
+    heads: int = _DEFAULT_MODEL["heads"]  # attention heads per layer; each has d_model / heads dimensions
+    ffn: int = _DEFAULT_MODEL["ffn"]  # hidden width of each layer's feed-forward block
+    dropout: float = _DEFAULT_MODEL["dropout"]  # on embeddings and residual branches
     attention_dropout: float = 0.0  # on attention weights
     activation_dropout: float = 0.0  # inside the feed-forward block, after its ReLU
     norm: Literal["post", "pre"] = "post"  # post: LN(x + f(x)) as in the paper; pre: x + f(LN(x)), steadier when deep
@@ -561,5 +584,5 @@ def _key_lines(root: yaml.Node | None) -> dict[str, int]:
     return lines
 
 
-def dump(cfg: RunConfig) -> str:
+def config_yaml(cfg: RunConfig) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

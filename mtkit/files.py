@@ -2,6 +2,7 @@
 
 A crash (or SIGKILL) at any moment leaves the old file or the new one, never a torn one; a folder
 is swapped in the same way, the old one set aside first and put back if the new one never arrived.
+An output is checked before any work (``check_output_file``), so a command never writes over what it reads.
 """
 
 from __future__ import annotations
@@ -10,7 +11,10 @@ import hashlib
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+
+from mtkit.errors import MtkitError
 
 
 def atomic_write(path: Path, write, partial: Path | None = None) -> None:
@@ -153,3 +157,46 @@ def file_sha256(path: Path) -> str:
         while block := f.read(1 << 20):
             digest.update(block)
     return digest.hexdigest()
+
+
+# -- outputs --------------------------------------------------------------------------------
+
+
+class OutputError(MtkitError, ValueError):
+    """An output path that cannot or must not be written; the command has done nothing yet."""
+
+
+def check_output_file(path: Path, inputs: Mapping[Path, Iterable[Path]], checkpoints: Sequence[Path] = ()) -> None:
+    """Fail before any work if ``path`` must not be written: OutputError naming it and why.
+
+    Refused: a folder, a path in a missing folder, a file inside one of ``checkpoints`` (the checkpoint
+    directories writing it would write into), a file without write permission, and one of ``inputs`` (or a
+    link to one), whose content the command still needs and the user would lose. ``inputs`` maps each input
+    to the files it is read from besides itself: for a model, its weights and tokenizers.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise OutputError(f"{path}: is a folder; give a file to write")
+    if not path.parent.is_dir():
+        raise OutputError(f"{path}: cannot write it, folder {path.parent} does not exist")
+    check_outside_checkpoints(path, checkpoints)
+    if path.exists():
+        if not os.access(path, os.W_OK):
+            raise OutputError(f"{path}: is read-only; remove it or choose another output")
+        for source, read_from in inputs.items():
+            source = Path(source)
+            if source.exists() and os.path.samefile(path, source):
+                also = "" if str(source) == str(path) else f" ({source})"
+                raise OutputError(f"{path}: is also an input{also}; write the output to another file")
+            if any(os.path.samefile(path, file) for file in read_from):
+                raise OutputError(f"{path}: the model {source} is read from it; write the output to another file")
+
+
+def check_outside_checkpoints(path: Path, checkpoints: Sequence[Path]) -> None:
+    """OutputError if writing ``path`` (a file, or a folder made whole) would write into one of ``checkpoints``.
+
+    A checkpoint directory is saved whole: a file written there would leave a checkpoint whose files no
+    longer belong together, or be lost when the next save replaces it.
+    """
+    if checkpoints:
+        raise OutputError(f"{path}: is inside the checkpoint {checkpoints[0]}; write it elsewhere")

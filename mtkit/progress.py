@@ -135,7 +135,7 @@ def _rich_progress(console: Console, known_total: bool, unit: str | None) -> Pro
     else:
         done = [TextColumn(f"{{task.completed:,.0f}} {unit}")]
     # stdout stays the program's: a display on stderr must not take over what is printed there
-    options = dict(console=console, transient=True, redirect_stdout=False)
+    options = {"console": console, "transient": True, "redirect_stdout": False}
     if not known_total:
         return Progress(SpinnerColumn(), TextColumn("{task.description}"), *done, TimeElapsedColumn(), **options)
     columns = [TextColumn("{task.description}"), BarColumn(bar_width=None), TaskProgressColumn(), *done]
@@ -150,40 +150,3 @@ class _TimeColumn(TimeRemainingColumn):
 
     def render(self, task: Task) -> Text:
         return Text("in " if task.finished else "ETA ") + super().render(task)
-
-
-class TrainingProgress:
-    """Training's progress: a live bar on a terminal, a plain log line every ``every`` updates otherwise;
-    nothing when INFO is not logged."""
-
-    def __init__(self, every: int) -> None:
-        self.every = every
-        self.progress = None
-
-    def start(self, total_steps: int, done_steps: int) -> None:
-        self.total = total_steps
-        if shows_bar():
-            self.progress = Progress(
-                TextColumn("update"),
-                MofNCompleteColumn(),
-                BarColumn(),
-                TextColumn("{task.fields[stats]}"),
-                TimeElapsedColumn(),
-                TextColumn("ETA"),
-                TimeRemainingColumn(),
-                console=STDERR,
-                redirect_stdout=False,
-            )
-            self.task = self.progress.add_task("train", total=total_steps, completed=done_steps, stats="")
-            self.progress.start()
-
-    def update(self, step: int, stats: dict) -> None:
-        text = f"loss {stats['loss']:.3f} lr {stats['lr']:.2e} {stats['tok_s']:,.0f} tok/s epoch {stats['epoch']}"
-        if self.progress is not None:
-            self.progress.update(self.task, completed=step, stats=text)
-        elif step % self.every == 0:
-            log.info("update %d/%d %s", step, self.total, text)
-
-    def finish(self) -> None:
-        if self.progress is not None:
-            self.progress.stop()

@@ -34,7 +34,7 @@ from mtkit.config import ConfigError, RunConfig
 from mtkit.model.checkpoint import WEIGHTS_FILE, weights_file
 
 if TYPE_CHECKING:
-    from mtkit.training.trainer import Reporter
+    from mtkit.training.reporting import Reporter
 from mtkit.files import atomic_write_text, file_sha256
 
 log = logging.getLogger("mtkit")
@@ -74,10 +74,10 @@ def run_recipe(cfg: RunConfig, recipe: Path, out: Path, mirror: str | None, repo
     hyp_path, hyp_record = _translate(cfg, model, test[0], out, stages, record)
 
     from mtkit.data.parallel import read_lines
-    from mtkit.scoring.metrics import score
+    from mtkit.scoring.metrics import REPORT_METRICS, corpus_scores
 
     start = time.perf_counter()
-    scores = score(read_lines(hyp_path), [read_lines(test[1])], ("bleu", "chrf", "ter"))
+    scores = corpus_scores(read_lines(hyp_path), [read_lines(test[1])], REPORT_METRICS)
     note = f"{hyp_path.name} from model sha256 {hyp_record['inputs']['model'][:12]}"
     stages.append(Stage("eval", time.perf_counter() - start, True, note))
 
@@ -94,10 +94,10 @@ def _prepare(
     r = cfg.recipe
     if not r.corpus:
         raise ConfigError("recipe.corpus is not set: `mtkit run` needs a corpus from `mtkit prepare --list`")
-    from mtkit.data.corpora import corpus
+    from mtkit.data.corpora import find_corpus
     from mtkit.data.preparation import RECORD, prepare_corpus, shared_folder
 
-    spec = corpus(r.corpus)
+    spec = find_corpus(r.corpus)
     if (spec.src_lang, spec.tgt_lang) != (cfg.data.src_lang, cfg.data.tgt_lang):
         raise ConfigError(
             f"recipe.corpus {spec.name} is {spec.src_lang}->{spec.tgt_lang}, "
@@ -131,9 +131,8 @@ def _prepare(
 class Digests:
     """SHA-256 of files, each file read at most once per `mtkit run` unless this run rewrites it.
 
-    The average's inputs are the weight files of K checkpoints: hashing costs one read of each, 16 ms
-    for a 30 MB file in the page cache (about 2 GB/s on one core), so a second or a few for K checkpoints
-    of a few hundred MB read from disk. Translating the average reuses the digest the average stage took.
+    The average's inputs are the weight files of K checkpoints: hashing costs one read of each, which
+    is why none is read twice. Translating the average reuses the digest the average stage took.
     """
 
     def __init__(self) -> None:
@@ -210,7 +209,8 @@ def _read_stages(path: Path) -> dict:
 
 def _average(cfg: RunConfig, out: Path, stages: list[Stage], record: StageRecord) -> Path:
     """The model to score: the mean of the newest ``recipe.average_last`` checkpoints, or best/."""
-    from mtkit.model.checkpoint import resolve, run_checkpoints, write_average
+    from mtkit.model.loading import resolve, run_checkpoints
+    from mtkit.training.averaging import write_average
 
     k = cfg.recipe.average_last
     checkpoints = run_checkpoints(out)[-k:] if k else []
@@ -257,7 +257,7 @@ def _write_translation(cfg: RunConfig, model: Path, source: Path, hyp_path: Path
     from mtkit.data.parallel import read_lines
     from mtkit.decoding.translate import Translator, chunked
     from mtkit.files import atomic_write
-    from mtkit.model.checkpoint import load_for_inference
+    from mtkit.model.loading import load_for_inference
     from mtkit.runtime import pick_device
 
     device = pick_device(cfg.train.device)

@@ -1,4 +1,6 @@
-"""Shared fixtures: tiny models, a caption corpus written by tests/captions.py, a small SentencePiece model.
+"""Shared fixtures: a caption corpus written by tests/captions.py, a small SentencePiece model, runs trained on them.
+
+Plain helpers (tiny models, configs, the command line) are in helpers.py.
 
 No test reads data from outside the repository: corpora are generated (captions.py), tasks are synthetic.
 """
@@ -11,12 +13,12 @@ from pathlib import Path
 
 import captions
 import pytest
-import torch
+from helpers import invoke, write_config
 
+import mtkit
 from mtkit import progress
-from mtkit.config import ModelConfig, TokenizerConfig
-from mtkit.data.tokenizer import PAD_ID, Tokenizer, train_spm
-from mtkit.model.transformer import Transformer, build_model
+from mtkit.config import TokenizerConfig
+from mtkit.data.tokenizer import Tokenizer, train_spm
 
 # Set by .ci/run: there a skipped test is a failure unless it needs a GPU (CI has none), so that no test can stop
 # running unnoticed, for want of a file, a package or a device.
@@ -41,39 +43,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
         terminalreporter.write_line(f"{len(_wrongly_skipped)} tests skipped that must run (MTKIT_TESTS_NO_SKIPS):")
         for nodeid in _wrongly_skipped:
             terminalreporter.write_line(f"  {nodeid}")
-
-
-def tiny_model_config(**overrides) -> ModelConfig:
-    values = dict(encoder_layers=2, decoder_layers=2, d_model=32, heads=4, ffn=64, dropout=0.0, max_positions=128)
-    values.update(overrides)
-    return ModelConfig(**values)
-
-
-def train_on_task(model: Transformer, pairs, steps: int, peak_lr: float, warmup: int) -> Transformer:
-    """Plain training of a tiny model on a toy task: ``pairs()`` gives each step's (sources, targets)."""
-    from mtkit.data.parallel import collate
-    from mtkit.data.tokenizer import PAD_ID
-    from mtkit.model.loss import linear_cross_entropy
-    from mtkit.training.trainer import lr_at
-
-    model.train()
-    optimizer = torch.optim.Adam(model.parameters(), betas=(0.9, 0.98), eps=1e-9)
-    for step in range(1, steps + 1):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, peak_lr, warmup)
-        batch = collate(*pairs())
-        features = model.features(batch.src, batch.src_pad_mask, batch.tgt_in)
-        keep = batch.tgt_out != PAD_ID
-        loss, _ = linear_cross_entropy(features[keep], model.output.weight, batch.tgt_out[keep], 0.0)
-        (loss / keep.sum()).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return model.eval()
-
-
-def tiny_model(vocab: int = 40, seed: int = 0, **overrides) -> Transformer:
-    torch.manual_seed(seed)
-    return build_model(tiny_model_config(**overrides), vocab, vocab, PAD_ID).eval()
 
 
 @pytest.fixture
@@ -148,3 +117,27 @@ def spm_model(tmp_path_factory, corpus_files) -> Tokenizer:
     lines = corpus_files["train.en"].read_text().splitlines() + corpus_files["train.de"].read_text().splitlines()
     path = train_spm(lines, tmp_path_factory.mktemp("spm") / "spm", TokenizerConfig(vocab_size=300))
     return Tokenizer(path)
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, corpus_files) -> Path:
+    """`mtkit train` from a config with no tokenizer model: it trains one first. 300 updates, so that it translates
+    each line into words of its own (after 20 it ends every translation at once)."""
+    root = tmp_path_factory.mktemp("cli")
+    config = write_config(
+        root / "tiny.yaml", corpus_files, train={"max_steps": 300, "valid_every": 150, "save_every": 150}
+    )
+    result = invoke("train", config, "--out", root / "run")
+    assert result.exit_code == 0, result.output
+    return root / "run"
+
+
+@pytest.fixture(scope="module")
+def run_with_decode_settings(tmp_path_factory, corpus_files) -> Path:
+    """A run whose recipe says beam 2 and length penalty 0.6, trained through `mtkit.train` for 300 updates, so
+    that it translates each line into words of its own."""
+    root = tmp_path_factory.mktemp("api")
+    config = write_config(root / "c.yaml", corpus_files, decode={"beam": 2, "lenpen": 0.6})
+    result = mtkit.train(config, root / "run", overrides=["train.max_steps=300", "train.valid_every=0"])
+    assert "valid_loss" in result
+    return root / "run"

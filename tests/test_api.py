@@ -4,23 +4,12 @@ from __future__ import annotations
 
 import captions
 import pytest
-from test_cli import invoke, write_config
+from helpers import invoke
 
 import mtkit
 import mtkit.decoding.translate
 from mtkit.config import SamplingConfig
 from mtkit.decoding.search import beam_search
-
-
-@pytest.fixture(scope="module")
-def run_with_decode_settings(tmp_path_factory, corpus_files):
-    """A run whose recipe says beam 2 and length penalty 0.6, trained through `mtkit.train` for 300 updates, so
-    that it translates each line into words of its own."""
-    root = tmp_path_factory.mktemp("api")
-    config = write_config(root / "c.yaml", corpus_files, decode={"beam": 2, "lenpen": 0.6})
-    result = mtkit.train(config, root / "run", overrides=["train.max_steps=300", "train.valid_every=0"])
-    assert "valid_loss" in result
-    return root / "run"
 
 
 @pytest.fixture

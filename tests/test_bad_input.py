@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from test_cli import invoke, one_line_error, trained_run, write_config  # noqa: F401  (trained_run is a fixture)
+from helpers import invoke, one_line_error, write_config
 
 from mtkit.launch import preload_environment
-from mtkit.model import checkpoint
+from mtkit.model import checkpoint, loading
 
 
 def train_on(tmp_path, corpus_files, spm_model, name: str, **data) -> object:
@@ -38,7 +38,7 @@ def train_on(tmp_path, corpus_files, spm_model, name: str, **data) -> object:
 
 
 def final_weights(run) -> dict[str, torch.Tensor]:
-    return checkpoint.read_checkpoint(checkpoint.latest(run), with_state=False).weights
+    return checkpoint.read_checkpoint(loading.latest(run), with_state=False).weights
 
 
 def translate_lines(run, lines: list[str], *args) -> list[str]:
@@ -136,7 +136,7 @@ def test_a_byte_order_mark_is_not_part_of_the_first_sentence(tmp_path, corpus_fi
     assert all(torch.equal(reference[key], trained[key]) for key in reference)
 
 
-def test_missing_or_unreadable_files(tmp_path, corpus_files, spm_model, trained_run, monkeypatch):  # noqa: F811
+def test_missing_or_unreadable_files(tmp_path, corpus_files, spm_model, trained_run, monkeypatch):
     missing = tmp_path / "missing.en"
     one_line_error(train_on(tmp_path, corpus_files, spm_model, "a", train_src=str(missing)), "missing.en: file not")
     one_line_error(invoke("translate", trained_run, "-i", missing), "missing.en: file not found")
@@ -164,7 +164,7 @@ def test_missing_or_unreadable_files(tmp_path, corpus_files, spm_model, trained_
 # -- translation input and output ------------------------------------------------------------
 
 
-def test_invalid_utf8_in_translation_input_is_replaced_and_the_line_kept(tmp_path, trained_run, val_lines):  # noqa: F811
+def test_invalid_utf8_in_translation_input_is_replaced_and_the_line_kept(tmp_path, trained_run, val_lines):
     raw = [line.encode() for line in val_lines]
     raw[1] = b"Two dogs \xff\xfe play."
     source = tmp_path / "in.en"
@@ -177,7 +177,7 @@ def test_invalid_utf8_in_translation_input_is_replaced_and_the_line_kept(tmp_pat
     assert len(hyps) == len(val_lines) and [hyps[i] for i in (0, 2, 3, 4)] == [expected[i] for i in (0, 2, 3, 4)]
 
 
-def test_nul_bytes_in_translation_input_are_replaced_and_the_line_kept(trained_run, val_lines):  # noqa: F811
+def test_nul_bytes_in_translation_input_are_replaced_and_the_line_kept(trained_run, val_lines):
     with_nul = list(val_lines)
     with_nul[3] = with_nul[3].replace(" ", "\0", 1)
     result = invoke("translate", trained_run, "--beam", 2, input="".join(line + "\n" for line in with_nul))
@@ -186,13 +186,13 @@ def test_nul_bytes_in_translation_input_are_replaced_and_the_line_kept(trained_r
     assert result.stdout.split("\n")[:-1] == translate_lines(trained_run, val_lines)
 
 
-def test_a_one_megabyte_line_gets_one_output_line(trained_run, val_lines):  # noqa: F811
+def test_a_one_megabyte_line_gets_one_output_line(trained_run, val_lines):
     lines = [val_lines[0], "A man is walking. " * 55_000, val_lines[1]]
     hyps = translate_lines(trained_run, lines)
     assert len(hyps) == 3 and [hyps[0], hyps[2]] == translate_lines(trained_run, [val_lines[0], val_lines[1]])
 
 
-def test_crlf_and_bom_translation_input_reads_like_plain_lines(tmp_path, trained_run, val_lines):  # noqa: F811
+def test_crlf_and_bom_translation_input_reads_like_plain_lines(tmp_path, trained_run, val_lines):
     source = tmp_path / "windows.en"
     source.write_bytes(b"\xef\xbb\xbf" + "".join(line + "\r\n" for line in val_lines).encode())
     result = invoke("translate", trained_run, "-i", source, "--beam", 2)
@@ -200,7 +200,7 @@ def test_crlf_and_bom_translation_input_reads_like_plain_lines(tmp_path, trained
     assert "\r" not in result.stdout and result.stdout.split("\n")[:-1] == translate_lines(trained_run, val_lines)
 
 
-def test_an_output_path_in_a_missing_folder(tmp_path, trained_run, corpus_files):  # noqa: F811
+def test_an_output_path_in_a_missing_folder(tmp_path, trained_run, corpus_files):
     out = tmp_path / "no" / "such" / "out.de"
     one_line_error(invoke("translate", trained_run, "-i", corpus_files["val.en"], "-o", out), "folder", "not exist")
     one_line_error(invoke("average", trained_run, "-o", tmp_path / "no" / "avg.safetensors"), "does not exist")
@@ -208,13 +208,13 @@ def test_an_output_path_in_a_missing_folder(tmp_path, trained_run, corpus_files)
     assert not (tmp_path / "no").exists()
 
 
-def test_beam_0(trained_run):  # noqa: F811
+def test_beam_0(trained_run):
     result = invoke("translate", trained_run, "--beam", 0, input="A dog.\n")
     assert result.exit_code == 2 and result.stderr.count("\n") == 1 and "Traceback" not in result.output
     assert result.stderr.startswith("error: ") and "Invalid value for '--beam'" in result.stderr
 
 
-def test_cuda_asked_for_on_a_machine_without_it(tmp_path, trained_run, corpus_files):  # noqa: F811
+def test_cuda_asked_for_on_a_machine_without_it(tmp_path, trained_run, corpus_files):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     one_line_error(invoke("translate", trained_run, "--device", "cuda", input="A dog.\n"), "no CUDA device")
@@ -271,22 +271,22 @@ def other_vocabulary_run(tmp_path_factory, corpus_files):
 def test_resuming_from_a_checkpoint_of_another_vocabulary_or_architecture(
     tmp_path,
     corpus_files,
-    trained_run,  # noqa: F811
+    trained_run,
     other_vocabulary_run,
 ):
     run = tmp_path / "run"
     shutil.copytree(trained_run, run)
-    last = checkpoint.read_checkpoint(checkpoint.latest(run)).meta["step"]
+    last = checkpoint.read_checkpoint(loading.latest(run)).meta["step"]
     config = write_config(tmp_path / "c.yaml", corpus_files, train={"max_steps": last + 20})
     newer = f"update-{last + 10:08d}"  # the newest, so the one a resume reads
-    shutil.copytree(checkpoint.latest(other_vocabulary_run), run / "checkpoints" / newer)
+    shutil.copytree(loading.latest(other_vocabulary_run), run / "checkpoints" / newer)
     one_line_error(invoke("train", config, "--out", run), f"{newer}: trained with another tokenizer")
     shutil.rmtree(run / "checkpoints" / newer)
     one_line_error(invoke("train", config, "--out", run, "--set", "model.d_model=64"), "model settings differ")
     one_line_error(invoke("train", config, "--out", run, "--set", "tokenizer.vocab_size=200"), "has 300 pieces")
 
 
-def test_translating_weights_that_do_not_fit_their_config(tmp_path, trained_run):  # noqa: F811
+def test_translating_weights_that_do_not_fit_their_config(tmp_path, trained_run):
     ckpt = checkpoint.read_checkpoint(trained_run / "best", with_state=False)
     weights = dict(ckpt.weights)
     weights["output.weight"] = torch.zeros(299, weights["output.weight"].shape[1])
@@ -295,25 +295,25 @@ def test_translating_weights_that_do_not_fit_their_config(tmp_path, trained_run)
     one_line_error(invoke("translate", model, input="A dog.\n"), "output.weight is (299, 32) there, (300, 32) here")
 
 
-def test_truncated_checkpoints(tmp_path, corpus_files, trained_run):  # noqa: F811
+def test_truncated_checkpoints(tmp_path, corpus_files, trained_run):
     run = tmp_path / "run"
     shutil.copytree(trained_run, run)
     best = run / "best" / checkpoint.WEIGHTS_FILE
     best.write_bytes(best.read_bytes()[:3000])
     one_line_error(invoke("translate", run, input="A dog.\n"), "model.safetensors: not a readable mtkit checkpoint")
-    state = checkpoint.latest(run) / checkpoint.STATE_FILE
+    state = loading.latest(run) / checkpoint.STATE_FILE
     state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
-    newest, older = checkpoint.run_checkpoints(run)[-1], checkpoint.run_checkpoints(run)[-2]
+    newest, older = loading.run_checkpoints(run)[-1], loading.run_checkpoints(run)[-2]
     target = checkpoint.read_checkpoint(newest, with_state=False).meta["step"] + 2
     config = write_config(tmp_path / "c.yaml", corpus_files, train={"max_steps": target})
     error = one_line_error(invoke("train", config, "--out", run), "state.pt: not a readable mtkit checkpoint")
     assert error.endswith(f"; delete {newest} to resume from {older}")
     shutil.rmtree(newest)  # as the message says
     assert invoke("train", config, "--out", run).exit_code == 0
-    assert checkpoint.read_checkpoint(checkpoint.latest(run)).meta["step"] == target
+    assert checkpoint.read_checkpoint(loading.latest(run)).meta["step"] == target
 
 
-def test_a_tokenizer_that_does_not_match_the_checkpoint(tmp_path, trained_run, other_vocabulary_run):  # noqa: F811
+def test_a_tokenizer_that_does_not_match_the_checkpoint(tmp_path, trained_run, other_vocabulary_run):
     run = tmp_path / "run"
     shutil.copytree(trained_run, run)
     shutil.copyfile(other_vocabulary_run / "spm.model", run / "spm.model")
@@ -341,7 +341,7 @@ def damaged_gz(tmp_path, corpus_files) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("kind", ["truncated", "corrupt"])
-def test_a_damaged_gz_is_one_line_naming_it_in_every_command(tmp_path, corpus_files, spm_model, trained_run,  # noqa: F811
+def test_a_damaged_gz_is_one_line_naming_it_in_every_command(tmp_path, corpus_files, spm_model, trained_run,
                                                              damaged_gz, kind):  # fmt: skip
     """Each once gave a zlib.error or EOFError traceback, or Click's bare 'Aborted.'."""
     bad = damaged_gz[kind]
@@ -367,14 +367,14 @@ def test_positions_fewer_than_the_longest_training_sentence(tmp_path, corpus_fil
 
 
 @pytest.mark.parametrize("device", ["foo", "meta", "cuda:0", "cuda:x", "cpu:0"])
-def test_a_device_that_is_not_here(trained_run, device):  # noqa: F811
+def test_a_device_that_is_not_here(trained_run, device):
     if torch.cuda.is_available() and device == "cuda:0":
         pytest.skip("this machine has CUDA")
     message = "no CUDA device" if device == "cuda:0" else "device must be auto, cpu, cuda or cuda:N"
     one_line_error(invoke("translate", trained_run, "--device", device, input="A dog.\n"), message)
 
 
-def test_sampling_settings_at_their_limits(trained_run, val_lines):  # noqa: F811
+def test_sampling_settings_at_their_limits(trained_run, val_lines):
     text = "".join(line + "\n" for line in val_lines)
     # In fp32: bf16 logits tie often, and sampling may break a tie differently from greedy search.
     greedy = translate_lines(trained_run, val_lines, "--beam", "1", "--precision", "fp32")
@@ -391,7 +391,7 @@ def test_sampling_settings_at_their_limits(trained_run, val_lines):  # noqa: F81
     assert too_big.stderr.startswith("error: ") and "translate: Invalid value for '--seed'" in too_big.stderr
 
 
-def test_usage_errors_are_one_line(trained_run):  # noqa: F811
+def test_usage_errors_are_one_line(trained_run):
     """Click's usage errors once printed a box of several lines."""
     for args, fragment in (
         (["translate", trained_run, "--beam", "abc"], "Invalid value for '--beam'"),
@@ -405,12 +405,12 @@ def test_usage_errors_are_one_line(trained_run):  # noqa: F811
 
 
 @pytest.mark.parametrize("value", ["inf", "nan"])
-def test_an_infinite_length_cap_is_refused(trained_run, value):  # noqa: F811
+def test_an_infinite_length_cap_is_refused(trained_run, value):
     """--max-len-a inf was accepted and emptied every translation."""
     one_line_error(invoke("translate", trained_run, "--max-len-a", value, input="A dog.\n"), "must be finite")
 
 
-def test_inputs_that_are_not_regular_files(tmp_path, trained_run, val_lines):  # noqa: F811
+def test_inputs_that_are_not_regular_files(tmp_path, trained_run, val_lines):
     """/dev/null, a FIFO, process substitution, /dev/stdin and - were once refused as 'file not found'."""
     assert invoke("translate", trained_run, "-i", "/dev/null").stdout == ""
     text = "".join(line + "\n" for line in val_lines)
@@ -435,7 +435,7 @@ def test_inputs_that_are_not_regular_files(tmp_path, trained_run, val_lines):  #
 
 
 @pytest.mark.parametrize("closed", ["stdin", "stdout"])
-def test_closed_standard_streams(trained_run, closed):  # noqa: F811
+def test_closed_standard_streams(trained_run, closed):
     """`<&-` and `>&-` once ended in an AttributeError traceback."""
     redirect = "<&-" if closed == "stdin" else ">&- < /dev/null"
     command = f"{sys.executable} -m mtkit translate {trained_run} --beam 1 {redirect}"
@@ -448,13 +448,13 @@ def test_closed_standard_streams(trained_run, closed):  # noqa: F811
     )
 
 
-def test_lines_of_invisible_characters_only_stay_empty(trained_run):  # noqa: F811
+def test_lines_of_invisible_characters_only_stay_empty(trained_run):
     """A line of U+FEFF or U+200B alone encodes to no token and once got a made-up translation."""
     hyps = translate_lines(trained_run, ["A dog.", "\ufeff", "\u200b\u200b", "\u2060", "A cat."])
     assert hyps[1:4] == ["", "", ""] and hyps[0] and hyps[4]
 
 
-def test_a_prefix_longer_than_the_length_cap_is_kept_whole(tmp_path, trained_run):  # noqa: F811
+def test_a_prefix_longer_than_the_length_cap_is_kept_whole(tmp_path, trained_run):
     """The cap (max_len_a * length + max_len_b) once cut a forced prefix short."""
     prefix = "Ein Mann mit einem großen Hut und einer roten Jacke steht vor dem Haus"
     (tmp_path / "prefix.de").write_text(prefix + "\n")
@@ -466,7 +466,7 @@ def test_a_prefix_longer_than_the_length_cap_is_kept_whole(tmp_path, trained_run
 # -- output paths ---------------------------------------------------------------------------------
 
 
-def test_output_paths_that_must_not_be_replaced(tmp_path, trained_run):  # noqa: F811
+def test_output_paths_that_must_not_be_replaced(tmp_path, trained_run):
     """Each case decided: a symlink is followed; a read-only file, the input itself and a checkpoint are refused."""
     source = tmp_path / "in.en"
     source.write_text("A dog.\n")
@@ -489,13 +489,13 @@ def test_output_paths_that_must_not_be_replaced(tmp_path, trained_run):  # noqa:
 
     one_line_error(invoke("translate", trained_run, "-i", source, "-o", source), "in.en: is also an input")
     one_line_error(invoke("translate", trained_run, "-i", link, "-o", target), "is also an input")
-    newest = checkpoint.latest(trained_run)
+    newest = loading.latest(trained_run)
     before = (newest / checkpoint.WEIGHTS_FILE).read_bytes()
     one_line_error(invoke("average", trained_run, "-o", newest / checkpoint.WEIGHTS_FILE), "is inside the checkpoint")
     assert (newest / checkpoint.WEIGHTS_FILE).read_bytes() == before
 
 
-def test_a_failed_output_write_names_the_output_not_its_temporary_file(tmp_path, trained_run, monkeypatch):  # noqa: F811
+def test_a_failed_output_write_names_the_output_not_its_temporary_file(tmp_path, trained_run, monkeypatch):
     out = tmp_path / "out.de"
     real_fsync = os.fsync
 
@@ -533,7 +533,7 @@ def peak_rss_mib(command: str, stdin: bytes) -> tuple[int, subprocess.CompletedP
     return peak, result
 
 
-def test_a_huge_line_and_a_huge_beam_keep_memory_bounded(trained_run):  # noqa: F811
+def test_a_huge_line_and_a_huge_beam_keep_memory_bounded(trained_run):
     """A 26 MB line once took 1.2 GB; 64 lines at beam 1000 took 2.4 GB (--batch-tokens ignored the beam)."""
     baseline, _ = peak_rss_mib(f"translate {trained_run} --beam 1", b"A dog.\n")
     huge, result = peak_rss_mib(f"translate {trained_run} --beam 1", b"A man is walking. " * 1_450_000 + b"\n")

@@ -15,10 +15,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_export import export_ctranslate2, joint_post_norm_run
-from test_security import with_header
+from helpers import joint_post_norm_run, with_header
 
-from mtkit.model import checkpoint
+from mtkit.interop.ct2_export import export_ctranslate2
+from mtkit.model import checkpoint, loading
 
 ADDRESS_SPACE = 8 << 30  # bytes: mtkit translating one line with CTranslate2 maps well under half of it
 HUGE = 10**9
@@ -48,6 +48,7 @@ def run(tmp_path_factory, spm_model) -> Path:
 
 @pytest.fixture(scope="module")
 def export(run) -> Path:
+    pytest.importorskip("ctranslate2")
     return export_ctranslate2(run, run.parent / "ct2")
 
 
@@ -66,13 +67,13 @@ def test_a_flag_beyond_its_bound_is_one_error_line(run, args, named):
 
 def test_a_checkpoint_header_asking_for_a_huge_beam_is_one_error_line(run, tmp_path):
     model = tmp_path / "model.safetensors"
-    weights = checkpoint.resolve(run) / checkpoint.WEIGHTS_FILE
+    weights = loading.resolve(run) / checkpoint.WEIGHTS_FILE
     with_header(weights, model, lambda meta: meta["config"]["decode"].update(beam=HUGE))
     shutil.copyfile(run / "spm.model", tmp_path / "spm.model")
     one_error_line(translate(model), str(model), "decode.beam must be at most 1,000")
 
 
-@pytest.mark.parametrize("setting", [dict(beam=HUGE), dict(lenpen=1e300)], ids=["beam", "lenpen"])
+@pytest.mark.parametrize("setting", [{"beam": HUGE}, {"lenpen": 1e300}], ids=["beam", "lenpen"])
 def test_an_export_manifest_asking_for_a_huge_search_is_one_error_line(export, tmp_path, setting):
     """decode.beam 1000000000 in mtkit.json got `translate --engine ctranslate2` OOM-killed at 24 GB; lenpen 1e300
     overflowed ((5 + length) / 6) ** lenpen in a traceback."""

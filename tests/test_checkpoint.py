@@ -3,30 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
-from pathlib import Path
 
 import pytest
 import safetensors
 import safetensors.torch
 import torch
-from conftest import tiny_model, tiny_model_config
-from typer.testing import CliRunner
+from helpers import invoke, meta_for, run_dir_with, tiny_model
 
 from mtkit import files
-from mtkit.cli import app
-from mtkit.config import RunConfig
-from mtkit.model import checkpoint
+from mtkit.model import checkpoint, loading
 from mtkit.model.checkpoint import CheckpointError
+from mtkit.training import averaging, run_directory
 from mtkit.training.run_directory import recover
-
-runner = CliRunner()
-
-
-def meta_for(model_overrides: dict | None = None, step: int = 1, sha: str = "0" * 64) -> dict:
-    cfg = RunConfig(model=tiny_model_config(**(model_overrides or {})))
-    record = {"file": "spm.model", "sha256": sha}
-    return {"config": cfg.to_dict(), "tokenizer": {"src": record, "tgt": dict(record)}, "step": step}
 
 
 def weights_of(seed: int = 0, **overrides) -> dict[str, torch.Tensor]:
@@ -77,33 +67,33 @@ def test_state_loads_with_plain_torch_load_and_meta_survives(tmp_path):
 
 def test_failed_save_keeps_the_previous_checkpoint_and_leaves_nothing_behind(tmp_path, monkeypatch):
     run = tmp_path / "run"
-    first = checkpoint.save_in_run(run, 10, weights_of(0), meta_for(), {"progress": {"step": 10}}, keep_last=0)
+    first = run_directory.save_in_run(run, 10, weights_of(0), meta_for(), {"progress": {"step": 10}}, keep_last=0)
 
     def crash(*args, **kwargs):
         raise OSError("disk full")
 
     monkeypatch.setattr(torch, "save", crash)  # fails after model.safetensors is written
     with pytest.raises(OSError, match="disk full"):
-        checkpoint.save_in_run(run, 10, weights_of(1), meta_for(), {"progress": {"step": 10}}, keep_last=0)
+        run_directory.save_in_run(run, 10, weights_of(1), meta_for(), {"progress": {"step": 10}}, keep_last=0)
     with pytest.raises(OSError, match="disk full"):
-        checkpoint.save_in_run(run, 20, weights_of(1), meta_for(), {"progress": {"step": 20}}, keep_last=0)
+        run_directory.save_in_run(run, 20, weights_of(1), meta_for(), {"progress": {"step": 20}}, keep_last=0)
 
-    assert [p.name for p in (run / checkpoint.CHECKPOINTS_DIR).iterdir()] == [first.name]
-    assert checkpoint.latest(run) == first
+    assert [p.name for p in (run / loading.CHECKPOINTS_DIR).iterdir()] == [first.name]
+    assert loading.latest(run) == first
     assert_same_weights(checkpoint.read_checkpoint(first).weights, weights_of(0))
 
 
 def test_failed_swap_puts_the_old_checkpoint_back(tmp_path, monkeypatch):
     target = tmp_path / "best"
     checkpoint.save(target, weights_of(0), meta_for(step=1))
-    real_rename = checkpoint.os.rename
+    real_rename = os.rename
 
     def rename(src, dst):
         if str(src).endswith(".tmp"):  # the old one is already set aside; the new one fails to move in
             raise OSError("rename failed")
         real_rename(src, dst)
 
-    monkeypatch.setattr(checkpoint.os, "rename", rename)
+    monkeypatch.setattr(os, "rename", rename)
     with pytest.raises(OSError, match="rename failed"):
         checkpoint.save(target, weights_of(1), meta_for(step=2))
     assert checkpoint.read_checkpoint(target).meta["step"] == 1
@@ -112,34 +102,34 @@ def test_failed_swap_puts_the_old_checkpoint_back(tmp_path, monkeypatch):
 
 def test_directories_left_by_a_killed_save_are_ignored_then_cleaned(tmp_path):
     run = tmp_path / "run"
-    done = checkpoint.save_in_run(run, 10, weights_of(0), meta_for(step=10), None, keep_last=0)
+    done = run_directory.save_in_run(run, 10, weights_of(0), meta_for(step=10), None, keep_last=0)
     stray = done.with_name(".update-00000020.abc.tmp")  # what SIGKILL mid-save leaves: complete weights, odd name
     shutil.copytree(done, stray)
-    (run / checkpoint.CHECKPOINTS_DIR / "update-00000030").mkdir()  # partial: no weights file yet
+    (run / loading.CHECKPOINTS_DIR / "update-00000030").mkdir()  # partial: no weights file yet
 
-    assert checkpoint.run_checkpoints(run) == [done]
-    assert checkpoint.latest(run) == done
-    checkpoint.save_in_run(run, 20, weights_of(1), meta_for(step=20), None, keep_last=0)
+    assert loading.run_checkpoints(run) == [done]
+    assert loading.latest(run) == done
+    run_directory.save_in_run(run, 20, weights_of(1), meta_for(step=20), None, keep_last=0)
     assert not stray.exists()
 
 
 def test_a_kill_between_the_two_renames_of_a_swap_loses_no_checkpoint(tmp_path):
     """Replacing best/ renames it aside, then the new one in: a SIGKILL between the two leaves only the old."""
     run = tmp_path / "run"
-    checkpoint.save_best(run, weights_of(0), meta_for(step=10))
-    checkpoint.save_in_run(run, 10, weights_of(0), meta_for(step=10), None, keep_last=0)
+    run_directory.save_best(run, weights_of(0), meta_for(step=10))
+    run_directory.save_in_run(run, 10, weights_of(0), meta_for(step=10), None, keep_last=0)
     (run / "best").rename(run / ".best.old")
     shutil.copytree(run / ".best.old", run / ".best.xyz.tmp")  # the new one, never moved in
 
-    assert checkpoint.resolve(run) == run / ".best.old"  # translate still finds it, read-only
+    assert loading.resolve(run) == run / ".best.old"  # translate still finds it, read-only
     (run / ".config.yaml.abc.tmp").write_text("half a con")  # an atomic write that a kill interrupted
     (run / ".keep-me").write_text("not mtkit's")
     recover(run)  # what training does first
     assert sorted(p.name for p in run.iterdir()) == [".keep-me", "best", "checkpoints"]
-    assert_same_weights(checkpoint.read_checkpoint(checkpoint.resolve(run)).weights, weights_of(0))
+    assert_same_weights(checkpoint.read_checkpoint(loading.resolve(run)).weights, weights_of(0))
 
     (run / "best").rename(run / ".best.old")  # the same crash again; this time the next save finds it
-    checkpoint.save_best(run, weights_of(1), meta_for(step=20))
+    run_directory.save_best(run, weights_of(1), meta_for(step=20))
     assert sorted(p.name for p in run.iterdir()) == [".keep-me", "best", "checkpoints"]
     assert checkpoint.read_checkpoint(run / "best").meta["step"] == 20
 
@@ -148,21 +138,22 @@ def test_a_kill_between_the_two_renames_of_a_swap_loses_no_checkpoint(tmp_path):
 def test_keep_last_keeps_exactly_the_newest(tmp_path, keep_last, kept):
     weights = weights_of()
     for step in range(1, 6):
-        checkpoint.save_in_run(tmp_path, step, weights, meta_for(), {"progress": {"step": step}}, keep_last)
-    found = checkpoint.run_checkpoints(tmp_path)
+        run_directory.save_in_run(tmp_path, step, weights, meta_for(), {"progress": {"step": step}}, keep_last)
+    found = loading.run_checkpoints(tmp_path)
     assert [checkpoint.read_checkpoint(p).meta["step"] for p in found] == kept
 
 
 def test_pruning_never_deletes_the_checkpoint_just_written(tmp_path):
-    stale = checkpoint.save_in_run(tmp_path, 30, weights_of(), meta_for(), None, keep_last=0)  # e.g. before a restart
-    fresh = checkpoint.save_in_run(tmp_path, 10, weights_of(), meta_for(), None, keep_last=1)
-    assert checkpoint.run_checkpoints(tmp_path) == [fresh, stale]
+    # e.g. before a restart
+    stale = run_directory.save_in_run(tmp_path, 30, weights_of(), meta_for(), None, keep_last=0)
+    fresh = run_directory.save_in_run(tmp_path, 10, weights_of(), meta_for(), None, keep_last=1)
+    assert loading.run_checkpoints(tmp_path) == [fresh, stale]
 
 
 def test_steps_are_ordered_by_number_not_name(tmp_path):
     for step in (99_999_999, 100_000_000, 5):
-        checkpoint.save_in_run(tmp_path, step, weights_of(), meta_for(), None, keep_last=0)
-    assert [checkpoint.read_checkpoint(p).meta["step"] for p in checkpoint.run_checkpoints(tmp_path)] == [
+        run_directory.save_in_run(tmp_path, step, weights_of(), meta_for(), None, keep_last=0)
+    assert [checkpoint.read_checkpoint(p).meta["step"] for p in loading.run_checkpoints(tmp_path)] == [
         5,
         99_999_999,
         100_000_000,
@@ -191,7 +182,7 @@ def test_missing_and_truncated_checkpoints_are_clear_errors(tmp_path):
     with pytest.raises(CheckpointError, match="checkpoint not found"):
         checkpoint.read_checkpoint(tmp_path / "nothing-here")
     with pytest.raises(CheckpointError, match="no checkpoint in this run directory"):
-        checkpoint.resolve(tmp_path)
+        loading.resolve(tmp_path)
 
 
 def test_average_is_the_mean_and_keeps_tied_weights_shared(tmp_path):
@@ -199,7 +190,7 @@ def test_average_is_the_mean_and_keeps_tied_weights_shared(tmp_path):
     checkpoint.save(tmp_path / "a", a, {**meta_for(step=20), "validation": {"valid_bleu": 1.0}})
     checkpoint.save(tmp_path / "b", b, meta_for(step=10))
 
-    weights, meta = checkpoint.average_checkpoints([tmp_path / "a", tmp_path / "b"])
+    weights, meta = averaging.average_checkpoints([tmp_path / "a", tmp_path / "b"])
     for key in a:
         torch.testing.assert_close(weights[key], (a[key] + b[key]) / 2)
     assert weights["output.weight"] is weights["encoder.embed.tokens.weight"]
@@ -213,29 +204,12 @@ def test_average_refuses_a_different_model(tmp_path):
     checkpoint.save(tmp_path / "c", weights_of(), meta_for(sha="1" * 64))
 
     with pytest.raises(CheckpointError, match=r"b: model settings differ"):
-        checkpoint.average_checkpoints([tmp_path / "a", tmp_path / "b"])
+        averaging.average_checkpoints([tmp_path / "a", tmp_path / "b"])
     with pytest.raises(CheckpointError, match=r"c: tokenizer differs"):
-        checkpoint.average_checkpoints([tmp_path / "a", tmp_path / "c"])
+        averaging.average_checkpoints([tmp_path / "a", tmp_path / "c"])
 
 
 # -- mtkit average ---------------------------------------------------------------------------
-
-
-def invoke(*args, input=None):
-    return runner.invoke(app, [str(a) for a in args], input=input)
-
-
-def run_dir_with(root, spm_model, model_section: dict, steps: tuple[int, ...], with_state: bool) -> Path:
-    """A hand-built run directory: the real tokenizer and one checkpoint of a tiny model per step."""
-    run = root / "run"
-    run.mkdir()
-    shutil.copyfile(spm_model.path, run / "spm.model")
-    meta = meta_for(model_section, sha=spm_model.sha256)
-    for step in steps:
-        weights = tiny_model(spm_model.vocab_size, seed=step, **model_section).state_dict()
-        state = {"progress": {"step": step}} if with_state else None
-        checkpoint.save_in_run(run, step, weights, meta, state, keep_last=0)
-    return run
 
 
 @pytest.fixture
@@ -303,18 +277,18 @@ def test_a_failed_file_write_leaves_the_old_file_and_no_temporary(tmp_path):
 def test_a_checkpoint_killed_while_being_pruned_is_never_taken_for_a_whole_one(tmp_path, monkeypatch):
     run = tmp_path / "run"
     for step in (1, 2):
-        checkpoint.save_in_run(run, step, weights_of(0), meta_for(step=step), {"progress": {}}, keep_last=2)
-    real_unlink = checkpoint.os.unlink
+        run_directory.save_in_run(run, step, weights_of(0), meta_for(step=step), {"progress": {}}, keep_last=2)
+    real_unlink = os.unlink
 
     def killed_after_the_first_file(path, *args, **kwargs):
         real_unlink(path, *args, **kwargs)
         raise KeyboardInterrupt("killed")  # stands in for SIGKILL: nothing after this runs
 
-    monkeypatch.setattr(checkpoint.os, "unlink", killed_after_the_first_file)
+    monkeypatch.setattr(os, "unlink", killed_after_the_first_file)
     with pytest.raises(KeyboardInterrupt):
-        checkpoint.save_in_run(run, 3, weights_of(0), meta_for(step=3), {"progress": {}}, keep_last=2)
+        run_directory.save_in_run(run, 3, weights_of(0), meta_for(step=3), {"progress": {}}, keep_last=2)
     monkeypatch.undo()
-    assert [p.name for p in checkpoint.run_checkpoints(run)] == ["update-00000002", "update-00000003"]
-    assert all(checkpoint.read_checkpoint(p).state is not None for p in checkpoint.run_checkpoints(run))
+    assert [p.name for p in loading.run_checkpoints(run)] == ["update-00000002", "update-00000003"]
+    assert all(checkpoint.read_checkpoint(p).state is not None for p in loading.run_checkpoints(run))
     recover(run)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["update-00000002", "update-00000003"]

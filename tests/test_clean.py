@@ -128,10 +128,10 @@ def test_consumes_an_endless_generator_lazily():
 @pytest.mark.parametrize(
     "values, message",
     [
-        (dict(min_words=0), "clean.min_words must be >= 1"),
-        (dict(min_words=5, max_words=4), "clean.max_words must be >= clean.min_words"),
-        (dict(max_ratio=0.5), "clean.max_ratio must be >= 1"),
-        (dict(max_ratio=float("nan")), "clean.max_ratio must be >= 1"),
+        ({"min_words": 0}, "clean.min_words must be >= 1"),
+        ({"min_words": 5, "max_words": 4}, "clean.max_words must be >= clean.min_words"),
+        ({"max_ratio": 0.5}, "clean.max_ratio must be >= 1"),
+        ({"max_ratio": float("nan")}, "clean.max_ratio must be >= 1"),
     ],
 )
 def test_config_rejects_bad_values_in_one_line(values, message):
@@ -170,9 +170,16 @@ def test_a_corpus_with_known_defects_gives_exact_counts_and_reproduces():
         return clean(iter(pairs), **cfg)
 
     kept, summary = run()
-    assert summary.to_dict() == dict(
-        read=3005, kept=3000, empty=1, too_short=0, too_long=1, ratio=1, duplicate=2, changed=3
-    )
+    assert summary.to_dict() == {
+        "read": 3005,
+        "kept": 3000,
+        "empty": 1,
+        "too_short": 0,
+        "too_long": 1,
+        "ratio": 1,
+        "duplicate": 2,
+        "changed": 3,
+    }
     assert kept == published  # normalised back to the captions as written, in their order
     assert all(normalize(side, nfkc=False) == side for pair in kept for side in pair)  # nothing left to do
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 import signal
 import subprocess
 import sys
@@ -11,64 +10,9 @@ import time
 
 import pytest
 import torch
-import yaml
-from typer.testing import CliRunner
+from helpers import invoke, one_line_error, write_config
 
-from mtkit.cli import app
-from mtkit.model import checkpoint
-
-runner = CliRunner()
-
-TINY_MODEL = {"encoder_layers": 1, "decoder_layers": 1, "d_model": 32, "heads": 2, "ffn": 64}
-
-
-def invoke(*args, input=None):
-    return runner.invoke(app, [str(a) for a in args], input=input)
-
-
-def write_config(path, corpus_files, **sections):
-    """A config training a tiny model on ``corpus_files``, in fp32 (not auto) so that what the tests see is the same
-    on every CPU; ``sections`` update it."""
-    raw = {
-        "data": {
-            "train_src": str(corpus_files["train.en"]),
-            "train_tgt": str(corpus_files["train.de"]),
-            "valid_src": str(corpus_files["val.en"]),
-            "valid_tgt": str(corpus_files["val.de"]),
-            "src_lang": "en",
-            "tgt_lang": "de",
-        },
-        "tokenizer": {"vocab_size": 300},
-        "model": dict(TINY_MODEL),
-        "train": {
-            "max_steps": 20,
-            "batch_tokens": 1024,
-            "warmup": 5,
-            "lr": 3e-3,
-            "valid_every": 10,
-            "save_every": 10,
-            "log_every": 5,
-            "valid_beam": 2,
-            "precision": "fp32",
-        },
-    }
-    for section, values in sections.items():
-        raw.setdefault(section, {}).update(values)
-    path.write_text(yaml.safe_dump(raw))
-    return path
-
-
-@pytest.fixture(scope="module")
-def trained_run(tmp_path_factory, corpus_files):
-    """`mtkit train` from a config with no tokenizer model: it trains one first. 300 updates, so that it translates
-    each line into words of its own (after 20 it ends every translation at once)."""
-    root = tmp_path_factory.mktemp("cli")
-    config = write_config(
-        root / "tiny.yaml", corpus_files, train={"max_steps": 300, "valid_every": 150, "save_every": 150}
-    )
-    result = invoke("train", config, "--out", root / "run")
-    assert result.exit_code == 0, result.output
-    return root / "run"
+from mtkit.model import checkpoint, loading
 
 
 @pytest.mark.parametrize(
@@ -113,7 +57,7 @@ def test_tokenizer_train_joint_and_separate(tmp_path, corpus_files):
 def test_train_writes_a_complete_run_directory(trained_run):
     for name in ("config.yaml", "spm.model", "spm.vocab", "metrics.jsonl", "best/model.safetensors"):
         assert (trained_run / name).is_file(), name
-    assert [path.name for path in checkpoint.run_checkpoints(trained_run)] == ["update-00000150", "update-00000300"]
+    assert [path.name for path in loading.run_checkpoints(trained_run)] == ["update-00000150", "update-00000300"]
     events = [json.loads(line) for line in (trained_run / "metrics.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e["event"] == "valid"] == [150, 300]
     assert all("bleu_signature" in e for e in events if e["event"] == "valid")
@@ -165,17 +109,6 @@ def test_eval_prints_scores_with_signatures(trained_run, corpus_files, tmp_path)
         "eval", "--hyp", corpus_files["val.de"], "--ref", corpus_files["val.de"], "--ref", hyp, "--metrics", "bleu"
     )
     assert perfect.exit_code == 0 and "BLEU = 100.00" in perfect.stdout and "nrefs:2" in perfect.stdout
-
-
-def one_line_error(result, *fragments: str) -> str:
-    """Exit status 1 and one error line, returned; only progress log lines (a corpus being streamed) may come first."""
-    assert result.exit_code == 1, result.output
-    lines = [line for line in result.stderr.strip().splitlines() if not re.match(r"\d\d:\d\d:\d\d INFO ", line)]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-    assert "Traceback" not in result.output
-    return lines[0]
 
 
 def test_bad_translate_and_eval_input_is_one_line_and_exit_1(tmp_path, corpus_files):
@@ -236,13 +169,13 @@ def test_sigterm_saves_a_whole_update_and_the_same_command_resumes(tmp_path, cor
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "stopped by SIGTERM" in err and "Traceback" not in err
 
-    saved = checkpoint.read_checkpoint(checkpoint.latest(run)).meta["step"]
+    saved = checkpoint.read_checkpoint(loading.latest(run)).meta["step"]
     logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert saved == logged[-1]  # the checkpoint holds exactly the updates that were logged
     resumed = subprocess.run(command + ["--set", f"train.max_steps={saved + 2}"], capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
-    assert f"resuming from {checkpoint.run_checkpoints(run)[-2]} at update {saved}" in resumed.stderr
-    assert checkpoint.read_checkpoint(checkpoint.latest(run)).meta["step"] == saved + 2
+    assert f"resuming from {loading.run_checkpoints(run)[-2]} at update {saved}" in resumed.stderr
+    assert checkpoint.read_checkpoint(loading.latest(run)).meta["step"] == saved + 2
 
 
 def test_doctor_reports_the_machine(tmp_path):
@@ -287,15 +220,15 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tmp_path, corpus_f
     wait_for_logged_updates(proc, killed / "metrics.jsonl", 5)
     proc.kill()
     proc.wait()
-    saved = checkpoint.read_checkpoint(checkpoint.latest(killed)).meta["step"]
+    saved = checkpoint.read_checkpoint(loading.latest(killed)).meta["step"]
     assert saved >= 2 and saved % 2 == 0
     target = f"train.max_steps={saved + 4}"
     for out in (killed, tmp_path / "straight"):
         done = subprocess.run(command + ["--out", str(out), "--set", target], capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
     assert per_step_losses(killed / "metrics.jsonl") == per_step_losses(tmp_path / "straight" / "metrics.jsonl")
-    a = checkpoint.read_checkpoint(checkpoint.latest(killed)).weights
-    b = checkpoint.read_checkpoint(checkpoint.latest(tmp_path / "straight")).weights
+    a = checkpoint.read_checkpoint(loading.latest(killed)).weights
+    b = checkpoint.read_checkpoint(loading.latest(tmp_path / "straight")).weights
     assert all(torch.equal(a[name], b[name]) for name in a)
 
 
@@ -318,7 +251,7 @@ def test_output_spellings_and_quiet_logging(tmp_path, corpus_files):
     assert loud.exit_code == quiet.exit_code == 0
     assert " INFO " in loud.stderr and " INFO " not in quiet.stderr
     assert invoke("--log-level", "warning", "train", config, "--out", tmp_path / "c").exit_code == 0
-    assert all(checkpoint.latest(tmp_path / name) is not None for name in "abc")
+    assert all(loading.latest(tmp_path / name) is not None for name in "abc")
     s, t = corpus_files["train.en"], corpus_files["train.de"]
     for spelling in ("-o", "--output", "--out-dir"):
         folder = tmp_path / spelling.strip("-")

@@ -35,6 +35,13 @@ def test_preset_sets_defaults_and_explicit_keys_win():
     assert from_dict({"model": {"preset": "transformer-base"}}).model.d_model == PRESETS["transformer-base"]["d_model"]
 
 
+def test_model_defaults_are_the_default_presets():
+    """A ModelConfig built directly has the sizes a config without model keys gets from the preset."""
+    defaults = ModelConfig()
+    assert {key: getattr(defaults, key) for key in PRESETS[defaults.preset]} == PRESETS[defaults.preset]
+    assert from_dict({}).model == defaults
+
+
 def test_overrides_are_typed_and_apply_to_any_key(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("train:\n  lr: 0.001\n")

@@ -6,8 +6,7 @@ import math
 import random
 
 import pytest
-from conftest import tiny_model
-from test_search import random_sources
+from helpers import random_sources, tiny_model
 
 from mtkit.config import DecodeConfig
 from mtkit.data.parallel import source_tensor

@@ -9,8 +9,7 @@ import copy
 
 import pytest
 import torch
-from conftest import tiny_model
-from test_train import small_config
+from helpers import small_config, tiny_model
 
 from mtkit.config import DecodeConfig
 from mtkit.data.parallel import source_tensor

@@ -20,7 +20,7 @@ import captions
 import pytest
 
 from mtkit.data import download
-from mtkit.data.download import DownloadError, fetch, source_url
+from mtkit.data.download import DownloadError, fetch_file, source_url
 
 CUT = 10_000  # bytes an interrupted response sends before the connection goes
 
@@ -142,7 +142,7 @@ def test_interrupted_transfer_resumes_with_range_and_is_byte_identical(serve, pa
     url = serve(site)
     dest = tmp_path / "raw" / "val.de.gz"
     with caplog.at_level(logging.INFO, logger="mtkit"):
-        assert fetch(url, dest, sha256=sha(payload)) == dest
+        assert fetch_file(url, dest, sha256=sha(payload)) == dest
     assert dest.read_bytes() == payload
     assert site.ranges == [None, f"bytes={CUT}-"]
     assert not dest.with_name("val.de.gz.part").exists()
@@ -158,23 +158,23 @@ def test_on_a_terminal_a_transfer_shows_its_size_with_the_resumed_part_counted(
 
     kib = f"{len(payload) / 1024:.1f}"
     with caplog.at_level(logging.INFO, logger="mtkit"):
-        fetch(serve(Site(payload, cut_first=True)), tmp_path / "val.de.gz")
+        fetch_file(serve(Site(payload, cut_first=True)), tmp_path / "val.de.gz")
         cut, resumed = bars("downloading val.de.gz")
         assert f"/{kib} KiB" in cut and f"100% {kib}/{kib} KiB" in resumed
-        fetch(str(payload_file), tmp_path / "copy" / "val.de.gz")
+        fetch_file(str(payload_file), tmp_path / "copy" / "val.de.gz")
         assert f"100% {kib}/{kib} KiB" in bars("copying val.de.gz")[0]
 
 
 def test_server_ignoring_range_still_yields_the_file(serve, payload, tmp_path):
     site = Site(payload, cut_first=True, honour_range=False)
-    dest = fetch(serve(site), tmp_path / "val.de.gz")
+    dest = fetch_file(serve(site), tmp_path / "val.de.gz")
     assert site.ranges == [None, f"bytes={CUT}-"]  # asked to resume, got 200 and started over
     assert dest.read_bytes() == payload
 
 
 def test_206_starting_elsewhere_is_discarded_and_fetched_again(serve, payload, tmp_path):
     site = Site(payload, cut_first=True, wrong_range=True)
-    dest = fetch(serve(site), tmp_path / "val.de.gz")
+    dest = fetch_file(serve(site), tmp_path / "val.de.gz")
     assert site.ranges == [None, f"bytes={CUT}-", None]
     assert dest.read_bytes() == payload
 
@@ -183,7 +183,7 @@ def test_complete_part_answered_416_is_verified_and_kept(serve, payload, tmp_pat
     site = Site(payload)
     dest = tmp_path / "val.de.gz"
     dest.with_name("val.de.gz.part").write_bytes(payload)
-    fetch(serve(site), dest, sha256=sha(payload))
+    fetch_file(serve(site), dest, sha256=sha(payload))
     assert site.ranges == [f"bytes={len(payload)}-"]
     assert dest.read_bytes() == payload
 
@@ -192,7 +192,7 @@ def test_404_fails_at_once_with_a_one_line_error(serve, payload, tmp_path):
     site = Site(payload, first_status=404)
     url = serve(site)
     with pytest.raises(DownloadError) as err:
-        fetch(url, tmp_path / "val.de.gz")
+        fetch_file(url, tmp_path / "val.de.gz")
     message = str(err.value)
     assert url in message and "404" in message and "\n" not in message
     assert len(site.requests) == 1
@@ -201,7 +201,7 @@ def test_404_fails_at_once_with_a_one_line_error(serve, payload, tmp_path):
 
 def test_server_error_is_retried(serve, payload, tmp_path):
     site = Site(payload, first_status=503)
-    dest = fetch(serve(site), tmp_path / "val.de.gz")
+    dest = fetch_file(serve(site), tmp_path / "val.de.gz")
     assert len(site.requests) == 2
     assert dest.read_bytes() == payload
 
@@ -210,7 +210,7 @@ def test_silent_server_times_out_and_each_retry_resumes(serve, payload, tmp_path
     site = Site(payload, stall_first=True)
     dest = tmp_path / "val.de.gz"
     started = time.monotonic()
-    fetch(serve(site), dest, timeout=0.3, retries=1)
+    fetch_file(serve(site), dest, timeout=0.3, retries=1)
     assert time.monotonic() - started < 3
     assert site.ranges == [None, f"bytes={CUT}-"]
     assert dest.read_bytes() == payload
@@ -220,7 +220,7 @@ def test_checksum_mismatch_is_an_error_and_leaves_no_file(serve, payload, tmp_pa
     url = serve(Site(payload))
     dest = tmp_path / "val.de.gz"
     with pytest.raises(DownloadError) as err:
-        fetch(url, dest, sha256="0" * 64)
+        fetch_file(url, dest, sha256="0" * 64)
     message = str(err.value)
     assert url in message and "0" * 64 in message and sha(payload) in message
     assert list(tmp_path.iterdir()) == []
@@ -231,16 +231,16 @@ def test_existing_dest_is_kept_if_its_checksum_matches_and_fetched_again_if_not(
     url = serve(site)
     dest = tmp_path / "val.de.gz"
     dest.write_bytes(payload)
-    fetch(url, dest, sha256=sha(payload))
+    fetch_file(url, dest, sha256=sha(payload))
     assert site.requests == []
     dest.write_bytes(b"stale")
-    fetch(url, dest, sha256=sha(payload))
+    fetch_file(url, dest, sha256=sha(payload))
     assert len(site.requests) == 1
     assert dest.read_bytes() == payload
 
 
 def test_file_url_is_copied(payload, payload_file, tmp_path):
-    dest = fetch(payload_file.as_uri(), tmp_path / "val.de.gz", sha256=sha(payload))
+    dest = fetch_file(payload_file.as_uri(), tmp_path / "val.de.gz", sha256=sha(payload))
     assert not dest.is_symlink() and dest.read_bytes() == payload
 
 
@@ -254,16 +254,16 @@ def test_resolve_points_at_the_same_basename_in_the_mirror(tmp_path):
 
 def test_local_directory_mirror_is_used_instead_of_the_url(payload, payload_file, tmp_path):
     mirror = str(payload_file.parent)
-    dest = fetch("https://unreachable.invalid/multi30k/val.de.gz", tmp_path / "val.de.gz", mirror=mirror)
+    dest = fetch_file("https://unreachable.invalid/multi30k/val.de.gz", tmp_path / "val.de.gz", mirror=mirror)
     assert not dest.is_symlink() and dest.read_bytes() == payload
     with pytest.raises(DownloadError, match="no-such.gz: file not found"):
-        fetch("https://unreachable.invalid/no-such.gz", tmp_path / "x.gz", mirror=str(tmp_path))
+        fetch_file("https://unreachable.invalid/no-such.gz", tmp_path / "x.gz", mirror=str(tmp_path))
 
 
 def test_http_mirror_is_asked_for_the_basename(serve, payload, tmp_path):
     site = Site(payload)
     mirror = serve(site).rsplit("/", 2)[0] + "/mirror"
-    fetch("https://unreachable.invalid/multi30k/val.de.gz", tmp_path / "val.de.gz", mirror=mirror)
+    fetch_file("https://unreachable.invalid/multi30k/val.de.gz", tmp_path / "val.de.gz", mirror=mirror)
     assert site.requests == [("/mirror/val.de.gz", None)]
 
 
@@ -272,7 +272,7 @@ def test_killed_transfer_leaves_only_the_part_and_the_next_fetch_completes_it(se
     url = serve(site)
     dest = tmp_path / "val.de.gz"
     part = tmp_path / "val.de.gz.part"
-    code = f"from mtkit.data.download import fetch; fetch({url!r}, {str(dest)!r})"
+    code = f"from mtkit.data.download import fetch_file; fetch_file({url!r}, {str(dest)!r})"
     child = subprocess.Popen([sys.executable, "-c", code])
     try:
         deadline = time.monotonic() + 30
@@ -283,7 +283,7 @@ def test_killed_transfer_leaves_only_the_part_and_the_next_fetch_completes_it(se
     finally:
         child.wait()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["val.de.gz.part"]
-    fetch(url, dest, sha256=sha(payload))
+    fetch_file(url, dest, sha256=sha(payload))
     assert site.ranges == [None, f"bytes={CUT}-"]
     assert dest.read_bytes() == payload and not part.exists()
 
@@ -291,14 +291,14 @@ def test_killed_transfer_leaves_only_the_part_and_the_next_fetch_completes_it(se
 def fetch_again(site: Site, url: str, dest: Path) -> list[str | None]:
     """A second fetch of the same file; returns the Range headers it sent ([] when it kept DEST)."""
     seen = len(site.requests)
-    fetch(url, dest)
+    fetch_file(url, dest)
     return site.ranges[seen:]
 
 
 def test_body_without_length_cut_short_is_resumed_to_the_size_its_range_declares(serve, payload, tmp_path):
     site = Site(payload, no_length=True, cut_first=True)
     url = serve(site)
-    dest = fetch(url, tmp_path / "val.de.gz")
+    dest = fetch_file(url, tmp_path / "val.de.gz")
     assert dest.read_bytes() == payload
     assert site.ranges == [None, f"bytes={CUT}-"]  # an early close looks like the end: the range request tells
     assert fetch_again(site, url, dest) == []
@@ -311,7 +311,7 @@ def test_body_whose_size_no_answer_reveals_is_kept_with_a_warning(serve, payload
     site = Site(payload, no_length=True, **misbehaviour)
     url = serve(site)
     with caplog.at_level(logging.WARNING, logger="mtkit"):
-        dest = fetch(url, tmp_path / "val.de.gz")
+        dest = fetch_file(url, tmp_path / "val.de.gz")
     assert site.ranges == [None, f"bytes={len(payload)}-"]
     assert dest.read_bytes() == payload
     assert any("cannot check" in m and url in m for m in caplog.messages)
@@ -324,7 +324,7 @@ def test_416_to_a_resume_promotes_the_part_only_if_its_total_is_its_size(serve, 
     url = serve(site)
     dest = tmp_path / "val.de.gz"
     dest.with_name("val.de.gz.part").write_bytes(payload + b"junk")  # e.g. left by a fetch of another version
-    fetch(url, dest)
+    fetch_file(url, dest)
     assert dest.read_bytes() == payload
     assert site.ranges == [f"bytes={len(payload) + 4}-", None]
     assert fetch_again(site, url, dest) == []
@@ -333,7 +333,7 @@ def test_416_to_a_resume_promotes_the_part_only_if_its_total_is_its_size(serve, 
 def test_206_without_content_range_is_not_appended(serve, payload, tmp_path):
     site = Site(payload, cut_first=True, wrong_range=True, no_content_range=True)
     url = serve(site)
-    dest = fetch(url, tmp_path / "val.de.gz")
+    dest = fetch_file(url, tmp_path / "val.de.gz")
     assert dest.read_bytes() == payload
     assert site.ranges == [None, f"bytes={CUT}-", None]
     assert fetch_again(site, url, dest) == []
@@ -347,7 +347,7 @@ def test_206_without_content_range_is_not_appended(serve, payload, tmp_path):
 def test_206_that_stops_short_of_the_end_or_runs_past_its_range_is_discarded(serve, payload, tmp_path, misbehaviour):
     site = Site(payload, cut_first=True, **misbehaviour)
     url = serve(site)
-    dest = fetch(url, tmp_path / "val.de.gz")
+    dest = fetch_file(url, tmp_path / "val.de.gz")
     assert dest.read_bytes() == payload
     assert site.ranges[:3] == [None, f"bytes={CUT}-", None]  # the part was dropped: the third asks from byte 0
     assert fetch_again(site, url, dest) == []
@@ -359,7 +359,7 @@ def test_file_changed_between_the_cut_and_the_resume_is_refused_and_fetched_whol
     url = serve(site)
     dest = tmp_path / "val.de.gz"
     with pytest.raises(DownloadError) as err:
-        fetch(url, dest)
+        fetch_file(url, dest)
     assert site.ranges == [None, f"bytes={CUT}-"]
     message = str(err.value)
     assert url in message and str(len(payload)) in message and str(len(changed)) in message and "\n" not in message
@@ -373,7 +373,7 @@ def test_short_content_length_contradicted_by_a_range_total_is_refused(serve, pa
     url = serve(site)
     dest = tmp_path / "val.de.gz"
     with pytest.raises(DownloadError, match=f"{len(payload) - 100} bytes, then {len(payload)}"):
-        fetch(url, dest)
+        fetch_file(url, dest)
     assert site.ranges == [None, f"bytes={CUT}-"]
     assert list(tmp_path.iterdir()) == []
     assert fetch_again(site, url, dest) == [None]
@@ -385,7 +385,7 @@ def test_existing_dest_without_checksum_is_kept_only_if_its_size_was_recorded_by
     url = serve(site)
     dest = tmp_path / "val.de.gz"
     dest.write_bytes(payload[:CUT])  # a file no fetch recorded, e.g. a truncated one from an older mtkit
-    fetch(url, dest)
+    fetch_file(url, dest)
     assert dest.read_bytes() == payload
     assert site.ranges == [None]
     assert dest.with_name("val.de.gz.size").read_text() == f"{len(payload)}\n"
@@ -400,7 +400,7 @@ def test_failed_copy_leaves_neither_dest_nor_part(payload, payload_file, tmp_pat
     dest = tmp_path / "val.de.gz"
     dest.with_name("val.de.gz.part").symlink_to("/dev/full")  # the copy runs into a full disk
     with pytest.raises(DownloadError) as err:
-        fetch(str(payload_file), dest)
+        fetch_file(str(payload_file), dest)
     assert str(err.value) == f"{payload_file}: cannot copy (No space left on device)"
     assert list(tmp_path.iterdir()) == []
-    assert fetch(str(payload_file), dest).read_bytes() == payload
+    assert fetch_file(str(payload_file), dest).read_bytes() == payload

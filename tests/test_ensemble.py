@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_model
-from test_search import random_sources
+from helpers import random_sources, tiny_model
 
 from mtkit.config import DecodeConfig
 from mtkit.data.parallel import source_tensor

@@ -15,12 +15,12 @@ import xml.etree.ElementTree as ET
 
 import captions
 import pytest
+from helpers import invoke as invoke_cli
 from sacrebleu.metrics import BLEU, CHRF, TER
-from test_cli import invoke as invoke_cli
 from typer.testing import CliRunner
 
 from mtkit.cli import app
-from mtkit.scoring.metrics import METRICS, PAPER_STYLE, score
+from mtkit.scoring.metrics import METRICS, PAPER_STYLE, corpus_scores
 
 LINES = 300  # enough for stable scores; TER and the bootstrap stay fast
 WIDTH = 10  # decimals asked of sacrebleu; our values are compared at the same width
@@ -186,7 +186,7 @@ def test_every_metric_defaults_to_what_the_sacrebleu_tool_computes(m30k):
         theirs = sacrebleu(m30k["ref"], "-i", m30k["hyp"], *spelling, "-b", "-w", 4)
         assert invoke("--hyp", m30k["hyp"], "--ref", m30k["ref"], "-m", name, "-b", "-w", 4).stdout == theirs, name
         assert invoke(m30k["ref"], "-i", m30k["hyp"], "-m", name, "-b", "-w", 4).stdout == theirs, name
-        assert f"{score(hyps, [refs], (name,))[0].value:.4f}\n" == theirs, name  # as `mtkit run` scores
+        assert f"{corpus_scores(hyps, [refs], (name,))[0].value:.4f}\n" == theirs, name  # as `mtkit run` scores
 
 
 def test_hyp_keeps_mtkit_defaults_and_output(m30k):

@@ -11,13 +11,13 @@ import json
 import logging
 import math
 import os
-import shutil
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import HAND_BUILT_MODEL, joint_post_norm_run, joint_run, randomise_norms_, save_run
 from torch.utils._python_dispatch import TorchDispatchMode
 from typer.testing import CliRunner
 
@@ -29,9 +29,10 @@ from mtkit.decoding import shortlist as lexical
 from mtkit.decoding.search import greedy_search, max_lengths
 from mtkit.decoding.translate import EMPTY, Translation, Translator
 from mtkit.files import file_sha256
-from mtkit.interop.ct2_export import MANIFEST, VMAP, CTranslate2Translator, export_ctranslate2
-from mtkit.model import checkpoint
-from mtkit.model.transformer import Transformer, build_model
+from mtkit.interop.ct2_export import MANIFEST, VMAP, export_ctranslate2
+from mtkit.interop.ct2_translator import CTranslate2Translator
+from mtkit.model import checkpoint, loading
+from mtkit.model.transformer import build_model
 
 # CTranslate2 brings its own OpenMP, whose threads spin for a while after each call: alternating it with torch
 # on a 2-core machine made torch 30x slower. The library reads the wait policy as it loads.
@@ -41,49 +42,10 @@ with pytest.MonkeyPatch.context() as env:
 
 runner = CliRunner()
 CPU = torch.device("cpu")
-MODEL = dict(encoder_layers=2, decoder_layers=2, d_model=64, heads=4, ffn=128, dropout=0.0, max_positions=128)
 
 
 def invoke(*args):
     return runner.invoke(app, [str(a) for a in args])
-
-
-def randomise_norms_(model: Transformer, seed: int) -> None:
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, torch.nn.LayerNorm):
-                module.weight.normal_(1.0, 0.2)
-                module.bias.normal_(0.0, 0.2)
-
-
-def save_run(run: Path, cfg: RunConfig, model: Transformer, toks: dict[str, Tokenizer]) -> Path:
-    """A run directory holding ``model`` as its one checkpoint, beside its tokenizer file(s)."""
-    run.mkdir(parents=True)
-    for tok in toks.values():
-        shutil.copy(tok.path, run / tok.path.name)
-    records = {side: {"file": tok.path.name, "sha256": tok.sha256} for side, tok in toks.items()}
-    meta = {"config": cfg.to_dict(), "tokenizer": records}
-    checkpoint.save_in_run(run, 1, model.state_dict(), meta, None, keep_last=0)
-    return run
-
-
-def joint_run(root: Path, spm_model: Tokenizer, seed: int, ending: bool = False, **model) -> Path:
-    """Post-norm, tied embeddings, one joint vocabulary, ``MODEL`` with ``model``'s overrides; ``ending``
-    makes hypotheses end with eos at varied lengths rather than all at the cap."""
-    cfg = RunConfig(model=ModelConfig(**{**MODEL, **model}))
-    torch.manual_seed(seed)
-    built = build_model(cfg.model, spm_model.vocab_size, spm_model.vocab_size, PAD_ID)
-    randomise_norms_(built, seed=seed + 1)
-    if ending:
-        with torch.no_grad():
-            built.output.weight[EOS_ID] *= 3.0
-    return save_run(root / "run", cfg, built, {"src": spm_model, "tgt": spm_model})
-
-
-def joint_post_norm_run(root: Path, spm_model: Tokenizer) -> Path:
-    """Post-norm, sinusoidal positions, tied embeddings, one joint vocabulary: mtkit's defaults."""
-    return joint_run(root, spm_model, seed=1)
 
 
 def rotary_run(root: Path, spm_model: Tokenizer, **model) -> Path:
@@ -102,7 +64,7 @@ def separate_pre_norm_run(root: Path, corpus_files: dict[str, Path]) -> Path:
     src, tgt = Tokenizer(root / "spm.src.model"), Tokenizer(root / "spm.tgt.model")
     cfg = RunConfig(
         tokenizer=TokenizerConfig(joint=False),
-        model=ModelConfig(**MODEL, norm="pre", positions="learned", tie_embeddings=False),
+        model=ModelConfig(**HAND_BUILT_MODEL, norm="pre", positions="learned", tie_embeddings=False),
     )
     torch.manual_seed(3)
     model = build_model(cfg.model, src.vocab_size, tgt.vocab_size, PAD_ID)
@@ -116,13 +78,13 @@ def separate_pre_norm_run(root: Path, corpus_files: dict[str, Path]) -> Path:
 class Exported:
     run: Path
     ct2_dir: Path
-    bundle: checkpoint.InferenceBundle
+    bundle: loading.InferenceBundle
     lines: list[str]
 
 
 def export_of(run: Path, lines: list[str]) -> Exported:
     ct2_dir = export_ctranslate2(run, run.parent / "ct2", None)
-    return Exported(run, ct2_dir, checkpoint.load_for_inference(run, CPU), lines)
+    return Exported(run, ct2_dir, loading.load_for_inference(run, CPU), lines)
 
 
 @pytest.fixture(scope="module")
@@ -299,7 +261,7 @@ def test_the_manifest_names_the_weights_by_digest_and_no_file_by_path(joint, tmp
     out = tmp_path / "ct2"
     assert invoke("export", joint, "-o", out).exit_code == 0
     manifest = json.loads((out / MANIFEST).read_text())
-    weights = checkpoint.resolve(joint) / checkpoint.WEIGHTS_FILE
+    weights = loading.resolve(joint) / checkpoint.WEIGHTS_FILE
     assert manifest["weights_sha256"] == file_sha256(weights) and manifest["step"] == 1
     for path in out.iterdir():
         assert str(joint.parent).encode() not in path.read_bytes(), path.name
@@ -321,7 +283,9 @@ def test_a_shortlist_goes_with_the_export_as_ctranslate2s_vocabulary_map(
 ):
     monkeypatch.setattr(lexical, "CANDIDATE_MULTIPLE", 1)  # mtkit's exact candidates, as CTranslate2 takes them
     pairs = zip(corpus_files["train.en"].read_text().splitlines(), corpus_files["train.de"].read_text().splitlines())
-    shortlist = lexical.build(lexical.co_occurring_pairs(spm_model, spm_model, pairs), spm_model, spm_model, 3, 5)
+    shortlist = lexical.build_shortlist(
+        lexical.co_occurring_pairs(spm_model, spm_model, pairs), spm_model, spm_model, 3, 5
+    )
     shortlist.save(tmp_path / "sl.safetensors")
     out = tmp_path / "ct2"
     result = invoke("export", joint, "-o", out, "--shortlist", tmp_path / "sl.safetensors")
@@ -370,8 +334,8 @@ def test_bad_options_are_one_line_errors(joint, tmp_path, args, status, message)
 @pytest.mark.parametrize(
     ("model", "named"),
     [
-        (dict(positions="relative"), "model.positions relative and model.attention_window 0"),
-        (dict(attention_window=4), "model.positions rotary and model.attention_window 4"),
+        ({"positions": "relative"}, "model.positions relative and model.attention_window 0"),
+        ({"attention_window": 4}, "model.positions rotary and model.attention_window 4"),
     ],
 )
 def test_positions_ctranslate2_cannot_take_are_refused_before_writing(spm_model, tmp_path, model, named):

@@ -28,8 +28,9 @@ from mtkit.decoding.search import beam_search, greedy_search, max_lengths
 from mtkit.files import file_sha256
 from mtkit.interop.ct2_export import MANIFEST
 from mtkit.interop.hf_export import export_transformers
-from mtkit.model import checkpoint
+from mtkit.model import checkpoint, loading
 from mtkit.model.transformer import build_model
+from mtkit.training import run_directory
 
 with pytest.MonkeyPatch.context() as env:
     env.setenv("HF_HUB_OFFLINE", "1")  # read as transformers loads: nothing may come from the Hub
@@ -37,7 +38,15 @@ with pytest.MonkeyPatch.context() as env:
 
 runner = CliRunner()
 CPU = torch.device("cpu")
-MODEL = dict(encoder_layers=2, decoder_layers=2, d_model=64, heads=4, ffn=128, dropout=0.0, max_positions=128)
+MODEL = {
+    "encoder_layers": 2,
+    "decoder_layers": 2,
+    "d_model": 64,
+    "heads": 4,
+    "ffn": 128,
+    "dropout": 0.0,
+    "max_positions": 128,
+}
 DECODE = DecodeConfig(beam=4, lenpen=0.6, max_len_a=1.2, max_len_b=5, min_len=2)
 
 
@@ -60,7 +69,7 @@ def save_run(run: Path, model_cfg: ModelConfig, toks: dict[str, Tokenizer], seed
     for tok in toks.values():
         shutil.copy(tok.path, run / tok.path.name)
     records = {side: {"file": tok.path.name, "sha256": tok.sha256} for side, tok in toks.items()}
-    checkpoint.save_in_run(run, 1, model.state_dict(), {"config": cfg.to_dict(), "tokenizer": records}, None, 0)
+    run_directory.save_in_run(run, 1, model.state_dict(), {"config": cfg.to_dict(), "tokenizer": records}, None, 0)
     return run
 
 
@@ -68,7 +77,7 @@ def save_run(run: Path, model_cfg: ModelConfig, toks: dict[str, Tokenizer], seed
 class Exported:
     run: Path
     hf_dir: Path
-    bundle: checkpoint.InferenceBundle
+    bundle: loading.InferenceBundle
     hf: object  # MarianMTModel
     tokenizer: object  # MarianTokenizer
     lines: list[str]
@@ -78,7 +87,7 @@ def exported(run: Path, lines: list[str]) -> Exported:
     hf_dir = export_transformers(run, run.parent / "hf")
     hf = transformers.AutoModelForSeq2SeqLM.from_pretrained(hf_dir).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
-    return Exported(run, hf_dir, checkpoint.load_for_inference(run, CPU), hf, tokenizer, lines)
+    return Exported(run, hf_dir, loading.load_for_inference(run, CPU), hf, tokenizer, lines)
 
 
 @pytest.fixture(scope="module")
@@ -277,7 +286,7 @@ def test_the_manifest_names_the_weights_by_digest_and_no_file_by_path(joint):
     """mtkit.json once recorded the path of the checkpoint on the exporter's machine; its recipients get the
     SHA-256 of the weights and their update step, and no file of the folder (config, tokenizer files) holds a path."""
     manifest = json.loads((joint.hf_dir / MANIFEST).read_text())
-    weights = checkpoint.resolve(joint.run) / checkpoint.WEIGHTS_FILE
+    weights = loading.resolve(joint.run) / checkpoint.WEIGHTS_FILE
     assert manifest["weights_sha256"] == file_sha256(weights) and manifest["step"] == 1
     for path in joint.hf_dir.iterdir():
         assert str(joint.run.parent).encode() not in path.read_bytes(), path.name
@@ -286,14 +295,14 @@ def test_the_manifest_names_the_weights_by_digest_and_no_file_by_path(joint):
 @pytest.mark.parametrize(
     ("change", "reason"),
     [
-        (dict(norm="pre"), "MarianMTModel is post-norm only (no final LayerNorm); this model has model.norm pre"),
+        ({"norm": "pre"}, "MarianMTModel is post-norm only (no final LayerNorm); this model has model.norm pre"),
         (
-            dict(positions="learned"),
+            {"positions": "learned"},
             "MarianMTModel has sinusoidal positions only; this model has model.positions learned",
         ),
-        (dict(positions="rotary"), "sinusoidal positions only; this model has model.positions rotary"),
-        (dict(positions="relative"), "sinusoidal positions only; this model has model.positions relative"),
-        (dict(attention_window=4), "MarianMTModel attends to every position; this model has model.attention_window 4"),
+        ({"positions": "rotary"}, "sinusoidal positions only; this model has model.positions rotary"),
+        ({"positions": "relative"}, "sinusoidal positions only; this model has model.positions relative"),
+        ({"attention_window": 4}, "MarianMTModel attends to every position; this model has model.attention_window 4"),
     ],
 )
 def test_what_marian_cannot_compute_is_a_one_line_error(tmp_path, spm_model, change, reason):

@@ -20,9 +20,9 @@ import pytest
 import safetensors
 import safetensors.torch
 import yaml
+from helpers import invoke
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_cli import invoke, trained_run  # noqa: F401  (trained_run is a fixture)
 
 from mtkit.config import SECTIONS
 from mtkit.model import checkpoint
@@ -70,7 +70,7 @@ def work_folder(tmp_path_factory, name: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def model_case(tmp_path_factory, trained_run):  # noqa: F811
+def model_case(tmp_path_factory, trained_run):
     """A folder to fuzz in, and the trained run's best weights and tokenizer, to edit."""
     root = tmp_path_factory.mktemp("fuzz")
     weights = (trained_run / "best" / checkpoint.WEIGHTS_FILE).read_bytes()
@@ -179,7 +179,7 @@ def test_random_text_or_bytes_as_a_config(tmp_path_factory, text):
 
 @fuzz(80)
 @given(content=st.binary(max_size=400) | st.text(max_size=200).map(lambda t: t.encode("utf-8", "surrogatepass")))
-def test_random_input_to_translate_keeps_one_line_per_line(tmp_path_factory, trained_run, content):  # noqa: F811
+def test_random_input_to_translate_keeps_one_line_per_line(tmp_path_factory, trained_run, content):
     work = work_folder(tmp_path_factory, "input")
     source = work / "in.txt"
     source.write_bytes(content)
@@ -194,7 +194,7 @@ def test_random_input_to_translate_keeps_one_line_per_line(tmp_path_factory, tra
 
 
 @pytest.fixture(scope="module")
-def export_case(tmp_path_factory, trained_run):  # noqa: F811
+def export_case(tmp_path_factory, trained_run):
     root = work_folder(tmp_path_factory, "export")
     assert invoke("export", trained_run, "-o", root / "ct2").exit_code == 0
     return root, json.loads((root / "ct2" / "mtkit.json").read_text())

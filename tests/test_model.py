@@ -8,11 +8,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_model
+from helpers import tiny_model
 
 from mtkit.config import from_dict
 from mtkit.data.tokenizer import PAD_ID
 from mtkit.model.attention import DecoderCache, MultiHeadAttention, _explicit_attention, dropout
+from mtkit.model.positions import RelativePositions
 from mtkit.model.transformer import build_model, count_parameters
 
 VOCAB = 40
@@ -173,10 +174,45 @@ def test_tied_embeddings_share_one_tensor():
 
 def test_learned_positions_and_position_limit():
     model = tiny_model(VOCAB, positions="learned", max_positions=8)
+    assert model.max_source_positions == model.max_target_positions == 8
     src, mask, tgt = random_batch(1, 8, 8)
     assert model(src, mask, tgt).shape == (1, 8, VOCAB)
     with pytest.raises(ValueError, match="max_positions"):
         model(src, mask, torch.cat([tgt, tgt], dim=1))
+
+
+@pytest.mark.parametrize("positions", ["sinusoidal", "relative"])
+def test_matrices_start_xavier_uniform_and_embeddings_normal_with_a_zero_pad_row(positions):
+    model = tiny_model(VOCAB, positions=positions, tie_embeddings=False)
+    projections = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not model.output]
+    tables = [t for m in model.modules() if isinstance(m, RelativePositions) for t in (m.keys, m.values)]
+    assert len(tables) == (8 if positions == "relative" else 0)  # 4 self-attentions
+    for weight in projections + tables:
+        bound = math.sqrt(6 / sum(weight.shape))
+        assert weight.abs().max() <= bound and weight.abs().max() > 0.9 * bound
+    for embedding in (model.encoder.embed.tokens, model.decoder.embed.tokens):
+        assert not embedding.weight[PAD_ID].any()
+        assert embedding.weight[PAD_ID + 1 :].std().item() == pytest.approx(32**-0.5, rel=0.1)
+
+
+def test_weights_hooks_see_what_attend_applies_until_removed():
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(32, 4, dropout=0.0).eval()
+    query, key_value = torch.randn(2, 5, 32), torch.randn(2, 7, 32)
+    allowed = torch.ones(2, 1, 1, 7, dtype=torch.bool)
+    allowed[1, ..., 5:] = False
+    plain = attn(query, key_value, allowed)
+    seen = []
+    handle = attn.register_weights_hook(lambda module, weights: seen.append((module, weights)))
+    observed = attn(query, key_value, allowed)
+    handle.remove()
+    attn(query, key_value, allowed)
+    assert torch.equal(observed, plain) and len(seen) == 1
+    module, weights = seen[0]
+    assert module is attn and weights.shape == (2, 4, 5, 7)
+    assert not weights[1, ..., 5:].any()
+    values = attn.project_kv(key_value)[1]
+    torch.testing.assert_close(attn.out_proj((weights @ values).transpose(1, 2).flatten(2)), plain)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -8,11 +8,10 @@ from itertools import product
 from pathlib import Path
 
 import pytest
-from conftest import tiny_model, tiny_model_config
-from test_cli import invoke, one_line_error
+from helpers import invoke, one_line_error, tiny_model, tiny_model_config
 
 from mtkit.config import RunConfig
-from mtkit.model import checkpoint
+from mtkit.training import run_directory
 
 
 @pytest.fixture
@@ -25,8 +24,8 @@ def run(tmp_path, spm_model) -> Path:
     meta = {"config": RunConfig(model=tiny_model_config()).to_dict(), "tokenizer": {"src": record, "tgt": record}}
     for step in (1, 2):
         weights = tiny_model(spm_model.vocab_size, seed=step).state_dict()
-        checkpoint.save_in_run(run, step, weights, meta, {"step": step}, keep_last=0)
-    checkpoint.save_best(run, weights, {**meta, "step": 2})
+        run_directory.save_in_run(run, step, weights, meta, {"step": step}, keep_last=0)
+    run_directory.save_best(run, weights, {**meta, "step": 2})
     return run
 
 

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_model_config
-from test_cli import invoke, write_config
+from helpers import invoke, tiny_model_config, write_config
 
 from mtkit.model.attention import DecoderCache, MultiHeadAttention
 from mtkit.model.positions import RelativePositions, Rotary

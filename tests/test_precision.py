@@ -7,8 +7,7 @@ import json
 import logging
 
 import pytest
-from test_api import run_with_decode_settings  # noqa: F401 (a fixture)
-from test_cli import invoke
+from helpers import invoke
 
 import mtkit
 from mtkit import runtime
@@ -81,7 +80,7 @@ def cpu(monkeypatch):
     return set_features
 
 
-def test_an_explicit_bf16_without_native_support_runs_and_warns_once(run_with_decode_settings, cpu, caplog):  # noqa: F811
+def test_an_explicit_bf16_without_native_support_runs_and_warns_once(run_with_decode_settings, cpu, caplog):
     cpu(INTEL_ICE_LAKE)
     with caplog.at_level(logging.WARNING, logger="mtkit"):
         first = mtkit.load(run_with_decode_settings, device="cpu", precision="bf16")
@@ -93,7 +92,7 @@ def test_an_explicit_bf16_without_native_support_runs_and_warns_once(run_with_de
 
 
 @pytest.mark.parametrize("features, chosen", [(AMD_EPYC_ZEN4, "bf16"), (INTEL_ICE_LAKE, "fp32")])
-def test_load_and_translate_default_to_auto(run_with_decode_settings, cpu, features, chosen, caplog):  # noqa: F811
+def test_load_and_translate_default_to_auto(run_with_decode_settings, cpu, features, chosen, caplog):
     cpu(features)
     translator = mtkit.load(run_with_decode_settings, device="cpu")
     assert translator.precision == choose_precision("auto", "cpu", features).to_dict()
@@ -116,7 +115,7 @@ def test_doctor_says_what_auto_picks_and_why(cpu, features):
 
 
 def test_training_logs_and_records_what_auto_chose(tmp_path, corpus_files, spm_model, cpu, caplog):
-    from test_train import small_config
+    from helpers import small_config
 
     from mtkit.training.trainer import run_training
 

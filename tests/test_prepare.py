@@ -19,7 +19,7 @@ import captions
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from test_cli import invoke
+from helpers import invoke
 
 from mtkit.data import download
 from mtkit.data.corpora import CORPORA
@@ -54,9 +54,16 @@ def test_multi30k_from_a_folder_mirror_is_complete_aligned_and_prepared_once(tmp
     assert lines(out / "valid.en") == read_gz(multi30k_mirror / "val.en.gz")
     record = json.loads((out / "prepare.json").read_text())
     train = record["splits"]["train"]
-    assert train["clean"] == dict(
-        read=TRAIN_READ, kept=TRAIN_READ - 3, empty=1, too_short=0, too_long=0, ratio=1, duplicate=1, changed=1
-    )
+    assert train["clean"] == {
+        "read": TRAIN_READ,
+        "kept": TRAIN_READ - 3,
+        "empty": 1,
+        "too_short": 0,
+        "too_long": 0,
+        "ratio": 1,
+        "duplicate": 1,
+        "changed": 1,
+    }
     assert train["lines"] == train["clean"]["kept"] == len(lines(out / "train.en")) == len(lines(out / "train.de"))
     first = read_gz(multi30k_mirror / "train.en.gz")[0]
     assert lines(out / "train.en")[0] == " ".join(first.split()) != first  # normalised
@@ -412,7 +419,7 @@ def test_data_script_runs_prepare_with_its_arguments(tmp_path, mirror_files):
     bin_dir.mkdir()
     (bin_dir / "mtkit").write_text(
         f"#!{sys.executable}\n"
-        "from mtkit import corpora\n"
+        "from mtkit.data import corpora\n"
         f"corpora._MULTI30K_SHA256.update({digests!r})\n"
         "corpora.CORPORA.update(corpora._catalogue())\n"
         "from mtkit.cli import main\n"  # not mtkit.launch, whose restart under mimalloc would drop the digests

@@ -12,7 +12,7 @@ import captions
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from test_cli import invoke
+from helpers import invoke
 
 import mtkit
 from mtkit.files import file_sha256

@@ -10,7 +10,7 @@ import shutil
 import captions
 import pytest
 import yaml
-from test_cli import TINY_MODEL, invoke
+from helpers import TINY_MODEL, invoke
 
 
 @pytest.fixture(scope="module")

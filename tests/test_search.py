@@ -8,20 +8,26 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_model
+from helpers import random_sources, tiny_model
 
 from mtkit.config import DecodeConfig, SamplingConfig
 from mtkit.data.parallel import source_tensor
 from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from mtkit.decoding.search import (
+    Extensions,
+    Hypothesis,
+    ban_pad_and_bos,
     beam_search,
     beam_step,
+    best_first,
     greedy_search,
+    group_rows,
     length_penalty,
     max_length,
     max_lengths,
     row_topk,
     sample_search,
+    settle,
 )
 from mtkit.model.attention import DecoderCache
 
@@ -34,7 +40,7 @@ class ScriptedModel:
 
     def __init__(self, script, max_positions: int = 64) -> None:
         self.script = script
-        self.decoder = type("D", (), {"embed": type("E", (), {"max_positions": max_positions})()})()
+        self.max_target_positions = max_positions
 
     def encode(self, src, src_pad_mask):
         return torch.zeros(src.size(0), src.size(1), 1)
@@ -98,13 +104,6 @@ def test_output_length_is_capped_and_nbest_sorted_distinct():
     assert all(len(h.tokens) == 4 + 2 - 1 for h in hyps)  # a * 4 + b tokens, the last being the forced eos
     assert [h.score for h in hyps] == sorted((h.score for h in hyps), reverse=True)
     assert len({tuple(h.tokens) for h in hyps}) == 3
-
-
-def random_sources(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [
-        torch.randint(4, vocab, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
-    ]
 
 
 def test_one_sentences_cap_is_the_batched_caps():
@@ -208,7 +207,7 @@ def test_beam_search_against_exhaustive_enumeration(seed, lenpen):
     space = [exhaustive(model, source) for source in EXHAUSTIVE_SOURCES]
     n_prefixes = sum(len(WORDS) ** m for m in range(CAP))  # one live prefix per hypothesis: 1 + 4 + 16 + 64
     assert all(len(s) == n_prefixes for s in space)
-    bounds = dict(lenpen=lenpen, max_len_a=0.0, max_len_b=CAP)
+    bounds = {"lenpen": lenpen, "max_len_a": 0.0, "max_len_b": CAP}
 
     # Narrow beams: what beam search returns is real, scored exactly, sorted, and never beats the optimum.
     for beam in (1, 2, 3):
@@ -289,7 +288,7 @@ def test_min_len_delays_eos(min_len):
 def test_length_cap_outranks_min_len(cap):
     model = ScriptedModel(eager_to_stop)
     src, mask = one_source()
-    bounds = dict(max_len_a=0.0, max_len_b=cap, min_len=5)
+    bounds = {"max_len_a": 0.0, "max_len_b": cap, "min_len": 5}
     hyps = beam_search(model, src, mask, DecodeConfig(beam=2, lenpen=1.0, **bounds), nbest=2)[0]
     assert hyps, "the cap must still end a hypothesis"
     assert all(len(h.tokens) == cap - 1 for h in hyps)  # cap - 1 tokens, then the forced eos
@@ -398,3 +397,75 @@ def test_beam_step_pads_a_tiny_vocabulary_with_impossible_candidates():
     cand_scores, beams, tokens = beam_step(torch.zeros(1, 1), torch.tensor([[-0.5, -1.0]]), torch.tensor([[A, B]]), k=2)
     assert cand_scores[0, :2].tolist() == [-0.5, -1.0] and torch.isinf(cand_scores[0, 2:]).all()
     assert tokens.tolist() == [[A, B, PAD_ID, PAD_ID]] and beams.tolist() == [[0, 0, 0, 0]]
+
+
+# -- bookkeeping after a step (shared with the continuous search) --------------------------------------------
+
+
+def two_hypotheses_ranked():
+    """One sentence, beam 2, live hypotheses [C] (row 0) and [A] (row 1); its 2k = 4 candidates, best first:
+    [C] ends (-1.0), [A] goes on with A (-1.5), [C] with B (-2.0), [A] ends (-3.0, below the best k)."""
+    ext = Extensions(
+        scores=torch.tensor([[-1.0, -1.5, -2.0, -3.0]]),
+        beam=torch.tensor([[0, 1, 0, 1]]),
+        tokens=torch.tensor([[EOS_ID, A, B, EOS_ID]]),
+    )
+    tokens = torch.tensor([[BOS_ID, C], [BOS_ID, A]])
+    return ext, tokens
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_settle_files_eos_among_the_best_k_and_keeps_the_best_k_that_go_on(early_stop):
+    ext, tokens = two_hypotheses_ranked()
+    decode = DecodeConfig(beam=2, lenpen=1.0, early_stop=early_stop)
+    settled = settle(ext, tokens, 2, [0], torch.tensor([False]), torch.tensor([False]), decode, nbest=1)
+    assert settled.ended == [[Hypothesis([C], -1.0 / length_penalty(2, 1.0), -1.0)]]  # not [A]: ranked 4th
+    assert settled.scores.tolist() == [[-1.5, -2.0]]
+    assert settled.rows.tolist() == [1, 0] and settled.next_tok.tolist() == [[A], [B]]
+    assert settled.top_ended.tolist() == [True]
+    # One of k = 2 finished: only early stopping (the best-ranked candidate ended, nbest = 1 filed) ends it.
+    assert settled.done.tolist() == [early_stop]
+
+
+def test_settle_files_no_more_than_k_and_then_the_sentence_is_done():
+    ext, tokens = two_hypotheses_ranked()
+    ext = ext._replace(tokens=torch.tensor([[EOS_ID, EOS_ID, B, A]]))  # both of the best k end
+    decode = DecodeConfig(beam=2, early_stop=False)
+    settled = settle(ext, tokens, 2, [1], torch.tensor([False]), torch.tensor([False]), decode, nbest=1)
+    assert [h.tokens for h in settled.ended[0]] == [[C]]  # room for one more only
+    assert settled.done.tolist() == [True]  # k finished
+    assert settled.next_tok.tolist() == [[B], [A]]
+
+
+def test_settle_reads_each_output_from_its_sentences_start_and_never_files_an_impossible_end():
+    """The continuous layout: rows hold pad before their sentence's bos. An eos candidate at -inf (forbidden
+    by min_len, yet among the best of a tiny vocabulary) neither finishes nor counts as the best ending."""
+    ext = Extensions(
+        scores=torch.tensor([[float("-inf"), -1.0], [-0.5, -2.0]]),
+        beam=torch.tensor([[0, 0], [0, 0]]),
+        tokens=torch.tensor([[EOS_ID, A], [EOS_ID, B]]),
+    )
+    tokens = torch.tensor([[BOS_ID, A, A], [PAD_ID, BOS_ID, B]])
+    starts, neither = torch.tensor([0, 1]), torch.tensor([False, False])
+    settled = settle(ext, tokens, 1, [0, 0], neither, neither, DecodeConfig(beam=1), 1, starts)
+    assert settled.ended[0] == [] and [h.tokens for h in settled.ended[1]] == [[B]]
+    assert settled.top_ended.tolist() == [False, True] and settled.done.tolist() == [False, True]
+
+
+def test_a_sentence_at_its_length_cap_is_done():
+    ext, tokens = two_hypotheses_ranked()
+    settled = settle(ext, tokens, 2, [0], torch.tensor([True]), torch.tensor([False]), DecodeConfig(beam=2), 2)
+    assert settled.done.tolist() == [True]
+
+
+def test_pad_and_bos_are_banned_and_nothing_else():
+    lprobs = torch.zeros(2, VOCAB)
+    ban_pad_and_bos(lprobs)
+    assert torch.isinf(lprobs[:, [PAD_ID, BOS_ID]]).all()
+    assert (lprobs[:, [t for t in range(VOCAB) if t not in (PAD_ID, BOS_ID)]] == 0).all()
+
+
+def test_rows_of_groups_and_best_first():
+    assert group_rows(torch.tensor([0, 2]), 3).tolist() == [0, 1, 2, 6, 7, 8]
+    hyps = [Hypothesis([A], -2.0, -2.0), Hypothesis([B], -1.0, -1.0), Hypothesis([C], -2.0, -3.0)]
+    assert best_first(hyps, 2) == [hyps[1], hyps[0]] and best_first(hyps, 5) == [hyps[1], hyps[0], hyps[2]]

@@ -15,12 +15,10 @@ import time
 import zipfile
 
 import pytest
-import safetensors
-import safetensors.torch
 import torch
-from test_cli import invoke, one_line_error, trained_run, write_config  # noqa: F401  (trained_run is a fixture)
+from helpers import invoke, one_line_error, with_header, write_config
 
-from mtkit.model import checkpoint
+from mtkit.model import checkpoint, loading
 
 
 class RunsCode:
@@ -43,7 +41,7 @@ def marker(tmp_path):
 REFUSED = "refused: it holds pickled Python objects other than tensors"
 
 
-def test_a_checkpoint_that_runs_code_when_unpickled_is_refused(tmp_path, corpus_files, trained_run, marker):  # noqa: F811
+def test_a_checkpoint_that_runs_code_when_unpickled_is_refused(tmp_path, corpus_files, trained_run, marker):
     trap = tmp_path / "model.pt"
     torch.save({"format": 1, "model": RunsCode(marker)}, trap)
     not_read = "model.pt: a zip archive (a PyTorch file?), not a checkpoint"  # never unpickled at all
@@ -52,7 +50,7 @@ def test_a_checkpoint_that_runs_code_when_unpickled_is_refused(tmp_path, corpus_
 
     run = tmp_path / "run"  # a run directory whose newest training state was swapped for the trap
     shutil.copytree(trained_run, run)
-    shutil.copyfile(trap, checkpoint.latest(run) / checkpoint.STATE_FILE)
+    shutil.copyfile(trap, loading.latest(run) / checkpoint.STATE_FILE)
     config = write_config(tmp_path / "c.yaml", corpus_files, train={"max_steps": 40})
     one_line_error(invoke("train", config, "--out", run), f"state.pt: {REFUSED}")
 
@@ -90,7 +88,7 @@ HOSTILE_LINES = [
 ]
 
 
-def test_translating_hostile_text_writes_the_output_file_and_nothing_else(tmp_path, trained_run, marker):  # noqa: F811
+def test_translating_hostile_text_writes_the_output_file_and_nothing_else(tmp_path, trained_run, marker):
     work = tmp_path / "work"
     work.mkdir()
     lines = [line.replace("{marker}", str(marker)) for line in HOSTILE_LINES]
@@ -112,19 +110,7 @@ def test_translating_hostile_text_writes_the_output_file_and_nothing_else(tmp_pa
 # -- what checkpoint headers and manifests may say ------------------------------------------------
 
 
-def with_header(source, target, edit) -> None:
-    """Copy the safetensors checkpoint ``source`` to ``target`` with ``edit(meta)`` applied to its mtkit header."""
-    with safetensors.safe_open(source, framework="pt") as f:
-        header = dict(f.metadata())
-        tensors = {key: f.get_tensor(key) for key in f.keys()}
-    meta = json.loads(header["mtkit"])
-    edit(meta)
-    header["mtkit"] = json.dumps(meta)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_bytes(safetensors.torch.save(tensors, metadata=header))
-
-
-def test_a_tokenizer_name_in_a_header_cannot_lead_outside_the_checkpoint(tmp_path, trained_run):  # noqa: F811
+def test_a_tokenizer_name_in_a_header_cannot_lead_outside_the_checkpoint(tmp_path, trained_run):
     """A header naming ../conftest.py (with its true SHA-256) once made `average` write conftest.py outside runs/."""
     shipped = tmp_path / "shipped"
     (shipped / "conftest.py").parent.mkdir(parents=True)
@@ -136,7 +122,7 @@ def test_a_tokenizer_name_in_a_header_cannot_lead_outside_the_checkpoint(tmp_pat
 
     for name in ("a", "b"):
         with_header(
-            checkpoint.latest(trained_run) / checkpoint.WEIGHTS_FILE,
+            loading.latest(trained_run) / checkpoint.WEIGHTS_FILE,
             shipped / name / "model.safetensors",
             point_outside,
         )
@@ -148,7 +134,7 @@ def test_a_tokenizer_name_in_a_header_cannot_lead_outside_the_checkpoint(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs", "shipped"] and not any(runs.iterdir())
 
 
-def test_a_name_in_an_export_manifest_cannot_lead_outside_the_export(tmp_path, trained_run):  # noqa: F811
+def test_a_name_in_an_export_manifest_cannot_lead_outside_the_export(tmp_path, trained_run):
     export = tmp_path / "ct2"
     assert invoke("export", trained_run, "-o", export).exit_code == 0
     manifest = json.loads((export / "mtkit.json").read_text())
@@ -176,7 +162,7 @@ def test_a_name_in_an_export_manifest_cannot_lead_outside_the_export(tmp_path, t
     ids=["no-config", "no-tokenizer", "step-text", "step-negative", "sha-number", "heads-text", "huge-positions",
          "huge-width"],
 )  # fmt: skip
-def test_a_malformed_header_is_one_line_before_anything_is_built(tmp_path, trained_run, edit, message):  # noqa: F811
+def test_a_malformed_header_is_one_line_before_anything_is_built(tmp_path, trained_run, edit, message):
     """Each of these once ended in a KeyError, TypeError or ValueError traceback, or allocated gigabytes first."""
     model = tmp_path / "model.safetensors"
     with_header(trained_run / "best" / checkpoint.WEIGHTS_FILE, model, edit)
@@ -186,7 +172,7 @@ def test_a_malformed_header_is_one_line_before_anything_is_built(tmp_path, train
     assert time.perf_counter() - started < 30  # refused from the header, not after building a huge model
 
 
-def test_a_tensor_whose_dtype_was_changed_in_the_header_is_refused(tmp_path, trained_run):  # noqa: F811
+def test_a_tensor_whose_dtype_was_changed_in_the_header_is_refused(tmp_path, trained_run):
     """float32 bytes read as int32 (same size) once loaded silently and translated garbage."""
     data = (trained_run / "best" / checkpoint.WEIGHTS_FILE).read_bytes()
     size = int.from_bytes(data[:8], "little")
@@ -200,11 +186,11 @@ def test_a_tensor_whose_dtype_was_changed_in_the_header_is_refused(tmp_path, tra
     one_line_error(invoke("translate", model, input="A dog.\n"), f"{key} is torch.int32 there, torch.float32 here")
 
 
-def test_a_zip_bombed_training_state_is_refused_before_it_expands(tmp_path, corpus_files, trained_run):  # noqa: F811
+def test_a_zip_bombed_training_state_is_refused_before_it_expands(tmp_path, corpus_files, trained_run):
     """A 1 MB state.pt whose compressed entry expands to 800 MB, as torch.load would expand it."""
     run = tmp_path / "run"
     shutil.copytree(trained_run, run)
-    state = checkpoint.latest(run) / checkpoint.STATE_FILE
+    state = loading.latest(run) / checkpoint.STATE_FILE
     with zipfile.ZipFile(state) as original:
         entries = [(info, original.read(info)) for info in original.infolist()]
     bombed = next(info.filename for info, _ in entries if "/data/" in info.filename)
@@ -218,7 +204,7 @@ def test_a_zip_bombed_training_state_is_refused_before_it_expands(tmp_path, corp
 
 
 @pytest.mark.parametrize("kind", ["text", "tokenizer", "gzip", "empty"])
-def test_a_file_that_is_no_checkpoint_is_named_for_what_it_is(tmp_path, trained_run, kind):  # noqa: F811
+def test_a_file_that_is_no_checkpoint_is_named_for_what_it_is(tmp_path, trained_run, kind):
     """Any such file was once reported as holding pickled objects that could run code."""
     path = tmp_path / "model.pt"
     content, what = {

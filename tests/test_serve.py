@@ -23,8 +23,7 @@ import httpx
 import pytest
 import torch
 import uvicorn
-from conftest import tiny_model
-from test_cli import invoke, trained_run  # noqa: F401  (trained_run is a fixture)
+from helpers import invoke, tiny_model
 
 import mtkit
 from mtkit.config import DecodeConfig, ServeConfig
@@ -90,7 +89,7 @@ def lines(corpus_files) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def expected(trained_run, lines) -> dict[int, dict[str, str]]:  # noqa: F811
+def expected(trained_run, lines) -> dict[int, dict[str, str]]:
     """The library's translation of each line, at beam 2 and at the model's own, 5."""
     translator = mtkit.load(trained_run, device="cpu")
     return {beam: dict(zip(lines, translator.translate(lines, beam=beam))) for beam in (2, 5)}
@@ -105,7 +104,7 @@ def distinct(lines, expected) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def server(trained_run, tmp_path_factory):  # noqa: F811
+def server(trained_run, tmp_path_factory):
     """The server most tests share: an API key from the environment, batches waiting 20 ms for batch-mates."""
     running = Server(
         trained_run, tmp_path_factory.mktemp("serve") / "stderr", "--max-wait-ms", "20", env={"MTKIT_API_KEY": KEY}
@@ -114,7 +113,7 @@ def server(trained_run, tmp_path_factory):  # noqa: F811
     assert running.stop() == 0
 
 
-def test_translations_are_the_librarys_in_order(server, trained_run, lines, expected):  # noqa: F811
+def test_translations_are_the_librarys_in_order(server, trained_run, lines, expected):
     response = server.post({"text": lines}, headers=AUTH)
     assert response.status_code == 200, response.text
     assert response.json() == {"translations": [expected[5][line] for line in lines]}
@@ -122,7 +121,7 @@ def test_translations_are_the_librarys_in_order(server, trained_run, lines, expe
     assert server.post({"text": []}, headers=AUTH).json() == {"translations": []}
 
 
-def test_whole_batches_translate_as_the_library_does(trained_run, tmp_path, lines, expected):  # noqa: F811
+def test_whole_batches_translate_as_the_library_does(trained_run, tmp_path, lines, expected):
     whole = Server(trained_run, tmp_path / "stderr", "--no-continuous")
     try:
         assert "whole batches" in whole.log.read_text()
@@ -133,7 +132,7 @@ def test_whole_batches_translate_as_the_library_does(trained_run, tmp_path, line
         assert whole.stop() == 0
 
 
-def test_nbest_and_scores_are_those_the_command_line_prints(server, trained_run, lines):  # noqa: F811
+def test_nbest_and_scores_are_those_the_command_line_prints(server, trained_run, lines):
     translator = mtkit.load(trained_run, device="cpu")
     chosen = [lines[0], "", lines[1]]
     listed = server.post({"text": chosen, "beam": 3, "nbest": 2}, headers=AUTH).json()["translations"]
@@ -217,7 +216,7 @@ def test_every_request_but_health_needs_the_api_key(server):
     assert httpx.get(server.url + "/openapi.json", headers=AUTH).json()["info"]["title"] == "mtkit"
 
 
-def test_models_names_languages_precision_decode_settings_and_tokenizers(server, trained_run):  # noqa: F811
+def test_models_names_languages_precision_decode_settings_and_tokenizers(server, trained_run):
     info = httpx.get(server.url + "/v1/models", headers=AUTH).json()
     assert info["mtkit_version"] == mtkit.__version__
     (model,) = info["models"]
@@ -229,7 +228,7 @@ def test_models_names_languages_precision_decode_settings_and_tokenizers(server,
     assert model["batching"] == "continuous" and "continuous" in server.log.read_text()
 
 
-def test_models_shows_no_path_of_the_server(server, trained_run):  # noqa: F811
+def test_models_shows_no_path_of_the_server(server, trained_run):
     text = httpx.get(server.url + "/v1/models", headers=AUTH).text
     assert json.loads(text)["models"][0]["name"] == trained_run.name
     assert str(trained_run.parent) not in text and str(trained_run.parent).replace("/", "\\/") not in text
@@ -246,7 +245,7 @@ def test_a_model_of_any_positions_is_searched_continuously(positions, spm_model)
     assert serve.batching(ensemble, continuous=True) == "whole batches (an ensemble)"
 
 
-def test_alignments_and_json_log_lines(trained_run, tmp_path, lines):  # noqa: F811
+def test_alignments_and_json_log_lines(trained_run, tmp_path, lines):
     """A request asks for word alignments: each translation comes with the one `mtkit translate --alignments`
     gives it. With --log-format json, every log line is a JSON object, a request's with its fields."""
     library = mtkit.load(trained_run, device="cpu", alignments=True)
@@ -276,7 +275,7 @@ def test_each_request_is_one_log_line(server):
     assert re.search(logged, server.log.read_text())
 
 
-def test_a_full_queue_is_503_and_a_long_wait_504(trained_run, tmp_path):  # noqa: F811
+def test_a_full_queue_is_503_and_a_long_wait_504(trained_run, tmp_path):
     """Batches wait 3 s for batch-mates, a request 1 s for its answer: of two requests over the 4-sentence
     queue, the first to come waits (504), the other is refused (503)."""
     slow = Server(trained_run, tmp_path / "stderr", "--max-wait-ms", "3000", "--timeout", "1", "--max-queue", "4")
@@ -291,7 +290,7 @@ def test_a_full_queue_is_503_and_a_long_wait_504(trained_run, tmp_path):  # noqa
         assert slow.stop(signal.SIGINT) == 0  # Ctrl-C stops it as SIGTERM does
 
 
-def test_sigterm_under_load_answers_every_accepted_request(trained_run, tmp_path, distinct, expected):  # noqa: F811
+def test_sigterm_under_load_answers_every_accepted_request(trained_run, tmp_path, distinct, expected):
     """Three requests waiting for batch-mates and four clients sending batches of four one after another when
     SIGTERM comes: every answer that arrives is right, the waiting three all get one, the process exits 0, and
     every request the server took (logged it) reached its client: none was lost mid-response."""
@@ -331,7 +330,7 @@ def test_sigterm_under_load_answers_every_accepted_request(trained_run, tmp_path
         server.post({"text": "A dog."})
 
 
-def test_a_ctranslate2_export_is_served_as_the_library_translates_it(trained_run, tmp_path, distinct):  # noqa: F811
+def test_a_ctranslate2_export_is_served_as_the_library_translates_it(trained_run, tmp_path, distinct):
     pytest.importorskip("ctranslate2")
     export = tmp_path / "ct2"
     assert invoke("export", trained_run, "-o", export).exit_code == 0
@@ -436,7 +435,7 @@ def test_a_request_that_breaks_the_search_is_500_and_harms_none_of_its_batch_mat
             assert (status, body) == (200, {"translations": [f"LINE {i}"]})
 
 
-def test_without_fastapi_it_says_what_to_install(trained_run, monkeypatch):  # noqa: F811
+def test_without_fastapi_it_says_what_to_install(trained_run, monkeypatch):
     monkeypatch.setitem(sys.modules, "fastapi", None)  # import fastapi now raises ImportError
     result = invoke("serve", trained_run)
     assert result.exit_code == 1

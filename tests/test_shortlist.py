@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_model, tiny_model_config
+from helpers import invoke, one_line_error, tiny_model, tiny_model_config
 from safetensors.torch import load_file, save_file
-from test_cli import invoke, one_line_error
 from typer.testing import CliRunner
 
 from mtkit.cli import app
@@ -21,8 +20,8 @@ from mtkit.decoding.ensemble import Ensemble
 from mtkit.decoding.search import beam_search
 from mtkit.decoding.shortlist import ShortlistError
 from mtkit.decoding.translate import Translator
-from mtkit.model import checkpoint
 from mtkit.model.transformer import Candidates
+from mtkit.training import run_directory
 
 runner = CliRunner()
 CPU = torch.device("cpu")
@@ -35,7 +34,7 @@ def pairs_of(paths: dict[str, Path], split: str = "train") -> list[tuple[str, st
 
 def built(paths, tok: Tokenizer, per_source: int = 4, frequent: int = 10) -> lexical.Shortlist:
     chunks = lexical.co_occurring_pairs(tok, tok, pairs_of(paths))
-    return lexical.build(chunks, tok, tok, per_source, frequent)
+    return lexical.build_shortlist(chunks, tok, tok, per_source, frequent)
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +167,7 @@ def run(tmp_path_factory, corpus_files, spm_model) -> Path:
     record = {"file": spm_model.path.name, "sha256": spm_model.sha256}
     meta = {"config": cfg.to_dict(), "tokenizer": {"src": record, "tgt": record}}
     model = tiny_model(spm_model.vocab_size, seed=6)
-    checkpoint.save_in_run(run, 1, model.state_dict(), meta, None, keep_last=0)
+    run_directory.save_in_run(run, 1, model.state_dict(), meta, None, keep_last=0)
     return run
 
 
@@ -219,12 +218,14 @@ def test_a_shortlist_built_over_several_chunks_is_the_one_built_at_once(corpus_f
     more pairs than a test can afford."""
     pairs = pairs_of(corpus_files)
     for first in (len(pairs), 150):
-        whole = lexical.build(lexical.co_occurring_pairs(spm_model, spm_model, pairs[:first]), spm_model, spm_model, 4)
+        whole = lexical.build_shortlist(
+            lexical.co_occurring_pairs(spm_model, spm_model, pairs[:first]), spm_model, spm_model, 4
+        )
         with monkeypatch.context() as small:
             small.setattr(lexical, "CHUNK_PAIRS", 64)
             chunks = list(lexical.co_occurring_pairs(spm_model, spm_model, pairs, first))
         assert [len(src) for src, _ in chunks] == [64] * (first // 64) + [first % 64]
-        chunked = lexical.build(chunks, spm_model, spm_model, 4)
+        chunked = lexical.build_shortlist(chunks, spm_model, spm_model, 4)
         assert torch.equal(chunked.table, whole.table) and torch.equal(chunked.always, whole.always)
 
 

@@ -8,7 +8,8 @@ import pytest
 
 from mtkit.config import TrainConfig
 from mtkit.errors import TrainingFailed
-from mtkit.training.trainer import MAX_CONSECUTIVE_OOMS, MAX_CONSECUTIVE_SKIPS, Progress, SkipPolicy
+from mtkit.training.resume import Progress
+from mtkit.training.skip_policy import MAX_CONSECUTIVE_OOMS, MAX_CONSECUTIVE_SKIPS, SkipPolicy
 
 OOM, OVERFLOW, NONFINITE = {"skipped": "oom", "oom_ranks": 1}, {"skipped": "overflow"}, {"skipped": "nonfinite"}
 

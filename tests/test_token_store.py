@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from test_cli import invoke
-from test_train import small_config
+from helpers import invoke, small_config
 
 from mtkit import progress
 from mtkit.data import token_store

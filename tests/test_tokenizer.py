@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from test_cli import invoke, write_config
+from helpers import invoke, write_config
 
 from mtkit.config import TokenizerConfig
 from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, TokenizerError, train_spm

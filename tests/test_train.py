@@ -1,4 +1,4 @@
-"""The training loop: schedule, checkpoints and exact resumption."""
+"""The training loop: schedule, tokenizer set-up, checkpoints and exact resumption."""
 
 from __future__ import annotations
 
@@ -9,11 +9,17 @@ import signal
 
 import pytest
 import torch
+from helpers import small_config
 
 from mtkit.config import from_dict
-from mtkit.model import checkpoint
+from mtkit.model import checkpoint, loading
+from mtkit.training import trainer as trainer_module
+from mtkit.training.resume import Progress, TrainingState
 from mtkit.training.run_directory import trim_metrics
-from mtkit.training.trainer import StopSignals, Trainer, lr_at, run_training
+from mtkit.training.schedule import lr_at
+from mtkit.training.stop_signals import StopSignals
+from mtkit.training.tokenizers import prepare_tokenizers
+from mtkit.training.trainer import Trainer, run_training
 
 
 def test_lr_warms_up_linearly_then_decays_as_inverse_sqrt():
@@ -22,35 +28,6 @@ def test_lr_warms_up_linearly_then_decays_as_inverse_sqrt():
     assert lr_at(100, 1e-3, 100) == pytest.approx(1e-3)
     assert lr_at(400, 1e-3, 100) == pytest.approx(5e-4)
     assert lr_at(7, 1e-3, 0) == 1e-3
-
-
-def small_config(corpus_files, spm_model, **train):
-    """A tiny model on ``corpus_files``, in fp32 (not auto) so that what the tests see is the same on every CPU."""
-    return from_dict(
-        {
-            "data": {
-                "train_src": str(corpus_files["train.en"]),
-                "train_tgt": str(corpus_files["train.de"]),
-                "valid_src": str(corpus_files["val.en"]),
-                "valid_tgt": str(corpus_files["val.de"]),
-            },
-            "tokenizer": {"model": str(spm_model.path)},
-            "model": {"encoder_layers": 1, "decoder_layers": 1, "d_model": 32, "heads": 2, "ffn": 64, "dropout": 0.1},
-            "train": {
-                "batch_tokens": 512,
-                "warmup": 4,
-                "lr": 1e-3,
-                "valid_every": 0,
-                "save_every": 2,
-                "valid_bleu": False,
-                "best_metric": "loss",
-                "log_every": 1,
-                "precision": "fp32",
-                **train,
-            },
-            "decode": {"beam": 2},
-        }
-    )
 
 
 def test_loss_goes_down_and_checkpoints_are_written(tmp_path, corpus_files, spm_model):
@@ -63,7 +40,7 @@ def test_loss_goes_down_and_checkpoints_are_written(tmp_path, corpus_files, spm_
     assert "valid_bleu" in result and "bleu_signature" in result
     for name in ("best/model.safetensors", "config.yaml", "spm.model"):
         assert (tmp_path / name).is_file()
-    assert checkpoint.read_checkpoint(checkpoint.latest(tmp_path)).meta["step"] == 30
+    assert checkpoint.read_checkpoint(loading.latest(tmp_path)).meta["step"] == 30
 
 
 def test_resumed_training_equals_uninterrupted_training(tmp_path, corpus_files, spm_model):
@@ -86,6 +63,38 @@ def test_resume_with_a_different_model_is_refused(tmp_path, corpus_files, spm_mo
         Trainer(bigger, tmp_path)
 
 
+def test_training_state_reads_back_what_it_saved_and_refuses_a_malformed_one(tmp_path):
+    saved = TrainingState({"state": {}}, {}, [{"torch": None}], Progress(step=4, best=1.5, validated=4))
+    assert TrainingState.read(tmp_path, saved.to_dict(), 4) == saved
+    with pytest.raises(checkpoint.CheckpointError, match="progress.step 4 is not the header's step 5"):
+        TrainingState.read(tmp_path, saved.to_dict(), 5)
+    malformed = {**saved.to_dict(), "progress": {"step": 4, "stale": "two"}}
+    with pytest.raises(checkpoint.CheckpointError, match="progress.stale must be an integer"):
+        TrainingState.read(tmp_path, malformed, 4)
+    with pytest.raises(checkpoint.CheckpointError, match="its training state has no 'scaler', 'rng', 'progress'"):
+        TrainingState.read(tmp_path, {"optimizer": {}}, 4)
+
+
+def test_a_validation_recorded_after_the_checkpoint_counts_as_done(tmp_path):
+    (tmp_path / "validation.json").write_text(json.dumps({"best": 2.0, "stale": 1}))
+    state = TrainingState({}, {}, [], Progress(step=4, validated=2)).to_dict()
+    progress = TrainingState.read(tmp_path, state, 4).progress
+    assert (progress.best, progress.stale, progress.validated) == (2.0, 1, 4)
+
+
+def test_rank_0_prepares_the_tokenizers_once(tmp_path, corpus_files, spm_model, monkeypatch):
+    calls = []
+
+    def counted(*args):
+        calls.append(args)
+        return prepare_tokenizers(*args)
+
+    monkeypatch.setattr(trainer_module, "prepare_tokenizers", counted)
+    trainer = Trainer(small_config(corpus_files, spm_model, max_steps=1), tmp_path)
+    assert len(calls) == 1
+    assert trainer.src_tok.sha256 == spm_model.sha256 == trainer.tgt_tok.sha256
+
+
 def test_optimizer_sees_gradients_clipped_to_clip_norm(tmp_path, corpus_files, spm_model, monkeypatch):
     trainer = Trainer(small_config(corpus_files, spm_model, max_steps=1, clip_norm=1e-3), tmp_path)
     batches = trainer.corpus.batches(512, seed=0)[:1]
@@ -106,7 +115,7 @@ def test_optimizer_sees_gradients_clipped_to_clip_norm(tmp_path, corpus_files, s
 def test_restart_starts_over_instead_of_resuming(tmp_path, corpus_files, spm_model):
     cfg = small_config(corpus_files, spm_model, max_steps=2)
     run_training(cfg, tmp_path)
-    assert checkpoint.read_checkpoint(checkpoint.latest(tmp_path)).meta["step"] == 2
+    assert checkpoint.read_checkpoint(loading.latest(tmp_path)).meta["step"] == 2
     assert Trainer(cfg, tmp_path).progress.step == 2  # would resume
     run_training(cfg, tmp_path, restart=True)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -123,7 +132,7 @@ def test_wall_clock_budget_stops_training_and_says_the_run_is_incomplete(tmp_pat
     assert result["stop"] == {"stopped_by": "max_time", "reason": reason, "max_steps": 1000}
     done = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     assert done == {"event": "done", "step": 1, **result["stop"]}
-    assert checkpoint.read_checkpoint(checkpoint.latest(tmp_path)).state["progress"]["seconds"] > 0
+    assert checkpoint.read_checkpoint(loading.latest(tmp_path)).state["progress"]["seconds"] > 0
 
 
 def test_patience_stops_after_validations_without_a_new_best(tmp_path, corpus_files, spm_model, monkeypatch):

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from test_cli import invoke, trained_run  # noqa: F401  (trained_run is a fixture)
+from helpers import invoke
 
 import mtkit.decoding.translate
 
@@ -25,7 +25,7 @@ def stdin_of(lines: list[str]) -> str:
     return "".join(line + "\n" for line in lines)
 
 
-def test_nbest_lists_are_sorted_distinct_and_headed_by_the_best(trained_run, lines):  # noqa: F811
+def test_nbest_lists_are_sorted_distinct_and_headed_by_the_best(trained_run, lines):
     best = invoke("translate", trained_run, "--beam", 4, input=stdin_of(lines)).stdout.splitlines()
     result = invoke("translate", trained_run, "--beam", 4, "--nbest", 3, input=stdin_of(lines))
     assert result.exit_code == 0, result.output
@@ -43,7 +43,7 @@ def test_nbest_lists_are_sorted_distinct_and_headed_by_the_best(trained_run, lin
             assert all(h[2] < 0 for h in hyps)
 
 
-def test_scores_put_the_log_probability_before_each_translation(trained_run, lines):  # noqa: F811
+def test_scores_put_the_log_probability_before_each_translation(trained_run, lines):
     best = invoke("translate", trained_run, "--beam", 3, input=stdin_of(lines)).stdout.splitlines()
     result = invoke("translate", trained_run, "--beam", 3, "--scores", input=stdin_of(lines))
     assert result.exit_code == 0, result.output
@@ -52,13 +52,13 @@ def test_scores_put_the_log_probability_before_each_translation(trained_run, lin
     assert [float(logprob) < 0 for logprob, _ in rows] == [bool(line) for line in lines]  # empty input: 0
 
 
-def test_nbest_larger_than_the_beam_is_a_one_line_error(trained_run):  # noqa: F811
+def test_nbest_larger_than_the_beam_is_a_one_line_error(trained_run):
     result = invoke("translate", trained_run, "--beam", 2, "--nbest", 3, input="A dog.\n")
     assert result.exit_code == 1
     assert result.stderr.strip() == "error: nbest 3 needs a beam of at least 3 (the beam is 2)"
 
 
-def test_small_chunks_give_the_same_output_as_one_chunk(trained_run, lines, monkeypatch):  # noqa: F811
+def test_small_chunks_give_the_same_output_as_one_chunk(trained_run, lines, monkeypatch):
     def nbest_rows() -> list[tuple[str, str, float, float]]:
         out = invoke("translate", trained_run, "--beam", 3, "--nbest", 2, input=stdin_of(lines)).stdout
         rows = (row.split(" ||| ") for row in out.splitlines())
@@ -72,7 +72,7 @@ def test_small_chunks_give_the_same_output_as_one_chunk(trained_run, lines, monk
     assert [v for row in chunked for v in row[2:]] == pytest.approx([v for row in whole for v in row[2:]], abs=1e-3)
 
 
-def test_a_pipeline_gets_each_translation_before_the_input_ends(trained_run, lines):  # noqa: F811
+def test_a_pipeline_gets_each_translation_before_the_input_ends(trained_run, lines):
     command = [sys.executable, "-m", "mtkit", "translate", str(trained_run), "--beam", "2", "--scores"]
     proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
@@ -89,7 +89,7 @@ def test_a_pipeline_gets_each_translation_before_the_input_ends(trained_run, lin
         proc.kill()
 
 
-def test_prefixes_come_from_a_line_aligned_file(trained_run, lines, tmp_path):  # noqa: F811
+def test_prefixes_come_from_a_line_aligned_file(trained_run, lines, tmp_path):
     prefixes = ["Ein Mann" if i % 2 == 0 else "" for i in range(len(lines))]
     prefix_file = tmp_path / "prefix.de"
     prefix_file.write_text(stdin_of(prefixes))
@@ -104,7 +104,7 @@ def test_prefixes_come_from_a_line_aligned_file(trained_run, lines, tmp_path):  
     assert short.exit_code == 1 and short.stderr.strip() == f"error: {prefix_file}: no prefix for input line 4"
 
 
-def test_sampling_is_reproducible_with_a_seed_and_varies_without(trained_run, lines):  # noqa: F811
+def test_sampling_is_reproducible_with_a_seed_and_varies_without(trained_run, lines):
     def sampled(seed: int) -> list[str]:
         args = ["--sample", "--temperature", 1.5, "--seed", seed, "--scores"]
         result = invoke("translate", trained_run, *args, input=stdin_of(lines))
@@ -115,7 +115,7 @@ def test_sampling_is_reproducible_with_a_seed_and_varies_without(trained_run, li
     assert sampled(1) != sampled(2)
 
 
-def test_sampling_with_nbest_draws_that_many_per_line_best_first(trained_run, lines):  # noqa: F811
+def test_sampling_with_nbest_draws_that_many_per_line_best_first(trained_run, lines):
     result = invoke("translate", trained_run, "--sample", "--temperature", 1.5, "--nbest", 8, input=stdin_of(lines))
     assert result.exit_code == 0, result.output
     entries: dict[int, list[tuple[str, float]]] = {}
@@ -129,7 +129,7 @@ def test_sampling_with_nbest_draws_that_many_per_line_best_first(trained_run, li
     assert any(len({text for text, _ in samples}) > 1 for samples in entries.values())  # draws, not copies
 
 
-def test_a_model_given_twice_is_an_ensemble_that_decodes_like_it(trained_run, lines):  # noqa: F811
+def test_a_model_given_twice_is_an_ensemble_that_decodes_like_it(trained_run, lines):
     """In fp32: bf16 logits tie often, and an ensemble's renormalised mean may break a tie another way."""
     options = ["--beam", 3, "--scores", "--precision", "fp32"]
     alone = invoke("translate", trained_run, *options, input=stdin_of(lines))
@@ -140,14 +140,14 @@ def test_a_model_given_twice_is_an_ensemble_that_decodes_like_it(trained_run, li
     ]
 
 
-def test_translation_reads_only_as_much_input_as_it_needs(trained_run, lines):  # noqa: F811
+def test_translation_reads_only_as_much_input_as_it_needs(trained_run, lines):
     """An endless input still yields translations: memory is bounded by the chunk, not the input."""
     import itertools
 
     import torch
 
     from mtkit.config import DecodeConfig
-    from mtkit.model.checkpoint import load_for_inference
+    from mtkit.model.loading import load_for_inference
 
     bundle = load_for_inference(trained_run, torch.device("cpu"))
     translator = mtkit.decoding.translate.Translator(
@@ -159,12 +159,12 @@ def test_translation_reads_only_as_much_input_as_it_needs(trained_run, lines):  
     assert all((t[0].logprob == 0.0) == (i % len(lines) == 2) for i, t in enumerate(first))  # line 2 is empty
 
 
-def test_on_batch_counts_every_line_once_and_changes_no_output(trained_run, lines):  # noqa: F811
+def test_on_batch_counts_every_line_once_and_changes_no_output(trained_run, lines):
     """Validation's progress bar counts with it; the empty line counts too, so the bar reaches its total."""
     import torch
 
     from mtkit.config import DecodeConfig
-    from mtkit.model.checkpoint import load_for_inference
+    from mtkit.model.loading import load_for_inference
 
     bundle = load_for_inference(trained_run, torch.device("cpu"))
     model = (bundle.model, bundle.src_tok, bundle.tgt_tok, DecodeConfig(beam=2, batch_size=2), torch.device("cpu"))
@@ -174,7 +174,7 @@ def test_on_batch_counts_every_line_once_and_changes_no_output(trained_run, line
     assert sum(done) == len(lines) and len(done) == 4  # the empty line, then three batches of two
 
 
-def test_alignments_pair_source_and_target_words(trained_run, lines):  # noqa: F811
+def test_alignments_pair_source_and_target_words(trained_run, lines):
     result = invoke("translate", trained_run, "--beam", 2, "--min-len", 3, "--alignments", input=stdin_of(lines))
     assert result.exit_code == 0, result.output
     rows = result.stdout.splitlines()
@@ -189,7 +189,7 @@ def test_alignments_pair_source_and_target_words(trained_run, lines):  # noqa: F
         assert bool(pairs) == bool(line and translation)
 
 
-def test_bf16_translation_keeps_every_line(trained_run, lines):  # noqa: F811
+def test_bf16_translation_keeps_every_line(trained_run, lines):
     fp32 = invoke("translate", trained_run, "--beam", 3, input=stdin_of(lines))
     bf16 = invoke("translate", trained_run, "--beam", 3, "--precision", "bf16", input=stdin_of(lines))
     assert bf16.exit_code == 0, bf16.output
@@ -197,7 +197,7 @@ def test_bf16_translation_keeps_every_line(trained_run, lines):  # noqa: F811
     assert len(bf16.stdout.splitlines()) == len(lines)
 
 
-def test_early_stop_changes_no_output_without_a_length_penalty(trained_run, lines):  # noqa: F811
+def test_early_stop_changes_no_output_without_a_length_penalty(trained_run, lines):
     early = invoke("translate", trained_run, "--beam", 4, "--lenpen", 0, input=stdin_of(lines))
     full = invoke("translate", trained_run, "--beam", 4, "--lenpen", 0, "--no-early-stop", input=stdin_of(lines))
     assert full.exit_code == 0, full.output
@@ -205,7 +205,7 @@ def test_early_stop_changes_no_output_without_a_length_penalty(trained_run, line
 
 
 def test_on_a_terminal_a_file_shows_its_total_and_stdout_stays_the_translations(
-    trained_run,  # noqa: F811
+    trained_run,
     lines,
     tmp_path,
     monkeypatch,
@@ -230,7 +230,7 @@ def test_on_a_terminal_a_file_shows_its_total_and_stdout_stays_the_translations(
     assert quiet.stdout == expected.stdout and quiet.stderr == ""
 
 
-def test_sigint_on_a_pipeline_leaves_whole_lines_and_says_how_many(trained_run, lines):  # noqa: F811
+def test_sigint_on_a_pipeline_leaves_whole_lines_and_says_how_many(trained_run, lines):
     command = [sys.executable, "-m", "mtkit", "translate", str(trained_run), "--beam", "2"]
     proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
@@ -247,7 +247,7 @@ def test_sigint_on_a_pipeline_leaves_whole_lines_and_says_how_many(trained_run, 
 
 
 def test_sigint_while_translating_a_file_keeps_the_lines_done_in_a_partial_file(
-    trained_run,  # noqa: F811
+    trained_run,
     lines,
     tmp_path,
     monkeypatch,

@@ -147,8 +147,7 @@ def prepare_command(
     (unless local data files changed: their SHA-256 are compared with the record).
     """
     from mtkit.config import ConfigError
-    from mtkit.data.corpora import CORPORA
-    from mtkit.data.corpora import corpus as find_corpus
+    from mtkit.data.corpora import CORPORA, find_corpus
     from mtkit.data.hf_corpus import PREFIX, HubCorpus, parse_data_files, parse_splits
     from mtkit.data.preparation import prepare_corpus, prepare_dataset
 

@@ -10,6 +10,7 @@ import typer
 from typer.core import TyperCommand
 
 from mtkit.commands.common import examples, user_errors
+from mtkit.scoring.metrics import DEFAULT_METRICS, METRICS, SACREBLEU_DEFAULT_METRICS
 
 commands = typer.Typer()
 MULTI_VALUE_OPTIONS = ("-i", "--input", "-m", "--metrics")  # sacreBLEU's nargs options: -i A B, -m bleu chrf
@@ -87,7 +88,8 @@ def eval_command(
         typer.Option(
             "--metrics",
             "-m",
-            help="bleu, chrf, chrf++, ter: -m bleu chrf ter, or bleu,chrf (default: bleu chrf with --hyp, else bleu).",
+            help=f"{', '.join(METRICS)}: -m bleu chrf ter, or bleu,chrf (default: {' '.join(DEFAULT_METRICS)} with "
+            f"--hyp, else {' '.join(SACREBLEU_DEFAULT_METRICS)}).",
         ),
     ] = [],
     tokenize: Annotated[

@@ -96,13 +96,13 @@ def train_command(
 
 def _plan(cfg, out: Path, processes: int) -> str:
     """What --dry-run prints: the resolved config, then the run directory, the batch and the LR schedule."""
-    from mtkit.config import dump
-    from mtkit.training.trainer import schedule_preview
+    from mtkit.config import config_yaml
+    from mtkit.training.schedule import schedule_preview
 
     tc = cfg.train
     schedule = ", ".join(f"update {step}: {lr:.3g}" for step, lr in schedule_preview(cfg))
     return (
-        f"{dump(cfg)}# run directory: {out}\n"
+        f"{config_yaml(cfg)}# run directory: {out}\n"
         f"# effective batch: {tc.batch_tokens * tc.accum * processes} padded tokens per side per update "
         f"({tc.batch_tokens} x accum {tc.accum} x {processes} process(es))\n"
         f"# learning rate: {schedule}\n"
@@ -116,9 +116,10 @@ def _stopped(stop, out: Path) -> typer.Exit:
 
 
 def _run_training(cfg, out: Path, restart: bool) -> None:
-    from mtkit.progress import TrainingProgress
     from mtkit.training.distributed import DistributedError, from_environment
-    from mtkit.training.trainer import TrainingStopped, run_training
+    from mtkit.training.reporting import TrainingProgress
+    from mtkit.training.stop_signals import TrainingStopped
+    from mtkit.training.trainer import run_training
 
     dist = from_environment(cfg.train.device, cfg.train.ddp_timeout)
     try:
@@ -193,10 +194,10 @@ def run_command(
     The report says whether the test BLEU falls in the recipe's expected range (recipe.bleu_min/max).
     """
     from mtkit.config import read_config
-    from mtkit.progress import TrainingProgress
     from mtkit.run import render_report
     from mtkit.run import run_recipe as run_all
-    from mtkit.training.trainer import TrainingStopped
+    from mtkit.training.reporting import TrainingProgress
+    from mtkit.training.stop_signals import TrainingStopped
 
     setup_logging()
     cfg = read_config(recipe, overrides)

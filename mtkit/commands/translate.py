@@ -175,9 +175,13 @@ def average_command(
     ] = None,
 ) -> None:
     """Average the weights of checkpoints of one model; often scores better than the last one alone."""
-    from mtkit.model.checkpoint import WEIGHTS_FILE, check_output_file, checkpoints_to_average, write_average
+    from mtkit.files import check_output_file
+    from mtkit.model.checkpoint import WEIGHTS_FILE
+    from mtkit.model.loading import checkpoints_holding, with_model_files
+    from mtkit.training.averaging import checkpoints_to_average, write_average
 
-    check_output_file(output, inputs=[*inputs, *(path / WEIGHTS_FILE for path in inputs)])
+    sources = with_model_files([*inputs, *(path / WEIGHTS_FILE for path in inputs)])
+    check_output_file(output, sources, checkpoints_holding(output))
     paths = checkpoints_to_average(inputs, last)
     meta = write_average(paths, output)
     for path in paths:
@@ -212,12 +216,13 @@ def attention_command(
     """
     from mtkit.decoding.alignment import alignment_line, plot_attention, translate_with_attention, word_alignment
     from mtkit.decoding.translate import with_overrides
-    from mtkit.model.checkpoint import check_output_file, load_for_inference
+    from mtkit.files import check_output_file
+    from mtkit.model.loading import checkpoints_holding, load_for_inference, with_model_files
     from mtkit.runtime import pick_device, require
 
     setup_logging()
     require("matplotlib", "drawing attention", "matplotlib")
-    check_output_file(output, inputs=[model])
+    check_output_file(output, with_model_files([model]), checkpoints_holding(output))
     bundle = load_for_inference(model, pick_device(device))
     decode = with_overrides(bundle.cfg.decode, given(beam=beam))
     result = translate_with_attention(bundle.model, bundle.src_tok, bundle.tgt_tok, src, decode)
@@ -260,11 +265,12 @@ def export_command(
 ) -> None:
     """Convert a trained model for CTranslate2 or transformers; its tokenizers and decode settings go with it."""
     from mtkit.config import ConfigError
+    from mtkit.files import check_outside_checkpoints
     from mtkit.interop.ct2_export import export_ctranslate2
     from mtkit.interop.hf_export import export_transformers
-    from mtkit.model.checkpoint import check_outside_checkpoints
+    from mtkit.model.loading import checkpoints_holding
 
-    check_outside_checkpoints(output)
+    check_outside_checkpoints(output, checkpoints_holding(output))
     if fmt == "hf":
         if quantization is not None:
             raise ConfigError("--quantization is for --format ctranslate2; a transformers export keeps float32 weights")
@@ -321,7 +327,8 @@ def shortlist_command(
     from mtkit.config import ConfigError
     from mtkit.data.parallel import check_input_file, is_tsv, iter_parallel
     from mtkit.decoding import shortlist as lexical
-    from mtkit.model.checkpoint import check_output_file, load_for_inference
+    from mtkit.files import check_output_file
+    from mtkit.model.loading import checkpoints_holding, load_for_inference, with_model_files
 
     setup_logging()
     if src is None:
@@ -331,10 +338,11 @@ def shortlist_command(
     for path in (src, tgt):
         if path is not None:
             check_input_file(path)
-    check_output_file(output, inputs=[p for p in (src, tgt, model) if p is not None])
+    inputs = with_model_files(p for p in (src, tgt, model) if p is not None)
+    check_output_file(output, inputs, checkpoints_holding(output))
     bundle = load_for_inference(model, torch.device("cpu"))
     chunks = lexical.co_occurring_pairs(bundle.src_tok, bundle.tgt_tok, iter_parallel(src, tgt), pairs)
-    built = lexical.build(chunks, bundle.src_tok, bundle.tgt_tok, per_source, frequent)
+    built = lexical.build_shortlist(chunks, bundle.src_tok, bundle.tgt_tok, per_source, frequent)
     built.save(output)
     typer.echo(f"wrote {output} ({per_source} candidates per source token, {built.always.numel()} always)", err=True)
 
@@ -344,7 +352,8 @@ def _trained_on(model: Path) -> str:
     elsewhere could name any file of the user's."""
     from mtkit import untrusted
     from mtkit.errors import MtkitError
-    from mtkit.model.checkpoint import read_checkpoint, resolve
+    from mtkit.model.checkpoint import read_checkpoint
+    from mtkit.model.loading import resolve
 
     try:
         data = read_checkpoint(resolve(model), with_state=False).cfg.data

@@ -137,7 +137,7 @@ def _catalogue() -> dict[str, Corpus]:
 CORPORA = _catalogue()
 
 
-def corpus(name: str) -> Corpus:
+def find_corpus(name: str) -> Corpus:
     if name not in CORPORA:
         raise ConfigError(f"unknown corpus {name!r}; known: {', '.join(CORPORA)}")
     return CORPORA[name]

@@ -104,7 +104,7 @@ def source_url(url: str, mirror: str | None) -> str:
     return str(Path(mirror) / name)
 
 
-def fetch(
+def fetch_file(
     url: str,
     dest: Path,
     sha256: str | None = None,

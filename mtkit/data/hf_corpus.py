@@ -37,8 +37,8 @@ PREFIX = "hf:"
 DEFAULT_SPLITS = {"train": "train", "valid": "validation", "test": "test"}
 OUTPUT_SPLITS = ("train", "valid", "test")
 # Rows per record batch of the Arrow cache this conversion writes (datasets: 1,000). Opening a split maps the
-# file and reads each batch's header, and the kernel maps 64 KiB around each: 280 MiB of resident memory for
-# 4.5M pairs in 1,000-row batches, 30 MiB in these.
+# file and reads each batch's header, and the kernel maps 64 KiB around each, so fewer, larger batches keep
+# resident memory down (docs/benchmarks.md, "prepare through datasets").
 _CACHE_BATCH_ROWS = 10_000
 # What --data-files may name: the formats of the hf:json, hf:csv and hf:parquet builders, compressed or not.
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".csv", ".tsv")
@@ -135,7 +135,7 @@ class LoadedSplit:
     about: dict
 
 
-def load(corpus: HubCorpus, num_proc: int | None = None) -> tuple[dict, list[LoadedSplit]]:
+def load_hub_corpus(corpus: HubCorpus, num_proc: int | None = None) -> tuple[dict, list[LoadedSplit]]:
     """Load (download and convert to Arrow, or find in the cache) and check every requested split.
 
     Returns what prepare.json records of the source (resolved revision, data-file checksums) and the splits,
@@ -154,7 +154,7 @@ def load(corpus: HubCorpus, num_proc: int | None = None) -> tuple[dict, list[Loa
     if hasattr(builder.config, "fragment_scan_options") and builder.config.fragment_scan_options is None:
         import pyarrow.dataset
 
-        # Parquet: pyarrow pre-buffers whole row groups by default, 200 MiB more for 4.5M pairs.
+        # Parquet: pyarrow pre-buffers whole row groups by default, memory a read in record batches does not need.
         builder.config.fragment_scan_options = pyarrow.dataset.ParquetFragmentScanOptions(pre_buffer=False)
     try:
         builder.download_and_prepare(num_proc=num_proc)
@@ -346,7 +346,7 @@ def _pairs(files: list[str], columns, label: str) -> Iterator[tuple[str, str]]:
     """The pairs in table order, one Arrow record batch at a time.
 
     The Arrow files are read, not memory-mapped: every page of a memory map once read counts as the
-    process's resident memory while the map lasts (1.4 GiB for 4.5M pairs); a batch read is freed with it.
+    process's resident memory while the map lasts (docs/benchmarks.md); a batch read is freed with it.
     """
     number = 0
     for path in files:

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mtkit.errors import MtkitError
 from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from mtkit.errors import MtkitError
 
 
 class DataError(MtkitError, ValueError):
@@ -43,8 +43,9 @@ def open_binary(path: str | Path) -> Iterator[BinaryIO]:
 
 def count_lines(path: str | Path) -> int | None:
     """Lines in a regular uncompressed file, counted as the readers here split them (a last line without
-    ``\\n`` counts), in 1 MiB chunks: about a second per GB. None for gzip, a pipe or an unreadable file,
-    whose lines cannot be counted without reading them all for real."""
+    ``\\n`` counts), in 1 MiB chunks: a quick pass beside the real reading (docs/benchmarks.md, WMT-scale
+    data). None for gzip, a pipe or an unreadable file, whose lines cannot be counted without reading them
+    all for real."""
     count, last = 0, b"\n"
     try:
         if not Path(path).is_file():
@@ -251,7 +252,8 @@ def _back_to_back(seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
 def pad_flat(flat: np.ndarray, lengths: np.ndarray, prefix: list[int] = (), suffix: list[int] = ()) -> Tensor:
     """``pad`` for sequences given back to back in ``flat``, with their ``lengths``.
 
-    One scatter into the padded array: a row at a time took 5 ms of each 250-sentence batch.
+    One scatter into the padded array: a row at a time was slower (docs/benchmarks.md, "What moved the
+    training figures").
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     rows = len(lengths)
@@ -293,10 +295,10 @@ def token_batches(src_lens: np.ndarray, tgt_lens: np.ndarray, batch_tokens: int,
     Examples are ordered by target length and, within one target length, by source length, up
     for even target lengths and down for odd ones: this "snake" order keeps source lengths close
     where one target length gives way to the next, so no batch straddles a short and a long source
-    (on Multi30k the source side went from 87% to 91% real tokens). Ties are broken at random, so
-    batches differ between epochs. The order is cut greedily into batches, and the batch order is
-    shuffled. A pair longer than the budget alone still forms a batch of one rather than being
-    lost. Index arrays rather than lists keep an epoch of a WMT-size corpus at a few bytes per pair.
+    and less of each batch is padding (docs/benchmarks.md, "What moved the training figures"). Ties are
+    broken at random, so batches differ between epochs. The order is cut greedily into batches, and the
+    batch order is shuffled. A pair longer than the budget alone still forms a batch of one rather than
+    being lost. Index arrays rather than lists keep an epoch of a WMT-size corpus at a few bytes per pair.
     """
     rng = np.random.default_rng(seed)
     src_lens, tgt_lens = np.asarray(src_lens, dtype=np.int64), np.asarray(tgt_lens, dtype=np.int64)

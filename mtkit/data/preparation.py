@@ -31,12 +31,12 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from mtkit import untrusted
+from mtkit.config import CleanConfig, ConfigError
 from mtkit.data import hf_corpus
 from mtkit.data.clean import CleanSummary, clean_pairs
-from mtkit.config import CleanConfig, ConfigError
 from mtkit.data.corpora import Corpus, RemoteFile
+from mtkit.data.download import fetch_file, source_url
 from mtkit.data.parallel import DataError, count_lines, iter_aligned
-from mtkit.data.download import fetch, source_url
 from mtkit.files import atomic_write
 from mtkit.progress import StageProgress, shows_bar
 
@@ -141,7 +141,7 @@ def _load_and_write(
 ) -> dict:
     """Load a ``datasets`` corpus and write it; an error names the catalogue corpus too, if it is one."""
     try:
-        source, loaded = hf_corpus.load(corpus, num_proc)
+        source, loaded = hf_corpus.load_hub_corpus(corpus, num_proc)
     except DataError as err:
         if label == corpus.name:
             raise
@@ -236,7 +236,7 @@ def _checked(record: object) -> dict:
 
 
 def _check_source(source: object) -> None:
-    """prepare.json's ``source``, as hf_corpus.load returns it (read by `mtkit run` for its report)."""
+    """prepare.json's ``source``, as hf_corpus.load_hub_corpus returns it (read by `mtkit run` for its report)."""
     keys = ("dataset", "config", "data_dir", "revision", "data_files")
     untrusted.mapping(source, "source", required=keys, optional=())
     untrusted.string(source["dataset"], "source.dataset")
@@ -256,7 +256,7 @@ def _check_source(source: object) -> None:
 
 def _download(file: RemoteFile, folder: Path, mirror: str | None) -> Path:
     source = source_url(file.filename, mirror) if mirror else file.url
-    return fetch(source, folder / file.filename, file.sha256)
+    return fetch_file(source, folder / file.filename, file.sha256)
 
 
 def _write(pairs: Iterable[tuple[str, str]], src_path: Path, tgt_path: Path) -> int:

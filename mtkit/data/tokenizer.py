@@ -14,8 +14,8 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from mtkit.data.clean import strip_invisible
 from mtkit.config import TokenizerConfig
+from mtkit.data.clean import strip_invisible
 from mtkit.errors import MtkitError
 from mtkit.files import atomic_write, atomic_write_text, file_sha256
 from mtkit.progress import StageProgress
@@ -132,8 +132,9 @@ class Tokenizer:
     def encode(self, lines: list[str]) -> list[list[int]]:
         """Ids without bos/eos (the data and search code add them), of the text less the control and format
         characters `mtkit prepare` deletes from training data (a line of U+2060 alone is no text, not an unknown
-        piece). SentencePiece splits a list over all cores, starting threads at every call: about 80 us, twenty
-        times what one short line takes, so a few lines are encoded one by one."""
+        piece). SentencePiece splits a list over all cores, starting threads at every call, which costs more
+        than encoding a short line (docs/benchmarks.md, "Serving under load"), so a few lines are encoded one by
+        one."""
         lines = [strip_invisible(line) for line in lines]
         if len(lines) < PARALLEL_LINES:
             return [self.sp.encode(line, out_type=int) for line in lines]

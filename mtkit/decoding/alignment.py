@@ -2,9 +2,10 @@
 
 Search keeps no attention weights: fused SDPA does not return them, and keeping them for every beam
 row would cost memory for nothing. Instead, once a translation is chosen, one teacher-forced pass
-over (source, translation) records them. ``recording`` makes attention modules compute their
-weights with ``MultiHeadAttention.weights`` (the model's own masks and positions) beside their normal output,
-which is left untouched, so the pass computes exactly what it computes without recording.
+over (source, translation) records them. ``recording`` registers a weights hook on attention modules
+(``MultiHeadAttention.register_weights_hook``): they compute their weights with the model's own masks and
+positions beside their normal output, which is left untouched, so the pass computes exactly what it
+computes without recording.
 
 Shape legend: L layers, H heads, S source positions (source eos included), T target pieces. The
 decoder reads bos + T pieces, so its T + 1 query rows are the steps that predict the T pieces and
@@ -14,7 +15,7 @@ then eos: row t belongs to target piece t.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,30 +71,13 @@ def recording(modules: Iterable[MultiHeadAttention]) -> Iterator[dict[MultiHeadA
     """Inside the block each of ``modules`` stores the weights (B, H, Tq, Tk) of its latest call in the yielded dict.
 
     The weights are softmax probabilities in fp32, before dropout. Each module's output still comes
-    from its own ``attend`` (fused SDPA or not), so recording changes no result; the stand-in is an
-    instance attribute shadowing the method, deleted on exit.
+    from its own ``attend`` (fused SDPA or not), so recording changes no result.
     """
     weights: dict[MultiHeadAttention, Tensor] = {}
-    modules = list(modules)
-    for module in modules:
-        module.attend = _recording_attend(module, weights)
-    try:
-        yield weights
-    finally:
+    with ExitStack() as hooks:
         for module in modules:
-            del module.attend
-
-
-def _recording_attend(module: MultiHeadAttention, weights: dict[MultiHeadAttention, Tensor]):
-    attend = module.attend
-
-    def recording_attend(
-        q: Tensor, k: Tensor, v: Tensor, attn_allowed: Tensor | None, causal: bool, q_start: int = 0, k_start: int = 0
-    ) -> Tensor:
-        weights[module] = module.weights(q, k, attn_allowed, causal, q_start, k_start)
-        return attend(q, k, v, attn_allowed, causal, q_start, k_start)
-
-    return recording_attend
+            hooks.enter_context(module.register_weights_hook(weights.__setitem__))
+        yield weights
 
 
 def _attention_modules(model: Transformer) -> dict[str, list[MultiHeadAttention]]:
@@ -218,7 +202,7 @@ def translate_with_attention(
 ) -> AttendedTranslation:
     """Beam-search one sentence, then record the attention that produced the best translation."""
     ids = src_tok.encode([sentence])[0]
-    limit = model.encoder.embed.max_positions - 1  # room for the source eos
+    limit = model.max_source_positions - 1  # room for the source eos
     if not ids:
         raise DataError("the source sentence is empty")
     if len(ids) > limit:

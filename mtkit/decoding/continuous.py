@@ -7,9 +7,10 @@ rows appended to the batch), then extends every live sentence's beams by one tok
 that is done leaves at once with its hypotheses. Fed by a server's stream of requests, the batch
 stays full and no request waits for another's long sentence.
 
-The search is ``mtkit.decoding.search.beam_search``'s, step for step (the same candidates, the same filing of
-finished hypotheses, the same rules for when a sentence is done), so a sentence gets the same
-translation whichever sentences share its steps. What differs is the layout: sentences that joined
+The search is ``mtkit.decoding.search.beam_search``'s, step for step: both take their candidates from
+``beam_step`` and leave the filing of finished hypotheses, the choice of those that go on and the rules
+for when a sentence is done to ``settle``, so a sentence gets the same translation whichever sentences
+share its steps. What differs is the layout: sentences that joined
 at different steps share the self-attention cache, each row seeing only the slots from its own start
 on. Each row embeds (absolute positions) or rotates (rotary ones) its token at its own position;
 relative positions and attention windows need only the distance between two slots, which is the
@@ -31,9 +32,18 @@ from torch import Tensor
 
 from mtkit.config import DecodeConfig
 from mtkit.data.parallel import source_tensor
-from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from mtkit.data.tokenizer import BOS_ID, PAD_ID
 from mtkit.decoding.alignment import align_batch
-from mtkit.decoding.search import Hypothesis, beam_step, best_extensions, length_penalty, max_lengths
+from mtkit.decoding.search import (
+    Hypothesis,
+    Settled,
+    beam_step,
+    best_extensions,
+    best_first,
+    group_rows,
+    max_lengths,
+    settle,
+)
 from mtkit.decoding.translate import EMPTY, LineTranslator, Translation, Translator, source_ids
 from mtkit.model.attention import DecoderCache
 from mtkit.model.transformer import Transformer
@@ -109,7 +119,7 @@ class ContinuousBeamSearch:
         if not self.keys:
             return []
         k, decode, cache = self.beam, self.decode, self.cache
-        n, slots = len(self.keys), cache.length + 1
+        slots = cache.length + 1
         steps = cache.length - self.start  # tokens each sentence has generated: its input's position
         cache.positions = steps.repeat_interleave(k)
         seen = torch.arange(slots, device=self.device)[None, :] >= self.start[:, None]
@@ -123,42 +133,41 @@ class ContinuousBeamSearch:
             forced=None,
             must_end=must_end.repeat_interleave(k),
         )
-        cand_scores, cand_beam, cand_tok = beam_step(self.scores, row_lprobs, row_tok, k)
-        cand_eos = cand_tok == EOS_ID
-        self._file_ended(cand_scores, cand_beam, cand_eos)
-
-        # Continue with the best k candidates that did not end.
-        scores, pick = cand_scores.masked_fill(cand_eos, float("-inf")).topk(k, dim=1)
-        rows = (torch.arange(n, device=self.device)[:, None] * k + cand_beam.gather(1, pick)).view(-1)
-        next_tok = cand_tok.gather(1, pick).view(-1, 1)
-
-        counts = torch.tensor([len(hyps) for hyps in self.finished], device=self.device)
-        done = must_end | (counts >= k)
-        if decode.early_stop:
-            self.top_ended |= cand_eos[:, 0] & torch.isfinite(cand_scores[:, 0])
-            done |= self.top_ended & (counts >= self.nbest)
+        extensions = beam_step(self.scores, row_lprobs, row_tok, k)
+        filed = [len(hyps) for hyps in self.finished]
+        settled = settle(extensions, self.tokens, k, filed, must_end, self.top_ended, decode, self.nbest, self.start)
+        for hyps, ended in zip(self.finished, settled.ended):
+            hyps += ended
+        self.top_ended, done = settled.top_ended, settled.done
         withdrawn, self.withdrawn = self.withdrawn, set()
         if withdrawn:
-            done |= torch.tensor([key in withdrawn for key in self.keys], device=self.device)
+            done = done | torch.tensor([key in withdrawn for key in self.keys], device=self.device)
         leaving = done.tolist()
         results = [
-            (key, sorted(hyps, key=lambda h: -h.score)[: self.nbest])
+            (key, best_first(hyps, self.nbest))
             for key, hyps, gone in zip(self.keys, self.finished, leaving)
             if gone and key not in withdrawn
         ]
+        if all(leaving):
+            self._reset()
+        else:
+            self._go_on(settled, done, leaving)
+        return results
+
+    def _go_on(self, settled: Settled, done: Tensor, leaving: list[bool]) -> None:
+        """Extend the hypotheses that go on by their tokens. The sentences ``done`` leave, and with them their rows,
+        the slots that no sentence left can see and the source padding that no source left needs."""
+        k, rows, next_tok, scores = self.beam, settled.rows, settled.next_tok, settled.scores
         if not any(leaving):
             self.tokens = torch.cat([self.tokens[rows], next_tok], dim=1)
             self.scores = scores
             self.pending = (rows, None, 0)
-            return results
-        if all(leaving):
-            self._reset()
-            return results
+            return
         keep = (~done).nonzero().squeeze(1)
         kept = [not gone for gone in leaving]
         self.keys = [key for key, live in zip(self.keys, kept) if live]
         self.finished = [hyps for hyps, live in zip(self.finished, kept) if live]
-        keep_rows = (keep[:, None] * k + torch.arange(k, device=self.device)).view(-1)
+        keep_rows = group_rows(keep, k)
         self.start, self.scores, self.max_lens = self.start[keep], scores[keep], self.max_lens[keep]
         self.top_ended = self.top_ended[keep]
         front = int(self.start.min())  # slots before every kept sentence's start: nobody sees them now
@@ -169,22 +178,7 @@ class ContinuousBeamSearch:
         sources = int((~self.mask).sum(dim=1).max())
         if sources < self.mask.size(1):  # the longest source has left: its padding goes too
             self.mask = self.mask[:, :sources].contiguous()
-            cache.narrow_sources(sources)
-        return results
-
-    def _file_ended(self, cand_scores: Tensor, cand_beam: Tensor, cand_eos: Tensor) -> None:
-        """File the eos candidates that rank among a sentence's best k as its finished hypotheses."""
-        k = self.beam
-        ending = cand_eos[:, :k] & torch.isfinite(cand_scores[:, :k])
-        if not ending.any():
-            return
-        beam_of, score_of, starts = cand_beam.tolist(), cand_scores.tolist(), self.start.tolist()
-        for r, c in ending.nonzero().tolist():
-            if len(self.finished[r]) < k:
-                history = self.tokens[r * k + beam_of[r][c], starts[r] + 1 :].tolist()
-                logprob = score_of[r][c]
-                score = logprob / length_penalty(len(history) + 1, self.decode.lenpen)
-                self.finished[r].append(Hypothesis(history, score, logprob))
+            self.cache.narrow_sources(sources)
 
     def _admit(self, joining: list[tuple[Hashable, list[int]]]) -> None:
         """Sentences join: their encoder pass, cross-attention keys/values and rows (the cache's select made
@@ -193,7 +187,7 @@ class ContinuousBeamSearch:
         keys, ids = zip(*joining)
         k, device, cache = self.beam, self.device, self.cache
         src, pad_mask = (t.to(device) for t in source_tensor(list(ids)))
-        limit = self.model.decoder.embed.max_positions
+        limit = self.model.max_target_positions
         max_lens = max_lengths(pad_mask, self.decode.max_len_a, self.decode.max_len_b, limit)
         joined = self.model.decoder.cross_cache(self.model.encode(src, pad_mask))
         m, slot = len(keys), cache.length
@@ -246,7 +240,7 @@ class LineSearch:
         )
 
     def add(self, key: Hashable, line: str) -> None:
-        ids = source_ids(self.translator.src_tok, [line], self.translator.model.encoder.embed.max_positions).get(0)
+        ids = source_ids(self.translator.src_tok, [line], self.translator.model.max_source_positions).get(0)
         if ids is None:
             self.empty.append(key)
             return

@@ -9,8 +9,6 @@ layer caches live in the one ``DecoderCache`` search holds, so its ``select`` re
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -25,9 +23,16 @@ class Ensemble:
     def __init__(self, members: list[Transformer]) -> None:
         self.members = members
         self.widths = [m.encoder.embed.tokens.embedding_dim for m in members]
-        # Search and translate read only the position limits from these.
-        self.encoder = SimpleNamespace(embed=SimpleNamespace(max_positions=_smallest(m.encoder for m in members)))
-        self.decoder = SimpleNamespace(embed=SimpleNamespace(max_positions=_smallest(m.decoder for m in members)))
+
+    @property
+    def max_source_positions(self) -> int:
+        """The most source positions every member reads."""
+        return min(m.max_source_positions for m in self.members)
+
+    @property
+    def max_target_positions(self) -> int:
+        """The most target positions every member reads."""
+        return min(m.max_target_positions for m in self.members)
 
     def encode(self, src: Tensor, src_pad_mask: Tensor) -> Tensor:
         """(B, S, sum of the members' widths): each member's memory in its own slice."""
@@ -65,7 +70,3 @@ class Ensemble:
             views.append(DecoderCache(cache.layers[start : start + n], cache.length))
             start += n
         return views
-
-
-def _smallest(parts) -> int:
-    return min(part.embed.max_positions for part in parts)

@@ -6,11 +6,15 @@ candidates that end with eos as finished, and keeps the best ``beam`` that do no
 done at its length limit or once ``beam`` hypotheses have ended (fairseq's rule), and with
 ``early_stop`` (OpenNMT-py's and CTranslate2's) as soon as its best-ranked candidate has ended.
 Done sentences leave the batch, so work shrinks as decoding goes on.
+
+The bookkeeping after each step (``settle``) is written for any layout of a sentence's rows, so the
+continuous search (mtkit.decoding.continuous), which sentences join and leave at every step, shares it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -24,7 +28,7 @@ from mtkit.model.transformer import Candidates, Transformer
 
 DEFAULT_DECODE = DecodeConfig()  # DecodeConfig's defaults, for a search called without settings
 
-TOPK_BLOCK = 64  # columns per block in row_topk: the fastest of 50-400 on an 8k vocabulary
+TOPK_BLOCK = 64  # columns per block in row_topk
 
 
 @dataclass(frozen=True)
@@ -47,17 +51,22 @@ def max_lengths(src_pad_mask: Tensor, a: float, b: int, limit: int) -> Tensor:
 
 def max_length(source_length: int, a: float, b: int, limit: int) -> int:
     """``max_lengths`` of one sentence of ``source_length`` tokens (eos not counted), in float32 as there,
-    without torch: engines that are not torch's call it (see mtkit.interop.ct2_export.CTranslate2Translator)."""
+    without torch: engines that are not torch's call it (see mtkit.interop.ct2_translator.CTranslate2Translator)."""
     cap = np.float32(a) * np.float32(source_length) + np.float32(b)
     return min(max(int(cap), 1), limit)
+
+
+def ban_pad_and_bos(lprobs: Tensor) -> None:
+    """Make pad and bos impossible next tokens in ``lprobs`` (N, V), in place: no output may hold them.
+    Over a shortlist's columns too, where the special ids are their own columns."""
+    lprobs[:, [PAD_ID, BOS_ID]] = float("-inf")
 
 
 def _step_log_probs(model: Transformer, tokens: Tensor, memory: Tensor, mask: Tensor, cache: DecoderCache) -> Tensor:
     """Log-probabilities (N, V) of the next token given the last one; never pad or bos."""
     logits = model.decode(tokens[:, -1:], memory, mask, cache)[:, -1]
     lprobs = F.log_softmax(logits.float(), dim=-1)
-    lprobs[:, PAD_ID] = float("-inf")
-    lprobs[:, BOS_ID] = float("-inf")
+    ban_pad_and_bos(lprobs)
     return lprobs
 
 
@@ -86,10 +95,10 @@ def _force(lprobs: Tensor, forced: Tensor) -> None:
 
 
 def row_topk(x: Tensor, k: int, block: int = TOPK_BLOCK) -> tuple[Tensor, Tensor]:
-    """``x.topk(k, dim=1)`` for rows far longer than ``k``, in about 60% of its time on CPU.
+    """``x.topk(k, dim=1)`` for rows far longer than ``k``, faster on CPU.
 
-    Why: CPU topk scans every element of every row, and over a vocabulary it was 8% of beam
-    search. A row's k largest values lie in the k blocks (of ``block`` columns) with the largest
+    Why: CPU topk scans every element of every row, and over a vocabulary that is a visible share
+    of beam search. A row's k largest values lie in the k blocks (of ``block`` columns) with the largest
     maxima, since any other block's maximum is beaten by those k maxima; so topk runs over the
     block maxima, then over the k chosen blocks and the columns left over after the last whole
     block. The values are torch.topk's; among exactly equal values the indices may differ.
@@ -121,8 +130,7 @@ def best_extensions(
     outranks the others).
     """
     lprobs = F.log_softmax(logits, dim=1)
-    lprobs[:, PAD_ID] = float("-inf")
-    lprobs[:, BOS_ID] = float("-inf")
+    ban_pad_and_bos(lprobs)
     eos = lprobs[:, EOS_ID].clone()
     if isinstance(eos_allowed, Tensor):
         lprobs[:, EOS_ID].masked_fill_(~eos_allowed, float("-inf"))
@@ -136,7 +144,15 @@ def best_extensions(
     return row_topk(lprobs, min(count, lprobs.size(1)))
 
 
-def beam_step(scores: Tensor, row_lprobs: Tensor, row_tok: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+class Extensions(NamedTuple):
+    """Each sentence's best 2k extensions of its live hypotheses, best first: (n, 2k) each."""
+
+    scores: Tensor  # log-probability of the extended hypothesis; -inf where there is none
+    beam: Tensor  # which of the sentence's live hypotheses it extends
+    tokens: Tensor  # the token it adds
+
+
+def beam_step(scores: Tensor, row_lprobs: Tensor, row_tok: Tensor, k: int) -> Extensions:
     """The best 2k extensions of each sentence's live hypotheses: (score, beam, token), each (n, 2k), best first.
 
     ``scores`` (n, width) is the log-probability of each of a sentence's ``width`` live hypotheses;
@@ -153,7 +169,109 @@ def beam_step(scores: Tensor, row_lprobs: Tensor, row_tok: Tensor, k: int) -> tu
         cand = F.pad(cand, (0, 2 * k - cand.size(1)), value=float("-inf"))
         tokens = F.pad(tokens, (0, 2 * k - tokens.size(1)), value=PAD_ID)
     cand_scores, cand_idx = cand.topk(2 * k, dim=1)
-    return cand_scores, (cand_idx // per_row).clamp(max=width - 1), tokens.gather(1, cand_idx)
+    return Extensions(cand_scores, (cand_idx // per_row).clamp(max=width - 1), tokens.gather(1, cand_idx))
+
+
+# -- beam-search bookkeeping: what a step's extensions decide ------------------------------------------------
+#
+# Both beam searches (beam_search and the continuous one) call ``settle`` after ``beam_step``. Their rows
+# share one layout: each live sentence's ``width`` rows in turn, and ``tokens`` (rows, T) holding each row's
+# inputs, a sentence's output following its bos.
+
+
+@dataclass(frozen=True)
+class Settled:
+    """What one beam step settles for the n sentences it extended (k = beam)."""
+
+    ended: list[list[Hypothesis]]  # per sentence, its hypotheses that ended now, to be filed as finished
+    scores: Tensor  # (n, k) log-probabilities of the hypotheses that go on
+    rows: Tensor  # (n * k,) the row each of them extends
+    next_tok: Tensor  # (n * k, 1) the token it adds
+    top_ended: Tensor  # (n,) whether a sentence's best-ranked candidate has ended, now or at an earlier step
+    done: Tensor  # (n,) sentences whose search is over
+
+
+def settle(
+    ext: Extensions,
+    tokens: Tensor,
+    width: int,
+    filed: list[int],
+    must_end: Tensor,
+    top_ended: Tensor,
+    decode: DecodeConfig,
+    nbest: int,
+    starts: Tensor | None = None,
+) -> Settled:
+    """File the hypotheses that ended, choose the k that go on, decide which sentences are done.
+
+    ``ext`` extends the ``width`` live rows of each of n sentences, which have ``filed`` finished hypotheses
+    so far; ``must_end`` (n,) marks those at their length cap and ``top_ended`` those whose best-ranked
+    candidate ended at an earlier step. A sentence's bos is at slot ``starts`` (n,) of ``tokens``, or 0.
+    """
+    k = decode.beam
+    ending = (ext.tokens[:, :k] == EOS_ID) & torch.isfinite(ext.scores[:, :k])  # (n, k)
+    ended = ended_hypotheses(ext, ending, tokens, width, [k - count for count in filed], decode.lenpen, starts)
+    scores, rows, next_tok = survivors(ext, k, width)
+    counts = torch.tensor([count + len(new) for count, new in zip(filed, ended)], device=must_end.device)
+    top_ended = top_ended | ending[:, 0]
+    done = done_sentences(must_end, counts, top_ended, k, nbest, decode.early_stop)
+    return Settled(ended, scores, rows, next_tok, top_ended, done)
+
+
+def ended_hypotheses(
+    ext: Extensions,
+    ending: Tensor,
+    tokens: Tensor,
+    width: int,
+    room: list[int],
+    lenpen: float,
+    starts: Tensor | None = None,
+) -> list[list[Hypothesis]]:
+    """The hypotheses each sentence finishes now: its ``ending`` candidates (n, k: eos among its best k), best
+    first, at most ``room`` of them, so that no sentence files more than k.
+
+    An eos candidate ranked below the best k is not filed (fairseq's rule): k others beat it.
+    """
+    ended: list[list[Hypothesis]] = [[] for _ in room]
+    if not ending.any():
+        return ended
+    beam_of, score_of = ext.beam.tolist(), ext.scores.tolist()
+    first = [1] * len(room) if starts is None else (starts + 1).tolist()  # each sentence's first output slot
+    for r, c in ending.nonzero().tolist():
+        if len(ended[r]) < room[r]:
+            history = tokens[r * width + beam_of[r][c], first[r] :].tolist()
+            logprob = score_of[r][c]
+            ended[r].append(Hypothesis(history, logprob / length_penalty(len(history) + 1, lenpen), logprob))
+    return ended
+
+
+def survivors(ext: Extensions, k: int, width: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Each sentence's best k candidates that do not end, which go on: their log-probabilities (n, k), the rows
+    they extend (n * k,) and the tokens they add (n * k, 1). A hypothesis ends in one way only, eos, so at most k
+    of the 2k candidates end."""
+    scores, pick = ext.scores.masked_fill(ext.tokens == EOS_ID, float("-inf")).topk(k, dim=1)
+    groups = torch.arange(scores.size(0), device=scores.device)[:, None]
+    rows = (groups * width + ext.beam.gather(1, pick)).view(-1)
+    return scores, rows, ext.tokens.gather(1, pick).view(-1, 1)
+
+
+def done_sentences(must_end: Tensor, counts: Tensor, top_ended: Tensor, k: int, nbest: int, early_stop: bool) -> Tensor:
+    """(n,) whether each sentence's search is over: at its length cap, with k finished hypotheses (fairseq's
+    rule), or with ``early_stop`` once its best-ranked candidate has ended and ``nbest`` have finished."""
+    done = must_end | (counts >= k)
+    if early_stop:
+        done |= top_ended & (counts >= nbest)
+    return done
+
+
+def group_rows(groups: Tensor, width: int) -> Tensor:
+    """The rows of the sentences ``groups`` (indices), each sentence's ``width`` rows in turn."""
+    return (groups[:, None] * width + torch.arange(width, device=groups.device)).view(-1)
+
+
+def best_first(hyps: list[Hypothesis], nbest: int) -> list[Hypothesis]:
+    """A sentence's ``nbest`` best finished hypotheses, best first (equal scores in the order they ended)."""
+    return sorted(hyps, key=lambda h: -h.score)[:nbest]
 
 
 def draw_tokens(lprobs: Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> Tensor:
@@ -189,7 +307,7 @@ def sample_search(
     """
     n, device = src.size(0), src.device
     forced = prefix_tensor(prefixes, n, device)
-    max_lens = output_caps(src_pad_mask, forced, decode.max_len_a, decode.max_len_b, model.decoder.embed.max_positions)
+    max_lens = output_caps(src_pad_mask, forced, decode.max_len_a, decode.max_len_b, model.max_target_positions)
     memory = model.encode(src, src_pad_mask)
     cache = DecoderCache()
     tokens = torch.full((n, 1), BOS_ID, dtype=torch.long, device=device)
@@ -252,7 +370,7 @@ def beam_search(
     k = decode.beam
     n_sent = src.size(0)
     device = src.device
-    limit = model.decoder.embed.max_positions
+    limit = model.max_target_positions
     forced = prefix_tensor(prefixes, n_sent, device)
     max_lens = output_caps(src_pad_mask, forced, decode.max_len_a, decode.max_len_b, limit)
 
@@ -265,11 +383,9 @@ def beam_search(
     scores = torch.zeros(n_sent, 1, device=device)
     active = torch.arange(n_sent, device=device)  # sentence id of each active group of rows
     finished: list[list[Hypothesis]] = [[] for _ in range(n_sent)]
-    beam_offsets = torch.arange(k, device=device)
     top_ended = torch.zeros(n_sent, dtype=torch.bool, device=device)  # best candidate has ended once
 
     for step in range(int(max_lens.max())):
-        n = active.numel()
         logits = model.decode(tokens[:, -1:], memory, mask, cache, candidates)[:, -1].float()  # (n * width, V)
         must_end = step + 1 >= max_lens[active]  # (n,)
         forced_now = forced[active, step].repeat_interleave(width) if step < forced.size(1) else None
@@ -284,40 +400,19 @@ def beam_search(
         )
         if candidates is not None:  # columns to target ids; the special ids are their own columns
             row_tok = candidates.ids[row_tok]
-        cand_scores, cand_beam, cand_tok = beam_step(scores, row_lprobs, row_tok, k)
-        cand_eos = cand_tok == EOS_ID
-
-        # File eos candidates that rank among the best k as finished hypotheses.
-        ending = cand_eos[:, :k] & torch.isfinite(cand_scores[:, :k])
-        if ending.any():
-            sentences, beam_of, score_of = active.tolist(), cand_beam.tolist(), cand_scores.tolist()
-            for r, c in ending.nonzero().tolist():
-                sentence = sentences[r]
-                if len(finished[sentence]) < k:
-                    history = tokens[r * width + beam_of[r][c], 1:].tolist()
-                    logprob = score_of[r][c]
-                    length = len(history) + 1
-                    finished[sentence].append(
-                        Hypothesis(history, logprob / length_penalty(length, decode.lenpen), logprob)
-                    )
-
-        # Continue with the best k candidates that did not end.
-        scores, pick = cand_scores.masked_fill(cand_eos, float("-inf")).topk(k, dim=1)
-        rows = (torch.arange(n, device=device)[:, None] * width + cand_beam.gather(1, pick)).view(-1)
-        next_tok = cand_tok.gather(1, pick).view(-1, 1)
-        width = k
-
-        counts = torch.tensor([len(finished[s]) for s in active.tolist()], device=device)
-        done = must_end | (counts >= k)
-        if decode.early_stop:
-            top_ended |= cand_eos[:, 0] & torch.isfinite(cand_scores[:, 0])
-            done |= top_ended & (counts >= nbest)
-        if done.all():
+        extensions = beam_step(scores, row_lprobs, row_tok, k)
+        sentences = active.tolist()
+        filed = [len(finished[s]) for s in sentences]
+        settled = settle(extensions, tokens, width, filed, must_end, top_ended, decode, nbest)
+        for sentence, ended in zip(sentences, settled.ended):
+            finished[sentence] += ended
+        if settled.done.all():
             break
-        keep = None
-        if done.any():
-            keep = (~done).nonzero().squeeze(1)
-            keep_rows = (keep[:, None] * k + beam_offsets).view(-1)
+        scores, rows, next_tok, top_ended = settled.scores, settled.rows, settled.next_tok, settled.top_ended
+        width, keep = k, None
+        if settled.done.any():
+            keep = (~settled.done).nonzero().squeeze(1)
+            keep_rows = group_rows(keep, k)
             rows = rows[keep_rows]
             next_tok = next_tok[keep_rows]
             scores = scores[keep]
@@ -328,4 +423,4 @@ def beam_search(
         tokens = torch.cat([tokens[rows], next_tok], dim=1)
         cache.select(rows, cross_index=keep)
 
-    return [sorted(hyps, key=lambda h: -h.score)[:nbest] for hyps in finished]
+    return [best_first(hyps, nbest) for hyps in finished]

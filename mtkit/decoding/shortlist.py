@@ -31,8 +31,8 @@ from mtkit.model.transformer import Candidates
 
 CHUNK_PAIRS = 20_000  # pairs whose co-occurrences are counted at once
 # A batch's candidates are rounded up to a multiple of this many ids (with the lowest ids not among them):
-# oneDNN builds a bf16 matmul kernel for every new shape; fewer candidate counts made bf16 greedy search
-# 5-20% faster (Multi30k, docs/benchmarks.md).
+# oneDNN builds a bf16 matmul kernel for every new shape, so fewer candidate counts make bf16 search faster
+# (docs/benchmarks.md, "Vocabulary shortlist").
 CANDIDATE_MULTIPLE = 256
 FORMAT = "mtkit-shortlist-1"
 
@@ -83,7 +83,7 @@ def co_occurring_pairs(
         yield src_tok.encode([s for s, _ in chunk]), tgt_tok.encode([t for _, t in chunk])
 
 
-def build(
+def build_shortlist(
     chunks: Iterable[tuple[list[list[int]], list[list[int]]]],
     src_tok: Tokenizer,
     tgt_tok: Tokenizer,

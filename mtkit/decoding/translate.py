@@ -193,14 +193,14 @@ class Translator(LineTranslator):
         self, lines: list[str], first_line: int, prefixes: list[str] | None
     ) -> list[list[Translation]]:
         results: list[list[Translation]] = [[EMPTY] for _ in lines]
-        forced = self.tgt_tok.encode_capped(prefixes, self.model.decoder.embed.max_positions) if prefixes else None
+        forced = self.tgt_tok.encode_capped(prefixes, self.model.max_target_positions) if prefixes else None
         for i, prefix in enumerate(forced or []):
-            if len(prefix) >= self.model.decoder.embed.max_positions:  # no position left for its eos
+            if len(prefix) >= self.model.max_target_positions:  # no position left for its eos
                 raise PrefixMismatch(
                     f"line {first_line + i}: the prefix is longer than the model's outputs can be "
-                    f"({self.model.decoder.embed.max_positions - 1} tokens, model.max_positions)"
+                    f"({self.model.max_target_positions - 1} tokens, model.max_positions)"
                 )
-        ids = source_ids(self.src_tok, lines, self.model.encoder.embed.max_positions, first_line)
+        ids = source_ids(self.src_tok, lines, self.model.max_source_positions, first_line)
         todo = list(ids)
         if self.on_batch is not None and len(todo) < len(lines):
             self.on_batch(len(lines) - len(todo))

@@ -58,7 +58,8 @@ from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 from mtkit.files import atomic_write_directory
 from mtkit.interop.ct2_export import MANIFEST, MANIFEST_FORMAT, check_replaceable, provenance, vocabulary
 from mtkit.model.attention import MultiHeadAttention
-from mtkit.model.checkpoint import CheckpointError, load_for_inference, resolve
+from mtkit.model.checkpoint import CheckpointError
+from mtkit.model.loading import load_for_inference, resolve
 from mtkit.model.transformer import DecoderLayer, EncoderLayer, FeedForward, Transformer
 from mtkit.version import __version__
 
@@ -187,30 +188,30 @@ def marian_weights(model: Transformer, tied: bool) -> dict[str, Tensor]:
 def marian_config(cfg: ModelConfig, src_vocab: int, tgt_vocab: int) -> dict[str, Any]:
     """``MarianConfig`` arguments for a model of ``cfg``."""
     start = start_id(src_vocab, tgt_vocab)
-    return dict(
-        vocab_size=start + 1,
-        decoder_vocab_size=start + 1,
-        share_encoder_decoder_embeddings=cfg.tie_embeddings,
-        tie_word_embeddings=cfg.tie_embeddings,
-        max_position_embeddings=cfg.max_positions,
-        d_model=cfg.d_model,
-        encoder_layers=cfg.encoder_layers,
-        decoder_layers=cfg.decoder_layers,
-        encoder_attention_heads=cfg.heads,
-        decoder_attention_heads=cfg.heads,
-        encoder_ffn_dim=cfg.ffn,
-        decoder_ffn_dim=cfg.ffn,
-        activation_function="relu",
-        scale_embedding=True,
-        dropout=cfg.dropout,
-        attention_dropout=cfg.attention_dropout,
-        activation_dropout=cfg.activation_dropout,
-        pad_token_id=start,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        decoder_start_token_id=start,
-        forced_eos_token_id=EOS_ID,
-    )
+    return {
+        "vocab_size": start + 1,
+        "decoder_vocab_size": start + 1,
+        "share_encoder_decoder_embeddings": cfg.tie_embeddings,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "max_position_embeddings": cfg.max_positions,
+        "d_model": cfg.d_model,
+        "encoder_layers": cfg.encoder_layers,
+        "decoder_layers": cfg.decoder_layers,
+        "encoder_attention_heads": cfg.heads,
+        "decoder_attention_heads": cfg.heads,
+        "encoder_ffn_dim": cfg.ffn,
+        "decoder_ffn_dim": cfg.ffn,
+        "activation_function": "relu",
+        "scale_embedding": True,
+        "dropout": cfg.dropout,
+        "attention_dropout": cfg.attention_dropout,
+        "activation_dropout": cfg.activation_dropout,
+        "pad_token_id": start,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "decoder_start_token_id": start,
+        "forced_eos_token_id": EOS_ID,
+    }
 
 
 def transformers_length_penalty(alpha: float, length: int = PENALTY_LENGTH) -> float:
@@ -220,16 +221,16 @@ def transformers_length_penalty(alpha: float, length: int = PENALTY_LENGTH) -> f
 
 def generation_settings(decode: DecodeConfig, max_positions: int, start: int) -> dict[str, Any]:
     """``GenerationConfig`` arguments: the run's decoding, as far as transformers can say it (see the module)."""
-    settings: dict[str, Any] = dict(
-        decoder_start_token_id=start,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=start,
-        forced_eos_token_id=EOS_ID,
-        suppress_tokens=[PAD_ID, BOS_ID],
-        max_new_tokens=max_positions,  # the decoder reads the start token and all but the last of these
-        num_beams=decode.beam,
-    )
+    settings: dict[str, Any] = {
+        "decoder_start_token_id": start,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": start,
+        "forced_eos_token_id": EOS_ID,
+        "suppress_tokens": [PAD_ID, BOS_ID],
+        "max_new_tokens": max_positions,  # the decoder reads the start token and all but the last of these
+        "num_beams": decode.beam,
+    }
     if decode.beam > 1:
         settings.update(length_penalty=transformers_length_penalty(decode.lenpen), early_stopping=True)
     if decode.min_len:
@@ -243,7 +244,7 @@ def _special_pieces(src_tok: Tokenizer, tgt_tok: Tokenizer) -> dict[str, str]:
     names = tgt_tok.sp.id_to_piece(ids)
     if src_tok.sp.id_to_piece(ids) != names:
         raise CheckpointError(f"{src_tok.path} and {tgt_tok.path} name unk/eos differently; Marian needs one name")
-    return dict(unk_token=names[0], eos_token=names[1], pad_token=START_PIECE)
+    return {"unk_token": names[0], "eos_token": names[1], "pad_token": START_PIECE}
 
 
 def _piece_ids(tok: Tokenizer, rows: int) -> str:

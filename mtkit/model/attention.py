@@ -7,23 +7,27 @@ polarity: masks handed to attention (``attn_allowed``) are True where a query ma
   in place as beam search keeps and drops rows.
 - ``dropout``: inverted dropout with masks cut from 64-bit random words (the layers use it too).
 - ``attention_weights`` and the explicit attention path, used where fused SDPA is slow (bf16 on CPU)
-  or cannot apply (relative positions, windows, recorded weights).
-- ``MultiHeadAttention``: self- or cross-attention, with rotary or relative positions and a window.
+  or cannot apply (relative positions, windows, weights handed to a hook).
+- ``MultiHeadAttention``: self- or cross-attention, with rotary or relative positions and a window,
+  and hooks that observe its weights (``register_weights_hook``).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from mtkit.config import ModelConfig
 from mtkit.model.positions import RelativePositions, Rotary
 
 # fp32 attention of at most this many queries per row (a decoding step: one, or a sentence's beams in
-# cross-attention) is written out on CPU: 35-40% faster there than SDPA's flash kernel, measured.
+# cross-attention) is written out on CPU, where that is faster than SDPA's flash kernel (docs/benchmarks.md).
 SMALL_QUERY = 8
 
 
@@ -125,11 +129,11 @@ class DecoderCache:
 def dropout(x: Tensor, p: float, training: bool) -> Tensor:
     """Inverted dropout: zero each element with probability ``p``, scale the rest by 1 / (1 - p).
 
-    Why not F.dropout on CPU: its bernoulli_ draws one random number per element and takes about
-    6 ns each, 12% of a bf16 training step of the Multi30k model. Here each 64-bit random word is
-    cut into four 16-bit draws, so a mask costs a quarter of the generator calls (about 4x faster
-    forward + backward). ``p`` is rounded to a multiple of 1/65536 and the kept elements are scaled
-    by that rounded probability, so the expectation stays exactly ``x``. CUDA keeps F.dropout.
+    Why not F.dropout on CPU: its bernoulli_ draws one random number per element, a sizeable share
+    of a CPU training step (docs/benchmarks.md). Here each 64-bit random word is cut into four
+    16-bit draws, so a mask costs a quarter of the generator calls. ``p`` is rounded to a multiple
+    of 1/65536 and the kept elements are scaled by that rounded probability, so the expectation
+    stays exactly ``x``. CUDA keeps F.dropout.
     """
     if not training or p == 0.0:
         return x
@@ -162,7 +166,7 @@ def attention_weights(
 
     ``bias`` is the relative-position key term. A row with nothing allowed (a padding query in a
     block of windowed attention) gets uniform weights rather than NaN. Shared by the explicit
-    attention below, by windowed and relative attention, and by mtkit.decoding.alignment, which records these weights.
+    attention below, by windowed and relative attention, and by ``MultiHeadAttention.weights``.
     """
     scores = (q @ k.transpose(-2, -1)).float()  # (B, H, Tq, Tk)
     if bias is not None:
@@ -183,9 +187,8 @@ def _explicit_attention(
 ) -> Tensor:
     """softmax(q k^T / sqrt(Dh)) v written out, softmax in fp32.
 
-    Used for bf16/fp16 on CPU, where PyTorch's fused SDPA kernel is about 10x slower than this on
-    the short sequences of sentence-level MT (measured: 61 ms vs 5.6 ms forward+backward, B 375, T 16),
-    and in fp32 for at most ``SMALL_QUERY`` queries (decoding steps).
+    Used for bf16/fp16 on CPU, where PyTorch's fused SDPA kernel is much slower than this on the
+    short sequences of sentence-level MT, and in fp32 for at most ``SMALL_QUERY`` queries (decoding steps).
     """
     weights = attention_weights(q, k, attn_allowed, causal)
     return dropout(weights, dropout_p, training=True).to(v.dtype) @ v
@@ -200,6 +203,10 @@ def autocast_once(x: Tensor) -> Tensor:
     """
     device = x.device.type
     return x.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else x
+
+
+# What a weights hook is called with: the module and the weights (B, H, Tq, Tk) of one ``attend``.
+WeightsHook = Callable[["MultiHeadAttention", Tensor], None]
 
 
 class MultiHeadAttention(nn.Module):
@@ -233,6 +240,24 @@ class MultiHeadAttention(nn.Module):
         self.rotary = rotary
         self.relative = relative
         self.window = window
+        self._weights_hooks: OrderedDict[int, WeightsHook] = OrderedDict()  # a handle refers to it weakly
+
+    def init_weights(self) -> None:
+        """Xavier-uniform projection matrices, as the Transformer initialises them; biases keep nn.Linear's."""
+        for projection in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
+            nn.init.xavier_uniform_(projection.weight)
+
+    def register_weights_hook(self, hook: WeightsHook) -> RemovableHandle:
+        """Have every later ``attend`` call ``hook(self, weights)`` until the returned handle's ``remove()``.
+
+        Fused SDPA returns no weights, so they are computed (``weights``) only while a hook is registered:
+        softmax probabilities in fp32, before dropout. The output is computed as it is without hooks, so
+        observing changes no result. A cached cross-attention step over a sentence's beams hands over
+        (sentences, H, beams * Tq, Tk), its queries grouped as ``attend`` receives them.
+        """
+        handle = RemovableHandle(self._weights_hooks)
+        self._weights_hooks[handle.id] = hook
+        return handle
 
     def rotate(self, x: Tensor, start: int | Tensor) -> Tensor:
         """Queries or keys (B, H, L, Dh) at positions start.. (one for all rows, or each row's), rotated when
@@ -258,6 +283,10 @@ class MultiHeadAttention(nn.Module):
         k_start: int = 0,
     ) -> Tensor:
         """q (B, H, Tq, Dh), k/v (B, H, Tk, Dh) -> (B, Tq, D)."""
+        if self._weights_hooks:
+            weights = self.weights(q, k, attn_allowed, causal, q_start, k_start)
+            for hook in list(self._weights_hooks.values()):
+                hook(self, weights)
         dropout_p = self.dropout if self.training else 0.0
         tq, tk = q.size(2), k.size(2)
         if self.relative is None and not self.window:
@@ -278,7 +307,7 @@ class MultiHeadAttention(nn.Module):
     def weights(
         self, q: Tensor, k: Tensor, attn_allowed: Tensor | None, causal: bool, q_start: int = 0, k_start: int = 0
     ) -> Tensor:
-        """The attention weights (B, H, Tq, Tk) that ``attend`` applies, for mtkit.decoding.alignment to record."""
+        """The attention weights (B, H, Tq, Tk) that ``attend`` applies: what weights hooks observe."""
         if self.relative is None and not self.window:
             return attention_weights(q, k, attn_allowed, causal)
         allowed, index = self._layout(attn_allowed, causal, q.size(2), k.size(2), q_start, k_start, q.device)

@@ -1,36 +1,21 @@
-"""Checkpoints: atomic saves, safe loading, averaging, and the one loader ``translate`` uses.
+"""The checkpoint format: a model's weights and metadata written whole, and read back safely.
 
 A checkpoint (format 2) is a directory. ``model.safetensors`` holds the weights, with the metadata as
 JSON in its header: the resolved config, the SHA-256 of each tokenizer model (so a swapped tokenizer is
 caught), the update step and extras such as the validation result. ``state.pt`` holds what resuming
 needs (optimizer, scaler, RNG, progress); it is tensors and plain values only and loads with
-``torch.load(weights_only=True)``. Nothing in a checkpoint is pickled code.
+``torch.load(weights_only=True)``. Nothing in a checkpoint is pickled code. A single .safetensors file
+with the tokenizer model(s) beside it (``write_model_file``) is a checkpoint too, of weights only.
 
-Run directory layout::
-
-    RUN_DIR/config.yaml                              resolved config
-    RUN_DIR/spm.model (+ .vocab)                     joint tokenizer, or spm.src.model and spm.tgt.model
-    RUN_DIR/checkpoints/update-00001000/             one directory per save, the newest train.keep_last kept
-        model.safetensors                            weights + metadata
-        state.pt                                     training state, for resuming
-    RUN_DIR/best/model.safetensors                   weights of the best validation result, for translating
-    RUN_DIR/metrics.jsonl                            one JSON object per log or validation event
-    RUN_DIR/.lock                                    held while a training process writes here
-
-A checkpoint directory appears whole or not at all: it is built under a
-temporary name beside its final one and renamed into place. One writer per run directory: training
-holds a lock on ``RUN_DIR/.lock`` (released by the kernel even if the process is killed); run_directory.py
-owns the directory as training sees it.
+A checkpoint directory appears whole or not at all: it is built under a temporary name beside its
+final one and renamed into place. Where checkpoints sit in a run directory is training's business
+(mtkit/training/run_directory.py); how a model path is found and loaded, loading.py's.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import re
-import shutil
 import warnings
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -39,26 +24,17 @@ import safetensors.torch
 import torch
 
 from mtkit import untrusted
-from mtkit.config import ConfigError, ModelConfig, RecipeConfig, RunConfig, from_dict
-from mtkit.data.tokenizer import PAD_ID, Tokenizer, is_sentencepiece_model
+from mtkit.config import ConfigError, RunConfig, from_dict
+from mtkit.data.tokenizer import is_sentencepiece_model
 from mtkit.errors import MtkitError
-from mtkit.files import (
-    atomic_write,
-    atomic_write_directory,
-    atomic_write_text,
-    file_sha256,
-    set_aside,
-)
-from mtkit.model.transformer import Transformer, build_model
+from mtkit.files import atomic_write, atomic_write_directory, file_sha256
 from mtkit.version import __version__
 
 FORMAT_VERSION = 2
 WEIGHTS_FILE, STATE_FILE = "model.safetensors", "state.pt"
-VALIDATION_FILE = "validation.json"  # added to a checkpoint once the validation of its update is done
-CHECKPOINTS_DIR, BEST_DIR = "checkpoints", "best"
+TOKENIZER_NAMES = ("spm.model", "spm.src.model", "spm.tgt.model")  # every name a tokenizer file has in mtkit
 
 _META_KEY, _ALIASES_KEY = "mtkit", "mtkit.aliases"  # safetensors header entries
-_UPDATE_DIR = re.compile(r"update-(\d+)")
 
 
 class CheckpointError(MtkitError, ValueError):
@@ -74,76 +50,10 @@ class Checkpoint:
     state: dict[str, Any] | None  # None when the checkpoint holds weights only, or when not asked for
 
 
-# -- outputs --------------------------------------------------------------------------------
-
-
-def check_output_file(path: Path, inputs: Iterable[Path] = ()) -> None:
-    """Fail before any work if ``path`` must not be written: OutputError naming it and why.
-
-    Refused: a folder, a path in a missing folder, a file without write permission, a file inside a
-    checkpoint directory (``check_outside_checkpoints``), and one of ``inputs`` (or a link to one), whose
-    content the command still needs and the user would lose. An input that is a model (a run directory,
-    checkpoint or .safetensors file) counts with the files it is read from: its weights and tokenizers.
-    """
-    path = Path(path)
-    if path.is_dir():
-        raise OutputError(f"{path}: is a folder; give a file to write")
-    if not path.parent.is_dir():
-        raise OutputError(f"{path}: cannot write it, folder {path.parent} does not exist")
-    check_outside_checkpoints(path)
-    if path.exists():
-        if not os.access(path, os.W_OK):
-            raise OutputError(f"{path}: is read-only; remove it or choose another output")
-        for source in map(Path, inputs):
-            if source.exists() and os.path.samefile(path, source):
-                also = "" if str(source) == str(path) else f" ({source})"
-                raise OutputError(f"{path}: is also an input{also}; write the output to another file")
-            if any(os.path.samefile(path, file) for file in _files_read(source)):
-                raise OutputError(f"{path}: the model {source} is read from it; write the output to another file")
-
-
-def check_outside_checkpoints(path: Path) -> None:
-    """OutputError if writing ``path`` (a file, or a folder made whole) would write into a checkpoint directory:
-    one holding training state, a run's ``best/`` (or one a crash set aside) or an ``update-N`` folder with
-    weights. A file written there would leave a checkpoint whose files no longer belong together, or be lost
-    when the next save replaces it."""
-    path = Path(path)
-    for folder in {path.parent, path.resolve().parent}:  # the latter: where a link's file is written
-        if _is_checkpoint_dir(folder):
-            raise OutputError(f"{path}: is inside the checkpoint {folder}; write it elsewhere")
-
-
-def _is_checkpoint_dir(folder: Path) -> bool:
-    """A folder mtkit saves whole, told by what it holds and how mtkit names it, not any folder with weights."""
-    if (folder / STATE_FILE).is_file():
-        return True
-    named = folder.name in (BEST_DIR, set_aside(Path(BEST_DIR)).name) or _UPDATE_DIR.fullmatch(folder.name)
-    return bool(named) and (folder / WEIGHTS_FILE).is_file()
-
-
-def _files_read(source: Path) -> list[Path]:
-    """The weights and tokenizers a model path is read from (the tokenizers where ``load_for_inference`` looks:
-    beside the weights and up to two folders above); none for a path that is no model, such as a text file."""
-    if not (source.is_dir() or source.suffix == ".safetensors"):
-        return []
-    try:
-        resolved = resolve(source)
-    except CheckpointError:  # a run without a checkpoint: the command names it when it loads the model
-        return []
-    weights = weights_file(resolved)
-    folders = (weights.parent, weights.parent.parent, weights.parent.parent.parent)
-    tokenizers = [folder / name for folder in folders for name in TOKENIZER_NAMES]
-    return [file for file in (weights, *tokenizers) if file.is_file()]
-
-
-class OutputError(MtkitError, ValueError):
-    """An output path that cannot or must not be written; the command has done nothing yet."""
-
-
 # -- saving ---------------------------------------------------------------------------------
 
 
-def _aliases(weights: dict[str, torch.Tensor]) -> dict[str, str]:
+def tied_aliases(weights: dict[str, torch.Tensor]) -> dict[str, str]:
     """Keys whose tensor is the very same view as an earlier key's (tied embeddings), mapped to that key.
 
     safetensors refuses tensors that share memory, so each is stored once and the others are restored on load.
@@ -161,7 +71,7 @@ def _aliases(weights: dict[str, torch.Tensor]) -> dict[str, str]:
 
 def _encode(weights: dict[str, torch.Tensor], meta: dict[str, Any]) -> bytes:
     """The safetensors bytes of ``weights``, with ``meta`` (stamped with the format) in the header."""
-    aliases = _aliases(weights)
+    aliases = tied_aliases(weights)
     tensors = {k: t.detach().to("cpu").contiguous() for k, t in weights.items() if k not in aliases}
     meta = {**meta, "format": FORMAT_VERSION, "mtkit_version": __version__}
     header = {_META_KEY: json.dumps(meta), _ALIASES_KEY: json.dumps(aliases)}
@@ -192,17 +102,6 @@ def save(
     atomic_write_directory(Path(directory), fill)
 
 
-def _delete(directory: Path) -> None:
-    """Remove a checkpoint in one step as far as readers can tell: renamed out of sight, then deleted.
-
-    A crash in the middle of deleting the files could otherwise leave a folder holding the weights
-    without the training state, which would pass for a checkpoint to resume from.
-    """
-    doomed = directory.with_name(f".{directory.name}.pruned")
-    os.rename(directory, doomed)
-    shutil.rmtree(doomed)
-
-
 class _WriteErrors:
     """A file whose failed write is kept: torch.save reports it only as a RuntimeError ("unexpected pos"),
     so a full disk would otherwise not read as the OSError it is."""
@@ -221,41 +120,6 @@ class _WriteErrors:
         self.f.flush()
 
 
-def save_in_run(
-    run_dir: Path,
-    step: int,
-    weights: dict[str, torch.Tensor],
-    meta: dict[str, Any],
-    state: dict[str, Any] | None,
-    keep_last: int,
-) -> Path:
-    """Save ``RUN/checkpoints/update-STEP/``, then delete all but the newest ``keep_last`` (0 keeps all)."""
-    directory = Path(run_dir) / CHECKPOINTS_DIR / f"update-{step:08d}"
-    save(directory, weights, {**meta, "step": step}, state)
-    if keep_last > 0:
-        for old in run_checkpoints(run_dir)[:-keep_last]:
-            if old != directory:  # never the one just written, even if stale later ones exist
-                _delete(old)
-    return directory
-
-
-def save_best(run_dir: Path, weights: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-    save(Path(run_dir) / BEST_DIR, weights, meta)
-
-
-def record_validation(run_dir: Path, step: int, outcome: dict[str, Any]) -> None:
-    """Add to the checkpoint of ``step``, saved before its validation, what that validation changed."""
-    atomic_write_text(Path(run_dir) / CHECKPOINTS_DIR / f"update-{step:08d}" / VALIDATION_FILE, json.dumps(outcome))
-
-
-def read_validation(checkpoint_dir: Path) -> Any:
-    """The outcome ``record_validation`` added to a checkpoint (unchecked JSON), or None if there is none."""
-    try:
-        return json.loads((Path(checkpoint_dir) / VALIDATION_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # none (or not a directory), or torn: the validation is done again
-        return None
-
-
 def write_model_file(path: Path, weights: dict[str, torch.Tensor], meta: dict[str, Any], source: Path) -> None:
     """Write weights to one .safetensors file with the tokenizer model(s) of ``source`` beside it.
 
@@ -267,7 +131,7 @@ def write_model_file(path: Path, weights: dict[str, torch.Tensor], meta: dict[st
     source = Path(source)
     where = source if source.is_dir() else source.parent
     for record in {r["file"]: r for r in meta["tokenizer"].values()}.values():
-        found = _find_tokenizer(record, where, source.name)
+        found = find_tokenizer(record, where, source.name)
         target = path.parent / record["file"]
         _copy_unless_identical(found, target)
         if found.with_suffix(".vocab").is_file():
@@ -284,26 +148,40 @@ def _copy_unless_identical(source: Path, target: Path) -> None:
     atomic_write(target, lambda f: f.write(data))
 
 
-# -- finding --------------------------------------------------------------------------------
+# -- tokenizers -----------------------------------------------------------------------------
 
 
-def run_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoint directories of a run, oldest first; temporary and partial ones are skipped."""
-    root = Path(run_dir) / CHECKPOINTS_DIR
-    if not root.is_dir():
-        return []
-    found = [
-        (int(match[1]), path)
-        for path in root.iterdir()
-        if (match := _UPDATE_DIR.fullmatch(path.name)) and (path / WEIGHTS_FILE).is_file()
-    ]
-    return [path for _, path in sorted(found)]
+def tokenizer_files(cfg: RunConfig) -> dict[str, str]:
+    """File names of the tokenizer model(s) inside a run directory, by side."""
+    if cfg.tokenizer.joint:
+        return {"src": TOKENIZER_NAMES[0], "tgt": TOKENIZER_NAMES[0]}
+    return {"src": TOKENIZER_NAMES[1], "tgt": TOKENIZER_NAMES[2]}
 
 
-def latest(run_dir: Path) -> Path | None:
-    """Where training resumes from: the newest checkpoint, if any."""
-    found = run_checkpoints(run_dir)
-    return found[-1] if found else None
+def tokenizer_folders(where: Path) -> tuple[Path, Path, Path]:
+    """Where a checkpoint's tokenizers are looked for: beside it and up to two folders above (RUN/best/ -> RUN)."""
+    return where, where.parent, where.parent.parent
+
+
+def find_tokenizer(record: dict[str, str], where: Path, name: str) -> Path:
+    """The tokenizer file ``record`` names, the nearest in ``tokenizer_folders(where)``.
+
+    The nearest one found must be the very file checkpoint ``name`` was trained with.
+    """
+    for folder in tokenizer_folders(where):
+        path = folder / record["file"]
+        if path.is_file():
+            digest = file_sha256(path)
+            if digest != record["sha256"]:
+                raise CheckpointError(
+                    f"{path}: tokenizer does not match the one {name} was trained with "
+                    f"(sha256 {digest[:12]}, expected {record['sha256'][:12]})"
+                )
+            return path
+    raise CheckpointError(f"{where / record['file']}: tokenizer model not found (nor in the two folders above)")
+
+
+# -- weights ------------------------------------------------------------------------------
 
 
 def weights_file(model: Path) -> Path:
@@ -311,20 +189,34 @@ def weights_file(model: Path) -> Path:
     return model / WEIGHTS_FILE if model.is_dir() else model
 
 
-def resolve(model_path: Path) -> Path:
-    """A run directory means its best checkpoint (or the latest, before any validation); other paths as given."""
-    model_path = Path(model_path)
-    if not model_path.is_dir() or (model_path / WEIGHTS_FILE).is_file():
-        return model_path
-    for best in (model_path / BEST_DIR, set_aside(model_path / BEST_DIR)):  # the latter if a crash left it aside
-        if (best / WEIGHTS_FILE).is_file():
-            return best
-    found = latest(model_path)
-    if found is None:
-        raise CheckpointError(
-            f"{model_path}: no checkpoint in this run directory (no {BEST_DIR}/ and no {CHECKPOINTS_DIR}/update-*/)"
-        )
-    return found
+def check_weights(
+    expected: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], path: Path, other: str = "this model"
+) -> None:
+    """``weights`` have the names, shapes and dtypes of ``expected`` (tensors of any device, meta too).
+
+    A dtype is checked as well as a shape: float32 values read as int32 would load without complaint.
+    """
+    missing = [key for key in expected if key not in weights]
+    unexpected = [key for key in weights if key not in expected]
+    if missing or unexpected:
+        names = ", ".join([*(f"no {k}" for k in missing[:3]), *(f"an extra {k}" for k in unexpected[:3])])
+        raise CheckpointError(f"{path}: its weights are of another architecture than {other} ({names})")
+    for key, tensor in expected.items():
+        if weights[key].shape != tensor.shape:
+            raise CheckpointError(
+                f"{path}: its weights do not fit {other}: {key} is {tuple(weights[key].shape)} there, "
+                f"{tuple(tensor.shape)} here (another vocabulary or model size)"
+            )
+        if weights[key].dtype != tensor.dtype:
+            raise CheckpointError(
+                f"{path}: its weights do not fit {other}: {key} is {weights[key].dtype} there, {tensor.dtype} here"
+            )
+
+
+def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], path: Path) -> None:
+    """``model.load_state_dict(weights)``, with a one-line CheckpointError naming the first misfit tensor."""
+    check_weights(model.state_dict(), weights, path)
+    model.load_state_dict(weights)
 
 
 # -- loading --------------------------------------------------------------------------------
@@ -487,167 +379,3 @@ def _check_format(path: Path, found: Any) -> None:
             f"{path}: checkpoint format {untrusted.shown(found)} is not supported by mtkit {__version__} "
             f"(it reads format {FORMAT_VERSION})"
         )
-
-
-# -- averaging ------------------------------------------------------------------------------
-
-
-def average_checkpoints(paths: list[Path]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Element-wise mean of the weights of checkpoints of one model and tokenizer.
-
-    Sums are kept in float64, one checkpoint in memory at a time. The metadata is the newest checkpoint's,
-    less its validation result (which does not describe the average), plus the list of ``averaged`` paths.
-    """
-    if not paths:
-        raise CheckpointError("no checkpoints to average")
-    first = read_checkpoint(paths[0], with_state=False)
-    aliases = _aliases(first.weights)
-    layout = {k: t.to("meta") for k, t in first.weights.items()}  # names, shapes and dtypes, without the data
-    sums = {k: t.double() if t.is_floating_point() else t for k, t in first.weights.items() if k not in aliases}
-    newest = first.meta
-    for path in paths[1:]:
-        ckpt = read_checkpoint(path, with_state=False)
-        _check_compatible(ckpt, first, layout)
-        for key, total in sums.items():
-            if total.is_floating_point():
-                total.add_(ckpt.weights[key])
-            elif not torch.equal(total, ckpt.weights[key]):
-                raise CheckpointError(f"{path}: {key} differs from {paths[0]}, and integer tensors cannot be averaged")
-        if ckpt.meta["step"] > newest["step"]:
-            newest = ckpt.meta
-    weights = {k: (t / len(paths)).to(layout[k].dtype) if t.is_floating_point() else t for k, t in sums.items()}
-    weights.update({alias: weights[key] for alias, key in aliases.items()})
-    meta = {k: v for k, v in newest.items() if k != "validation"}
-    return weights, {**meta, "averaged": [str(p) for p in paths]}
-
-
-def checkpoints_to_average(inputs: list[Path], last: int | None = None) -> list[Path]:
-    """What ``mtkit average`` averages: the newest ``last`` checkpoints of one run directory (by default as many
-    as a recipe averages), or two or more checkpoints given one by one."""
-    if len(inputs) == 1 and inputs[0].is_dir() and not (inputs[0] / WEIGHTS_FILE).is_file():
-        paths = run_checkpoints(inputs[0])[-(last or RecipeConfig.average_last) :]
-        if not paths:
-            raise CheckpointError(f"{inputs[0]}: no checkpoints to average in {inputs[0] / CHECKPOINTS_DIR}")
-        return paths
-    if last is not None:
-        raise CheckpointError("--last applies to a run directory; give it alone, without checkpoint paths")
-    if len(inputs) < 2:
-        raise CheckpointError("give one run directory, or two or more checkpoints to average")
-    return list(inputs)
-
-
-def write_average(paths: list[Path], output: Path) -> dict[str, Any]:
-    """Average ``paths`` into the .safetensors file ``output``, tokenizers beside it; the average's metadata."""
-    weights, meta = average_checkpoints(paths)
-    write_model_file(output, weights, meta, paths[0])
-    return meta
-
-
-def _check_compatible(ckpt: Checkpoint, first: Checkpoint, layout: dict[str, torch.Tensor]) -> None:
-    """``ckpt`` must be of the model (settings, tokenizer, weight layout) of ``first``."""
-    if ckpt.cfg.model != first.cfg.model:
-        raise CheckpointError(f"{ckpt.path}: model settings differ from those of {first.path}; cannot average them")
-    if ckpt.meta["tokenizer"] != first.meta["tokenizer"]:
-        raise CheckpointError(f"{ckpt.path}: tokenizer differs from that of {first.path}; cannot average them")
-    check_weights(layout, ckpt.weights, ckpt.path, f"those of {first.path}")
-
-
-def check_weights(
-    expected: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], path: Path, other: str = "this model"
-) -> None:
-    """``weights`` have the names, shapes and dtypes of ``expected`` (tensors of any device, meta too).
-
-    A dtype is checked as well as a shape: float32 values read as int32 would load without complaint.
-    """
-    missing = [key for key in expected if key not in weights]
-    unexpected = [key for key in weights if key not in expected]
-    if missing or unexpected:
-        names = ", ".join([*(f"no {k}" for k in missing[:3]), *(f"an extra {k}" for k in unexpected[:3])])
-        raise CheckpointError(f"{path}: its weights are of another architecture than {other} ({names})")
-    for key, tensor in expected.items():
-        if weights[key].shape != tensor.shape:
-            raise CheckpointError(
-                f"{path}: its weights do not fit {other}: {key} is {tuple(weights[key].shape)} there, "
-                f"{tuple(tensor.shape)} here (another vocabulary or model size)"
-            )
-        if weights[key].dtype != tensor.dtype:
-            raise CheckpointError(
-                f"{path}: its weights do not fit {other}: {key} is {weights[key].dtype} there, {tensor.dtype} here"
-            )
-
-
-def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], path: Path) -> None:
-    """``model.load_state_dict(weights)``, with a one-line CheckpointError naming the first misfit tensor."""
-    check_weights(model.state_dict(), weights, path)
-    model.load_state_dict(weights)
-
-
-def model_holding(
-    cfg: ModelConfig, src_vocab: int, tgt_vocab: int, weights: dict[str, torch.Tensor], path: Path
-) -> Transformer:
-    """The model of ``cfg`` with ``weights`` loaded, built only once a skeleton on the meta device shows they fit.
-
-    So a checkpoint header claiming a huge model is refused before any memory is allocated for it.
-    """
-    with torch.device("meta"):
-        skeleton = build_model(cfg, src_vocab, tgt_vocab, PAD_ID)
-    check_weights(skeleton.state_dict(), weights, path)
-    model = build_model(cfg, src_vocab, tgt_vocab, PAD_ID)
-    model.load_state_dict(weights)
-    return model
-
-
-# -- inference ------------------------------------------------------------------------------
-
-
-TOKENIZER_NAMES = ("spm.model", "spm.src.model", "spm.tgt.model")  # every name a tokenizer file has in mtkit
-
-
-def tokenizer_files(cfg: RunConfig) -> dict[str, str]:
-    """File names of the tokenizer model(s) inside a run directory, by side."""
-    if cfg.tokenizer.joint:
-        return {"src": TOKENIZER_NAMES[0], "tgt": TOKENIZER_NAMES[0]}
-    return {"src": TOKENIZER_NAMES[1], "tgt": TOKENIZER_NAMES[2]}
-
-
-def _find_tokenizer(record: dict[str, str], where: Path, name: str) -> Path:
-    """The tokenizer file ``record`` names, in ``where`` or up to two folders above (RUN/best/ -> RUN).
-
-    The nearest one found must be the very file checkpoint ``name`` was trained with.
-    """
-    for folder in (where, where.parent, where.parent.parent):
-        path = folder / record["file"]
-        if path.is_file():
-            digest = file_sha256(path)
-            if digest != record["sha256"]:
-                raise CheckpointError(
-                    f"{path}: tokenizer does not match the one {name} was trained with "
-                    f"(sha256 {digest[:12]}, expected {record['sha256'][:12]})"
-                )
-            return path
-    raise CheckpointError(f"{where / record['file']}: tokenizer model not found (nor in the two folders above)")
-
-
-@dataclass
-class InferenceBundle:
-    model: Transformer
-    src_tok: Tokenizer
-    tgt_tok: Tokenizer
-    cfg: RunConfig
-    step: int
-
-
-def load_for_inference(model_path: Path, device: torch.device, dtype: torch.dtype = torch.float32) -> InferenceBundle:
-    """Model in eval mode, its weights cast to ``dtype``, plus the tokenizers it was trained with, checked by hash.
-
-    Decoding in bf16/fp16 casts the weights once, rather than at every step as autocast would.
-    """
-    ckpt = read_checkpoint(resolve(model_path), with_state=False)
-    where = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
-    toks = {
-        side: Tokenizer(_find_tokenizer(record, where, ckpt.path.name))
-        for side, record in ckpt.meta["tokenizer"].items()
-    }
-    model = model_holding(ckpt.cfg.model, toks["src"].vocab_size, toks["tgt"].vocab_size, ckpt.weights, ckpt.path)
-    model.to(device=device, dtype=dtype).eval()
-    return InferenceBundle(model, toks["src"], toks["tgt"], ckpt.cfg, ckpt.meta["step"])

@@ -55,8 +55,14 @@ class RelativePositions(nn.Module):
     def __init__(self, d_head: int, clip: int) -> None:
         super().__init__()
         self.clip = clip
+        # A default of N(0, 1/Dh), as nn.Linear has its own; a Transformer applies ``init_weights`` once built.
         self.keys = nn.Parameter(torch.randn(2 * clip + 1, d_head) * d_head**-0.5)
         self.values = nn.Parameter(torch.randn(2 * clip + 1, d_head) * d_head**-0.5)
+
+    def init_weights(self) -> None:
+        """Xavier-uniform tables, as the Transformer initialises its other matrices."""
+        nn.init.xavier_uniform_(self.keys)
+        nn.init.xavier_uniform_(self.values)
 
     def index(self, query_positions: Tensor, key_positions: Tensor) -> Tensor:
         """(Tq, Tk) row of the table for each query-key pair: clip(j - i) + clip."""

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from mtkit.config import ModelConfig
 from mtkit.model.attention import DecoderCache, Dropout, LayerCache, MultiHeadAttention, autocast_once, self_attention
+from mtkit.model.positions import RelativePositions
 
 
 @dataclass
@@ -47,6 +48,11 @@ class FeedForward(nn.Module):
         self.up = nn.Linear(d_model, ffn)
         self.down = nn.Linear(ffn, d_model)
         self.dropout = Dropout(dropout)
+
+    def init_weights(self) -> None:
+        """Xavier-uniform matrices, as the Transformer initialises them; biases keep nn.Linear's."""
+        nn.init.xavier_uniform_(self.up.weight)
+        nn.init.xavier_uniform_(self.down.weight)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down(self.dropout(F.relu(self.up(x))))
@@ -254,6 +260,27 @@ class Transformer(nn.Module):
         self.decoder = decoder
         self.output = output  # features (.., D) -> logits (.., V)
 
+    @property
+    def max_source_positions(self) -> int:
+        """The most source positions the encoder reads, the source eos included."""
+        return self.encoder.embed.max_positions
+
+    @property
+    def max_target_positions(self) -> int:
+        """The most target positions the decoder reads, bos included: what bounds every output's length."""
+        return self.decoder.embed.max_positions
+
+    def init_weights(self) -> None:
+        """Have each part that initialises its own matrices (``init_weights``) do so, in module order.
+
+        This runs once the whole model is built, after the draws of every constructor, so the random
+        draws keep one order and a seed always gives the same weights. Token embeddings, learned
+        positions and the output projection are initialised where they are built.
+        """
+        for module in self.modules():
+            if isinstance(module, (MultiHeadAttention, RelativePositions, FeedForward)):
+                module.init_weights()
+
     def encode(self, src: Tensor, src_pad_mask: Tensor) -> Tensor:
         return self.encoder(src, src_pad_mask)
 
@@ -301,9 +328,7 @@ def build_model(cfg: ModelConfig, src_vocab: int, tgt_vocab: int, pad_id: int) -
     encoder = Encoder(Embedder(src_tokens, cfg), cfg)
     decoder = Decoder(Embedder(tgt_tokens, cfg), cfg)
     model = Transformer(encoder, decoder, output)
-    for name, p in model.named_parameters():
-        if p.dim() == 2 and "tokens" not in name and "output" not in name and "learned" not in name:
-            nn.init.xavier_uniform_(p)
+    model.init_weights()
     return model
 
 

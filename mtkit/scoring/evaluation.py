@@ -22,14 +22,16 @@ from typing import TextIO
 from mtkit.config import ConfigError
 from mtkit.data.parallel import DataError, iter_stream_lines, read_lines, reading
 from mtkit.scoring.metrics import (
+    DEFAULT_METRICS,
     METRICS,
+    SACREBLEU_DEFAULT_METRICS,
     Options,
     PairedResult,
     Score,
     SentenceScores,
+    corpus_scores,
     paired_bootstrap,
     reference_files,
-    score,
     sentence_scores,
 )
 
@@ -89,7 +91,7 @@ def score_request(request: Request, stdin: TextIO | None) -> Report:
         return Report(_render_paired(results, request))
     if request.sentence:
         return _render_sentences(sentence_scores(systems[0][1], refs, names, options, paper_style), request)
-    return Report(_render_scores(score(systems[0][1], refs, names, options, paper_style), request))
+    return Report(_render_scores(corpus_scores(systems[0][1], refs, names, options, paper_style), request))
 
 
 def _check(request: Request) -> tuple[str, ...]:
@@ -119,7 +121,7 @@ def _metric_names(request: Request) -> tuple[str, ...]:
     if unknown or (request.metrics and not names):
         raise ConfigError(f"--metrics takes {', '.join(METRICS)}; got {', '.join(unknown) or 'nothing'}")
     if not names:
-        return ("bleu",) if request.sacrebleu_style else ("bleu", "chrf")
+        return SACREBLEU_DEFAULT_METRICS if request.sacrebleu_style else DEFAULT_METRICS
     if request.sacrebleu_style and not request.paired_bs:
         return tuple(sorted(names, key=METRICS.index))
     return names

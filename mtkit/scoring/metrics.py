@@ -16,9 +16,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from mtkit.config import ConfigError
-from mtkit.data.parallel import DataError
 
 METRICS = ("bleu", "chrf", "chrf++", "ter")
+DEFAULT_METRICS = ("bleu", "chrf")  # mtkit's: the library, `mtkit eval --hyp`
+SACREBLEU_DEFAULT_METRICS = ("bleu",)  # the sacrebleu tool's, kept by `mtkit eval` in its sacreBLEU dialect
+REPORT_METRICS = ("bleu", "chrf", "ter")  # the test set's scores in the report of `mtkit run`
 
 # Papers often report BLEU on tokenized, lowercased text (multi-bleu.perl -lc), which runs higher than sacreBLEU
 # and is not comparable with it. mtkit's one definition: sacreBLEU's BLEU with the 13a tokenizer and lowercasing,
@@ -151,10 +153,10 @@ def _check_lengths(hyps: list[str], refs: list[list[str]]) -> None:
             raise ValueError(f"{len(hyps)} hypotheses but {len(stream)} references")
 
 
-def score(
+def corpus_scores(
     hyps: list[str],
     refs: list[list[str]],
-    metrics: tuple[str, ...] = ("bleu", "chrf"),
+    metrics: tuple[str, ...] = DEFAULT_METRICS,
     options: Options = Options(),
     paper_style: bool = False,
 ) -> list[Score]:
@@ -171,13 +173,13 @@ def score(
 
 
 def bleu(hyps: list[str], refs: list[str]) -> Score:
-    return score(hyps, [refs], ("bleu",))[0]
+    return corpus_scores(hyps, [refs], ("bleu",))[0]
 
 
 def sentence_scores(
     hyps: list[str],
     refs: list[list[str]],
-    metrics: tuple[str, ...] = ("bleu", "chrf"),
+    metrics: tuple[str, ...] = DEFAULT_METRICS,
     options: Options = Options(),
     paper_style: bool = False,
 ) -> list[SentenceScores]:
@@ -201,7 +203,7 @@ def _verbose(result) -> str:
 def paired_bootstrap(
     systems: list[tuple[str, list[str]]],
     refs: list[list[str]],
-    metrics: tuple[str, ...] = ("bleu", "chrf"),
+    metrics: tuple[str, ...] = DEFAULT_METRICS,
     options: Options = Options(),
     paper_style: bool = False,
     n: int = 1000,
@@ -271,6 +273,8 @@ def reference_files(test_set: str, langpair: str) -> list[Path]:
     The cache is $SACREBLEU, else ~/.sacrebleu, read when sacreBLEU is imported.
     """
     from sacrebleu.dataset import DATASETS
+
+    from mtkit.data.parallel import DataError  # here: the command line reads this module's defaults without torch
 
     dataset = DATASETS.get(test_set)
     if dataset is None:

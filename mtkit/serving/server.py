@@ -140,7 +140,7 @@ def configured(translator: LineTranslator, options: Hashable) -> LineTranslator:
     return aligning(chosen) if alignments else chosen
 
 
-def search(translator: LineTranslator, lines: list[str], options: Hashable) -> list[list[Translation]]:
+def translate_all(translator: LineTranslator, lines: list[str], options: Hashable) -> list[list[Translation]]:
     """The translations of each line with a request's options, all at once."""
     return list(configured(translator, options).hypotheses(lines))
 
@@ -150,7 +150,7 @@ def open_search(translator: LineTranslator, continuous: bool, options: Hashable)
     chosen = configured(translator, options)
     if continuous and LineSearch.accepts(chosen):
         return LineSearch(chosen)
-    return WholeBatch(functools.partial(search, translator), options)
+    return WholeBatch(functools.partial(translate_all, translator), options)
 
 
 def batching(translator: LineTranslator, continuous: bool) -> str:
@@ -169,7 +169,7 @@ def batching(translator: LineTranslator, continuous: bool) -> str:
 def make_batcher(translator: LineTranslator, cfg: ServeConfig) -> Batcher[list[Translation]]:
     """The batcher of the server's searches, as ``cfg`` sets it up."""
     return Batcher(
-        functools.partial(search, translator),
+        functools.partial(translate_all, translator),
         cfg.max_batch_size,
         cfg.max_wait_ms / 1000,
         cfg.max_queue,
@@ -471,7 +471,8 @@ def serve(model: str | Path, cfg: ServeConfig, **load: Any) -> int:
     cut requests off (a second signal, or requests still running past the shutdown's bound).
 
     The searches run in this thread, which loaded the model, and uvicorn answers HTTP in another: torch's
-    CPU kernels run about 20% slower in a thread other than the one whose OpenMP threads did the loading.
+    CPU kernels run slower in a thread other than the one whose OpenMP threads did the loading
+    (docs/benchmarks.md, "Serving under load").
     """
     sock = bind(cfg.host, cfg.port)
     try:

@@ -1,4 +1,4 @@
-"""Training: a run from config to checkpoints, single process or under torchrun.
+"""Training: a run from config to checkpoints, single process or under torchrun; averaging checkpoints.
 
 Imports: the leaves, mtkit.data, mtkit.model, mtkit.scoring and mtkit.decoding (validation BLEU).
 """

@@ -1,9 +1,21 @@
 """The run directory as training owns it: one writer at a time, tidy after a crash, every write accounted for.
 
+Its layout::
+
+    RUN_DIR/config.yaml                              resolved config
+    RUN_DIR/spm.model (+ .vocab)                     joint tokenizer, or spm.src.model and spm.tgt.model
+    RUN_DIR/checkpoints/update-00001000/             one directory per save, the newest train.keep_last kept
+        model.safetensors                            weights + metadata
+        state.pt                                     training state, for resuming
+        validation.json                              what the validation of that update changed, once done
+    RUN_DIR/best/model.safetensors                   weights of the best validation result, for translating
+    RUN_DIR/metrics.jsonl                            one JSON object per log or validation event
+    RUN_DIR/.lock                                    held while a training process writes here
+
 Rank 0 claims the directory (its lock, ``--restart``, tidying what a crash left) and is the one that
 writes to it: config.yaml, metrics.jsonl (and the tensorboard folder), checkpoints and best/; the
-tokenizers are put there by ``trainer.prepare_tokenizers``. Every rank reads its checkpoints. The
-layout and the checkpoint format are described in checkpoint.py.
+tokenizers are put there by ``tokenizers.prepare_tokenizers``. Every rank reads its checkpoints. The
+checkpoint format is model/checkpoint.py's; finding a run's checkpoints, model/loading.py's.
 """
 
 from __future__ import annotations
@@ -21,12 +33,14 @@ import filelock
 import torch
 
 from mtkit import files
-from mtkit.config import RunConfig, dump
+from mtkit.config import RunConfig, config_yaml
 from mtkit.errors import TrainingFailed
-from mtkit.model import checkpoint
-from mtkit.model.checkpoint import BEST_DIR, CHECKPOINTS_DIR, VALIDATION_FILE
+from mtkit.model import checkpoint, loading
+from mtkit.model.checkpoint import CheckpointError
+from mtkit.model.loading import BEST_DIR, CHECKPOINTS_DIR
 
 METRICS_FILE, CONFIG_FILE, TENSORBOARD_DIR = "metrics.jsonl", "config.yaml", "tensorboard"
+VALIDATION_FILE = "validation.json"  # added to a checkpoint once the validation of its update is done
 
 
 class RunDirectory:
@@ -53,17 +67,17 @@ class RunDirectory:
     # -- reading ----------------------------------------------------------------------------
 
     def checkpoints(self) -> list[Path]:
-        return checkpoint.run_checkpoints(self.path)
+        return loading.run_checkpoints(self.path)
 
     def latest(self) -> Path | None:
-        return checkpoint.latest(self.path)
+        return loading.latest(self.path)
 
     # -- writing ----------------------------------------------------------------------------
 
     def start_log(self, cfg: RunConfig, step: int, validated: int) -> None:
         """Write the config training runs with, and trim the metrics to the update it starts from."""
         with self.writing(CONFIG_FILE):
-            files.atomic_write_text(self.path / CONFIG_FILE, dump(cfg))
+            files.atomic_write_text(self.path / CONFIG_FILE, config_yaml(cfg))
         with self.writing(METRICS_FILE):
             trim_metrics(self.path / METRICS_FILE, step, validated)
 
@@ -86,15 +100,15 @@ class RunDirectory:
         self, step: int, weights: dict[str, torch.Tensor], meta: dict[str, Any], state: dict, keep_last: int
     ) -> None:
         with self.writing(f"the checkpoint of update {step}"):
-            checkpoint.save_in_run(self.path, step, weights, meta, state, keep_last)
+            save_in_run(self.path, step, weights, meta, state, keep_last)
 
     def save_best(self, weights: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         with self.writing("the best checkpoint"):
-            checkpoint.save_best(self.path, weights, meta)
+            save_best(self.path, weights, meta)
 
     def record_validation(self, step: int, outcome: dict[str, Any]) -> None:
         with self.writing(f"the validation outcome of update {step}"):
-            checkpoint.record_validation(self.path, step, outcome)
+            record_validation(self.path, step, outcome)
 
     @contextlib.contextmanager
     def writing(self, what: str) -> Iterator[None]:
@@ -108,6 +122,58 @@ class RunDirectory:
                 f"cannot write {what} in {self.path} ({files.os_error_line(err)}); {kept}: fix the cause, "
                 "then run the same command to resume"
             ) from None
+
+
+# -- checkpoints ----------------------------------------------------------------------------
+
+
+def save_in_run(
+    run_dir: Path,
+    step: int,
+    weights: dict[str, torch.Tensor],
+    meta: dict[str, Any],
+    state: dict[str, Any] | None,
+    keep_last: int,
+) -> Path:
+    """Save ``RUN/checkpoints/update-STEP/``, then delete all but the newest ``keep_last`` (0 keeps all)."""
+    directory = loading.update_dir(run_dir, step)
+    checkpoint.save(directory, weights, {**meta, "step": step}, state)
+    if keep_last > 0:
+        for old in loading.run_checkpoints(run_dir)[:-keep_last]:
+            if old != directory:  # never the one just written, even if stale later ones exist
+                _delete(old)
+    return directory
+
+
+def _delete(directory: Path) -> None:
+    """Remove a checkpoint in one step as far as readers can tell: renamed out of sight, then deleted.
+
+    A crash in the middle of deleting the files could otherwise leave a folder holding the weights
+    without the training state, which would pass for a checkpoint to resume from.
+    """
+    doomed = directory.with_name(f".{directory.name}.pruned")
+    os.rename(directory, doomed)
+    shutil.rmtree(doomed)
+
+
+def save_best(run_dir: Path, weights: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    checkpoint.save(Path(run_dir) / BEST_DIR, weights, meta)
+
+
+def record_validation(run_dir: Path, step: int, outcome: dict[str, Any]) -> None:
+    """Add to the checkpoint of ``step``, saved before its validation, what that validation changed."""
+    files.atomic_write_text(loading.update_dir(run_dir, step) / VALIDATION_FILE, json.dumps(outcome))
+
+
+def read_validation(checkpoint_dir: Path) -> Any:
+    """The outcome ``record_validation`` added to a checkpoint (unchecked JSON), or None if there is none."""
+    try:
+        return json.loads((Path(checkpoint_dir) / VALIDATION_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # none (or not a directory), or torn: the validation is done again
+        return None
+
+
+# -- one writer, tidy after a crash ---------------------------------------------------------
 
 
 class RunLock:
@@ -126,7 +192,7 @@ class RunLock:
             self._lock.acquire()
         except filelock.Timeout:
             holder = path.read_text(errors="replace").strip()[:20] or "unknown"
-            raise checkpoint.CheckpointError(
+            raise CheckpointError(
                 f"{run_dir}: in use by another training process (pid {holder}); stop it or choose another --out"
             ) from None
         path.write_text(f"{os.getpid()}\n")

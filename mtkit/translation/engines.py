@@ -11,7 +11,29 @@ from mtkit.config import ConfigError, Engine, InferenceConfig, Precision, Sampli
 from mtkit.decoding.ensemble import Ensemble
 from mtkit.decoding.shortlist import load_shortlist
 from mtkit.decoding.translate import LineTranslator, Translator, aligner_of, with_overrides
-from mtkit.model.checkpoint import CheckpointError, load_for_inference
+from mtkit.model.checkpoint import CheckpointError
+from mtkit.model.loading import load_for_inference
+
+# What each engine cannot do: option -> how `mtkit translate` names it. CTranslate2 runs its own search
+# over one export: no forced prefix, no sampling, no word alignments, its own rule for when a search ends,
+# and a shortlist only as the vocabulary map an export made with one carries.
+REFUSED_OPTIONS: dict[str, dict[str, str]] = {
+    "mtkit": {},
+    "ctranslate2": {
+        "sampling": "--sample",
+        "prefix": "--prefix",
+        "alignments": "--alignments",
+        "no_early_stop": "--no-early-stop",
+        "ensemble": "an ensemble",
+        "shortlist": "--shortlist (an export made with --shortlist carries CTranslate2's use_vmap map)",
+    },
+}
+
+
+def refused_options(engine: str, asked: dict[str, bool]) -> list[str]:
+    """The options ``engine`` cannot do among those ``asked`` for (option: whether asked), in REFUSED_OPTIONS's
+    order."""
+    return [option for option in REFUSED_OPTIONS.get(engine, {}) if asked.get(option)]
 
 
 def load_translator(
@@ -39,11 +61,17 @@ def load_translator(
 
     models = [Path(m) for m in ([models] if isinstance(models, (str, Path)) else models)]
     dev = pick_device(device)
+    asked = {
+        "ensemble": len(models) != 1,
+        "sampling": sampling is not None,
+        "alignments": alignments,
+        "shortlist": shortlist is not None,
+    }
+    if unsupported := refused_options(engine, asked):
+        raise ConfigError(f"the {engine} engine takes one model and no {', '.join(unsupported)}")
     if engine == "ctranslate2":
-        from mtkit.interop.ct2_export import CTranslate2Translator
+        from mtkit.interop.ct2_translator import CTranslate2Translator
 
-        if len(models) != 1 or sampling is not None or alignments or shortlist is not None:
-            raise ConfigError("the ctranslate2 engine takes one model, and no sampling, alignments or shortlist")
         if precision == "auto":
             compute_type, chosen = "default", {"precision": "auto", "reason": "the export's own weight type"}
         else:

@@ -19,11 +19,11 @@ from mtkit.config import ConfigError, Engine, InferenceConfig, Precision, Sampli
 from mtkit.data.parallel import UTF8_BOM, DataError, check_input_file, count_lines, open_binary, reading
 from mtkit.decoding import translate
 from mtkit.decoding.translate import PrefixMismatch, Translation
-from mtkit.files import atomic_write
-from mtkit.model.checkpoint import check_output_file
+from mtkit.files import atomic_write, check_output_file
+from mtkit.model.loading import checkpoints_holding, with_model_files
 from mtkit.progress import StageProgress, shows_bar
 from mtkit.runtime import require
-from mtkit.translation.engines import load_translator
+from mtkit.translation.engines import REFUSED_OPTIONS, load_translator, refused_options
 
 log = logging.getLogger("mtkit")
 
@@ -250,21 +250,18 @@ def translate_file(
     input = stdin_or_path(input)
     if prefix_on_stdin and input is None:
         raise ConfigError("--prefix and the input cannot both be standard input; give one of them as a file")
+    asked = {
+        "sampling": sampling is not None,
+        "prefix": prefix is not None,
+        "alignments": alignments,
+        "no_early_stop": not decode.get("early_stop", True),
+        "ensemble": len(models) > 1,
+        "shortlist": shortlist is not None,
+    }
+    if unsupported := refused_options(engine, asked):
+        flags = ", ".join(REFUSED_OPTIONS[engine][option] for option in unsupported)
+        raise ConfigError(f"--engine {engine} takes one model and no {flags}")
     if engine == "ctranslate2":
-        unsupported = [
-            name
-            for name, used in (
-                ("--sample", sampling is not None),
-                ("--prefix", prefix is not None),
-                ("--alignments", alignments),
-                ("--no-early-stop", not decode.get("early_stop", True)),  # CTranslate2 applies its own rule
-                ("an ensemble", len(models) > 1),
-                ("--shortlist (an export made with --shortlist carries CTranslate2's use_vmap map)", shortlist),
-            )
-            if used
-        ]
-        if unsupported:
-            raise ConfigError(f"--engine ctranslate2 takes one model and no {', '.join(unsupported)}")
         require("ctranslate2", "--engine ctranslate2", "ctranslate2")
     if shortlist is not None and sampling is not None:
         raise ConfigError("--shortlist is for beam search; --sample draws from the whole vocabulary")
@@ -274,7 +271,8 @@ def translate_file(
     if output is None and sys.stdout is None:  # started with stdout closed (>&-)
         raise DataError("<stdout>: standard output is closed; give a file to write with -o")
     if output is not None:
-        check_output_file(output, inputs=[p for p in (input, prefix, *models) if p is not None])
+        inputs = with_model_files(p for p in (input, prefix, *models) if p is not None)
+        check_output_file(output, inputs, checkpoints_holding(output))
     with WholeLines() as whole_lines:
         translator = load_translator(
             models, device, precision, engine, nbest, sampling, alignments, shortlist, **decode

@@ -1,0 +1,153 @@
+"""What carries a run from one process to the next: its progress and training state as a checkpoint holds
+them, and the checks that a checkpoint fits the run about to go on from it.
+
+A checkpoint is read from disk, so every part is checked before use: a malformed or mismatched one
+is a CheckpointError that names the file, never a failure some updates later.
+"""
+
+from __future__ import annotations
+
+import logging
+import typing
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mtkit import untrusted
+from mtkit.config import RunConfig
+from mtkit.data.tokenizer import Tokenizer
+from mtkit.model import checkpoint
+from mtkit.training.distributed import Distributed
+from mtkit.training.run_directory import read_validation
+
+log = logging.getLogger("mtkit")
+
+
+@dataclass
+class Progress:
+    """The resumable position of a run."""
+
+    step: int = 0  # updates applied
+    epoch: int = 1
+    batch_in_epoch: int = 0  # batches of this epoch already consumed, by all ranks together
+    best: float | None = None  # best validation metric so far (higher is better)
+    stale: int = 0  # validations since the best one
+    seconds: float = 0.0  # training wall clock so far, across resumed runs
+    lr_scale: float = 1.0  # lowered by each rollback after a non-finite loss
+    rollbacks: int = 0
+    oom_skips: int = 0  # updates skipped because a rank ran out of memory
+    overflow_skips: int = 0  # fp16 updates the loss scaler skipped (gradient overflow)
+    nonfinite_skips: int = 0  # fp32/bf16 updates skipped under train.nonfinite: skip
+    validated: int = 0  # the update of the newest validation whose outcome best and stale hold
+    # Sums over the updates since the last metrics line, so the first line after a resume is the same
+    # mean an uninterrupted run logs.
+    log_loss: float = 0.0
+    log_nll: float = 0.0
+    log_updates: int = 0
+
+    def counters(self) -> dict:
+        return {
+            "oom_skips": self.oom_skips,
+            "overflow_skips": self.overflow_skips,
+            "nonfinite_skips": self.nonfinite_skips,
+            "rollbacks": self.rollbacks,
+        }
+
+
+@dataclass
+class TrainingState:
+    """What a checkpoint holds beside the weights, so that training goes on as if it had never stopped."""
+
+    optimizer: dict[str, Any]
+    scaler: dict[str, Any]
+    rng: list[dict[str, Any]]  # each rank's random number generator states, in rank order
+    progress: Progress
+
+    def to_dict(self) -> dict[str, Any]:
+        """The form a checkpoint stores."""
+        return {"optimizer": self.optimizer, "scaler": self.scaler, "rng": self.rng, "progress": asdict(self.progress)}
+
+    @classmethod
+    def read(cls, path: Path, state: Any, step: int) -> TrainingState:
+        """The training state of the checkpoint at ``path`` whose header says ``step``, its progress checked
+        field by field, plus the outcome of a validation recorded after the checkpoint was saved."""
+        hints = typing.get_type_hints(Progress)
+        try:
+            state = untrusted.mapping(state, "its training state", required=("optimizer", "scaler", "rng", "progress"))
+            values = untrusted.mapping(state["progress"], "progress", optional=list(hints))
+            for name, value in values.items():
+                what = f"progress.{name}"
+                if hints[name] is int:
+                    untrusted.integer(value, what)
+                elif value is not None or hints[name] is float:
+                    untrusted.number(value, what)
+            if values.get("step", 0) != step:
+                raise untrusted.Malformed(f"progress.step {values.get('step', 0)} is not the header's step {step}")
+        except untrusted.Malformed as err:
+            raise checkpoint.CheckpointError(f"{path}: malformed checkpoint: {err}") from None
+        progress = Progress(**values)
+        if "validated" not in values:  # saved before this field existed, and after its own validation
+            progress.validated = progress.step
+        outcome = read_validation(path)
+        if outcome is not None:
+            try:
+                untrusted.mapping(outcome, "validation outcome", required=("best", "stale"), optional=())
+                best = None if outcome["best"] is None else untrusted.number(outcome["best"], "best")
+                stale = untrusted.integer(outcome["stale"], "stale")
+            except untrusted.Malformed as err:
+                log.warning("%s: %s; validating update %d again", path, err, step)
+            else:
+                progress.best, progress.stale, progress.validated = best, stale, step
+        return cls(state["optimizer"], state["scaler"], state["rng"], progress)
+
+
+def check_resumable(
+    path: Path, saved: checkpoint.Checkpoint, cfg: RunConfig, tokenizers: tuple[Tokenizer, Tokenizer], run_dir: Path
+) -> None:
+    """CheckpointError unless ``saved``, read from ``path``, can go on training ``cfg`` with these source and
+    target tokenizers (those of ``run_dir``)."""
+    if saved.cfg.model != cfg.model:
+        raise checkpoint.CheckpointError(
+            f"{path}: model settings differ from this config; use a new --out or --restart"
+        )
+    if saved.state is None:
+        raise checkpoint.CheckpointError(f"{path}: holds weights only, not the training state to resume from")
+    mine = {"src": tokenizers[0].sha256, "tgt": tokenizers[1].sha256}
+    if {side: record["sha256"] for side, record in saved.meta["tokenizer"].items()} != mine:
+        raise checkpoint.CheckpointError(
+            f"{path}: trained with another tokenizer than the one in {run_dir}; use a new --out or --restart"
+        )
+
+
+def check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Each parameter's optimizer state has the parameter's shape (a misfit would fail only at the next step)."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            for name, value in optimizer.state.get(param, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() and value.shape != param.shape:
+                    raise ValueError(f"optimizer {name} is {tuple(value.shape)}, its parameter {tuple(param.shape)}")
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """This process's random number generator states, which dropout draws from."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return {"torch": torch.get_rng_state(), "cuda": cuda}
+
+
+def restore_rng_state(per_rank: list[dict[str, Any]], dist: Distributed, device: torch.device, seed: int) -> None:
+    """Continue this rank's random draws where the checkpoint left them; under another number of ranks
+    than saved it, reseed from ``seed`` instead (the run is then no longer the uninterrupted one)."""
+    if len(per_rank) != dist.world_size:
+        log.warning(
+            "checkpoint saved by %d rank(s), resuming on %d: dropout draws differ from an uninterrupted run",
+            len(per_rank),
+            dist.world_size,
+        )
+        torch.manual_seed(seed)
+        return
+    state = per_rank[dist.rank]
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
