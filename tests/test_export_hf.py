@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import HAND_BUILT_MODEL as MODEL
 from typer.testing import CliRunner
 
 from mtkit.cli import app
@@ -38,15 +39,6 @@ with pytest.MonkeyPatch.context() as env:
 
 runner = CliRunner()
 CPU = torch.device("cpu")
-MODEL = {
-    "encoder_layers": 2,
-    "decoder_layers": 2,
-    "d_model": 64,
-    "heads": 4,
-    "ffn": 128,
-    "dropout": 0.0,
-    "max_positions": 128,
-}
 DECODE = DecodeConfig(beam=4, lenpen=0.6, max_len_a=1.2, max_len_b=5, min_len=2)
 
 
