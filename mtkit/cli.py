@@ -56,6 +56,7 @@ app = typer.Typer(
     add_completion=True,
 )
 app.add_typer(data.tokenizer_commands, name="tokenizer")
+app.add_typer(translate.import_commands, name="import")
 for module in (data, train, translate, evaluate, serve, doctor):
     app.add_typer(module.commands)  # unnamed: its commands join mtkit's own
 

@@ -127,9 +127,14 @@ class ModelConfig:
     ffn: int = _DEFAULT_MODEL["ffn"]  # hidden width of each layer's feed-forward block
     dropout: float = _DEFAULT_MODEL["dropout"]  # on embeddings and residual branches
     attention_dropout: float = 0.0  # on attention weights
-    activation_dropout: float = 0.0  # inside the feed-forward block, after its ReLU
+    activation_dropout: float = 0.0  # inside the feed-forward block, after its activation
+    # the feed-forward block's nonlinearity: relu as in the paper; gelu (exact, erf); swish, x * sigmoid(x), which
+    # Marian and OPUS-MT models use (SiLU)
+    activation: Literal["relu", "gelu", "swish"] = "relu"
     norm: Literal["post", "pre"] = "post"  # post: LN(x + f(x)) as in the paper; pre: x + f(LN(x)), steadier when deep
-    tie_embeddings: bool = True  # share source, target and output embeddings (joint vocabulary)
+    tie_embeddings: bool = True  # share source, target and output embeddings (one vocabulary)
+    tie_output: bool = False  # share the target embeddings and the output projection (implied by tie_embeddings)
+    output_bias: bool = False  # a learned bias on the output logits (Marian's final_logits_bias)
     # sinusoidal or learned: added to the embeddings; relative (Shaw et al., 2018) or rotary (Su et al.,
     # 2021): inside encoder and decoder self-attention, so scores depend on distances
     positions: Literal["sinusoidal", "learned", "relative", "rotary"] = "sinusoidal"
@@ -160,6 +165,9 @@ class ModelConfig:
         _check(8 <= self.max_positions <= MAX_POSITIONS, f"model.max_positions must be between 8 and {MAX_POSITIONS}")
 
 
+FreezeGroup = Literal["embeddings", "encoder", "decoder"]  # the parts of a model train.freeze can hold still
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     max_steps: int = 10_000  # optimizer updates
@@ -167,7 +175,10 @@ class TrainConfig:
     batch_tokens: int = 4096  # padded tokens per side per batch (per accumulation step)
     accum: int = 1  # batches accumulated per update: effective batch = batch_tokens * accum
     lr: float = 1e-3  # peak learning rate, reached at the end of warm-up
-    warmup: int = 4000  # linear warm-up steps, then inverse square-root decay
+    warmup: int = 4000  # linear warm-up steps, then the decay train.schedule names
+    # the learning rate after warm-up: inverse_sqrt decays as 1 / sqrt(update) (Vaswani et al., 2017); constant
+    # stays at train.lr; linear falls to 0 at train.max_steps, usual for fine-tuning a trained model
+    schedule: Literal["inverse_sqrt", "constant", "linear"] = "inverse_sqrt"
     label_smoothing: float = 0.1  # loss mass spread uniformly over the vocabulary (Szegedy et al., 2016)
     clip_norm: float = 1.0  # global gradient-norm bound; 0 disables clipping
     weight_decay: float = 0.0  # Adam's L2 penalty, added to the gradients (not decoupled as in AdamW)
@@ -191,9 +202,21 @@ class TrainConfig:
     ddp_timeout: float = 1800.0  # seconds a collective may wait for the other ranks (incl. rank 0's validation)
     compile: bool = False  # torch.compile the encoder-decoder for training
     tensorboard: bool = False  # also write TensorBoard event files to RUN_DIR/tensorboard
+    # a trained model to start from (fine-tuning): a run directory (its best/), a checkpoint folder or an averaged
+    # .safetensors file with its tokenizer(s) beside it. The run takes its architecture and tokenizers; optimizer,
+    # schedule and data position start afresh. Read only while the run has no checkpoint; "": random weights
+    init_from: str = ""
+    # parts of the model kept at their values (requires_grad off, out of the optimizer): embeddings (token and learned
+    # position embeddings, and the output projection when it is tied to them), encoder, decoder (with an untied
+    # output projection)
+    freeze: tuple[FreezeGroup, ...] = ()
 
     def __post_init__(self) -> None:
         _check_choices(self, "train")
+        _check(
+            not set(typing.get_args(FreezeGroup)) <= set(self.freeze),
+            "train.freeze lists every part of the model: nothing would train",
+        )
         for name in ("max_steps", "batch_tokens", "accum", "valid_beam", "log_every"):
             _check(getattr(self, name) >= 1, f"train.{name} must be >= 1")
         for name in ("max_epochs", "warmup", "valid_every", "save_every", "threads", "patience", "keep_last"):
@@ -382,12 +405,6 @@ class RunConfig:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     recipe: RecipeConfig = field(default_factory=RecipeConfig)
 
-    def __post_init__(self) -> None:
-        _check(
-            self.tokenizer.joint or not self.model.tie_embeddings,
-            "model.tie_embeddings needs a joint vocabulary: set tokenizer.joint: true or model.tie_embeddings: false",
-        )
-
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -398,14 +415,21 @@ def _check(ok: bool, message: str) -> None:
 
 
 def _check_choices(config: Any, section: str) -> None:
-    """Check each ``Literal`` field of a section against its choices, also when it is built in Python."""
+    """Check each field of choices (``Literal``, or a list of them) against them, also when it is built in Python."""
     for name, hint in typing.get_type_hints(type(config)).items():
-        if typing.get_origin(hint) is Literal:
+        if typing.get_origin(hint) in (Literal, tuple):
             _coerce(f"{section}.{name}", getattr(config, name), hint)
 
 
 def _coerce(key: str, value: Any, hint: Any) -> Any:
-    """Check ``value`` against a field's type; ints are accepted where floats are expected."""
+    """Check ``value`` against a field's type; ints are accepted where floats are expected, a YAML list where a
+    ``tuple[X, ...]`` is (each item checked as an X)."""
+    if typing.get_origin(hint) is tuple:
+        item = typing.get_args(hint)[0]
+        if isinstance(value, (list, tuple)):
+            return tuple(_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value))
+        of = f" of {', '.join(map(str, typing.get_args(item)))}" if typing.get_origin(item) is Literal else ""
+        raise ConfigError(f"{key} must be a list{of} (YAML: [a, b]), got {shown(value)}")
     if typing.get_origin(hint) is Literal:
         choices = typing.get_args(hint)
         if value in choices:

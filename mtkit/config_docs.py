@@ -74,9 +74,14 @@ def _bounds(node: ast.ClassDef) -> dict[str, list[str]]:
 
 
 def type_name(hint: Any) -> str:
-    """A field's type as a reader of the YAML file sees it: ``int``, ``str``, ``one of: post, pre``."""
+    """A field's type as a reader of the YAML file sees it: ``int``, ``one of: post, pre``, ``list of: a, b``."""
     if typing.get_origin(hint) is Literal:
         return "one of: " + ", ".join(map(str, typing.get_args(hint)))
+    if typing.get_origin(hint) is tuple:
+        item = typing.get_args(hint)[0]
+        if typing.get_origin(item) is Literal:
+            return "list of: " + ", ".join(map(str, typing.get_args(item)))
+        return f"list of {type_name(item)}"
     return hint.__name__
 
 

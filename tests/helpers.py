@@ -17,7 +17,7 @@ import yaml
 from typer.testing import CliRunner
 
 from mtkit.cli import app
-from mtkit.config import ModelConfig, RunConfig, from_dict
+from mtkit.config import ModelConfig, RunConfig, TrainConfig, from_dict
 from mtkit.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
 from mtkit.model.transformer import Transformer, build_model
 from mtkit.training import run_directory
@@ -52,11 +52,12 @@ def train_on_task(model: Transformer, pairs, steps: int, peak_lr: float, warmup:
     from mtkit.model.loss import linear_cross_entropy
     from mtkit.training.schedule import lr_at
 
+    schedule = TrainConfig(lr=peak_lr, warmup=warmup)
     model.train()
     optimizer = torch.optim.Adam(model.parameters(), betas=(0.9, 0.98), eps=1e-9)
     for step in range(1, steps + 1):
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, peak_lr, warmup)
+            group["lr"] = lr_at(step, schedule)
         batch = collate(*pairs())
         features = model.features(batch.src, batch.src_pad_mask, batch.tgt_in)
         keep = batch.tgt_out != PAD_ID

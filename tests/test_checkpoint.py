@@ -60,7 +60,12 @@ def test_state_loads_with_plain_torch_load_and_meta_survives(tmp_path):
     assert plain["progress"] == state["progress"] and torch.equal(plain["rng"]["torch"], state["rng"]["torch"])
     loaded = checkpoint.read_checkpoint(tmp_path / "ck" / checkpoint.WEIGHTS_FILE)
     assert loaded.path == tmp_path / "ck"
-    assert loaded.meta == {**meta, "format": checkpoint.FORMAT_VERSION, "mtkit_version": loaded.meta["mtkit_version"]}
+    as_json = json.loads(json.dumps(meta))  # the header's form: a list setting (train.freeze) is a tuple in a config
+    assert loaded.meta == {
+        **as_json,
+        "format": checkpoint.FORMAT_VERSION,
+        "mtkit_version": loaded.meta["mtkit_version"],
+    }
     torch.optim.Adam(model.parameters()).load_state_dict(loaded.state["optimizer"])
     assert checkpoint.read_checkpoint(tmp_path / "ck", with_state=False).state is None
 

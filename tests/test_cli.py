@@ -72,6 +72,12 @@ def test_dry_run_prints_config_batch_and_schedule(tmp_path, corpus_files):
     assert not (tmp_path / "run").exists()
 
 
+def test_tied_embeddings_over_two_tokenizers_to_train_are_refused_before_any_work(tmp_path, corpus_files):
+    config = write_config(tmp_path / "c.yaml", corpus_files)
+    result = invoke("train", config, "--set", "tokenizer.joint=false", "--out", tmp_path / "run")
+    assert result.exit_code == 1 and "model.tie_embeddings needs a joint vocabulary" in result.output
+
+
 def test_translate_keeps_one_line_per_input_line(trained_run, corpus_files, tmp_path):
     lines = corpus_files["val.en"].read_text().splitlines()[:12]
     lines[3] = ""

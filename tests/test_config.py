@@ -9,9 +9,20 @@ from pathlib import Path
 from typing import Literal
 
 import pytest
+import yaml
 
 from mtkit import config
-from mtkit.config import PRESETS, SECTIONS, ConfigError, ModelConfig, Preset, from_dict, read_config
+from mtkit.config import (
+    PRESETS,
+    SECTIONS,
+    ConfigError,
+    ModelConfig,
+    Preset,
+    TrainConfig,
+    config_yaml,
+    from_dict,
+    read_config,
+)
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
@@ -70,7 +81,6 @@ def test_overrides_are_typed_and_apply_to_any_key(tmp_path):
         ({"model": {"d_model": 100, "heads": 3}}, "divisible"),
         ({"model": {"preset": "huge"}}, "model.preset must be one of"),
         ({"train": {"precision": "fp8"}}, "train.precision"),
-        ({"tokenizer": {"joint": False}}, "tie_embeddings needs a joint vocabulary"),
         ({"train": {"valid_bleu": False}}, "best_metric bleu needs train.valid_bleu"),
         ({"train": {"best_metric": "chrf"}}, "train.best_metric must be one of bleu, loss, got 'chrf'"),
         ({"train": {"precision": 16}}, "train.precision must be one of auto, fp32, bf16, fp16, got 16"),
@@ -94,11 +104,13 @@ def test_settings_with_a_fixed_set_of_values_are_literals():
         "tokenizer.type",
         "model.preset",
         "model.norm",
+        "model.activation",
         "model.positions",
         "train.precision",
         "train.device",
         "train.nonfinite",
         "train.best_metric",
+        "train.schedule",
     }
     assert set(PRESETS) == set(typing.get_args(Preset))
 
@@ -116,6 +128,28 @@ def test_a_value_outside_the_choices_names_the_key_and_the_choices(tmp_path, key
 def test_choices_are_checked_when_a_section_is_built_in_python():
     with pytest.raises(ConfigError, match=re.escape("model.norm must be one of post, pre, got 'mid'")):
         ModelConfig(norm="mid")
+    with pytest.raises(ConfigError, match=re.escape("train.freeze[0] must be one of embeddings, encoder, decoder")):
+        TrainConfig(freeze=("all",))
+
+
+def test_a_list_of_choices_comes_from_yaml_or_set_and_each_item_is_checked(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  freeze: [embeddings, encoder]\n")
+    cfg = read_config(path, ["train.init_from=runs/base"])
+    assert cfg.train.freeze == ("embeddings", "encoder")
+    assert from_dict(yaml.safe_load(config_yaml(cfg))) == cfg  # as config.yaml and a checkpoint header hold it
+    assert read_config(None, ["train.freeze=[decoder]"]).train.freeze == ("decoder",)
+    assert read_config(None, ["train.freeze=[]"]).train.freeze == ()
+    refused = {
+        "train.freeze=[encoder, all]": "--set train.freeze=[encoder, all]: train.freeze[1] must be one of embeddings, "
+        "encoder, decoder, got 'all'",
+        "train.freeze=encoder": "train.freeze must be a list of embeddings, encoder, decoder (YAML: [a, b]), "
+        "got 'encoder'",
+        "train.freeze=[decoder, encoder, embeddings]": "train.freeze lists every part of the model",
+    }
+    for override, message in refused.items():
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            read_config(None, [override])
 
 
 # Each size a setting may ask of a search, with the bound in mtkit.config that every source of settings passes

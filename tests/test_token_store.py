@@ -229,7 +229,7 @@ def test_training_on_a_store_with_ids_beyond_the_vocabulary_encodes_it_again(tmp
 
 
 def test_resuming_after_a_training_file_was_edited_warns_naming_it(tmp_path, corpus_files, spm_model):
-    """The edited file is encoded again, as always; now the resumed run says that it goes on on other data."""
+    """The edited file is encoded again, as always, with a warning naming it; the run refuses to resume on it."""
     train = {side: tmp_path / f"train.{side}" for side in ("en", "de")}
     for side, path in train.items():
         path.write_text(corpus_files[f"train.{side}"].read_text(encoding="utf-8"), encoding="utf-8")
@@ -242,8 +242,8 @@ def test_resuming_after_a_training_file_was_edited_warns_naming_it(tmp_path, cor
     assert first.exit_code == 0 and "changed since" not in first.stderr
     train["en"].write_text(train["en"].read_text(encoding="utf-8").replace("dog", "cat"), encoding="utf-8")
     resumed = invoke("train", config, "--out", tmp_path / "run", "--set", "train.max_steps=4")
-    assert resumed.exit_code == 0, resumed.output
-    assert "resuming from" in resumed.stderr
+    assert resumed.exit_code == 1, resumed.output
+    assert f"error: {tmp_path / 'run'}" in resumed.stderr and "trained on another data.train_src" in resumed.stderr
     [warning] = [line for line in resumed.stderr.splitlines() if " WARNING " in line and "changed since" in line]
     assert f"training data: {train['en'].resolve()} changed since an earlier run encoded it" in warning
     assert str(train["de"].resolve()) not in warning

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import small_config
 
-from mtkit.config import from_dict
+from mtkit.config import TrainConfig, from_dict
 from mtkit.model import checkpoint, loading
 from mtkit.training import trainer as trainer_module
 from mtkit.training.resume import Progress, TrainingState
@@ -23,11 +23,12 @@ from mtkit.training.trainer import Trainer, run_training
 
 
 def test_lr_warms_up_linearly_then_decays_as_inverse_sqrt():
-    assert lr_at(1, 1e-3, 100) == pytest.approx(1e-5)
-    assert lr_at(50, 1e-3, 100) == pytest.approx(5e-4)
-    assert lr_at(100, 1e-3, 100) == pytest.approx(1e-3)
-    assert lr_at(400, 1e-3, 100) == pytest.approx(5e-4)
-    assert lr_at(7, 1e-3, 0) == 1e-3
+    tc = TrainConfig(lr=1e-3, warmup=100)
+    assert lr_at(1, tc) == pytest.approx(1e-5)
+    assert lr_at(50, tc) == pytest.approx(5e-4)
+    assert lr_at(100, tc) == pytest.approx(1e-3)
+    assert lr_at(400, tc) == pytest.approx(5e-4)
+    assert lr_at(7, TrainConfig(lr=1e-3, warmup=0)) == 1e-3
 
 
 def test_loss_goes_down_and_checkpoints_are_written(tmp_path, corpus_files, spm_model):

@@ -101,8 +101,9 @@ def _plan(cfg, out: Path, processes: int) -> str:
 
     tc = cfg.train
     schedule = ", ".join(f"update {step}: {lr:.3g}" for step, lr in schedule_preview(cfg))
+    start = f"# model and tokenizer: those of {tc.init_from} (train.init_from)\n" if tc.init_from else ""
     return (
-        f"{config_yaml(cfg)}# run directory: {out}\n"
+        f"{config_yaml(cfg)}{start}# run directory: {out}\n"
         f"# effective batch: {tc.batch_tokens * tc.accum * processes} padded tokens per side per update "
         f"({tc.batch_tokens} x accum {tc.accum} x {processes} process(es))\n"
         f"# learning rate: {schedule}\n"

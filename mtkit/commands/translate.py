@@ -21,6 +21,7 @@ from mtkit.commands.common import (
 from mtkit.config import MAX_PER_SOURCE, InferenceConfig, RecipeConfig, SamplingConfig, ShortlistConfig
 
 commands = typer.Typer()
+import_commands = typer.Typer(help="Bring models trained by other toolkits into mtkit.", no_args_is_help=True)
 
 
 @commands.command(
@@ -283,6 +284,39 @@ def export_command(
         written = export_ctranslate2(model, output, quantization, shortlist)
         kind = f"CTranslate2, {quantization or 'float32'}" + (", a vocabulary map" if shortlist else "")
     typer.echo(f"wrote {written} ({kind} weights)", err=True)
+
+
+@import_commands.command(
+    "hf",
+    epilog=examples(
+        "mtkit import hf Helsinki-NLP/opus-mt-en-de -o opus-en-de",
+        "mtkit import hf Helsinki-NLP/opus-mt-en-de --revision main -o opus-en-de",
+        "mtkit import hf ./my-marian-folder -o my-model",
+        "mtkit translate opus-en-de -i test.en -o test.de",
+    ),
+)
+@user_errors
+def import_hf_command(
+    source: Annotated[
+        str,
+        typer.Argument(
+            help="A transformers MarianMTModel folder (save_pretrained's layout), or a Hugging Face Hub repository "
+            "id such as Helsinki-NLP/opus-mt-en-de, downloaded into the Hugging Face cache."
+        ),
+    ],
+    output: Annotated[
+        Path, typer.Option("--output", "-o", help="The mtkit model folder to write; it must not exist or be empty.")
+    ],
+    revision: Annotated[
+        str | None, typer.Option(help="The Hub revision (branch, tag or commit) to download; default main.")
+    ] = None,
+) -> None:
+    """Import a Marian model (OPUS-MT) as an mtkit model, which translate, eval, serve, export and
+    train.init_from take; its tokenizers are rewritten to keep Marian's ids exactly."""
+    from mtkit.interop.hf_import import import_marian
+
+    written = import_marian(source, output, revision)
+    typer.echo(f"wrote {written}", err=True)
 
 
 @commands.command(

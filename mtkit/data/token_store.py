@@ -4,13 +4,15 @@ A store is a directory in the encoding cache (``data.cache_dir``)::
 
     src.ids, tgt.ids          every kept sentence's token ids back to back (uint16 when the vocabulary fits)
     src.offsets, tgt.offsets  int64, where each sentence starts, plus the end
-    meta.json                 what was encoded (files, tokenizers, filters), the counts, and how long it took
+    meta.json                 what was encoded (files, tokenizers, filters), the files' SHA-256, the counts,
+                              and how long it took
 
 Its name is a digest of what it was built from: the training files (path, size, modification
 time), both tokenizers' SHA-256 and the length filters. Any run with the same inputs reuses it
 instead of encoding again; a changed file or tokenizer gets a new store (a training file that an
-older store in the cache holds at another size or modification time is named in a warning: a run
-resumed on it goes on with the edited data). Encoding streams the
+older store in the cache holds at another size or modification time is named in a warning). The
+SHA-256 of each training file is taken once, when its store is built, so a run can tell whether the
+data it resumes on is the data it started on without reading a large corpus again. Encoding streams the
 corpus a chunk at a time (SentencePiece encodes each chunk on all cores), and training reads only
 the sentence lengths into memory: about 8 bytes per pair. Stores are never deleted by mtkit; old ones
 can be removed by hand at any time when no run is starting.
@@ -43,7 +45,7 @@ from mtkit.data.parallel import (
     token_batches,
 )
 from mtkit.data.tokenizer import Tokenizer
-from mtkit.files import atomic_write_directory
+from mtkit.files import atomic_write_directory, file_sha256
 from mtkit.progress import StageProgress, shows_bar
 
 log = logging.getLogger("mtkit")
@@ -124,6 +126,12 @@ class TokenStore:
                 )
         self.src_lengths, self.tgt_lengths = (lengths[side].astype(np.int32) for side in SIDES)
 
+    @property
+    def file_sha256s(self) -> list[str] | None:
+        """The SHA-256 of each training file encoded here, in the order of ``store_key``'s files, as they were when
+        the store was built; None for a store built before they were recorded."""
+        return self.meta.get("sha256")
+
     def _map(self, name: str, dtype: str) -> np.ndarray:
         return np.memmap(self.directory / name, dtype=np.dtype(dtype), mode="r")
 
@@ -183,8 +191,7 @@ def open_or_build(
         else:
             if changed := _edited_files(cache_dir, key):
                 log.warning(
-                    "training data: %s changed since an earlier run encoded it; encoding it again (a resumed run "
-                    "goes on training on the changed data)",
+                    "training data: %s changed since an earlier run encoded it; encoding it again",
                     " and ".join(changed),
                 )
             log.info("training data: encoding the pairs into %s", directory)
@@ -241,6 +248,8 @@ def _check_meta(meta: object) -> dict:
     dtypes = untrusted.mapping(meta["dtype"], "dtype", required=SIDES, optional=())
     for side in SIDES:
         untrusted.one_of(dtypes[side], f"dtype.{side}", ID_DTYPES)  # a name of a numpy type, from a fixed set
+    for i, digest in enumerate(untrusted.strings(meta.get("sha256", []), "sha256")):  # none in older stores
+        untrusted.sha256(digest, f"sha256[{i}]")
     return meta
 
 
@@ -250,6 +259,7 @@ def _encode(tmp: Path, pairs: Iterable[tuple[str, str]], key: dict, src_tok: Tok
     The pairs to come are the source file's lines: counted first for the bar's total where that is cheap.
     """
     start = time.perf_counter()
+    digests = [file_sha256(Path(f["path"])) for f in key["files"]]  # one read, cheap beside the encoding
     total = count_lines(key["files"][0]["path"]) if shows_bar() else None
     # open_or_build logs the start, and the end with the token counts
     bar = StageProgress("encoding the training pairs", total, "pairs", log_ends=False)
@@ -291,6 +301,7 @@ def _encode(tmp: Path, pairs: Iterable[tuple[str, str]], key: dict, src_tok: Tok
         "tgt_tokens": tokens["tgt"],
         "filter": dataclasses.asdict(report),
         "dtype": {side: dtypes[side].name for side in SIDES},
+        "sha256": digests,
         "encode_seconds": round(time.perf_counter() - start, 3),
     }
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")

@@ -106,6 +106,21 @@ def is_sentencepiece_model(path: Path) -> bool:
     return True
 
 
+def vocabulary_size(sp: spm.SentencePieceProcessor) -> int:
+    """The ids a model of this tokenizer has: the model's ``trainer_spec.vocab_size`` first pieces.
+
+    SentencePiece writes that many pieces, but a model converted from another toolkit's vocabulary
+    (mtkit/interop/hf_import.py) may keep pieces after them that only segment: Marian splits text with
+    its SentencePiece model and maps a piece its vocabulary lacks to unk, as ``Tokenizer.encode`` does.
+    """
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(sp.serialized_model_proto())
+    pieces = sp.get_piece_size()
+    return min(proto.trainer_spec.vocab_size, pieces) if proto.trainer_spec.vocab_size > 0 else pieces
+
+
 class Tokenizer:
     """A SentencePiece model: text <-> ids, with the shared special ids."""
 
@@ -124,10 +139,7 @@ class Tokenizer:
                 f"{(PAD_ID, UNK_ID, BOS_ID, EOS_ID)} (train it with `mtkit tokenizer train`)"
             )
         self.sha256 = file_sha256(self.path)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.sp.get_piece_size()
+        self.vocab_size = vocabulary_size(self.sp)
 
     def encode(self, lines: list[str]) -> list[list[int]]:
         """Ids without bos/eos (the data and search code add them), of the text less the control and format
@@ -137,8 +149,12 @@ class Tokenizer:
         one."""
         lines = [strip_invisible(line) for line in lines]
         if len(lines) < PARALLEL_LINES:
-            return [self.sp.encode(line, out_type=int) for line in lines]
-        return self.sp.encode(lines, out_type=int, num_threads=len(os.sched_getaffinity(0)))
+            seqs = [self.sp.encode(line, out_type=int) for line in lines]
+        else:
+            seqs = self.sp.encode(lines, out_type=int, num_threads=len(os.sched_getaffinity(0)))
+        if self.vocab_size < self.sp.get_piece_size():  # pieces that only segment are unknown (``vocabulary_size``)
+            return [[i if i < self.vocab_size else UNK_ID for i in seq] for seq in seqs]
+        return seqs
 
     def encode_capped(self, lines: list[str], limit: int) -> list[list[int]]:
         """Ids of ``lines``, each cut to at most ``limit + 1``: enough to tell a line over ``limit`` tokens.

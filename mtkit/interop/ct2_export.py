@@ -11,6 +11,8 @@ from mtkit's modules, so each of mtkit's choices is mapped here, where a reviewe
   pairs), and neither rotates in cross-attention.
 - post-norm LN(x + f(x)) or pre-norm x + f(LN(x)) with the final LayerNorm pre-norm stacks end with;
   LayerNorm epsilon is the model's own (torch's 1e-5, where CTranslate2 would assume 1e-6).
+- the feed-forward activation is the model's (ReLU, erf GELU or swish); the output projection's
+  bias, where the model has one, is the projection's bias.
 - CTranslate2 wants one fused projection for q, k and v in self-attention, and for k and v in
   cross-attention: the separate mtkit projections are stacked along their output dimension.
 - the vocabulary is the SentencePiece pieces in id order, so embedding rows keep their meaning;
@@ -133,7 +135,8 @@ def vocabulary(tok: Tokenizer) -> list[str]:
 def build_spec(model: Transformer, cfg: ModelConfig, src_tok: Tokenizer, tgt_tok: Tokenizer):
     """A validated ``ctranslate2.specs.TransformerSpec`` holding ``model``'s weights (float32, unquantized)."""
     specs = import_ctranslate2().specs
-    layers = {"num_heads": cfg.heads, "pre_norm": cfg.norm == "pre", "activation": specs.Activation.RELU}
+    activation = {"relu": specs.Activation.RELU, "gelu": specs.Activation.GELU, "swish": specs.Activation.SWISH}
+    layers = {"num_heads": cfg.heads, "pre_norm": cfg.norm == "pre", "activation": activation[cfg.activation]}
     if cfg.positions == "rotary":  # mtkit rotates the two halves of each head (GPT-NeoX), not interleaved pairs
         layers.update(rotary_dim=cfg.d_model // cfg.heads, rotary_interleave=False, rotary_base=ROTARY_BASE)
     encoder = specs.TransformerEncoderSpec(cfg.encoder_layers, **layers)

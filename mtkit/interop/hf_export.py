@@ -1,15 +1,13 @@
 """Export a trained model as a transformers ``MarianMTModel`` folder, which runs without mtkit.
 
 ``MarianMTModel`` is the post-norm encoder-decoder of the paper, as mtkit's default model is: token
-embeddings scaled by sqrt(D), sinusoidal positions from 0, ReLU, LayerNorm (epsilon 1e-5) after each
-residual, no final LayerNorm. The mapping, each choice where a reviewer can check it:
+embeddings scaled by sqrt(D), sinusoidal positions from 0, ReLU (or GELU, or swish), LayerNorm (epsilon
+1e-5) after each residual, no final LayerNorm, an optional bias on the logits (``final_logits_bias``).
+The mapping, each choice where a reviewer can check it:
 
-- positions: Marian computes its sinusoids itself, sin in the first half of the model dimension and
-  cos in the second, where mtkit interleaves them (sin on even dimensions). Both use the same
-  frequencies, so one fixed permutation of the model dimension (``residual_order``), applied to every
-  weight that reads or writes the residual stream, makes the two models compute the same function:
-  LayerNorm is blind to the order of its inputs, and attention and the feed-forward block only see
-  the stream through those weights.
+- positions: Marian computes its sinusoids itself, sin and cos in two halves of the model dimension
+  where mtkit interleaves them; one permutation of the residual stream maps one layout to the other
+  (marian.py, which names every weight inside the layers for the export and the import).
 - vocabulary: the SentencePiece pieces in id order (vocab.json), so row i stays id i, and one more
   id after them, ``<pad>``, with a zero embedding: Marian's own layout, where the decoder starts from
   pad's zero embedding and pad is the last id (the piece SentencePiece calls pad, id 0, is renamed
@@ -21,9 +19,10 @@ residual, no final LayerNorm. The mapping, each choice where a reviewer can chec
   id and reads the tables from the loaded model, converts the folder to the same function. Two
   vocabularies of different sizes are padded to one size with ``<unused:N>`` rows. Rows that are no
   target token (the appended and padding ones) get a ``final_logits_bias`` of -1e4, so they take no
-  share of the softmax; every other bias is 0. Tied embeddings map to
-  ``share_encoder_decoder_embeddings`` + ``tie_word_embeddings``, untied ones (two vocabularies or
-  one) to separate encoder, decoder and output matrices.
+  share of the softmax; every other bias is the model's output bias, or 0. Tied embeddings map to
+  ``share_encoder_decoder_embeddings`` + ``tie_word_embeddings``, a tied output alone
+  (``model.tie_output``) to ``tie_word_embeddings``, untied ones (two vocabularies or one) to separate
+  encoder, decoder and output matrices.
 - special ids: unk 1, bos 2 and eos 3 are mtkit's; the tokenizer appends eos to the source and pads
   with ``<pad>``, and mtkit's pad and bos are never generated (``suppress_tokens``).
 - decoding defaults (generation_config.json): ``num_beams`` is decode.beam. transformers divides a
@@ -51,21 +50,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from mtkit.config import ConfigError, DecodeConfig, ModelConfig
 from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 from mtkit.files import atomic_write_directory
 from mtkit.interop.ct2_export import MANIFEST, MANIFEST_FORMAT, check_replaceable, provenance, vocabulary
-from mtkit.model.attention import MultiHeadAttention
+from mtkit.interop.marian import NOT_A_TOKEN, layer_weights, residual_order, to_marian
 from mtkit.model.checkpoint import CheckpointError
 from mtkit.model.loading import load_for_inference, resolve
-from mtkit.model.transformer import DecoderLayer, EncoderLayer, FeedForward, Transformer
+from mtkit.model.transformer import Transformer
 from mtkit.version import __version__
 
 RUNTIME = "transformers"  # the manifest's runtime, which tells this export from a CTranslate2 one
 START_PIECE = "<pad>"  # the id after both vocabularies: Marian's pad and decoder start, named as Marian names it
-NOT_A_TOKEN = -1e4  # final_logits_bias of rows that are no target token: exp(-1e4) is 0 in float32
 PENALTY_LENGTH = 20  # tokens: where transformers' length penalty is made to act as mtkit's (see the module)
 
 
@@ -92,57 +90,6 @@ def check_expressible(cfg: ModelConfig) -> None:
         )
 
 
-def residual_order(d_model: int) -> Tensor:
-    """Marian's dimension j is mtkit's dimension order[j]: the sin dimensions (even) first, then the cos ones."""
-    return torch.cat([torch.arange(0, d_model, 2), torch.arange(1, d_model, 2)])
-
-
-class _Mapper:
-    """mtkit's weights under Marian's names, the residual stream's dimensions put in Marian's order."""
-
-    def __init__(self, d_model: int) -> None:
-        self.order = residual_order(d_model)
-        self.weights: dict[str, Tensor] = {}
-
-    def reads(self, name: str, linear: nn.Linear) -> None:
-        """A projection of the residual stream: its input columns reordered."""
-        self.weights[f"{name}.weight"] = linear.weight[:, self.order]
-        if linear.bias is not None:
-            self.weights[f"{name}.bias"] = linear.bias
-
-    def writes(self, name: str, linear: nn.Linear) -> None:
-        """A projection into the residual stream: its output rows reordered."""
-        self.weights[f"{name}.weight"] = linear.weight[self.order]
-        self.weights[f"{name}.bias"] = linear.bias[self.order]
-
-    def norm(self, name: str, norm: nn.LayerNorm) -> None:
-        self.weights[f"{name}.weight"] = norm.weight[self.order]
-        self.weights[f"{name}.bias"] = norm.bias[self.order]
-
-    def attention(self, name: str, attn: MultiHeadAttention) -> None:
-        for proj in ("q_proj", "k_proj", "v_proj"):
-            self.reads(f"{name}.{proj}", getattr(attn, proj))
-        self.writes(f"{name}.out_proj", attn.out_proj)
-
-    def ffn(self, name: str, ffn: FeedForward) -> None:
-        self.reads(f"{name}.fc1", ffn.up)
-        self.writes(f"{name}.fc2", ffn.down)
-
-    def encoder_layer(self, name: str, layer: EncoderLayer) -> None:
-        self.attention(f"{name}.self_attn", layer.self_attn)
-        self.norm(f"{name}.self_attn_layer_norm", layer.res_attn.norm)
-        self.ffn(name, layer.ffn)
-        self.norm(f"{name}.final_layer_norm", layer.res_ffn.norm)
-
-    def decoder_layer(self, name: str, layer: DecoderLayer) -> None:
-        self.attention(f"{name}.self_attn", layer.self_attn)
-        self.norm(f"{name}.self_attn_layer_norm", layer.res_self.norm)
-        self.attention(f"{name}.encoder_attn", layer.cross_attn)
-        self.norm(f"{name}.encoder_attn_layer_norm", layer.res_cross.norm)
-        self.ffn(name, layer.ffn)
-        self.norm(f"{name}.final_layer_norm", layer.res_ffn.norm)
-
-
 def start_id(src_vocab: int, tgt_vocab: int) -> int:
     """The appended id (``START_PIECE``): the decoder's start and the padding; the export has one more rows."""
     return max(src_vocab, tgt_vocab)
@@ -155,17 +102,14 @@ def _with_rows(matrix: Tensor, rows: int) -> Tensor:
 
 def marian_weights(model: Transformer, tied: bool) -> dict[str, Tensor]:
     """The state dict of the equivalent ``MarianMTModel`` (see the module docstring for the layout)."""
-    mapper = _Mapper(model.output.in_features)
-    order = mapper.order
+    order = residual_order(model.output.in_features)
     src_vocab, tgt_vocab = model.encoder.embed.tokens.num_embeddings, model.output.out_features
     rows = start_id(src_vocab, tgt_vocab) + 1
     src = _with_rows(model.encoder.embed.tokens.weight[:, order], rows)
     tgt = src if tied else _with_rows(model.decoder.embed.tokens.weight[:, order], rows)
-    out = tgt if tied else _with_rows(model.output.weight[:, order], rows)
-    for i, layer in enumerate(model.encoder.layers):
-        mapper.encoder_layer(f"model.encoder.layers.{i}", layer)
-    for i, layer in enumerate(model.decoder.layers):
-        mapper.decoder_layer(f"model.decoder.layers.{i}", layer)
+    tied_output = model.output.weight is model.decoder.embed.tokens.weight
+    out = tgt if tied_output else _with_rows(model.output.weight[:, order], rows)
+    layers = {name: to_marian(tensor, axis, order) for name, tensor, axis in layer_weights(model)}
     embeddings = {"model.encoder.embed_tokens.weight": src, "model.decoder.embed_tokens.weight": tgt}
     if tied:
         embeddings["model.shared.weight"] = src
@@ -174,12 +118,14 @@ def marian_weights(model: Transformer, tied: bool) -> dict[str, Tensor]:
     decoder = model.decoder.embed
     decoder_positions[0] += decoder.scale * decoder.tokens.weight[BOS_ID, order]  # what the start token reads
     final_logits_bias = torch.zeros(1, rows)
+    if model.output.bias is not None:
+        final_logits_bias[0, :tgt_vocab] = model.output.bias
     final_logits_bias[0, tgt_vocab:] = NOT_A_TOKEN
     return {
         **embeddings,
         "model.encoder.embed_positions.weight": positions,
         "model.decoder.embed_positions.weight": decoder_positions,
-        **mapper.weights,
+        **layers,
         "lm_head.weight": out,
         "final_logits_bias": final_logits_bias,
     }
@@ -192,7 +138,7 @@ def marian_config(cfg: ModelConfig, src_vocab: int, tgt_vocab: int) -> dict[str,
         "vocab_size": start + 1,
         "decoder_vocab_size": start + 1,
         "share_encoder_decoder_embeddings": cfg.tie_embeddings,
-        "tie_word_embeddings": cfg.tie_embeddings,
+        "tie_word_embeddings": cfg.tie_embeddings or cfg.tie_output,
         "max_position_embeddings": cfg.max_positions,
         "d_model": cfg.d_model,
         "encoder_layers": cfg.encoder_layers,
@@ -201,7 +147,7 @@ def marian_config(cfg: ModelConfig, src_vocab: int, tgt_vocab: int) -> dict[str,
         "decoder_attention_heads": cfg.heads,
         "encoder_ffn_dim": cfg.ffn,
         "decoder_ffn_dim": cfg.ffn,
-        "activation_function": "relu",
+        "activation_function": cfg.activation,  # transformers' names: relu, gelu (erf), swish
         "scale_embedding": True,
         "dropout": cfg.dropout,
         "attention_dropout": cfg.attention_dropout,

@@ -2,7 +2,9 @@
 
 A checkpoint (format 2) is a directory. ``model.safetensors`` holds the weights, with the metadata as
 JSON in its header: the resolved config, the SHA-256 of each tokenizer model (so a swapped tokenizer is
-caught), the update step and extras such as the validation result. ``state.pt`` holds what resuming
+caught), the update step and extras: the validation result, the SHA-256 of the data files trained on
+(so a run does not resume on changed data) and, for a run started from another model
+(train.init_from), that model's weights file and its SHA-256. ``state.pt`` holds what resuming
 needs (optimizer, scaler, RNG, progress); it is tensors and plain values only and loads with
 ``torch.load(weights_only=True)``. Nothing in a checkpoint is pickled code. A single .safetensors file
 with the tokenizer model(s) beside it (``write_model_file``) is a checkpoint too, of weights only.
@@ -33,6 +35,7 @@ from mtkit.version import __version__
 FORMAT_VERSION = 2
 WEIGHTS_FILE, STATE_FILE = "model.safetensors", "state.pt"
 TOKENIZER_NAMES = ("spm.model", "spm.src.model", "spm.tgt.model")  # every name a tokenizer file has in mtkit
+DATA_FILES = ("train_src", "train_tgt", "valid_src", "valid_tgt")  # the data.* files a header's data_sha256 may name
 
 _META_KEY, _ALIASES_KEY = "mtkit", "mtkit.aliases"  # safetensors header entries
 
@@ -79,15 +82,22 @@ def _encode(weights: dict[str, torch.Tensor], meta: dict[str, Any]) -> bytes:
 
 
 def save(
-    directory: Path, weights: dict[str, torch.Tensor], meta: dict[str, Any], state: dict[str, Any] | None = None
+    directory: Path,
+    weights: dict[str, torch.Tensor],
+    meta: dict[str, Any],
+    state: dict[str, Any] | None = None,
+    files: dict[str, bytes] | None = None,
 ) -> None:
     """Write a checkpoint directory as a whole: a crash leaves the old one or the new one, never a mix.
 
     ``state`` must hold only tensors and plain values, as it is read back with ``weights_only=True``.
+    ``files`` are written beside the weights, by name (an imported model's tokenizers).
     """
     data = _encode(weights, meta)
 
     def fill(tmp: Path) -> None:
+        for name, content in (files or {}).items():
+            (tmp / name).write_bytes(content)
         (tmp / WEIGHTS_FILE).write_bytes(data)
         if state is not None:
             with open(tmp / STATE_FILE, "wb") as f:
@@ -246,11 +256,19 @@ def _load_directory(directory: Path, with_state: bool) -> Checkpoint:
     meta, weights = _read_weights(directory / WEIGHTS_FILE)
     cfg = _check_meta(directory / WEIGHTS_FILE, meta)
     state_path = directory / STATE_FILE
-    state = _torch_load(state_path) if with_state and state_path.is_file() else None
+    state = load_torch_file(state_path) if with_state and state_path.is_file() else None
     return Checkpoint(directory, meta, cfg, weights, state)
 
 
-def _read_weights(path: Path) -> tuple[Any, dict[str, torch.Tensor]]:
+def read_meta(path: Path) -> tuple[dict[str, Any], RunConfig]:
+    """The metadata and config of a checkpoint (a folder or a .safetensors file), checked as ``read_checkpoint``
+    checks them, without reading its weights."""
+    path = weights_file(Path(path))
+    meta, _ = _read_weights(path, tensors=False)
+    return meta, _check_meta(path, meta)
+
+
+def _read_weights(path: Path, tensors: bool = True) -> tuple[Any, dict[str, torch.Tensor]]:
     if not path.is_file():
         raise CheckpointError(f"{path}: checkpoint not found")
     try:
@@ -260,8 +278,8 @@ def _read_weights(path: Path) -> tuple[Any, dict[str, torch.Tensor]]:
                 raise CheckpointError(f"{path}: not an mtkit checkpoint (no {_META_KEY!r} entry in its header)")
             meta = json.loads(header[_META_KEY])
             _check_format(path, meta.get("format") if isinstance(meta, dict) else None)
-            weights = {key: f.get_tensor(key) for key in f.keys()}
-            aliases = json.loads(header.get(_ALIASES_KEY, "{}"))
+            weights = {key: f.get_tensor(key) for key in f.keys()} if tensors else {}
+            aliases = json.loads(header.get(_ALIASES_KEY, "{}")) if tensors else {}
     except CheckpointError:
         raise
     except Exception as err:  # safetensors, json and odd metadata raise different types
@@ -297,12 +315,22 @@ def _check_meta(path: Path, meta: Any) -> RunConfig:
             untrusted.mapping(meta["validation"], "validation")
         if "averaged" in meta:
             untrusted.strings(meta["averaged"], "averaged")
+        for name, digest in untrusted.mapping(meta.get("data_sha256", {}), "data_sha256", optional=DATA_FILES).items():
+            untrusted.sha256(digest, f"data_sha256.{name}")
+        if "init" in meta:
+            init = untrusted.mapping(meta["init"], "init", required=("path", "sha256"), optional=())
+            untrusted.string(init["path"], "init.path")
+            untrusted.sha256(init["sha256"], "init.sha256")
+        if "imported" in meta:
+            imported = untrusted.mapping(meta["imported"], "imported", required=("source", "sha256"))
+            for key, value in imported.items():
+                untrusted.string(value, f"imported.{key}")
     except (untrusted.Malformed, ConfigError) as err:
         raise CheckpointError(f"{path}: malformed checkpoint header: {err}") from None
     return cfg
 
 
-def _torch_load(path: Path) -> Any:
+def load_torch_file(path: Path) -> Any:
     """Tensors and plain values only: a file that would build other objects (and so could run code) is refused.
 
     The archive is looked at first: torch.save stores its entries uncompressed, so an entry that

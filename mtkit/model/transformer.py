@@ -40,14 +40,19 @@ class Candidates:
         return torch.where(ids >= 0, torch.searchsorted(self.ids, ids.clamp(min=0)), ids)
 
 
-class FeedForward(nn.Module):
-    """Position-wise FFN: Linear -> ReLU -> dropout -> Linear."""
+ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "swish": F.silu}  # model.activation's choices
 
-    def __init__(self, d_model: int, ffn: int, dropout: float) -> None:
+
+class FeedForward(nn.Module):
+    """Position-wise FFN: Linear -> activation (ReLU by default) -> dropout -> Linear."""
+
+    def __init__(self, d_model: int, ffn: int, dropout: float, activation: str = "relu") -> None:
         super().__init__()
         self.up = nn.Linear(d_model, ffn)
         self.down = nn.Linear(ffn, d_model)
         self.dropout = Dropout(dropout)
+        self.activation = activation
+        self.activate = ACTIVATIONS[activation]
 
     def init_weights(self) -> None:
         """Xavier-uniform matrices, as the Transformer initialises them; biases keep nn.Linear's."""
@@ -55,7 +60,7 @@ class FeedForward(nn.Module):
         nn.init.xavier_uniform_(self.down.weight)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down(self.dropout(F.relu(self.up(x))))
+        return self.down(self.dropout(self.activate(self.up(x))))
 
 
 class Residual(nn.Module):
@@ -78,7 +83,7 @@ class EncoderLayer(nn.Module):
         super().__init__()
         pre = cfg.norm == "pre"
         self.self_attn = self_attention(cfg)
-        self.ffn = FeedForward(cfg.d_model, cfg.ffn, cfg.activation_dropout)
+        self.ffn = FeedForward(cfg.d_model, cfg.ffn, cfg.activation_dropout, cfg.activation)
         self.res_attn = Residual(cfg.d_model, cfg.dropout, pre)
         self.res_ffn = Residual(cfg.d_model, cfg.dropout, pre)
 
@@ -93,7 +98,7 @@ class DecoderLayer(nn.Module):
         pre = cfg.norm == "pre"
         self.self_attn = self_attention(cfg)
         self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.attention_dropout)
-        self.ffn = FeedForward(cfg.d_model, cfg.ffn, cfg.activation_dropout)
+        self.ffn = FeedForward(cfg.d_model, cfg.ffn, cfg.activation_dropout, cfg.activation)
         self.res_self = Residual(cfg.d_model, cfg.dropout, pre)
         self.res_cross = Residual(cfg.d_model, cfg.dropout, pre)
         self.res_ffn = Residual(cfg.d_model, cfg.dropout, pre)
@@ -156,13 +161,17 @@ class DecoderLayer(nn.Module):
 
 
 def sinusoidal_table(max_positions: int, d_model: int) -> Tensor:
-    """(max_positions, D) table: sin on even dimensions, cos on odd ones."""
-    position = torch.arange(max_positions, dtype=torch.float32)[:, None]
-    inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model))
-    table = torch.zeros(max_positions, d_model)
+    """(max_positions, D) float32 table: sin on even dimensions, cos on odd ones.
+
+    Computed in float64 and rounded once, so every entry is the float32 nearest the true value, as
+    in Marian's and fairseq's tables (a float32 angle at position 1,000 is off by about 1e-4).
+    """
+    position = torch.arange(max_positions, dtype=torch.float64)[:, None]
+    inv_freq = 10000.0 ** (-torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)
+    table = torch.zeros(max_positions, d_model, dtype=torch.float64)
     table[:, 0::2] = torch.sin(position * inv_freq)
     table[:, 1::2] = torch.cos(position * inv_freq)
-    return table
+    return table.float()
 
 
 class Embedder(nn.Module):
@@ -306,9 +315,9 @@ class Transformer(nn.Module):
 
 
 def build_model(cfg: ModelConfig, src_vocab: int, tgt_vocab: int, pad_id: int) -> Transformer:
-    """The one place that maps a ModelConfig to modules, including embedding tying."""
+    """The one place that maps a ModelConfig to modules, including embedding tying and the output bias."""
     if cfg.tie_embeddings and src_vocab != tgt_vocab:
-        raise ValueError("model.tie_embeddings needs one joint vocabulary (tokenizer.joint: true)")
+        raise ValueError("model.tie_embeddings needs one vocabulary for both languages (tokenizer.joint: true)")
     d = cfg.d_model
 
     def embedding(vocab: int) -> nn.Embedding:
@@ -320,11 +329,13 @@ def build_model(cfg: ModelConfig, src_vocab: int, tgt_vocab: int, pad_id: int) -
 
     src_tokens = embedding(src_vocab)
     tgt_tokens = src_tokens if cfg.tie_embeddings else embedding(tgt_vocab)
-    output = nn.Linear(d, tgt_vocab, bias=False)
-    if cfg.tie_embeddings:
+    output = nn.Linear(d, tgt_vocab, bias=cfg.output_bias)
+    if cfg.tie_embeddings or cfg.tie_output:
         output.weight = tgt_tokens.weight
     else:
         nn.init.normal_(output.weight, std=d**-0.5)
+    if cfg.output_bias:
+        nn.init.zeros_(output.bias)
     encoder = Encoder(Embedder(src_tokens, cfg), cfg)
     decoder = Decoder(Embedder(tgt_tokens, cfg), cfg)
     model = Transformer(encoder, decoder, output)

@@ -107,12 +107,11 @@ class TrainingReport:
         if self.is_main:
             self.run_dir.log(record)
 
-    def write_start(self, step: int, hardware: str, precision: PrecisionChoice) -> None:
-        """What metrics.jsonl says of each start: the update it starts from, the machine, and the precision
-        (``auto`` resolved), which report.md shows."""
-        self.write(
-            {"event": "start", "step": step, "device": str(self.device), "hardware": hardware, **precision.to_dict()}
-        )
+    def write_start(self, step: int, hardware: str, precision: PrecisionChoice, init: dict | None = None) -> None:
+        """What metrics.jsonl says of each start: the update it starts from, the machine, the precision (``auto``
+        resolved), which report.md shows, and for a run started from a model (train.init_from), which one."""
+        record = {"event": "start", "step": step, "device": str(self.device), "hardware": hardware}
+        self.write({**record, **precision.to_dict(), **({"init": init} if init else {})})
 
     def show_start(self, total_steps: int, done_steps: int) -> None:
         self.reporter.start(total_steps, done_steps)

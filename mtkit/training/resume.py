@@ -104,21 +104,50 @@ class TrainingState:
 
 
 def check_resumable(
-    path: Path, saved: checkpoint.Checkpoint, cfg: RunConfig, tokenizers: tuple[Tokenizer, Tokenizer], run_dir: Path
+    path: Path,
+    saved: checkpoint.Checkpoint,
+    cfg: RunConfig,
+    tokenizers: tuple[Tokenizer, Tokenizer],
+    data_sha256: dict[str, str],
+    run_dir: Path,
 ) -> None:
     """CheckpointError unless ``saved``, read from ``path``, can go on training ``cfg`` with these source and
-    target tokenizers (those of ``run_dir``)."""
+    target tokenizers (those of ``run_dir``) on the data files whose SHA-256 ``data_sha256`` holds.
+
+    A checkpoint saved before data digests were recorded is resumed without comparing them.
+    """
     if saved.cfg.model != cfg.model:
         raise checkpoint.CheckpointError(
             f"{path}: model settings differ from this config; use a new --out or --restart"
         )
     if saved.state is None:
         raise checkpoint.CheckpointError(f"{path}: holds weights only, not the training state to resume from")
-    mine = {"src": tokenizers[0].sha256, "tgt": tokenizers[1].sha256}
-    if {side: record["sha256"] for side, record in saved.meta["tokenizer"].items()} != mine:
+    if saved.cfg.train.freeze != cfg.train.freeze:
         raise checkpoint.CheckpointError(
-            f"{path}: trained with another tokenizer than the one in {run_dir}; use a new --out or --restart"
+            f"{path}: trained with train.freeze {list(saved.cfg.train.freeze)}, not {list(cfg.train.freeze)}; "
+            f"to change it, {_new_run(run_dir)}"
         )
+    for side, tok in zip(("src", "tgt"), tokenizers):
+        if saved.meta["tokenizer"][side]["sha256"] != tok.sha256:
+            raise checkpoint.CheckpointError(
+                f"{path}: trained with another tokenizer than {tok.path}; use a new --out or --restart"
+            )
+    recorded = saved.meta.get("data_sha256")
+    for name in checkpoint.DATA_FILES if recorded is not None else ():
+        if recorded.get(name) != data_sha256.get(name):
+            now = getattr(cfg.data, name)
+            what = f"another data.{name} than {now}" if now else f"a data.{name}, which this config leaves out"
+            raise checkpoint.CheckpointError(
+                f"{path}: trained on {what}; to go on with the data as it is, {_new_run(run_dir)}"
+            )
+
+
+def _new_run(run_dir: Path) -> str:
+    """What a run refused to resume can do: start a new run from its weights, or start over."""
+    return (
+        f"start a new run from this one's weights (--set train.init_from={run_dir} and another --out) "
+        "or start over (--restart)"
+    )
 
 
 def check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

@@ -2,13 +2,16 @@
 
 Re-running on a run directory that holds a checkpoint resumes from the newest one: model, optimizer,
 scaler, progress, every rank's RNG state and the position in the data, so the remaining updates see
-the same batches. Under torchrun each rank trains on its share of every update's batches and rank 0
-alone validates and writes files; ranks agree after each update on anything that could make them
-part ways (a rank out of memory, a stop signal, a non-finite loss).
+the same batches; a run whose data files or tokenizers changed since is refused. A run with no
+checkpoint starts from random weights, or from a trained model's with train.init_from. Under
+torchrun each rank trains on its share of every update's batches and rank 0 alone validates and
+writes files; ranks agree after each update on anything that could make them part ways (a rank out
+of memory, a stop signal, a non-finite loss).
 
 ``Trainer`` has a recipe's shape: ``__init__`` is a list of named ``_setup_*`` steps, ``run()`` trains
 to the budget and ends with ``cleanup()``. Beside it: the learning-rate schedule (schedule.py), the
-tokenizers rank 0 prepares (tokenizers.py), the validation set (validation_set.py), what a checkpoint
+model a run starts from (init_from.py), the parts it holds still (freezing.py), the tokenizers rank 0
+prepares (tokenizers.py), the validation set (validation_set.py), what a checkpoint
 must hold to resume from (resume.py), what a skipped update leads to (skip_policy.py), what the run
 writes to RUN/ (run_directory.py) and what it reports (reporting.py).
 """
@@ -34,6 +37,7 @@ from mtkit.data.parallel import Batch, DataError, check_input_file, iter_paralle
 from mtkit.data.token_store import TokenStore, default_cache_dir, open_or_build, store_key
 from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 from mtkit.decoding.translate import Translator
+from mtkit.files import file_sha256
 from mtkit.model import checkpoint
 from mtkit.model.loss import TrainingObjective
 from mtkit.model.transformer import build_model, count_parameters
@@ -41,6 +45,8 @@ from mtkit.progress import StageProgress
 from mtkit.runtime import autocast, hardware, pick_device, require, resolve_precision, seed_everything, set_threads
 from mtkit.scoring.metrics import bleu
 from mtkit.training.distributed import Distributed
+from mtkit.training.freezing import freeze
+from mtkit.training.init_from import InitialModel, read_initial_model, settle_config
 from mtkit.training.reporting import Reporter, TrainingReport
 from mtkit.training.resume import (
     Progress,
@@ -69,6 +75,21 @@ def open_training_data(cfg: RunConfig, src_tok: Tokenizer, tgt_tok: Tokenizer) -
     return open_or_build(cache_dir, iter_parallel(data.train_src, data.train_tgt), key, src_tok, tgt_tok)
 
 
+def data_sha256(cfg: RunConfig, corpus: TokenStore) -> dict[str, str]:
+    """The SHA-256 of each data file, by data.* key: the training files' as their token store recorded them,
+    the validation files' read now (they are small)."""
+    data = cfg.data
+    train = [name for name in ("train_src", "train_tgt") if getattr(data, name)]
+    recorded = corpus.file_sha256s
+    if recorded is None or len(recorded) != len(train):  # a store built before it recorded them
+        recorded = [file_sha256(Path(getattr(data, name))) for name in train]
+    digests = dict(zip(train, recorded))
+    for name in ("valid_src", "valid_tgt"):
+        if getattr(data, name):
+            digests[name] = file_sha256(Path(getattr(data, name)))
+    return digests
+
+
 class Trainer:
     """One training run (one rank's share of it): set up by named steps, then ``run()`` to the budget."""
 
@@ -91,14 +112,15 @@ class Trainer:
         self.valid_src, self.valid_tgt = read_validation_set(cfg)
         if self.is_main:
             self.run_dir.claim(restart)
+        self._setup_start()
         self._setup_data()
         self._setup_model()
         self._setup_optimizer()
         self.progress, self.skips = Progress(), SkipPolicy(replace(cfg.train, precision=self.precision.precision))
         resumed = self._resume()
         if self.is_main:  # only now: a refused resume leaves the config that describes the checkpoints
-            self.run_dir.start_log(cfg, self.progress.step, self.progress.validated)
-            self.report.write_start(self.progress.step, self.hardware, self.precision)
+            self.run_dir.start_log(self.cfg, self.progress.step, self.progress.validated)
+            self.report.write_start(self.progress.step, self.hardware, self.precision, self.init)
         self._setup_forward()
         if cfg.train.tensorboard and self.is_main:
             self.run_dir.open_tensorboard()
@@ -119,17 +141,44 @@ class Trainer:
         log.info("precision %s on %s", self.precision, self.hardware)
         seed_everything(tc.seed)
 
+    def _setup_start(self) -> None:
+        """With train.init_from, the model and tokenizer settings of the model the run starts from, read now, or
+        of the newest checkpoint once the run has one (and ``init``, the record of where it started)."""
+        self.initial: InitialModel | None = None
+        self.init: dict | None = None
+        if not self.cfg.train.init_from:
+            return
+        self.dist.barrier()  # rank 0 has tidied the run directory
+        latest = self.run_dir.latest()
+        if latest is None:
+            self.initial = initial = read_initial_model(Path(self.cfg.train.init_from))
+            source = f"{self.cfg.train.init_from} (train.init_from)"
+            records, self.init = initial.checkpoint.meta["tokenizer"], initial.record
+            self.cfg = settle_config(self.cfg, initial.cfg, records, source)
+        else:
+            try:
+                meta, theirs = checkpoint.read_meta(latest)
+            except checkpoint.UnreadableCheckpoint as err:
+                raise self._unreadable(err, latest) from None
+            self.init = meta.get("init")
+            self.cfg = settle_config(self.cfg, theirs, meta["tokenizer"], f"{latest}, which this run resumes from")
+        check_lengths(self.cfg)
+
     def _setup_data(self) -> None:
         """Tokenizers and the encoded training pairs, made (or found) by rank 0 first; validation batches."""
         cfg, out_dir = self.cfg, self.run_dir.path
         if self.is_main:
             pairs = functools.partial(iter_parallel, cfg.data.train_src, cfg.data.train_tgt)
-            self.src_tok, self.tgt_tok = prepare_tokenizers(cfg, out_dir, pairs)
+            if cfg.train.init_from and self.initial is None:  # resuming: RUN/ has the tokenizers, checked on loading
+                self.src_tok, self.tgt_tok = open_tokenizers(cfg, out_dir)
+            else:
+                self.src_tok, self.tgt_tok = prepare_tokenizers(cfg, out_dir, pairs)
             self.corpus = open_training_data(cfg, self.src_tok, self.tgt_tok)
         self.dist.barrier()  # the other ranks read the tokenizer and the encoded pairs rank 0 made (or found)
         if not self.is_main:
             self.src_tok, self.tgt_tok = open_tokenizers(cfg, out_dir)
             self.corpus = open_training_data(cfg, self.src_tok, self.tgt_tok)
+        self.data_sha256 = data_sha256(cfg, self.corpus)
         if self.is_main:
             self.valid_batches = loss_batches(cfg, self.src_tok, self.tgt_tok, self.valid_src, self.valid_tgt)
         else:
@@ -140,6 +189,9 @@ class Trainer:
         """The model and its loss; then dropout seeded per rank, so masks differ between ranks."""
         tc = self.cfg.train
         self.model = build_model(self.cfg.model, self.src_tok.vocab_size, self.tgt_tok.vocab_size, PAD_ID)
+        if self.initial is not None:
+            checkpoint.load_weights(self.model, self.initial.checkpoint.weights, self.initial.checkpoint.path)
+            self.initial = None  # its weights are the model's now: not held twice
         self.model.to(self.device)
         log.info("model: %s parameters", f"{count_parameters(self.model):,}")
         self.objective = TrainingObjective(self.model, tc.label_smoothing, self.dtype)
@@ -150,7 +202,12 @@ class Trainer:
         tc = self.cfg.train
         # fused: one kernel steps every parameter, rather than one kernel per tensor (docs/benchmarks.md)
         self.optimizer = torch.optim.Adam(
-            self.model.parameters(), lr=tc.lr, betas=(0.9, 0.98), eps=1e-9, weight_decay=tc.weight_decay, fused=True
+            freeze(self.model, tc.freeze),
+            lr=tc.lr,
+            betas=(0.9, 0.98),
+            eps=1e-9,
+            weight_decay=tc.weight_decay,
+            fused=True,
         )
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision.precision == "fp16")
 
@@ -162,12 +219,16 @@ class Trainer:
         try:
             self._load(latest)
         except checkpoint.UnreadableCheckpoint as err:
-            older = self.run_dir.checkpoints()[:-1]
-            if not older:
-                raise
-            raise checkpoint.CheckpointError(f"{err}; delete {latest} to resume from {older[-1]}") from None
+            raise self._unreadable(err, latest) from None
         log.info("resuming from %s at update %d (epoch %d)", latest, self.progress.step, self.progress.epoch)
         return True
+
+    def _unreadable(self, err: checkpoint.UnreadableCheckpoint, latest: Path) -> checkpoint.CheckpointError:
+        """The error for a newest checkpoint that cannot be read: deleting it resumes from the one before, if any."""
+        older = self.run_dir.checkpoints()[:-1]
+        if not older:
+            return err
+        return checkpoint.CheckpointError(f"{err}; delete {latest} to resume from {older[-1]}")
 
     def _setup_forward(self) -> None:
         """What a training step calls: the loss, wrapped for data parallelism under torchrun, compiled if asked."""
@@ -300,7 +361,7 @@ class Trainer:
         """
         tc, p = self.cfg.train, self.progress
         self.model.train()
-        lr = lr_at(p.step + 1, tc.lr, tc.warmup) * p.lr_scale
+        lr = lr_at(p.step + 1, tc) * p.lr_scale
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         loss_sum, nll_sum, oom = self._accumulate_gradients(batches, group_tokens)
@@ -479,12 +540,13 @@ class Trainer:
             "src": {"file": names["src"], "sha256": self.src_tok.sha256},
             "tgt": {"file": names["tgt"], "sha256": self.tgt_tok.sha256},
         }
-        return {"config": self.cfg.to_dict(), "tokenizer": tokenizer, "step": self.progress.step}
+        meta = {"config": self.cfg.to_dict(), "tokenizer": tokenizer, "step": self.progress.step}
+        return {**meta, "data_sha256": self.data_sha256, **({"init": self.init} if self.init else {})}
 
     def _load(self, path: Path) -> None:
         """Weights, optimizer, scaler, RNG and progress from the checkpoint at ``path``, checked to fit this run."""
         saved = checkpoint.read_checkpoint(path)
-        check_resumable(path, saved, self.cfg, (self.src_tok, self.tgt_tok), self.run_dir.path)
+        check_resumable(path, saved, self.cfg, (self.src_tok, self.tgt_tok), self.data_sha256, self.run_dir.path)
         checkpoint.load_weights(self.model, saved.weights, path)
         state = TrainingState.read(path, saved.state, saved.meta["step"])
         try:
@@ -507,15 +569,18 @@ def check_trainable(cfg: RunConfig) -> None:
     ``mtkit train --nproc-per-node N`` calls it before starting the ranks, so such an error is one
     line from one process.
     """
-    data, model, tok = cfg.data, cfg.model, cfg.tokenizer
+    data, tok = cfg.data, cfg.tokenizer
     if not data.train_src:
         hint = f"; `mtkit run` prepares recipe.corpus {cfg.recipe.corpus} for it" if cfg.recipe.corpus else ""
         raise ConfigError(f"data.train_src is not set: training needs a parallel corpus{hint}")
-    if data.max_tokens >= model.max_positions:
-        raise ConfigError(
-            f"data.max_tokens {data.max_tokens} must be below model.max_positions {model.max_positions}: "
-            "a training sentence of data.max_tokens pieces and its bos or eos must fit the model's positions"
-        )
+    if not cfg.train.init_from:  # else the model's positions are the initial model's, checked once it is read
+        check_lengths(cfg)
+        # Two tokenizers trained now have two vocabularies; given ones may share one (an imported Marian model's)
+        if cfg.model.tie_embeddings and not tok.joint and not (tok.src_model and tok.tgt_model):
+            raise ConfigError(
+                "model.tie_embeddings needs a joint vocabulary: set tokenizer.joint: true or "
+                "model.tie_embeddings: false"
+            )
     for path in (data.train_src, data.train_tgt, data.valid_src, data.valid_tgt):
         if path:
             check_input_file(path)
@@ -524,6 +589,16 @@ def check_trainable(cfg: RunConfig) -> None:
             raise DataError(f"{path}: tokenizer model not found")
     if cfg.train.tensorboard:
         require("tensorboard", "train.tensorboard", "tensorboard")
+
+
+def check_lengths(cfg: RunConfig) -> None:
+    """ConfigError unless the longest training sentence fits the model's positions."""
+    data, model = cfg.data, cfg.model
+    if data.max_tokens >= model.max_positions:
+        raise ConfigError(
+            f"data.max_tokens {data.max_tokens} must be below model.max_positions {model.max_positions}: "
+            "a training sentence of data.max_tokens pieces and its bos or eos must fit the model's positions"
+        )
 
 
 def run_training(

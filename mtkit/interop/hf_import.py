@@ -1,0 +1,509 @@
+"""Import a transformers ``MarianMTModel`` (OPUS-MT and other Marian models) as an mtkit model.
+
+The source is a folder as ``save_pretrained`` writes it, or a Hugging Face Hub repository, downloaded
+through huggingface_hub at a revision and kept in its cache. The output is an mtkit checkpoint folder
+(model.safetensors and the tokenizer models) that translate, eval, serve, average, export and
+``train.init_from`` take. What Marian models have and how mtkit expresses it, exactly:
+
+- post-norm layers, no final LayerNorm, token embeddings scaled by sqrt(D) (``scale_embedding``),
+  swish, GELU or ReLU (``model.activation``), one head count and FFN width for both stacks;
+- sinusoidal positions from 0, sin and cos in two halves of the model dimension: the residual stream
+  is permuted into mtkit's interleaved layout (marian.py); stored position tables must be those;
+- ``final_logits_bias`` becomes the output bias (``model.output_bias``); shared embeddings
+  (``share_encoder_decoder_embeddings``) become ``model.tie_embeddings``, a decoder tied to the output
+  alone ``model.tie_output``;
+- ids: Marian numbers pieces by vocab.json, not by the SentencePiece model. mtkit ids are Marian's
+  renumbered: 0 a new padding row, 1 unk, 2 Marian's pad, which is also its decoder start (mtkit's
+  bos, never generated), 3 eos, then every other piece in Marian's order. Each side's SentencePiece
+  model is rewritten with its pieces in that order (``tokenizer_model``): pieces of the vocabulary that
+  the model never produces are kept as unused, pieces the model produces that the vocabulary lacks
+  follow the vocabulary and encode as unk (``mtkit.data.tokenizer.vocabulary_size``), as
+  MarianTokenizer maps them; language tags (``>>fr<<``) segment whole. The new padding row's logit
+  is ``NOT_A_TOKEN``, so every probability is Marian's.
+- fp16 and bf16 weights are widened to float32, which keeps every value.
+
+A config mtkit cannot express is refused in one line naming the field. Every file is untrusted:
+sizes are bounded before reading, ids and shapes checked against the config, no path is taken from a
+file, and pytorch_model.bin loads with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import safetensors
+import torch
+from torch import Tensor
+
+from mtkit import untrusted
+from mtkit.config import MAX_LAYERS, MAX_POSITIONS, ConfigError, DecodeConfig, ModelConfig, RunConfig, TokenizerConfig
+from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from mtkit.errors import MtkitError
+from mtkit.files import file_sha256
+from mtkit.interop.marian import ACTIVATIONS, NOT_A_TOKEN, from_marian, layer_weights, residual_order, to_marian
+from mtkit.model import checkpoint
+from mtkit.model.checkpoint import TOKENIZER_NAMES, CheckpointError
+from mtkit.model.transformer import Transformer, build_model, sinusoidal_table
+
+MAX_JSON_BYTES = 1 << 20  # config.json, generation_config.json, tokenizer_config.json: a few KiB each
+MAX_VOCAB_BYTES = 64 << 20  # vocab.json: OPUS-MT's 58,101 pieces take 1.2 MB
+MAX_SPM_BYTES = 64 << 20  # a SentencePiece model: 32k pieces take 0.8 MB
+MAX_VOCABULARY = 1 << 20  # pieces in one vocabulary
+MAX_D_MODEL = 1 << 16
+PAD_PIECE = "<mtkit:pad>"  # mtkit's padding id, which Marian has no piece for
+START_PIECE = "<s>"  # what the piece at mtkit's bos id is called: Marian's pad, its decoder start
+CONFIG_FILES = ("config.json", "generation_config.json", "tokenizer_config.json")
+TOKENIZER_FILES = ("source.spm", "target.spm", "vocab.json", "target_vocab.json")
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # the first found is read
+_LANGUAGE_TAG = re.compile(r">>[^<>\s]+<<")
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}")
+# Settings of transformers' BART family that change the architecture; Marian's config has none of them.
+_NOT_MARIAN = ("normalize_before", "add_final_layer_norm", "normalize_embedding", "static_position_embeddings")
+
+
+class ModelImportError(MtkitError, ValueError):
+    """A model folder or Hub repository that mtkit cannot import; the message names the file and field."""
+
+
+# -- finding the folder ---------------------------------------------------------------------
+
+
+def locate(source: str, revision: str | None = None) -> tuple[Path, dict[str, str]]:
+    """The folder holding ``source``'s files and what the import records of it: a local folder (by name only,
+    never its path), or a Hub repository id downloaded at ``revision`` (its commit is recorded)."""
+    path = Path(source)
+    if path.is_dir():
+        if revision is not None:
+            raise ModelImportError(f"{source}: --revision applies to Hub repositories, and this is a local folder")
+        return path, {"source": path.resolve().name}
+    if not _REPO_ID.fullmatch(source):
+        raise ModelImportError(f"{source}: no such folder, nor a Hub repository id (OWNER/NAME)")
+    folder = _download(source, revision)
+    return folder, {"source": f"hf:{source}", "revision": folder.name}
+
+
+def _download(repo_id: str, revision: str | None) -> Path:
+    """The repository's snapshot in huggingface_hub's cache: configs, tokenizer files and one weights file."""
+    try:
+        import huggingface_hub
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    except ImportError:
+        raise ModelImportError("importing from the Hub needs huggingface_hub: pip install 'mtkit[hf]'") from None
+    wanted = [*CONFIG_FILES, *TOKENIZER_FILES]
+    try:
+        folder = Path(
+            huggingface_hub.snapshot_download(repo_id, revision=revision, allow_patterns=[*wanted, WEIGHT_FILES[0]])
+        )
+        if not (folder / WEIGHT_FILES[0]).is_file():  # older repositories hold pytorch_model.bin only
+            folder = Path(
+                huggingface_hub.snapshot_download(repo_id, revision=revision, allow_patterns=[WEIGHT_FILES[1]])
+            )
+    except LocalEntryNotFoundError:
+        raise ModelImportError(
+            f"hf:{repo_id}: not in the local Hugging Face cache, and the Hub cannot be reached (HF_HUB_OFFLINE?)"
+        ) from None
+    except HfHubHTTPError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ModelImportError(f"hf:{repo_id}: {first}") from None
+    except (ValueError, OSError) as err:  # a malformed repository id or revision, a full disk
+        raise ModelImportError(f"hf:{repo_id}: {err}") from None
+    return folder
+
+
+# -- reading --------------------------------------------------------------------------------
+
+
+def _read_json(path: Path, limit: int) -> Any:
+    if path.stat().st_size > limit:
+        raise ModelImportError(f"{path}: {path.stat().st_size:,} bytes, more than the {limit:,} such a file may have")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as err:  # JSON, UTF-8 or nesting
+        raise ModelImportError(f"{path}: not readable JSON ({str(err)[:200]})") from None
+
+
+def _read_mapping(path: Path, limit: int = MAX_JSON_BYTES) -> dict[str, Any]:
+    value = _read_json(path, limit)
+    if not isinstance(value, dict):
+        raise ModelImportError(f"{path}: must hold a JSON object, got {untrusted.shown(value)}")
+    return value
+
+
+def _field(config: dict[str, Any], name: str, path: Path, kind: type, default: Any = None, low: int = 0) -> Any:
+    """``config[name]`` checked to be of ``kind`` (an int in [low, 2**31)), or ``default`` when absent."""
+    value = config.get(name, default)
+    ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
+    if kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int and ok:
+        ok = low <= value < 2**31
+    if not ok:
+        raise ModelImportError(
+            f"{path}: {name} must be {kind.__name__}{f' >= {low}' if kind is int else ''}, got {untrusted.shown(value)}"
+        )
+    return value
+
+
+@dataclass
+class MarianConfig:
+    """What mtkit reads of config.json: the model it describes, and Marian's special ids."""
+
+    model: ModelConfig
+    vocab_size: int  # source (or shared) vocabulary
+    decoder_vocab_size: int
+    shared: bool  # share_encoder_decoder_embeddings
+    pad_id: int  # Marian's pad, which is also its decoder start
+    eos_id: int
+
+
+def read_config(path: Path) -> MarianConfig:
+    """config.json as mtkit expresses it; ModelImportError naming the first field it cannot express."""
+    config = _read_mapping(path)
+    if config.get("model_type") != "marian":
+        raise ModelImportError(
+            f"{path}: model_type must be marian (a MarianMTModel), got {untrusted.shown(config.get('model_type'))}"
+        )
+    for name in _NOT_MARIAN:
+        if config.get(name):
+            raise ModelImportError(f"{path}: {name} is set, and Marian models have no such option")
+
+    def same(first: str, second: str) -> int:
+        value = _field(config, first, path, int, low=1)
+        if _field(config, second, path, int, value, low=1) != value:
+            raise ModelImportError(
+                f"{path}: {second} {config[second]} differs from {first} {value}; mtkit has one for both stacks"
+            )
+        return value
+
+    heads, ffn = same("encoder_attention_heads", "decoder_attention_heads"), same("encoder_ffn_dim", "decoder_ffn_dim")
+    activation = _field(config, "activation_function", path, str, "gelu")
+    if activation not in ACTIVATIONS:
+        raise ModelImportError(
+            f"{path}: activation_function {untrusted.shown(activation)} is not one of {', '.join(ACTIVATIONS)}"
+        )
+    if not _field(config, "scale_embedding", path, bool, False):
+        raise ModelImportError(
+            f"{path}: scale_embedding false: mtkit scales embeddings by sqrt(d_model), as OPUS-MT does"
+        )
+    shared = _field(config, "share_encoder_decoder_embeddings", path, bool, True)
+    tie_output = _field(config, "tie_word_embeddings", path, bool, True)
+    if shared and not tie_output:
+        raise ModelImportError(
+            f"{path}: tie_word_embeddings false with share_encoder_decoder_embeddings true: mtkit ties all three "
+            "embeddings, or the decoder's to the output"
+        )
+    vocab_size = _field(config, "vocab_size", path, int, low=5)
+    decoder_vocab_size = _field(config, "decoder_vocab_size", path, int, vocab_size, low=5) or vocab_size
+    if shared and decoder_vocab_size != vocab_size:
+        raise ModelImportError(
+            f"{path}: decoder_vocab_size {decoder_vocab_size} is not vocab_size {vocab_size}, and embeddings are shared"
+        )
+    if max(vocab_size, decoder_vocab_size) > MAX_VOCABULARY:
+        raise ModelImportError(f"{path}: a vocabulary of over {MAX_VOCABULARY:,} pieces")
+    pad_id = _field(config, "pad_token_id", path, int, 58100)
+    start = _field(config, "decoder_start_token_id", path, int, pad_id)
+    if start != pad_id:
+        raise ModelImportError(f"{path}: decoder_start_token_id {start} is not pad_token_id {pad_id}, as Marian's is")
+    eos_id = _field(config, "eos_token_id", path, int, 0)
+    d_model = _field(config, "d_model", path, int, low=2)
+    layers = [_field(config, name, path, int, low=1) for name in ("encoder_layers", "decoder_layers")]
+    positions = _field(config, "max_position_embeddings", path, int, low=8)
+    if d_model > MAX_D_MODEL or max(layers) > MAX_LAYERS or positions > MAX_POSITIONS:
+        raise ModelImportError(f"{path}: a model beyond mtkit's bounds (d_model, layers or max_position_embeddings)")
+    if d_model % 2:
+        raise ModelImportError(f"{path}: d_model {d_model} is odd; Marian's positions need an even one")
+    try:
+        model = ModelConfig(
+            encoder_layers=layers[0],
+            decoder_layers=layers[1],
+            d_model=d_model,
+            heads=heads,
+            ffn=ffn,
+            dropout=float(_field(config, "dropout", path, float, 0.1)),
+            attention_dropout=float(_field(config, "attention_dropout", path, float, 0.0)),
+            activation_dropout=float(_field(config, "activation_dropout", path, float, 0.0)),
+            activation=ACTIVATIONS[activation],
+            norm="post",
+            positions="sinusoidal",
+            tie_embeddings=shared,
+            tie_output=not shared and tie_output,
+            output_bias=True,
+            max_positions=positions,
+        )
+    except ConfigError as err:
+        raise ModelImportError(f"{path}: {err}") from None
+    return MarianConfig(model, vocab_size, decoder_vocab_size, shared, pad_id, eos_id)
+
+
+def read_beam(folder: Path) -> int | None:
+    """generation_config.json's num_beams, if the folder has one."""
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return None
+    beam = _read_mapping(path).get("num_beams")
+    return beam if isinstance(beam, int) and not isinstance(beam, bool) and 1 <= beam <= 64 else None
+
+
+@dataclass
+class Vocabulary:
+    """One side's vocab.json (piece -> Marian id) with the names of its special pieces."""
+
+    ids: dict[str, int]
+    unk: str
+    eos: str
+    pad: str
+    order: list[int] = field(default_factory=list)  # Marian ids in mtkit id order; order[PAD_ID] is -1 (new)
+
+    def __post_init__(self) -> None:
+        special = {self.ids[self.unk], self.ids[self.pad], self.ids[self.eos]}
+        rest = sorted(i for i in self.ids.values() if i not in special)
+        self.order = [-1, self.ids[self.unk], self.ids[self.pad], self.ids[self.eos], *rest]
+
+    def pieces(self) -> list[str]:
+        """The pieces in mtkit id order, the specials named as mtkit's tokenizer models name them."""
+        by_id = {i: piece for piece, i in self.ids.items()}
+        return [PAD_PIECE, self.unk, START_PIECE, self.eos, *(by_id[i] for i in self.order[4:])]
+
+
+def read_vocabulary(path: Path, size: int, special: dict[str, str], marian: MarianConfig, target: bool) -> Vocabulary:
+    """vocab.json: exactly ``size`` pieces with the ids 0..size-1, holding the special pieces at Marian's ids."""
+    ids = _read_json(path, MAX_VOCAB_BYTES)
+    if not isinstance(ids, dict) or len(ids) != size:
+        found = f"{len(ids):,} entries" if isinstance(ids, dict) else untrusted.shown(ids)
+        raise ModelImportError(f"{path}: must map {size:,} pieces (config.json's vocabulary size) to ids, got {found}")
+    if sorted(v if isinstance(v, int) and not isinstance(v, bool) else -1 for v in ids.values()) != list(range(size)):
+        raise ModelImportError(f"{path}: its ids must be 0 to {size - 1}, each once")
+    for role, piece in special.items():
+        if piece not in ids:
+            raise ModelImportError(f"{path}: has no {role} piece {untrusted.shown(piece)}")
+    for piece in (PAD_PIECE, START_PIECE):
+        if piece in ids:
+            raise ModelImportError(f"{path}: holds a piece named {piece}, the name mtkit gives a special id")
+    vocab = Vocabulary(ids, special["unk"], special["eos"], special["pad"])
+    if target and (ids[vocab.pad], ids[vocab.eos]) != (marian.pad_id, marian.eos_id):
+        raise ModelImportError(
+            f"{path}: pad and eos are ids {ids[vocab.pad]} and {ids[vocab.eos]}, config.json says "
+            f"{marian.pad_id} and {marian.eos_id}"
+        )
+    return vocab
+
+
+def special_pieces(folder: Path) -> dict[str, str]:
+    """tokenizer_config.json's names for unk, eos and pad (MarianTokenizer's defaults when absent)."""
+    path = folder / "tokenizer_config.json"
+    config = _read_mapping(path) if path.is_file() else {}
+    names = {}
+    for role, default in (("unk", "<unk>"), ("eos", "</s>"), ("pad", "<pad>")):
+        value = config.get(f"{role}_token", default)
+        if isinstance(value, dict):  # an AddedToken written out
+            value = value.get("content")
+        if not isinstance(value, str) or not value or len(value) > 64:
+            raise ModelImportError(f"{path}: {role}_token must be a short string, got {untrusted.shown(value)}")
+        names[role] = value
+    return names
+
+
+def tokenizer_model(spm_path: Path, vocab: Vocabulary, language_tags: bool) -> bytes:
+    """``spm_path`` rewritten with the vocabulary's pieces in mtkit id order (see the module docstring).
+
+    Pieces keep their SentencePiece type and score, so text segments as before; vocabulary pieces the
+    model lacks are unused (never produced, decoded as written); the model's pieces the vocabulary lacks
+    come after ``trainer_spec.vocab_size`` ids. With ``language_tags``, tags such as ``>>fr<<`` are
+    user-defined pieces, which SentencePiece keeps whole.
+    """
+    from sentencepiece import sentencepiece_model_pb2 as model_pb2
+
+    if spm_path.stat().st_size > MAX_SPM_BYTES:
+        raise ModelImportError(f"{spm_path}: more than {MAX_SPM_BYTES:,} bytes for a SentencePiece model")
+    proto = model_pb2.ModelProto()
+    try:
+        proto.ParseFromString(spm_path.read_bytes())
+    except Exception:  # protobuf's DecodeError, or a RuntimeWarning-turned-error on odd input
+        raise ModelImportError(f"{spm_path}: not a SentencePiece model") from None
+    Piece = model_pb2.ModelProto.SentencePiece
+    segmenting = (Piece.NORMAL, Piece.USER_DEFINED, Piece.BYTE)
+    known = {p.piece: p for p in proto.pieces if p.type in segmenting}
+    if not known:
+        raise ModelImportError(f"{spm_path}: not a SentencePiece model (no pieces)")
+    lowest = min(p.score for p in known.values())
+    pieces = vocab.pieces()
+    types = [Piece.CONTROL, Piece.UNKNOWN, Piece.CONTROL, Piece.CONTROL]
+    rewritten = []
+    for i, name in enumerate(pieces):
+        if i < len(types):
+            rewritten.append(Piece(piece=name, score=0.0, type=types[i]))
+        elif name in known:
+            rewritten.append(Piece(piece=name, score=known[name].score, type=known[name].type))
+        elif language_tags and _LANGUAGE_TAG.fullmatch(name):
+            rewritten.append(Piece(piece=name, score=0.0, type=Piece.USER_DEFINED))
+        else:
+            rewritten.append(Piece(piece=name, score=lowest, type=Piece.UNUSED))
+    in_vocabulary = set(pieces)
+    rewritten += [
+        Piece(piece=p.piece, score=p.score, type=p.type) for p in known.values() if p.piece not in in_vocabulary
+    ]
+    del proto.pieces[:]
+    proto.pieces.extend(rewritten)
+    spec = proto.trainer_spec
+    spec.vocab_size = len(pieces)
+    spec.pad_id, spec.unk_id, spec.bos_id, spec.eos_id = PAD_ID, UNK_ID, BOS_ID, EOS_ID
+    spec.pad_piece, spec.unk_piece, spec.bos_piece, spec.eos_piece = PAD_PIECE, vocab.unk, START_PIECE, vocab.eos
+    return proto.SerializeToString()
+
+
+def read_weights(folder: Path) -> tuple[Path, dict[str, Tensor]]:
+    """The folder's weights, model.safetensors or else pytorch_model.bin (``weights_only``), as float32."""
+    path = next((folder / name for name in WEIGHT_FILES if (folder / name).is_file()), None)
+    if path is None:
+        raise ModelImportError(f"{folder}: no model.safetensors or pytorch_model.bin")
+    try:
+        if path.suffix == ".safetensors":
+            with safetensors.safe_open(path, framework="pt") as f:
+                weights = {key: f.get_tensor(key) for key in f.keys()}
+        else:
+            weights = checkpoint.load_torch_file(path)
+    except CheckpointError:
+        raise
+    except Exception as err:  # safetensors raises several types for truncated or foreign files
+        raise ModelImportError(f"{path}: not readable weights ({type(err).__name__})") from None
+    if not isinstance(weights, dict) or not all(
+        isinstance(k, str) and isinstance(v, Tensor) for k, v in weights.items()
+    ):
+        raise ModelImportError(f"{path}: must hold a mapping of names to tensors")
+    for key, tensor in weights.items():
+        if not tensor.is_floating_point():
+            raise ModelImportError(f"{path}: {key} is {tensor.dtype}, not a floating-point tensor")
+    return path, {key: tensor.float() for key, tensor in weights.items()}
+
+
+# -- converting -----------------------------------------------------------------------------
+
+
+def _take(weights: dict[str, Tensor], key: str, path: Path, shape: tuple[int, ...]) -> Tensor:
+    if key not in weights:
+        raise ModelImportError(f"{path}: no {key}")
+    tensor = weights.pop(key)
+    if tuple(tensor.shape) != shape:
+        raise ModelImportError(f"{path}: {key} is {tuple(tensor.shape)}, config.json makes it {shape}")
+    return tensor
+
+
+def _same(weights: dict[str, Tensor], key: str, expected: Tensor, path: Path) -> None:
+    """A copy of a tied tensor that older files store again must be that tensor."""
+    if key in weights and not torch.equal(weights.pop(key), expected):
+        raise ModelImportError(f"{path}: {key} differs from the tensor config.json ties it to")
+
+
+def _rows(matrix: Tensor, order: list[int], order_dims: Tensor) -> Tensor:
+    """Marian's embedding ``matrix`` in mtkit's id order and residual layout, a zero row at the new pad id."""
+    rows = matrix[torch.tensor(order[1:])]
+    return torch.cat([rows.new_zeros(1, rows.size(1)), rows])[:, torch.argsort(order_dims)]
+
+
+def _check_positions(weights: dict[str, Tensor], model: ModelConfig, path: Path) -> None:
+    """Stored position tables (older files have them) must be the sinusoids mtkit computes."""
+    expected = to_marian(sinusoidal_table(model.max_positions, model.d_model), "reads", residual_order(model.d_model))
+    for side in ("encoder", "decoder"):
+        key = f"model.{side}.embed_positions.weight"
+        if key in weights:
+            table = weights.pop(key)
+            if table.shape != expected.shape or (table - expected).abs().max() > 1e-5:
+                raise ModelImportError(f"{path}: {key} is not Marian's sinusoidal table, the positions mtkit computes")
+
+
+def convert(
+    weights: dict[str, Tensor], marian: MarianConfig, src: Vocabulary, tgt: Vocabulary, path: Path
+) -> Transformer:
+    """The mtkit model computing what the Marian weights compute (see the module docstring)."""
+    cfg, d = marian.model, marian.model.d_model
+    order = residual_order(d)
+    model = build_model(cfg, len(src.order), len(tgt.order), PAD_ID)
+    weights = dict(weights)
+    with torch.no_grad():
+        if marian.shared:
+            key = "model.shared.weight" if "model.shared.weight" in weights else "model.encoder.embed_tokens.weight"
+            shared = _take(weights, key, path, (marian.vocab_size, d))
+            for tied in ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight", "lm_head.weight"):
+                _same(weights, tied, shared, path)
+            model.encoder.embed.tokens.weight.copy_(_rows(shared, src.order, order))
+        else:
+            source = _take(weights, "model.encoder.embed_tokens.weight", path, (marian.vocab_size, d))
+            target = _take(weights, "model.decoder.embed_tokens.weight", path, (marian.decoder_vocab_size, d))
+            model.encoder.embed.tokens.weight.copy_(_rows(source, src.order, order))
+            model.decoder.embed.tokens.weight.copy_(_rows(target, tgt.order, order))
+            if cfg.tie_output:
+                _same(weights, "lm_head.weight", target, path)
+            else:
+                output = _take(weights, "lm_head.weight", path, (marian.decoder_vocab_size, d))
+                model.output.weight.copy_(_rows(output, tgt.order, order))
+        bias = weights.pop("final_logits_bias", torch.zeros(1, marian.decoder_vocab_size))
+        if tuple(bias.shape) != (1, marian.decoder_vocab_size):
+            raise ModelImportError(
+                f"{path}: final_logits_bias is {tuple(bias.shape)}, not (1, {marian.decoder_vocab_size})"
+            )
+        model.output.bias.copy_(torch.cat([torch.tensor([NOT_A_TOKEN]), bias[0, torch.tensor(tgt.order[1:])]]))
+        _check_positions(weights, cfg, path)
+        for key, tensor, axis in layer_weights(model):
+            tensor.copy_(from_marian(_take(weights, key, path, tuple(tensor.shape)), axis, order))
+    if weights:
+        raise ModelImportError(f"{path}: holds {next(iter(weights))}, which no Marian model of config.json has")
+    return model.eval()
+
+
+# -- the import -----------------------------------------------------------------------------
+
+
+def import_marian(source: str, out_dir: Path, revision: str | None = None) -> Path:
+    """Write ``out_dir``, an mtkit checkpoint folder, from a MarianMTModel folder or Hub repository ``source``."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise CheckpointError(f"{out_dir}: exists and is not empty; choose another output folder")
+    folder, origin = locate(source, revision)
+    for name in ("config.json", "source.spm", "target.spm", "vocab.json"):
+        if not (folder / name).is_file():
+            raise ModelImportError(
+                f"{folder}: no {name}; a MarianMTModel folder has config.json, source.spm, target.spm and vocab.json"
+            )
+    marian = read_config(folder / "config.json")
+    special = special_pieces(folder)
+    separate = (folder / "target_vocab.json").is_file() and not marian.shared
+    src = read_vocabulary(folder / "vocab.json", marian.vocab_size, special, marian, target=not separate)
+    tgt = src
+    if separate:
+        tgt = read_vocabulary(folder / "target_vocab.json", marian.decoder_vocab_size, special, marian, target=True)
+    elif marian.decoder_vocab_size != marian.vocab_size:
+        raise ModelImportError(f"{folder}: two vocabulary sizes in config.json, and no target_vocab.json")
+    models = {
+        "src": tokenizer_model(folder / "source.spm", src, language_tags=True),
+        "tgt": tokenizer_model(folder / "target.spm", tgt, language_tags=False),
+    }
+    weights_path, weights = read_weights(folder)
+    model = convert(weights, marian, src, tgt, weights_path)
+    joint = models["src"] == models["tgt"]
+    names = (
+        {"src": TOKENIZER_NAMES[0], "tgt": TOKENIZER_NAMES[0]}
+        if joint
+        else {"src": TOKENIZER_NAMES[1], "tgt": TOKENIZER_NAMES[2]}
+    )
+    files = {names[side]: models[side] for side in ("src", "tgt")}
+    cfg = RunConfig(
+        tokenizer=TokenizerConfig(joint=joint, vocab_size=len(tgt.order)),
+        model=marian.model,
+        decode=DecodeConfig(beam=read_beam(folder) or DecodeConfig.beam),
+    )
+    records = {
+        side: {"file": names[side], "sha256": hashlib.sha256(models[side]).hexdigest()} for side in ("src", "tgt")
+    }
+    meta = {
+        "config": cfg.to_dict(),
+        "tokenizer": records,
+        "step": 0,
+        "imported": {**origin, "sha256": file_sha256(weights_path)},
+    }
+    checkpoint.save(out_dir, model.state_dict(), meta, files=files)
+    return out_dir

@@ -1,0 +1,118 @@
+"""train.init_from: a run that starts from a trained model's weights and tokenizers (fine-tuning).
+
+The model is a run directory (its best/), a checkpoint folder or an averaged .safetensors file with its
+tokenizer(s) beside it. The run takes the model's architecture (model.*) and its tokenizers (tokenizer.*,
+copied into RUN/ and never trained); its optimizer, schedule and data position start afresh. A key of
+those sections that the config sets to other than its default must agree with the model, except the
+dropouts, which are training settings; tokenizer model files are compared by content, and
+tokenizer.vocab_size with the pieces of the model's tokenizer(s). A key left at its default takes the
+model's value, so a key set to its default value cannot be told from one left out.
+
+The model is read only while the run has no checkpoint. Once it has one, the same rules settle the
+config against the run's newest checkpoint, so the config that started a run resumes it, even if the
+model it started from has since changed or gone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from mtkit.config import ConfigError, RunConfig, TokenizerConfig
+from mtkit.data.tokenizer import Tokenizer
+from mtkit.files import file_sha256
+from mtkit.interop.ct2_export import MANIFEST
+from mtkit.model.checkpoint import Checkpoint, CheckpointError, find_tokenizer, read_checkpoint, weights_file
+from mtkit.model.loading import resolve
+from mtkit.untrusted import shown
+
+log = logging.getLogger("mtkit")
+
+TRAINING_SETTINGS = ("dropout", "attention_dropout", "activation_dropout")  # model.* keys a run may change
+TOKENIZER_FILES = ("model", "src_model", "tgt_model")  # tokenizer.* keys naming files: compared by content
+
+
+@dataclass
+class InitialModel:
+    """The model a run starts from, and the config it is settled against: the model's, whose tokenizer models
+    are the files found beside it (checked against its header) and whose vocab_size is theirs."""
+
+    checkpoint: Checkpoint
+    cfg: RunConfig
+    record: dict[str, str]  # what the run's checkpoints and metrics.jsonl say of it: its weights file and SHA-256
+
+
+def read_initial_model(model: Path) -> InitialModel:
+    """The model train.init_from names, read whole; CheckpointError for a path mtkit cannot start training from."""
+    model = Path(model)
+    if (model / MANIFEST).is_file():
+        raise CheckpointError(
+            f"{model}: an export (`mtkit export`, for CTranslate2 or transformers), which mtkit cannot train; "
+            "set train.init_from to the run, checkpoint or .safetensors file it was exported from"
+        )
+    ckpt = read_checkpoint(resolve(model), with_state=False)
+    where = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
+    found = {side: find_tokenizer(r, where, ckpt.path.name).resolve() for side, r in ckpt.meta["tokenizer"].items()}
+    tc = ckpt.cfg.tokenizer
+    files = {"model": found["src"]} if tc.joint else {"src_model": found["src"], "tgt_model": found["tgt"]}
+    sizes = {Tokenizer(path).vocab_size for path in found.values()}
+    # what the tokenizers hold, not what the config asked of tokenizer training (unused when a model was given)
+    vocab_size = sizes.pop() if len(sizes) == 1 else tc.vocab_size
+    tokenizer = replace(tc, vocab_size=vocab_size, **{key: str(path) for key, path in files.items()})
+    weights = weights_file(ckpt.path).resolve()
+    log.info("starting from the weights of %s (train.init_from)", weights)
+    record = {"path": str(weights), "sha256": file_sha256(weights)}
+    return InitialModel(ckpt, replace(ckpt.cfg, tokenizer=tokenizer), record)
+
+
+def settle_config(cfg: RunConfig, theirs: RunConfig, records: dict[str, Any], source: str) -> RunConfig:
+    """``cfg`` with the model and tokenizer sections of the model it starts from (or of the checkpoint it resumes
+    from): ``theirs`` is that model's config, ``records`` its tokenizer records (file and SHA-256 by side),
+    ``source`` how errors name it.
+
+    ConfigError, in one line naming the key and both values, for a key that disagrees.
+    """
+    model = _agreed("model", cfg.model, theirs.model, source, changeable=TRAINING_SETTINGS)
+    _check_tokenizer_files(cfg.tokenizer, theirs.tokenizer.joint, records, source)
+    unnamed = replace(cfg.tokenizer, **dict.fromkeys(TOKENIZER_FILES, ""))  # the files were compared by content
+    return replace(cfg, model=model, tokenizer=_agreed("tokenizer", unnamed, theirs.tokenizer, source))
+
+
+def _agreed(section: str, mine: Any, theirs: Any, source: str, changeable: tuple[str, ...] = ()) -> Any:
+    """A config section whose every key is ``theirs``, unless ``mine`` sets it (to other than the default) and it is
+    ``changeable``; ConfigError for any other key ``mine`` sets to another value."""
+    defaults = type(mine)()
+    values = {}
+    for f in dataclasses.fields(mine):
+        my, their = getattr(mine, f.name), getattr(theirs, f.name)
+        if my == their or my == getattr(defaults, f.name):
+            values[f.name] = their
+        elif f.name in changeable:
+            values[f.name] = my
+        else:
+            raise ConfigError(
+                f"{section}.{f.name} is {shown(my)} in this config but {shown(their)} in {source}: a run that "
+                f"starts from a model keeps its {section} settings; leave {section}.{f.name} out"
+            )
+    return type(mine)(**values)
+
+
+def _check_tokenizer_files(mine: TokenizerConfig, joint: bool, records: dict[str, Any], source: str) -> None:
+    """A tokenizer model the config names must be the very one ``source`` was trained with (by its SHA-256)."""
+    sides = {"model": "src"} if joint else {"src_model": "src", "tgt_model": "tgt"}
+    for key in TOKENIZER_FILES:
+        given = getattr(mine, key)
+        if not given:
+            continue
+        if key not in sides:
+            has = "one joint tokenizer" if joint else "a source and a target tokenizer (tokenizer.joint: false)"
+            raise ConfigError(f"tokenizer.{key} is set, but {source} has {has}; leave tokenizer.{key} out")
+        record = records[sides[key]]
+        if file_sha256(Path(given)) != record["sha256"]:
+            raise ConfigError(
+                f"tokenizer.{key} {given} is another vocabulary than {source} was trained with "
+                f"(its {record['file']}); leave tokenizer.{key} out to take the model's"
+            )

@@ -1,0 +1,431 @@
+"""transformers import: a MarianMTModel folder becomes an mtkit model that computes and decodes as transformers does.
+
+The Marian models are built here by transformers with random weights (LayerNorms and the logit bias
+randomised too, so a misplaced norm, a dimension left out of the permutation or a bias on the wrong id
+shows), beside SentencePiece models trained here on the test captions and a vocab.json laid out as
+OPUS-MT's: eos 0, unk 1, the pieces of both languages, pad (the decoder start) last.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import sentencepiece
+import torch
+from helpers import invoke
+
+from mtkit.config import DecodeConfig, TokenizerConfig
+from mtkit.data.parallel import source_tensor
+from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_spm
+from mtkit.decoding.search import beam_search, greedy_search, max_lengths
+from mtkit.interop.hf_import import import_marian
+from mtkit.model import checkpoint, loading
+
+with pytest.MonkeyPatch.context() as env:
+    env.setenv("HF_HUB_OFFLINE", "1")  # read as transformers loads: nothing may come from the Hub
+    transformers = pytest.importorskip("transformers")
+
+CPU = torch.device("cpu")
+SMALL = {
+    "encoder_layers": 2,
+    "decoder_layers": 2,
+    "d_model": 64,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "encoder_ffn_dim": 128,
+    "decoder_ffn_dim": 128,
+    "max_position_embeddings": 128,
+}
+
+
+def spm_pieces(path: Path) -> list[str]:
+    """The pieces of a SentencePiece model trained here, less mtkit's four special ones."""
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
+    return [sp.id_to_piece(i) for i in range(4, sp.get_piece_size())]
+
+
+def write_vocab(path: Path, pieces: list[str], size: int) -> dict[str, int]:
+    """OPUS-MT's layout: </s> 0, <unk> 1, the pieces, filler pieces up to ``size``, <pad> last."""
+    names = ["</s>", "<unk>", *dict.fromkeys(pieces)]
+    names += [f"▁filler{i}" for i in range(size - 1 - len(names))]
+    vocab = {piece: i for i, piece in enumerate([*names, "<pad>"])}
+    path.write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    return vocab
+
+
+@dataclass
+class MarianFolder:
+    path: Path
+    hf: object  # MarianMTModel
+    tokenizer: object  # MarianTokenizer
+
+
+def marian_folder(root: Path, corpus_files, shared: bool, vocab_size: int, seed: int, **config) -> MarianFolder:
+    """A MarianMTModel folder as save_pretrained writes it, random weights, tokenizer files trained here."""
+    root.mkdir(parents=True)
+    spms = {}
+    for name, lang, size in (("source", "en", 200), ("target", "de", 240)):
+        lines = corpus_files[f"train.{lang}"].read_text().splitlines()
+        spms[name] = train_spm(lines, root / f"spm.{name}", TokenizerConfig(vocab_size=size))
+        shutil.copy(spms[name], root / f"{name}.spm")
+    src_pieces, tgt_pieces = spm_pieces(spms["source"]), spm_pieces(spms["target"])
+    if shared:
+        vocab = write_vocab(root / "vocab.json", src_pieces + tgt_pieces, vocab_size)
+        sizes = {"vocab_size": vocab_size, "decoder_vocab_size": vocab_size}
+    else:
+        write_vocab(root / "vocab.json", src_pieces, vocab_size + 30)  # Marian's pad id must fit both tables
+        vocab = write_vocab(root / "target_vocab.json", tgt_pieces, vocab_size)
+        sizes = {"vocab_size": vocab_size + 30, "decoder_vocab_size": vocab_size}
+    pad = vocab["<pad>"]
+    settings = {
+        **SMALL,
+        **sizes,
+        "activation_function": "swish",
+        "scale_embedding": True,
+        "share_encoder_decoder_embeddings": shared,
+        "pad_token_id": pad,
+        "decoder_start_token_id": pad,
+        "eos_token_id": 0,
+        "forced_eos_token_id": 0,
+        "dropout": 0.0,
+        **config,
+    }
+    torch.manual_seed(seed)
+    hf = transformers.MarianMTModel(transformers.MarianConfig(**settings)).eval()
+    with torch.no_grad():
+        for module in hf.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                module.weight.normal_(1.0, 0.2)
+                module.bias.normal_(0.0, 0.2)
+        hf.final_logits_bias.normal_(0.0, 0.5)
+        hf.get_output_embeddings().weight[0] *= 3.0  # eos's row: hypotheses end at varied lengths
+    hf.generation_config = transformers.GenerationConfig(
+        decoder_start_token_id=pad,
+        pad_token_id=pad,
+        eos_token_id=0,
+        forced_eos_token_id=0,
+        num_beams=4,
+        bad_words_ids=[[pad]],
+    )
+    hf.save_pretrained(root / "hf")
+    tokenizer = transformers.MarianTokenizer(
+        source_spm=str(root / "source.spm"),
+        target_spm=str(root / "target.spm"),
+        vocab=str(root / "vocab.json"),
+        target_vocab_file=None if shared else str(root / "target_vocab.json"),
+        separate_vocabs=not shared,
+    )
+    tokenizer.save_pretrained(root / "hf")
+    return MarianFolder(root / "hf", hf, tokenizer)
+
+
+@dataclass
+class Imported:
+    marian: MarianFolder
+    model_dir: Path
+    bundle: loading.InferenceBundle
+    src_ids: dict[int, int]  # Marian source id -> mtkit id
+    tgt_ids: dict[int, int]  # Marian target id -> mtkit id
+    lines: list[str]
+
+
+def imported(marian: MarianFolder, out: Path, lines: list[str]) -> Imported:
+    import_marian(str(marian.path), out)
+    bundle = loading.load_for_inference(out, CPU)
+    tok = marian.tokenizer
+
+    def mapping(vocab: dict[str, int], mtkit: Tokenizer) -> dict[int, int]:
+        ids = {piece: i for i, piece in enumerate(mtkit.sp.id_to_piece(list(range(mtkit.vocab_size))))}
+        ids["<pad>"] = BOS_ID  # Marian's pad, the decoder start, is mtkit's bos
+        return {i: ids[piece] for piece, i in vocab.items()}
+
+    tgt_vocab = tok.target_encoder if tok.separate_vocabs else tok.encoder
+    return Imported(
+        marian, out, bundle, mapping(tok.encoder, bundle.src_tok), mapping(tgt_vocab, bundle.tgt_tok), lines
+    )
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory, corpus_files) -> Imported:
+    """One vocabulary shared by the two languages, tied embeddings: OPUS-MT's usual layout."""
+    root = tmp_path_factory.mktemp("shared")
+    marian = marian_folder(root / "marian", corpus_files, shared=True, vocab_size=700, seed=1, init_std=0.3)
+    return imported(marian, root / "model", corpus_files["val.en"].read_text().splitlines())
+
+
+@pytest.fixture(scope="module")
+def separate(tmp_path_factory, corpus_files) -> Imported:
+    """Two vocabularies of two sizes, the decoder's embeddings tied to the output only."""
+    root = tmp_path_factory.mktemp("separate")
+    marian = marian_folder(root / "marian", corpus_files, shared=False, vocab_size=400, seed=1, init_std=0.1)
+    return imported(marian, root / "model", corpus_files["val.en"].read_text().splitlines())
+
+
+@pytest.fixture(scope="module")
+def opus_shape(tmp_path_factory, corpus_files) -> Imported:
+    """Helsinki-NLP/opus-mt-en-de's shape: 6 + 6 layers, d_model 512, 8 heads, FFN 2048, swish, 58,101 shared pieces."""
+    root = tmp_path_factory.mktemp("opus")
+    shape = {"encoder_layers": 6, "decoder_layers": 6, "d_model": 512, "max_position_embeddings": 512}
+    heads = {
+        "encoder_attention_heads": 8,
+        "decoder_attention_heads": 8,
+        "encoder_ffn_dim": 2048,
+        "decoder_ffn_dim": 2048,
+    }
+    marian = marian_folder(root / "marian", corpus_files, True, 58_101, seed=3, **shape, **heads)
+    return imported(marian, root / "model", corpus_files["val.en"].read_text().splitlines()[:8])
+
+
+@pytest.fixture(params=["shared", "separate"])
+def model(request) -> Imported:
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture(params=["shared", "separate", "opus_shape"])
+def any_model(request) -> Imported:
+    """Each model; the OPUS-MT-sized one is decoded on 8 lines only, its 58,101-piece output being slow on a CPU."""
+    return request.getfixturevalue(request.param)
+
+
+def to_mtkit(ids: torch.Tensor, mapping: dict[int, int]) -> torch.Tensor:
+    return ids.clone().apply_(lambda i: mapping[i])
+
+
+def test_tokenizer_gives_marian_ids(any_model):
+    model = any_model
+    batch = model.marian.tokenizer(model.lines)["input_ids"]
+    assert [[model.src_ids[i] for i in ids] for ids in batch] == [
+        [*ids, EOS_ID] for ids in model.bundle.src_tok.encode(model.lines)
+    ]
+
+
+def test_logits_equal_transformers_teacher_forced(any_model, corpus_files):
+    model = any_model
+    tok = model.marian.tokenizer
+    targets = corpus_files["val.de"].read_text().splitlines()[: len(model.lines)]
+    batch = tok(model.lines, text_target=targets, return_tensors="pt", padding=True)
+    start = model.marian.hf.config.decoder_start_token_id
+    labels = batch["labels"]
+    labelled = labels != tok.pad_token_id  # MarianTokenizer pads labels with the source side's pad id
+    real = torch.cat([torch.ones_like(labelled[:, :1]), labelled[:, :-1]], dim=1)  # start + all but the last
+    decoder_in = torch.cat([torch.full_like(labels[:, :1], start), labels[:, :-1]], dim=1).masked_fill(~real, start)
+    with torch.no_grad():
+        expected = model.marian.hf(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], decoder_input_ids=decoder_in
+        ).logits
+        src = to_mtkit(batch["input_ids"], model.src_ids).masked_fill(batch["attention_mask"] == 0, PAD_ID)
+        tgt_in = to_mtkit(decoder_in, model.tgt_ids).masked_fill(~real, PAD_ID)
+        got = model.bundle.model(src, src == PAD_ID, tgt_in)
+    columns = torch.tensor([model.tgt_ids[i] for i in range(expected.size(-1))])
+    scale = expected[real].abs().max().item()  # 1e-4 of the largest logit: float32 sums in another order
+    torch.testing.assert_close(got[real][:, columns], expected[real], atol=1e-4 * max(scale, 1.0), rtol=1e-4)
+    assert (got[real][:, PAD_ID] < -1000).all()  # the new padding id takes no share of the softmax
+
+
+def marian_outputs(
+    model: Imported, decode: DecodeConfig, **options
+) -> tuple[list[list[int]], list[list[int]], torch.Tensor]:
+    """transformers' and mtkit's output ids (mtkit's numbering, no start or eos) and each line's length cap."""
+    src, src_pad_mask = source_tensor(model.bundle.src_tok.encode(model.lines))
+    caps = max_lengths(src_pad_mask, decode.max_len_a, decode.max_len_b, model.bundle.cfg.model.max_positions)
+    batch = model.marian.tokenizer(model.lines, return_tensors="pt", padding=True)
+    outputs: list[list[int]] = [[] for _ in model.lines]
+    for cap in caps.unique().tolist():
+        rows = (caps == cap).nonzero().flatten()
+        generated = model.marian.hf.generate(
+            input_ids=batch["input_ids"][rows],
+            attention_mask=batch["attention_mask"][rows],
+            max_new_tokens=cap,
+            **options,
+        )
+        for row, ids in zip(rows.tolist(), generated.tolist()):
+            outputs[row] = [model.tgt_ids[t] for t in ids[1:] if t not in (0, model.marian.hf.config.pad_token_id)]
+    if decode.beam == 1:
+        ours = greedy_search(model.bundle.model, src, src_pad_mask, decode)
+    else:
+        ours = [hyps[0].tokens for hyps in beam_search(model.bundle.model, src, src_pad_mask, decode)]
+    return outputs, ours, caps
+
+
+def test_greedy_ids_equal_generate(any_model):
+    got, expected, _ = marian_outputs(any_model, DecodeConfig(beam=1), num_beams=1)
+    assert got == expected
+    assert sum(len(ids) > 3 for ids in expected) >= 3  # non-trivial outputs
+
+
+def test_beam_best_hypothesis_equals_generate(model):
+    """Length penalty 0 (raw log-probability sums) and fairseq's stopping rule on both sides: one algorithm,
+    which may differ only at the length cap (test_export_hf.py says how), so lines that ended before it."""
+    decode = DecodeConfig(beam=5, lenpen=0.0, early_stop=False)
+    got, expected, caps = marian_outputs(model, decode, num_beams=5, length_penalty=0.0, early_stopping=True)
+    ended = [i for i in range(len(got)) if len(expected[i]) < caps[i] - 1]
+    same = sum(got[i] == expected[i] for i in ended)
+    assert len(ended) >= 5 and same == len(ended), f"{same} of {len(ended)} best hypotheses equal"
+
+
+def test_translate_cli_takes_the_imported_model(shared, tmp_path):
+    source = tmp_path / "in.en"
+    source.write_text("\n".join(shared.lines[:5]) + "\n", encoding="utf-8")
+    result = invoke("translate", shared.model_dir, "-i", source, "-o", tmp_path / "out.de", "--beam", 2)
+    assert result.exit_code == 0, result.output
+    assert len((tmp_path / "out.de").read_text(encoding="utf-8").splitlines()) == 5
+
+
+def hub_cache(cache: Path, repo_id: str, folder: Path, commit: str = "0" * 40) -> None:
+    """``folder`` laid out in huggingface_hub's cache as ``repo_id`` at ``commit``, the main branch pointing at it."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    shutil.copytree(folder, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+
+
+def test_import_from_the_hub_cache_offline(separate, hf_offline, tmp_path, monkeypatch):
+    """A Hub id resolves through huggingface_hub (offline: its cache only) to the same model as the folder."""
+    import huggingface_hub
+
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    hub_cache(cache, "Helsinki-NLP/opus-mt-xx-yy", separate.marian.path)
+    result = invoke("import", "hf", "Helsinki-NLP/opus-mt-xx-yy", "-o", tmp_path / "model")
+    assert result.exit_code == 0, result.output
+    meta = checkpoint.read_checkpoint(tmp_path / "model", with_state=False).meta
+    assert meta["imported"]["source"] == "hf:Helsinki-NLP/opus-mt-xx-yy" and meta["imported"]["revision"] == "0" * 40
+    hub = loading.load_for_inference(tmp_path / "model", CPU).model.state_dict()
+    assert all(torch.equal(hub[k], v) for k, v in separate.bundle.model.state_dict().items())
+    result = invoke("import", "hf", "Helsinki-NLP/not-cached", "-o", tmp_path / "other")
+    assert result.exit_code == 1 and "hf:Helsinki-NLP/not-cached: not in the local Hugging Face cache" in result.output
+
+
+def broken_copy(source: Path, tmp_path: Path, edit) -> Path:
+    folder = tmp_path / "broken"
+    shutil.copytree(source, folder)
+    edit(folder)
+    return folder
+
+
+def edit_json(name: str, **changes):
+    def edit(folder: Path) -> None:
+        values = json.loads((folder / name).read_text())
+        values.update(changes)
+        (folder / name).write_text(json.dumps(values))
+
+    return edit
+
+
+def replace_weights(change):
+    def edit(folder: Path) -> None:
+        weights = safetensors.torch.load_file(folder / "model.safetensors")
+        change(weights)
+        safetensors.torch.save_file(weights, folder / "model.safetensors")
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (edit_json("config.json", model_type="bart"), "model_type must be marian"),
+        (edit_json("config.json", normalize_before=True), "normalize_before is set"),
+        (edit_json("config.json", scale_embedding=False), "scale_embedding false"),
+        (edit_json("config.json", activation_function="tanh"), "activation_function 'tanh' is not one of"),
+        (edit_json("config.json", decoder_ffn_dim=64), "decoder_ffn_dim 64 differs from encoder_ffn_dim 128"),
+        (edit_json("config.json", vocab_size=2**21, decoder_vocab_size=2**21), "a vocabulary of over 1,048,576"),
+        (edit_json("config.json", d_model="64"), "d_model must be int"),
+        (edit_json("config.json", decoder_start_token_id=0), "decoder_start_token_id 0 is not pad_token_id"),
+        (edit_json("vocab.json", **{"▁filler1": 0}), "its ids must be 0 to"),
+        (lambda f: (f / "vocab.json").write_text("[1, 2]"), "must map 700 pieces"),
+        (lambda f: (f / "config.json").write_text("{" * 100_000), "not readable JSON"),
+        (lambda f: (f / "source.spm").write_bytes(b"\x00garbage"), "source.spm: not a SentencePiece model"),
+        (lambda f: (f / "target.spm").unlink(), "no target.spm"),
+        (replace_weights(lambda w: w.update(extra=torch.zeros(1))), "holds extra, which no Marian model"),
+        (replace_weights(lambda w: w.pop("model.encoder.layers.1.fc2.bias")), "no model.encoder.layers.1.fc2.bias"),
+        (
+            replace_weights(lambda w: w.update({"model.shared.weight": torch.zeros(700, 32)})),
+            "model.shared.weight is (700, 32), config.json makes it (700, 64)",
+        ),
+        (
+            replace_weights(lambda w: w.update({"model.decoder.embed_positions.weight": torch.zeros(128, 64)})),
+            "is not Marian's sinusoidal table",
+        ),
+        (
+            replace_weights(lambda w: w.update({"final_logits_bias": torch.zeros(1, 700, dtype=torch.int32)})),
+            "final_logits_bias is torch.int32, not a floating-point tensor",
+        ),
+    ],
+)
+def test_a_folder_mtkit_cannot_express_or_trust_is_refused_in_one_line(shared, tmp_path, edit, message):
+    folder = broken_copy(shared.marian.path, tmp_path, edit)
+    result = invoke("import", "hf", folder, "-o", tmp_path / "model")
+    assert result.exit_code == 1 and message in result.output, result.output
+    assert result.output.count("\n") == 1 and "Traceback" not in result.output
+    assert not (tmp_path / "model").exists()
+
+
+def test_a_pickle_that_runs_code_is_refused(shared, tmp_path):
+    class Payload:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    def edit(folder: Path) -> None:
+        (folder / "model.safetensors").unlink()
+        torch.save({"weights": Payload()}, folder / "pytorch_model.bin")
+
+    folder = broken_copy(shared.marian.path, tmp_path, edit)
+    result = invoke("import", "hf", folder, "-o", tmp_path / "model")
+    assert result.exit_code == 1 and "refused: it holds pickled Python objects" in result.output
+
+
+def test_pytorch_model_bin_in_fp16_imports_the_same_model(separate, tmp_path):
+    """Older repositories hold pytorch_model.bin, OPUS-MT's often in fp16; widening to float32 keeps every value."""
+
+    def edit(folder: Path) -> None:
+        weights = safetensors.torch.load_file(folder / "model.safetensors")
+        (folder / "model.safetensors").unlink()
+        torch.save({k: v.half() for k, v in weights.items()}, folder / "pytorch_model.bin")
+
+    folder = broken_copy(separate.marian.path, tmp_path, edit)
+    import_marian(str(folder), tmp_path / "model")
+    half = loading.load_for_inference(tmp_path / "model", CPU).model.state_dict()
+    full = separate.bundle.model.state_dict()
+    assert all(torch.equal(half[k], full[k].half().float()) for k in full)
+
+
+def test_an_existing_output_folder_is_not_overwritten(shared, tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "notes.txt").write_text("mine")
+    result = invoke("import", "hf", shared.marian.path, "-o", tmp_path / "model")
+    assert result.exit_code == 1 and "exists and is not empty" in result.output
+    assert (tmp_path / "model" / "notes.txt").read_text() == "mine"
+
+
+def test_export_back_to_transformers_gives_the_original_logits(separate, corpus_files, tmp_path):
+    """Imported, then exported with `mtkit export --format hf`: transformers loads it and computes the original's
+    log-probabilities of the same text (the export numbers pieces as mtkit does, so pieces are matched by name)."""
+    result = invoke("export", separate.model_dir, "--format", "hf", "-o", tmp_path / "hf")
+    assert result.exit_code == 0, result.output
+    back = transformers.MarianMTModel.from_pretrained(tmp_path / "hf").eval()
+    back_tok = transformers.MarianTokenizer.from_pretrained(tmp_path / "hf")
+    lines, targets = separate.lines[:10], corpus_files["val.de"].read_text().splitlines()[:10]
+
+    def log_probs(model, tok) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = tok(lines, text_target=targets, return_tensors="pt", padding=True)
+        start = model.config.decoder_start_token_id
+        labels = batch["labels"].masked_fill(batch["labels"] == tok.pad_token_id, start)
+        decoder_in = torch.cat([torch.full_like(labels[:, :1], start), labels[:, :-1]], dim=1)
+        with torch.no_grad():
+            inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
+            logits = model(**inputs, decoder_input_ids=decoder_in).logits
+        return logits.log_softmax(-1), labels != start
+
+    original, real = log_probs(separate.marian.hf, separate.marian.tokenizer)
+    exported, same_real = log_probs(back, back_tok)
+    assert torch.equal(real, same_real)
+    # Marian's pad, the decoder start, is mtkit's bos, which the export calls <s>; the export's own <pad> is new
+    names = {"<pad>": "<s>"}
+    columns = [back_tok.target_encoder[names.get(piece, piece)] for piece in separate.marian.tokenizer.target_encoder]
+    torch.testing.assert_close(exported[real][:, columns], original[real], atol=1e-4, rtol=1e-4)
