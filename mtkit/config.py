@@ -203,8 +203,10 @@ class TrainConfig:
     compile: bool = False  # torch.compile the encoder-decoder for training
     tensorboard: bool = False  # also write TensorBoard event files to RUN_DIR/tensorboard
     # a trained model to start from (fine-tuning): a run directory (its best/), a checkpoint folder or an averaged
-    # .safetensors file with its tokenizer(s) beside it. The run takes its architecture and tokenizers; optimizer,
-    # schedule and data position start afresh. Read only while the run has no checkpoint; "": random weights
+    # .safetensors file with its tokenizer(s) beside it, or hf:SOURCE, a transformers Marian model (a folder or a Hub
+    # id such as Helsinki-NLP/opus-mt-en-de) imported into RUN_DIR/imported as `mtkit import hf` does. The run takes
+    # its architecture and tokenizers; optimizer, schedule and data position start afresh. Read only while the run
+    # has no checkpoint; "": random weights
     init_from: str = ""
     # parts of the model kept at their values (requires_grad off, out of the optimizer): embeddings (token and learned
     # position embeddings, and the output projection when it is tied to them), encoder, decoder (with an untied

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from mtkit.errors import MtkitError
+from mtkit.files import file_sha256
 
 
 class DataError(MtkitError, ValueError):
@@ -70,6 +71,12 @@ def reading(path: str | Path) -> Iterator[None]:
         if isinstance(err, (EOFError, zlib.error, gzip.BadGzipFile)):
             reason = f"corrupt or truncated gzip data: {reason}"
         raise DataError(f"{path}: cannot read ({reason})") from None
+
+
+def file_digest(path: str | Path) -> str:
+    """The SHA-256 of a data file's bytes; an unreadable file is a DataError naming it, as ``reading`` says."""
+    with reading(path):
+        return file_sha256(Path(path))
 
 
 UTF8_BOM = b"\xef\xbb\xbf"

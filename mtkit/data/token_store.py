@@ -41,6 +41,7 @@ from mtkit.data.parallel import (
     check_input_file,
     collate_flat,
     count_lines,
+    file_digest,
     filter_pairs,
     token_batches,
 )
@@ -259,7 +260,7 @@ def _encode(tmp: Path, pairs: Iterable[tuple[str, str]], key: dict, src_tok: Tok
     The pairs to come are the source file's lines: counted first for the bar's total where that is cheap.
     """
     start = time.perf_counter()
-    digests = [file_sha256(Path(f["path"])) for f in key["files"]]  # one read, cheap beside the encoding
+    digests = [file_digest(f["path"]) for f in key["files"]]  # one read, cheap beside the encoding
     total = count_lines(key["files"][0]["path"]) if shows_bar() else None
     # open_or_build logs the start, and the end with the token counts
     bar = StageProgress("encoding the training pairs", total, "pairs", log_ends=False)

@@ -8,6 +8,9 @@ dropouts, which are training settings; tokenizer model files are compared by con
 tokenizer.vocab_size with the pieces of the model's tokenizer(s). A key left at its default takes the
 model's value, so a key set to its default value cannot be told from one left out.
 
+``hf:SOURCE`` names a transformers MarianMTModel folder or Hub repository (an OPUS-MT model), as
+`mtkit import hf SOURCE` takes it: the run imports it into RUN/imported/ once, then starts from that.
+
 The model is read only while the run has no checkpoint. Once it has one, the same rules settle the
 config against the run's newest checkpoint, so the config that started a run resumes it, even if the
 model it started from has since changed or gone.
@@ -25,7 +28,15 @@ from mtkit.config import ConfigError, RunConfig, TokenizerConfig
 from mtkit.data.tokenizer import Tokenizer
 from mtkit.files import file_sha256
 from mtkit.interop.ct2_export import MANIFEST
-from mtkit.model.checkpoint import Checkpoint, CheckpointError, find_tokenizer, read_checkpoint, weights_file
+from mtkit.interop.hf_import import import_marian
+from mtkit.model.checkpoint import (
+    WEIGHTS_FILE,
+    Checkpoint,
+    CheckpointError,
+    find_tokenizer,
+    read_checkpoint,
+    weights_file,
+)
 from mtkit.model.loading import resolve
 from mtkit.untrusted import shown
 
@@ -33,6 +44,8 @@ log = logging.getLogger("mtkit")
 
 TRAINING_SETTINGS = ("dropout", "attention_dropout", "activation_dropout")  # model.* keys a run may change
 TOKENIZER_FILES = ("model", "src_model", "tgt_model")  # tokenizer.* keys naming files: compared by content
+HF_PREFIX = "hf:"  # train.init_from: hf:SOURCE, a Marian model to import first
+IMPORTED_DIR = "imported"  # RUN/imported/: where that import is kept
 
 
 @dataclass
@@ -43,6 +56,17 @@ class InitialModel:
     checkpoint: Checkpoint
     cfg: RunConfig
     record: dict[str, str]  # what the run's checkpoints and metrics.jsonl say of it: its weights file and SHA-256
+
+
+def import_once(init_from: str, run_dir: Path) -> Path:
+    """The mtkit model train.init_from names: the path as given, or for ``hf:SOURCE`` its import in RUN/imported/,
+    made the first time (the Hub's files are downloaded into huggingface_hub's cache)."""
+    if not init_from.startswith(HF_PREFIX):
+        return Path(init_from)
+    target = Path(run_dir) / IMPORTED_DIR
+    if not (target / WEIGHTS_FILE).is_file():
+        import_marian(init_from[len(HF_PREFIX) :], target)
+    return target
 
 
 def read_initial_model(model: Path) -> InitialModel:

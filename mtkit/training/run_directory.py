@@ -10,6 +10,7 @@ Its layout::
         validation.json                              what the validation of that update changed, once done
     RUN_DIR/best/model.safetensors                   weights of the best validation result, for translating
     RUN_DIR/metrics.jsonl                            one JSON object per log or validation event
+    RUN_DIR/imported/                                the model train.init_from: hf:SOURCE names, imported once
     RUN_DIR/.lock                                    held while a training process writes here
 
 Rank 0 claims the directory (its lock, ``--restart``, tidying what a crash left) and is the one that

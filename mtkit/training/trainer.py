@@ -33,11 +33,10 @@ import numpy as np
 import torch
 
 from mtkit.config import ConfigError, RunConfig
-from mtkit.data.parallel import Batch, DataError, check_input_file, iter_parallel
+from mtkit.data.parallel import Batch, DataError, check_input_file, file_digest, iter_parallel
 from mtkit.data.token_store import TokenStore, default_cache_dir, open_or_build, store_key
 from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 from mtkit.decoding.translate import Translator
-from mtkit.files import file_sha256
 from mtkit.model import checkpoint
 from mtkit.model.loss import TrainingObjective
 from mtkit.model.transformer import build_model, count_parameters
@@ -46,7 +45,7 @@ from mtkit.runtime import autocast, hardware, pick_device, require, resolve_prec
 from mtkit.scoring.metrics import bleu
 from mtkit.training.distributed import Distributed
 from mtkit.training.freezing import freeze
-from mtkit.training.init_from import InitialModel, read_initial_model, settle_config
+from mtkit.training.init_from import InitialModel, import_once, read_initial_model, settle_config
 from mtkit.training.reporting import Reporter, TrainingReport
 from mtkit.training.resume import (
     Progress,
@@ -82,11 +81,11 @@ def data_sha256(cfg: RunConfig, corpus: TokenStore) -> dict[str, str]:
     train = [name for name in ("train_src", "train_tgt") if getattr(data, name)]
     recorded = corpus.file_sha256s
     if recorded is None or len(recorded) != len(train):  # a store built before it recorded them
-        recorded = [file_sha256(Path(getattr(data, name))) for name in train]
+        recorded = [file_digest(getattr(data, name)) for name in train]
     digests = dict(zip(train, recorded))
     for name in ("valid_src", "valid_tgt"):
         if getattr(data, name):
-            digests[name] = file_sha256(Path(getattr(data, name)))
+            digests[name] = file_digest(getattr(data, name))
     return digests
 
 
@@ -151,7 +150,10 @@ class Trainer:
         self.dist.barrier()  # rank 0 has tidied the run directory
         latest = self.run_dir.latest()
         if latest is None:
-            self.initial = initial = read_initial_model(Path(self.cfg.train.init_from))
+            if self.is_main:
+                import_once(self.cfg.train.init_from, self.run_dir.path)
+            self.dist.barrier()  # the other ranks read the model rank 0 imported
+            self.initial = initial = read_initial_model(import_once(self.cfg.train.init_from, self.run_dir.path))
             source = f"{self.cfg.train.init_from} (train.init_from)"
             records, self.init = initial.checkpoint.meta["tokenizer"], initial.record
             self.cfg = settle_config(self.cfg, initial.cfg, records, source)
