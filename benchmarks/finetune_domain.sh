@@ -11,14 +11,14 @@
 # so no document is in both halves except the one the cut falls in. Prints one line per system:
 # test sacreBLEU and chrF, and the minutes its training took.
 #
-# Settings (environment): FINETUNE_STEPS (300), FINETUNE_LR (0.0002), SCRATCH_STEPS (1500), BEAM (5).
+# Settings (environment): FINETUNE_STEPS (300), FINETUNE_LR (0.0002), SCRATCH_STEPS (500), BEAM (5).
 set -euo pipefail
 run=${1:?usage: benchmarks/finetune_domain.sh RUN [OUT]}
 out=${2:-runs/finetune_domain}
 wmt22=${WMT22:-../shared/data/wmt22}
 finetune_steps=${FINETUNE_STEPS:-300}
 finetune_lr=${FINETUNE_LR:-0.0002}
-scratch_steps=${SCRATCH_STEPS:-1500}
+scratch_steps=${SCRATCH_STEPS:-500}
 beam=${BEAM:-5}
 mkdir -p "$out/data"
 

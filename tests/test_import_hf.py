@@ -494,3 +494,19 @@ def test_fine_tuning_an_imported_model_lowers_its_validation_loss_and_keeps_it_w
     result = invoke("export", tmp_path / "run", "--format", "hf", "-o", tmp_path / "hf")
     assert result.exit_code == 0, result.output
     assert transformers.MarianMTModel.from_pretrained(tmp_path / "hf").config.activation_function == "swish"
+
+
+def test_the_fine_tuning_recipe_runs_end_to_end_from_a_marian_folder(shared, multi30k_mirror, tmp_path):
+    """recipes/multi30k_en_de_finetune.yaml as shipped, but for the model (a Marian folder in place of the Hub's
+    OPUS-MT) and a budget of a few updates."""
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "multi30k_en_de_finetune.yaml"
+    settings = [f"train.init_from=hf:{shared.marian.path}", "train.max_steps=6", "train.valid_every=6"]
+    settings += ["train.save_every=6", "train.warmup=2", "train.batch_tokens=1024", "train.precision=fp32"]
+    settings += ["data.max_tokens=100", "decode.beam=2"]  # the test model's 128 positions; a quick search
+    options = [arg for setting in settings for arg in ("--set", setting)]
+    result = invoke("run", recipe, "--out", tmp_path / "run", "--mirror", multi30k_mirror, *options)
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["training"]["updates"] == 6 and [s["name"] for s in report["scores"]] == ["BLEU", "chrF2", "TER"]
+    assert report["model"].endswith("best") and report["verdict"] == "not reproduced"  # a random model, 6 updates
+    assert (tmp_path / "run" / "imported" / "model.safetensors").is_file()
