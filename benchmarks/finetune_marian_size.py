@@ -56,7 +56,7 @@ def marian_folder(folder: Path, train: dict[str, list[str]]) -> None:
     folder.mkdir(parents=True)
     pieces: list[str] = []
     for name, lang in (("source", "en"), ("target", "de")):
-        model = train_spm(train[lang], folder / name, TokenizerConfig(vocab_size=8000))
+        model = train_spm(train[lang], folder / name, TokenizerConfig(vocab_size=3000))
         model.rename(folder / f"{name}.spm")
         sp = sentencepiece.SentencePieceProcessor(model_file=str(folder / f"{name}.spm"))
         pieces += [sp.id_to_piece(i) for i in range(4, sp.get_piece_size())]
