@@ -503,6 +503,7 @@ def test_the_fine_tuning_recipe_runs_end_to_end_from_a_marian_folder(shared, mul
     settings = [f"train.init_from=hf:{shared.marian.path}", "train.max_steps=6", "train.valid_every=6"]
     settings += ["train.save_every=6", "train.warmup=2", "train.batch_tokens=1024", "train.precision=fp32"]
     settings += ["data.max_tokens=100", "decode.beam=2"]  # the test model's 128 positions; a quick search
+    settings += [f"recipe.data_dir={tmp_path / 'prepared'}"]  # not the session's: test_run.py prepares it afresh
     options = [arg for setting in settings for arg in ("--set", setting)]
     result = invoke("run", recipe, "--out", tmp_path / "run", "--mirror", multi30k_mirror, *options)
     assert result.exit_code == 0, result.output
