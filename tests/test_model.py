@@ -121,12 +121,18 @@ def reference_attention(attn: MultiHeadAttention, query, key_value, allowed):
     return attn.out_proj(out.transpose(1, 2).reshape(*query.shape[:2], h * dh))
 
 
-def test_attention_matches_plain_computation():
+def attention_case():
+    """A seeded 4-head attention with queries, keys/values, and a mask hiding the second row's last two keys."""
     torch.manual_seed(0)
     attn = MultiHeadAttention(32, 4, dropout=0.0).eval()
     query, key_value = torch.randn(2, 5, 32), torch.randn(2, 7, 32)
     allowed = torch.ones(2, 1, 1, 7, dtype=torch.bool)
     allowed[1, ..., 5:] = False
+    return attn, query, key_value, allowed
+
+
+def test_attention_matches_plain_computation():
+    attn, query, key_value, allowed = attention_case()
     torch.testing.assert_close(attn(query, key_value, allowed), reference_attention(attn, query, key_value, allowed))
 
 
@@ -196,11 +202,7 @@ def test_matrices_start_xavier_uniform_and_embeddings_normal_with_a_zero_pad_row
 
 
 def test_weights_hooks_see_what_attend_applies_until_removed():
-    torch.manual_seed(0)
-    attn = MultiHeadAttention(32, 4, dropout=0.0).eval()
-    query, key_value = torch.randn(2, 5, 32), torch.randn(2, 7, 32)
-    allowed = torch.ones(2, 1, 1, 7, dtype=torch.bool)
-    allowed[1, ..., 5:] = False
+    attn, query, key_value, allowed = attention_case()
     plain = attn(query, key_value, allowed)
     seen = []
     handle = attn.register_weights_hook(lambda module, weights: seen.append((module, weights)))
