@@ -16,7 +16,7 @@ The grid is every combination of ``--engines`` x ``--precisions`` x ``--beams`` 
 x ``--early-stop``, less the combinations that do not exist:
 
 - engine ``mtkit``: mtkit's own batched search (``mtkit.decoding.translate.Translator``), weights in fp32
-  or bf16 (``mtkit translate --precision``); it has no int8.
+  or bf16, or its linear layers in int8 (``mtkit translate --precision``).
 - engine ``ct2``: the model exported with ``mtkit export --format ctranslate2`` and decoded by
   CTranslate2 (``mtkit translate --engine ctranslate2``), skipped when the ctranslate2 package is
   missing. fp32 is a float32 export; int8 an int8 export (``--quantization int8``); bf16 a float32
@@ -71,7 +71,11 @@ REPO = Path(__file__).resolve().parents[1]
 ENGINES = ("mtkit", "ct2", "ct2native")
 CT2_ENGINES = ("ct2", "ct2native")
 PRECISIONS = ("fp32", "bf16", "int8")
-ENGINE_PRECISIONS = {"mtkit": ("fp32", "bf16"), "ct2": ("fp32", "bf16", "int8"), "ct2native": ("fp32", "bf16", "int8")}
+ENGINE_PRECISIONS = {
+    "mtkit": ("fp32", "bf16", "int8"),
+    "ct2": ("fp32", "bf16", "int8"),
+    "ct2native": ("fp32", "bf16", "int8"),
+}
 CT2_EXPORT = {"fp32": "float32", "bf16": "float32", "int8": "int8"}  # the weight type the export stores
 CT2_COMPUTE = {"fp32": "default", "bf16": "bfloat16", "int8": "default"}  # what CTranslate2 computes in
 NO_EARLY_STOP = "-no-early-stop"
@@ -204,6 +208,7 @@ def make_translator(config: Config, run: Path, export_dir: Path, threads: int, s
     import torch
 
     from mtkit.model.loading import load_for_inference
+    from mtkit.model.quantization import quantize_int8
     from mtkit.runtime import resolve_precision, set_threads
 
     set_threads(threads)
@@ -219,6 +224,8 @@ def make_translator(config: Config, run: Path, export_dir: Path, threads: int, s
     from mtkit.decoding.translate import Translator
 
     bundle = load_for_inference(run, device, resolve_precision(config.precision, device).dtype)
+    if config.precision == "int8":
+        quantize_int8(bundle.model)
     lexical = load_shortlist(shortlist, bundle.src_tok, bundle.tgt_tok) if config.shortlist else None
     return Translator(bundle.model, bundle.src_tok, bundle.tgt_tok, decode, device, shortlist=lexical)
 
@@ -303,7 +310,7 @@ def main() -> None:
         "--precisions",
         type=comma_list(str, PRECISIONS),
         default=list(PRECISIONS),
-        help="fp32,bf16,int8; each engine runs those it has (int8: ct2 only)",
+        help="fp32,bf16,int8; each engine runs those it has",
     )
     p.add_argument("--beams", type=comma_list(int), default=[1, 5], help="beam sizes, e.g. 1,5 (1 is greedy)")
     p.add_argument(

@@ -26,6 +26,8 @@ SpmType = Literal["unigram", "bpe"]  # SentencePiece model types
 # The number formats of training and translation; auto: bf16 where the device computes it natively, else fp32
 # (mtkit.runtime.choose_precision).
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
+# Translation also takes int8: int8 weights and activations in the linear layers, on the CPU (mtkit.model.quantization).
+InferencePrecision = Literal["auto", "fp32", "bf16", "fp16", "int8"]
 
 
 @dataclass(frozen=True)
@@ -282,7 +284,8 @@ class InferenceConfig:
     of their device, precision and engine."""
 
     device: str = "auto"  # auto: cuda when available, else cpu; or cpu, cuda, cuda:N
-    precision: Precision = "auto"  # of the weights: auto is bf16 where the device computes it natively, else fp32
+    # of the weights: auto is bf16 where the device computes it natively, else fp32; int8: CPU only
+    precision: InferencePrecision = "auto"
     engine: Engine = "mtkit"  # or ctranslate2, for a folder `mtkit export` wrote
 
 

@@ -57,7 +57,10 @@ def set_threads(threads: int) -> None:
 # The x86 CPU features (as /proc/cpuinfo names them) with which oneDNN computes bf16 matrix products in bf16.
 # Without one, bf16 is emulated through fp32 arithmetic and runs several times slower than fp32 itself.
 NATIVE_BF16_CPU_FEATURES = {"avx512_bf16": "AVX512-BF16", "amx_bf16": "AMX-BF16"}
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# The x86 CPU features with which int8 matrix products run as int8 dot products (oneDNN's VNNI and AMX kernels).
+INT8_CPU_FEATURES = {"amx_int8": "AMX-INT8", "avx512_vnni": "AVX512-VNNI", "avx_vnni": "AVX-VNNI"}
+# What each precision computes in; int8's layers other than the linear ones (attention, norms) stay float32.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.float32}
 
 
 def native_bf16(cpu_features: set[str]) -> list[str]:
@@ -72,7 +75,7 @@ class PrecisionChoice:
 
     precision: str  # fp32, bf16 or fp16
     reason: str  # in words, for logs and reports: "auto: this CPU has AVX512-BF16"
-    native: bool = True  # False: bf16 asked for on a CPU that only emulates it
+    native: bool = True  # False: bf16 asked for on a CPU that only emulates it, int8 on one without VNNI or AMX
 
     @property
     def dtype(self) -> torch.dtype:
@@ -105,6 +108,13 @@ def choose_precision(
         return PrecisionChoice("fp16", "asked for")
     if asked == "fp32":
         return PrecisionChoice("fp32", "asked for")
+    if asked == "int8":
+        if device_type != "cpu":
+            raise RuntimeSetupError("precision int8 runs on the CPU; use bf16 or fp16 on a GPU")
+        if found := [name for feature, name in INT8_CPU_FEATURES.items() if feature in cpu_features]:
+            return PrecisionChoice("int8", f"asked for; int8 products on {' and '.join(found)}")
+        wanted = " or ".join(INT8_CPU_FEATURES.values())
+        return PrecisionChoice("int8", f"asked for; this CPU has no {wanted}: int8 products run slower", False)
     if device_type == "cuda":
         native = gpu_capability is not None and tuple(gpu_capability) >= NATIVE_BF16_GPU
         capability = ".".join(map(str, gpu_capability or ()))
@@ -132,11 +142,15 @@ _warned: set[str] = set()  # the warnings given once per process
 
 
 def resolve_precision(asked: str, device: torch.device) -> PrecisionChoice:
-    """``choose_precision`` on this machine's ``device``; an emulated bf16 is warned about once per process."""
+    """``choose_precision`` on this machine's ``device``; an emulated bf16, or int8 without int8 dot products, is
+    warned about once per process."""
     choice = choose_precision(asked, device.type, cpu_features(), gpu_capability(device))
     if not choice.native and choice.reason not in _warned:
         _warned.add(choice.reason)
-        log.warning("precision bf16 %s: several times slower than fp32 here (precision auto picks fp32)", choice.reason)
+        if choice.precision == "bf16":
+            log.warning("precision bf16 %s: several times slower than fp32 here (auto picks fp32)", choice.reason)
+        else:
+            log.warning("precision %s %s", choice.precision, choice.reason)
     return choice
 
 
@@ -248,6 +262,7 @@ def environment_report(path: Path = Path(".")) -> dict:
             name: choose_precision("auto", name, cpu_features(), gpu_capability(torch.device(name))).to_dict()
             for name in ("cpu", *(["cuda"] if cuda else []))
         },
+        "int8_decoding": choose_precision("int8", "cpu", cpu_features()).to_dict(),
         "memory_available_gib": round(int(mem_kib.split()[0]) / 2**20, 1) if mem_kib else None,
         "disk_free_gib": round(shutil.disk_usage(disk).free / 2**30, 1),
         "disk_path": str(disk),  # where disk_free_gib was measured: ``path``, or its nearest existing parent

@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 from mtkit.cli import app
 from mtkit.config import ModelConfig, RunConfig, TrainConfig, from_dict
 from mtkit.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
+from mtkit.model.quantization import quantize_int8
 from mtkit.model.transformer import Transformer, build_model
 from mtkit.training import run_directory
 
@@ -41,9 +42,11 @@ def tiny_model_config(**overrides) -> ModelConfig:
     return ModelConfig(**values)
 
 
-def tiny_model(vocab: int = 40, seed: int = 0, **overrides) -> Transformer:
+def tiny_model(vocab: int = 40, seed: int = 0, int8: bool = False, **overrides) -> Transformer:
+    """A tiny random model; ``int8``: its linear layers quantized as ``--precision int8`` quantizes them."""
     torch.manual_seed(seed)
-    return build_model(tiny_model_config(**overrides), vocab, vocab, PAD_ID).eval()
+    model = build_model(tiny_model_config(**overrides), vocab, vocab, PAD_ID).eval()
+    return quantize_int8(model) if int8 else model
 
 
 def train_on_task(model: Transformer, pairs, steps: int, peak_lr: float, warmup: int) -> Transformer:

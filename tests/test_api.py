@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import captions
 import pytest
 from helpers import invoke
@@ -91,3 +94,15 @@ def test_bad_input_raises_the_one_error_type(tmp_path, run_with_decode_settings)
         mtkit.load(run_with_decode_settings, device="cpu").translate(["A dog."], bem=3)
     with pytest.raises(mtkit.MtkitError, match="decode.beam must be >= 1"):
         mtkit.load(run_with_decode_settings, device="cpu", beam=0)
+
+
+def test_loading_a_model_imports_no_compiler_machinery(run_with_decode_settings):
+    """The meta-device skeleton that checks a checkpoint's shapes computes no values: torch's Python meta kernels
+    would import dynamo and sympy (1.5 s and 75 MB of every process that translates)."""
+    script = (
+        "import sys, mtkit; "
+        f"mtkit.load({str(run_with_decode_settings)!r}, device='cpu', precision='int8').translate(['A dog.']); "
+        "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", done.stderr

@@ -53,10 +53,11 @@ POSITIONS = [
 ]
 
 
+@pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
 @pytest.mark.parametrize("positions", POSITIONS, ids=lambda p: "-".join(map(str, p.values())))
 @pytest.mark.parametrize("decode, nbest", SETTINGS)
-def test_sentences_that_join_at_any_step_get_the_hypotheses_of_beam_search(positions, decode, nbest):
-    model = tiny_model(30, seed=4, **positions)
+def test_sentences_that_join_at_any_step_get_the_hypotheses_of_beam_search(positions, decode, nbest, int8):
+    model = tiny_model(30, seed=4, int8=int8, **positions)
     sources = random_sources(24, 30, seed=2)
     results, _ = streamed(ContinuousBeamSearch(model, decode, nbest), sources, seed=1)
     for i, source in enumerate(sources):

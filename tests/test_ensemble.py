@@ -14,8 +14,9 @@ from mtkit.decoding.ensemble import Ensemble
 from mtkit.decoding.search import beam_search, greedy_search
 
 
-def test_an_ensemble_of_copies_decodes_like_the_model():
-    model = tiny_model(30, seed=7)
+@pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
+def test_an_ensemble_of_copies_decodes_like_the_model(int8):
+    model = tiny_model(30, seed=7, int8=int8)
     src, mask = source_tensor(random_sources(6, 30, seed=4))
     alone = beam_search(model, src, mask, DecodeConfig(beam=3), nbest=2)
     for members in ([model], [model, model]):

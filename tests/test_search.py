@@ -348,8 +348,9 @@ def test_top_k_one_sampling_is_greedy():
     assert [h.tokens for h in drawn] == greedy_search(model, src, mask)
 
 
-def test_prefixes_start_the_output_and_leave_other_sentences_alone():
-    model = tiny_model(30, seed=6)
+@pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
+def test_prefixes_start_the_output_and_leave_other_sentences_alone(int8):
+    model = tiny_model(30, seed=6, int8=int8)
     sources = random_sources(4, 30, seed=3)
     prefixes = [[7, 8], [], [9], [10, 11, 12]]
     src, mask = source_tensor(sources)

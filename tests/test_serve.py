@@ -330,6 +330,19 @@ def test_sigterm_under_load_answers_every_accepted_request(trained_run, tmp_path
         server.post({"text": "A dog."})
 
 
+def test_int8_is_served_as_the_library_translates_in_int8(trained_run, tmp_path, distinct):
+    expected = mtkit.load(trained_run, device="cpu", precision="int8").translate(distinct)
+    served = Server(trained_run, tmp_path / "stderr", "--precision", "int8")
+    try:
+        [model] = httpx.get(served.url + "/v1/models").json()["models"]
+        assert model["precision"]["precision"] == "int8"
+        with ThreadPoolExecutor(4) as pool:  # concurrent requests join and leave one continuous search
+            answers = list(pool.map(lambda line: served.post({"text": [line]}).json(), distinct))
+        assert answers == [{"translations": [line]} for line in expected]
+    finally:
+        assert served.stop() == 0
+
+
 def test_a_ctranslate2_export_is_served_as_the_library_translates_it(trained_run, tmp_path, distinct):
     pytest.importorskip("ctranslate2")
     export = tmp_path / "ct2"

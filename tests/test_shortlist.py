@@ -68,13 +68,14 @@ def test_each_source_token_keeps_its_strongest_co_occurring_targets(corpus_files
     assert shortlist.always.numel() <= 10 + EOS_ID + 1
 
 
-def test_candidates_of_the_whole_vocabulary_search_exactly_as_without(corpus_files, spm_model):
+@pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
+def test_candidates_of_the_whole_vocabulary_search_exactly_as_without(corpus_files, spm_model, int8):
     """The cut output layer is the whole one: hypotheses, scores and n-best lists are the same, for an ensemble too."""
     lines = corpus_files["val.en"].read_text().splitlines()[:12]
     src, mask = source_tensor(spm_model.encode(lines))
     vocab = spm_model.vocab_size
     decode = DecodeConfig(beam=4)
-    for model in (tiny_model(vocab, seed=3), Ensemble([tiny_model(vocab, seed=3), tiny_model(vocab, seed=4)])):
+    for model in (model_of(vocab, (3,), int8), model_of(vocab, (3, 4), int8)):
         everything = Candidates(torch.arange(vocab))
         prefixes = [spm_model.encode(["Ein"])[0]] + [[]] * (len(lines) - 1)
         assert beam_search(model, src, mask, decode, 3, prefixes, everything) == beam_search(
@@ -229,8 +230,8 @@ def test_a_shortlist_built_over_several_chunks_is_the_one_built_at_once(corpus_f
         assert torch.equal(chunked.table, whole.table) and torch.equal(chunked.always, whole.always)
 
 
-def model_of(vocab: int, seeds: tuple[int, ...]):
-    models = [tiny_model(vocab, seed=seed) for seed in seeds]
+def model_of(vocab: int, seeds: tuple[int, ...], int8: bool = False):
+    models = [tiny_model(vocab, seed=seed, int8=int8) for seed in seeds]
     return models[0] if len(models) == 1 else Ensemble(models)
 
 
@@ -248,8 +249,9 @@ def masked(model, allowed: torch.Tensor, vocab: int):
     return model
 
 
+@pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
 def test_a_real_cut_searches_as_the_whole_vocabulary_with_the_rest_masked(
-    corpus_files, spm_model, shortlist, monkeypatch
+    corpus_files, spm_model, shortlist, monkeypatch, int8
 ):
     """Outputs, n-best lists and scores of a cut to under half the vocabulary, against the full model's search
     with the other ids' logits at -inf: an id taken for another (a column for its id) changes them."""
@@ -262,12 +264,15 @@ def test_a_real_cut_searches_as_the_whole_vocabulary_with_the_rest_masked(
     assert candidates.ids.numel() < vocab / 2, candidates.ids.numel()
     decode = DecodeConfig(beam=4, min_len=2, max_len_a=0.0, max_len_b=16)
     for seeds in ((3,), (3, 4)):  # one model, an ensemble
-        cut = beam_search(model_of(vocab, seeds), src, mask, decode, 3, prefixes, candidates)
-        reference = beam_search(masked(model_of(vocab, seeds), candidates.ids, vocab), src, mask, decode, 3, prefixes)
+        cut = beam_search(model_of(vocab, seeds, int8), src, mask, decode, 3, prefixes, candidates)
+        reference = beam_search(
+            masked(model_of(vocab, seeds, int8), candidates.ids, vocab), src, mask, decode, 3, prefixes
+        )
         assert [[h.tokens for h in sentence] for sentence in cut] == [[h.tokens for h in s] for s in reference]
         # The two project and normalise rows of other widths: scores agree up to float rounding.
         assert scores(cut) == pytest.approx(scores(reference), rel=1e-6, abs=1e-5)
-        assert reference != beam_search(model_of(vocab, seeds), src, mask, decode, 3, prefixes)  # a cut that tells
+        whole = beam_search(model_of(vocab, seeds, int8), src, mask, decode, 3, prefixes)
+        assert reference != whole  # a cut that tells
 
 
 def test_the_ctranslate2_engine_refuses_a_shortlist_for_the_exports_own_map(run, corpus_files, shortlist, tmp_path):

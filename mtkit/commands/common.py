@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 import typer
 from rich.console import Console
 
-from mtkit.config import Engine, Precision
+from mtkit.config import Engine, InferencePrecision
 from mtkit.errors import MtkitError
 
 stderr = Console(stderr=True)
@@ -27,11 +27,12 @@ _log_level = logging.INFO  # set by the global options (set_log_level)
 ModelPath = Annotated[Path, typer.Argument(help="Run directory (uses best/), checkpoint directory or .safetensors.")]
 Device = Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")]
 WeightPrecision = Annotated[
-    Precision,
+    InferencePrecision,
     typer.Option(
         "--precision",
         help="Number format of the weights; auto: bf16 where the device computes it natively, else fp32 "
-        "(`mtkit doctor` says which); fp16 on GPU only.",
+        "(`mtkit doctor` says which); fp16 on GPU only; int8 (CPU): int8 weights and activations in the "
+        "linear layers.",
     ),
 ]
 EngineChoice = Annotated[

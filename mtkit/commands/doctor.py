@@ -24,7 +24,7 @@ def doctor_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
     """What a run will use here: torch, CPU, CUDA/NCCL, GPUs, bf16/fp16 support and what precision auto picks,
-    threads, allocator, memory, disk."""
+    int8 decoding, threads, allocator, memory, disk."""
     from mtkit.runtime import environment_report
 
     report = environment_report(path)
@@ -52,6 +52,7 @@ def doctor_command(
                 for dev, c in report["auto_precision"].items()
             ),
         ),
+        ("int8 decoding", f"cpu ({report['int8_decoding']['reason'].removeprefix('asked for; ')})"),
         ("memory available", f"{report['memory_available_gib']} GiB"),
         ("disk free", f"{report['disk_free_gib']} GiB at {report['disk_path']}{_not_there(path)}"),
     ]

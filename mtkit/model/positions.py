@@ -21,6 +21,13 @@ from torch import Tensor, nn
 ROTARY_BASE = 10000.0  # the angle of dimension pair i at position p is p * ROTARY_BASE ** (-2i / Dh)
 
 
+def building_skeleton() -> bool:
+    """Whether modules are being built on the meta device, as a skeleton that shows only shapes
+    (mtkit.model.loading): position tables need no values there, and torch computes them on the meta device
+    with Python kernels whose first use imports dynamo and sympy (1.5 s and 75 MB of every process)."""
+    return torch.empty(0).is_meta
+
+
 class Rotary(nn.Module):
     """Rotate the two halves of each head's vector by position-dependent angles (GPT-NeoX layout)."""
 
@@ -28,10 +35,14 @@ class Rotary(nn.Module):
         super().__init__()
         if d_head % 2:
             raise ValueError(f"rotary positions need an even head size, got {d_head}")
-        inv_freq = base ** (-torch.arange(0, d_head, 2, dtype=torch.float32) / d_head)  # (Dh/2,)
-        angles = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq  # (max_positions, Dh/2)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        if building_skeleton():
+            cos = sin = torch.empty(max_positions, d_head // 2)
+        else:
+            inv_freq = base ** (-torch.arange(0, d_head, 2, dtype=torch.float32) / d_head)  # (Dh/2,)
+            angles = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq  # (max_positions, Dh/2)
+            cos, sin = angles.cos(), angles.sin()
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, x: Tensor, start: int | Tensor = 0) -> Tensor:
         """x (B, H, L, Dh) at positions start..start+L-1, rotated; ``start`` is one for all rows, or (B,), each
@@ -56,8 +67,8 @@ class RelativePositions(nn.Module):
         super().__init__()
         self.clip = clip
         # A default of N(0, 1/Dh), as nn.Linear has its own; a Transformer applies ``init_weights`` once built.
-        self.keys = nn.Parameter(torch.randn(2 * clip + 1, d_head) * d_head**-0.5)
-        self.values = nn.Parameter(torch.randn(2 * clip + 1, d_head) * d_head**-0.5)
+        self.keys = nn.Parameter(nn.init.normal_(torch.empty(2 * clip + 1, d_head), std=d_head**-0.5))
+        self.values = nn.Parameter(nn.init.normal_(torch.empty(2 * clip + 1, d_head), std=d_head**-0.5))
 
     def init_weights(self) -> None:
         """Xavier-uniform tables, as the Transformer initialises its other matrices."""

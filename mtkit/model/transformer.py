@@ -7,7 +7,9 @@ query may attend (``attn_allowed``).
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -16,7 +18,8 @@ from torch import Tensor, nn
 
 from mtkit.config import ModelConfig
 from mtkit.model.attention import DecoderCache, Dropout, LayerCache, MultiHeadAttention, autocast_once, self_attention
-from mtkit.model.positions import RelativePositions
+from mtkit.model.positions import RelativePositions, building_skeleton
+from mtkit.model.quantization import Int8Linear
 
 
 @dataclass
@@ -25,15 +28,19 @@ class Candidates:
     output weights cut down to them, cut once per batch and output layer rather than at every step."""
 
     ids: Tensor
-    _cut: dict[int, tuple[Tensor, Tensor | None]] = field(default_factory=dict, repr=False)
+    _cut: dict[int, Callable[[Tensor], Tensor]] = field(default_factory=dict, repr=False)
 
-    def project(self, features: Tensor, output: nn.Linear) -> Tensor:
+    def project(self, features: Tensor, output: nn.Linear | Int8Linear) -> Tensor:
         """``output(features)`` over the candidates only: (..., len(ids))."""
         cut = self._cut.get(id(output))
         if cut is None:
-            bias = None if output.bias is None else output.bias[self.ids]
-            cut = self._cut[id(output)] = (output.weight[self.ids], bias)
-        return F.linear(features, *cut)
+            if isinstance(output, Int8Linear):
+                cut = output.rows(self.ids)
+            else:
+                bias = None if output.bias is None else output.bias[self.ids]
+                cut = functools.partial(F.linear, weight=output.weight[self.ids], bias=bias)
+            self._cut[id(output)] = cut
+        return cut(features)
 
     def columns(self, ids: Tensor) -> Tensor:
         """The positions of target ``ids`` (each one of the candidates, or -1, kept) among the candidates."""
@@ -166,6 +173,8 @@ def sinusoidal_table(max_positions: int, d_model: int) -> Tensor:
     Computed in float64 and rounded once, so every entry is the float32 nearest the true value, as
     in Marian's and fairseq's tables (a float32 angle at position 1,000 is off by about 1e-4).
     """
+    if building_skeleton():
+        return torch.empty(max_positions, d_model)
     position = torch.arange(max_positions, dtype=torch.float64)[:, None]
     inv_freq = 10000.0 ** (-torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)
     table = torch.zeros(max_positions, d_model, dtype=torch.float64)

@@ -7,12 +7,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mtkit.config import ConfigError, Engine, InferenceConfig, Precision, SamplingConfig
+from mtkit.config import ConfigError, Engine, InferenceConfig, InferencePrecision, SamplingConfig
 from mtkit.decoding.ensemble import Ensemble
 from mtkit.decoding.shortlist import load_shortlist
 from mtkit.decoding.translate import LineTranslator, Translator, aligner_of, with_overrides
 from mtkit.model.checkpoint import CheckpointError
 from mtkit.model.loading import load_for_inference
+from mtkit.model.quantization import quantize_int8
 
 # What each engine cannot do: option -> how `mtkit translate` names it. CTranslate2 runs its own search
 # over one export: no forced prefix, no sampling, no word alignments, its own rule for when a search ends,
@@ -39,7 +40,7 @@ def refused_options(engine: str, asked: dict[str, bool]) -> list[str]:
 def load_translator(
     models: str | Path | Sequence[str | Path],
     device: str = InferenceConfig.device,
-    precision: Precision = InferenceConfig.precision,
+    precision: InferencePrecision = InferenceConfig.precision,
     engine: Engine = InferenceConfig.engine,
     nbest: int = 1,
     sampling: SamplingConfig | None = None,
@@ -53,7 +54,8 @@ def load_translator(
 
     Decoding follows the settings saved with the (first) model, then ``decode`` (``beam=4``,
     ``lenpen=0.6``, ...). Weights are cast to ``precision`` once (``auto``: bf16 where the device computes it
-    natively, else fp32; with CTranslate2, the export's own weight type); ``alignments`` adds word alignments
+    natively, else fp32; ``int8``: the linear layers' weights and activations in int8, on the CPU; with
+    CTranslate2, ``auto`` is the export's own weight type); ``alignments`` adds word alignments
     from the first model's cross-attention; ``sampling`` draws tokens instead of searching;
     ``shortlist``, a file `mtkit shortlist` wrote, limits each batch's outputs to its candidates.
     """
@@ -75,7 +77,7 @@ def load_translator(
         if precision == "auto":
             compute_type, chosen = "default", {"precision": "auto", "reason": "the export's own weight type"}
         else:
-            compute_type = {"fp32": "default", "bf16": "bfloat16", "fp16": "float16"}[precision]
+            compute_type = {"fp32": "default", "bf16": "bfloat16", "fp16": "float16", "int8": "int8"}[precision]
             chosen = resolve_precision(precision, dev).to_dict()
         engine_translator = CTranslate2Translator.from_dir(models[0], decode, dev.type, compute_type, nbest)
         engine_translator.precision = chosen
@@ -84,6 +86,9 @@ def load_translator(
         raise ConfigError(f"engine must be mtkit or ctranslate2, got {engine!r}")
     choice = resolve_precision(precision, dev)
     bundles = [load_for_inference(path, dev, choice.dtype) for path in models]
+    if choice.precision == "int8":
+        for bundle in bundles:
+            quantize_int8(bundle.model)
     first = bundles[0]
     for path, other in zip(models[1:], bundles[1:]):
         if (other.src_tok.sha256, other.tgt_tok.sha256) != (first.src_tok.sha256, first.tgt_tok.sha256):

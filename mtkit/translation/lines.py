@@ -15,7 +15,7 @@ import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from mtkit.config import ConfigError, Engine, InferenceConfig, Precision, SamplingConfig
+from mtkit.config import ConfigError, Engine, InferenceConfig, InferencePrecision, SamplingConfig
 from mtkit.data.parallel import UTF8_BOM, DataError, check_input_file, count_lines, open_binary, reading
 from mtkit.decoding import translate
 from mtkit.decoding.translate import PrefixMismatch, Translation
@@ -233,7 +233,7 @@ def translate_file(
     alignments: bool = False,
     sampling: SamplingConfig | None = None,
     device: str = InferenceConfig.device,
-    precision: Precision = InferenceConfig.precision,
+    precision: InferencePrecision = InferenceConfig.precision,
     engine: Engine = InferenceConfig.engine,
     shortlist: Path | None = None,
     **decode,

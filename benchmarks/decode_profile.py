@@ -1,0 +1,106 @@
+"""Where a decoding step's time goes: mtkit's beam search over Multi30k test sentences, at one precision.
+
+Two views of the same translation of the first ``--lines`` test_2016_flickr sentences (after one untimed pass):
+
+- by part of the model: wall-clock seconds inside the encoder, the decoder (embedding, layers, cache), the
+  output projection (forward hooks), and the rest of the search (log-softmax, top-k, cache reordering);
+- by operator: torch.profiler's self CPU time of each aten operator, the largest first.
+
+    python benchmarks/decode_profile.py --run runs/multi30k_en_de --precision int8
+    python benchmarks/decode_profile.py --run runs/multi30k_en_de --precision fp32 --shortlist runs/sl.safetensors
+
+Output: the two tables, then one ``decode_profile key=value ...`` line of the parts' seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from mtkit.config import DecodeConfig
+from mtkit.data.parallel import read_lines
+from mtkit.decoding.shortlist import load_shortlist
+from mtkit.decoding.translate import Translator
+from mtkit.model.loading import load_for_inference
+from mtkit.model.quantization import quantize_int8
+from mtkit.runtime import resolve_precision, set_threads
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class PartClock:
+    """Seconds spent inside chosen modules, by forward pre- and post-hooks (nested calls counted once)."""
+
+    def __init__(self, parts: dict[str, torch.nn.Module]) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        for name, module in parts.items():
+            module.register_forward_pre_hook(lambda *_, name=name: self._start(name))
+            module.register_forward_hook(lambda *_, name=name: self._stop(name))
+        self._started: dict[str, float] = {}
+
+    def _start(self, name: str) -> None:
+        self._started[name] = time.perf_counter()
+
+    def _stop(self, name: str) -> None:
+        self.seconds[name] += time.perf_counter() - self._started.pop(name)
+        self.calls[name] += 1
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", type=Path, required=True, help="trained run directory (its best/)")
+    p.add_argument("--precision", choices=["fp32", "bf16", "int8"], default="fp32")
+    p.add_argument("--beam", type=int, default=5)
+    p.add_argument("--lines", type=int, default=256, help="test sentences translated")
+    p.add_argument("--shortlist", type=Path, help="a file `mtkit shortlist` wrote")
+    p.add_argument("--threads", type=int, default=0, help="torch threads; 0 keeps torch's default")
+    p.add_argument("--top", type=int, default=15, help="operators listed")
+    p.add_argument("--data-dir", type=Path, default=REPO.parent / "shared" / "data" / "multi30k")
+    args = p.parse_args()
+
+    set_threads(args.threads)
+    device = torch.device("cpu")
+    bundle = load_for_inference(args.run, device, resolve_precision(args.precision, device).dtype)
+    if args.precision == "int8":
+        quantize_int8(bundle.model)
+    lexical = load_shortlist(args.shortlist, bundle.src_tok, bundle.tgt_tok) if args.shortlist else None
+    model = bundle.model
+    translator = Translator(
+        model, bundle.src_tok, bundle.tgt_tok, DecodeConfig(beam=args.beam), device, shortlist=lexical
+    )
+    lines = read_lines(args.data_dir / "test_2016_flickr.en.gz")[: args.lines]
+    translator.translate(lines)  # untimed: kernels chosen, memory pools grown
+
+    clock = PartClock({"encoder": model.encoder, "decoder": model.decoder, "output_projection": model.output})
+    start = time.perf_counter()
+    translator.translate(lines)
+    total = time.perf_counter() - start
+    parts = dict(clock.seconds)
+    parts["search_rest"] = total - sum(parts.values())
+    steps = clock.calls["output_projection"]
+    print(f"{args.precision}, beam {args.beam}, {len(lines)} sentences: {total:.2f} s, {steps} decoder steps")
+    print(f"{'part':<20} {'seconds':>8} {'share':>7} {'ms/step':>8}")
+    for name, seconds in parts.items():
+        print(f"{name:<20} {seconds:8.3f} {seconds / total:7.1%} {seconds / max(steps, 1) * 1e3:8.3f}")
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        translator.translate(lines)
+    events = prof.key_averages()
+    self_total = sum(e.self_cpu_time_total for e in events)
+    print(f"\n{'operator':<40} {'self ms':>9} {'share':>7} {'calls':>7}")
+    for event in sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[: args.top]:
+        share = event.self_cpu_time_total / self_total
+        print(f"{event.key:<40} {event.self_cpu_time_total / 1e3:9.1f} {share:7.1%} {event.count:7d}")
+    figures = " ".join(f"{name}={seconds:.3f}" for name, seconds in parts.items())
+    print(
+        f"\ndecode_profile precision={args.precision} beam={args.beam} lines={len(lines)} total={total:.3f} {figures}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""int8 decoding (``--precision int8``): the quantized layer, the model it makes, and the command line and API
+that offer it. The search's exactness tests (shortlists, ensembles, prefixes, n-best lists, continuous batching)
+run in int8 beside fp32 in their own modules; test_learning checks int8's quality on a trained model, test_serve
+the server in int8."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import invoke, tiny_model
+
+import mtkit
+from mtkit import runtime
+from mtkit.model.quantization import Int8Linear, quantize_int8, quantize_rows
+from mtkit.runtime import RuntimeSetupError, choose_precision
+
+
+def test_a_row_quantizes_to_its_own_scale_and_back():
+    x = torch.tensor([[0.5, -1.0, 0.25], [0.0, 0.0, 0.0], [100.0, 3.0, -7.0]])
+    quantized, scale = quantize_rows(x)
+    assert quantized.dtype == torch.int8 and quantized.abs().max() == 127
+    assert quantized[0].tolist() == [64, -127, 32] and quantized[1].tolist() == [0, 0, 0]
+    assert torch.allclose(quantized * scale, x, atol=float(scale.max()) / 2)
+
+
+def test_the_int8_layer_is_the_float_one_within_a_percent_and_each_row_is_computed_alone():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48)
+    # rows of very different sizes: a scale per row keeps each one's precision
+    x = torch.randn(3, 7, 64) * torch.logspace(-3, 3, 7)[:, None]
+    layer = Int8Linear.from_linear(linear)
+    want, got = linear(x).detach(), layer(x)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    error = (got - want).norm(dim=-1) / (want - linear.bias.detach()).norm(dim=-1)
+    assert error.max() < 0.02, error.max()
+    for i in range(3):  # batch-mates never change a row: int8 products are summed exactly
+        for j in range(7):
+            assert torch.equal(layer(x[i, j][None])[0], got[i, j])
+    ids = torch.tensor([0, 5, 6, 40])  # a shortlist's cut is those outputs of the whole layer, exactly
+    assert torch.equal(layer.rows(ids)(x), got[..., ids])
+    unbiased = Int8Linear.from_linear(torch.nn.Linear(64, 48, bias=False))
+    assert unbiased.bias is None and torch.equal(unbiased(torch.zeros(2, 64)), torch.zeros(2, 48))
+
+
+def test_every_linear_layer_is_quantized_and_the_embeddings_stay_float():
+    model = tiny_model(30, seed=1, tie_embeddings=True)
+    embedding = model.encoder.embed.tokens.weight.detach().clone()
+    quantize_int8(model)
+    assert not [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    assert len(layers) == 2 * (4 + 2) + 2 * (8 + 2) + 1  # attention projections and FFNs, and the output
+    assert model.output.weight.dtype == torch.int8
+    assert torch.equal(model.encoder.embed.tokens.weight, embedding)  # the tied embedding is not the int8 copy
+
+
+def test_int8_is_cpu_only_and_says_whether_the_cpu_has_int8_dot_products():
+    with pytest.raises(RuntimeSetupError, match="int8 runs on the CPU"):
+        choose_precision("int8", "cuda", {"avx512_vnni"}, (9, 0))
+    vnni = choose_precision("int8", "cpu", {"avx2", "avx512f", "avx512_vnni"})
+    assert vnni.precision == "int8" and vnni.native and "AVX512-VNNI" in vnni.reason
+    assert vnni.dtype == torch.float32  # attention and norms around the int8 layers
+    avx2 = choose_precision("int8", "cpu", {"avx2", "fma"})
+    assert avx2.precision == "int8" and not avx2.native and "no AMX-INT8 or AVX512-VNNI or AVX-VNNI" in avx2.reason
+
+
+def test_doctor_says_whether_int8_products_have_vnni(monkeypatch):
+    monkeypatch.setattr(runtime, "cpu_features", lambda: frozenset({"avx2", "avx512f", "avx512_vnni"}))
+    assert json.loads(invoke("doctor", "--json").stdout)["int8_decoding"]["precision"] == "int8"
+    [line] = [line for line in invoke("doctor").stdout.splitlines() if line.startswith("int8 decoding")]
+    assert line.endswith("cpu (int8 products on AVX512-VNNI)")
+    monkeypatch.setattr(runtime, "cpu_features", lambda: frozenset({"avx2"}))
+    assert "no AMX-INT8 or AVX512-VNNI or AVX-VNNI" in invoke("doctor").stdout
+
+
+def test_translate_and_load_take_int8_and_agree(trained_run, corpus_files, tmp_path):
+    lines = [*corpus_files["val.en"].read_text().splitlines()[:8], "", "A cat."]
+    translator = mtkit.load(trained_run, device="cpu", precision="int8")
+    assert translator.precision["precision"] == "int8"
+    assert any(isinstance(m, Int8Linear) for m in translator.model.modules())
+    expected = translator.translate(lines)
+    assert len(expected) == len(lines) and expected[-2] == "" and sum(map(bool, expected)) >= 6
+    source = tmp_path / "in.en"
+    source.write_text("\n".join(lines) + "\n")
+    result = invoke("translate", trained_run, "--precision", "int8", "-i", source, "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines() == expected
+
+
+def test_training_takes_no_int8(tmp_path):
+    result = invoke("train", tmp_path / "none.yaml", "--out", tmp_path / "run", "--precision", "int8")
+    assert result.exit_code != 0 and "int8" in result.output
