@@ -9,12 +9,15 @@ Two views of the same translation of the first ``--lines`` test_2016_flickr sent
     python benchmarks/decode_profile.py --run runs/multi30k_en_de --precision int8
     python benchmarks/decode_profile.py --run runs/multi30k_en_de --precision fp32 --shortlist runs/sl.safetensors
 
-Output: the two tables, then one ``decode_profile key=value ...`` line of the parts' seconds.
+Output: the two tables, then one ``decode_profile key=value ...`` line of the parts' seconds. With
+``--fixed-steps N``, only the median milliseconds of a decoder step of fixed shapes instead (128 sentences x
+beam rows, N steps from bos): the yardstick for one change to the step.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -22,33 +25,60 @@ from pathlib import Path
 import torch
 
 from mtkit.config import DecodeConfig
-from mtkit.data.parallel import read_lines
+from mtkit.data.parallel import read_lines, source_tensor
+from mtkit.data.tokenizer import BOS_ID
 from mtkit.decoding.shortlist import load_shortlist
 from mtkit.decoding.translate import Translator
+from mtkit.model.attention import DecoderCache
 from mtkit.model.loading import load_for_inference
 from mtkit.model.quantization import quantize_int8
+from mtkit.model.transformer import Transformer
 from mtkit.runtime import resolve_precision, set_threads
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 class PartClock:
-    """Seconds spent inside chosen modules, by forward pre- and post-hooks (nested calls counted once)."""
+    """Seconds spent in the encoder, the decoder and the output projection (with a shortlist, its cut of the
+    output layer): forward hooks on the first two, and the decoding step (``decode``) less its decoder."""
 
-    def __init__(self, parts: dict[str, torch.nn.Module]) -> None:
+    def __init__(self, model: Transformer) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
-        self.calls: dict[str, int] = defaultdict(int)
-        for name, module in parts.items():
+        self.steps = 0
+        self._started: dict[str, float] = {}
+        for name, module in (("encoder", model.encoder), ("decoder", model.decoder)):
             module.register_forward_pre_hook(lambda *_, name=name: self._start(name))
             module.register_forward_hook(lambda *_, name=name: self._stop(name))
-        self._started: dict[str, float] = {}
+        decode = model.decode
+
+        def timed_decode(*args, **kwargs):
+            start, decoder_before = time.perf_counter(), self.seconds["decoder"]
+            logits = decode(*args, **kwargs)
+            decoder = self.seconds["decoder"] - decoder_before
+            self.seconds["output_projection"] += time.perf_counter() - start - decoder
+            self.steps += 1
+            return logits
+
+        model.decode = timed_decode
 
     def _start(self, name: str) -> None:
         self._started[name] = time.perf_counter()
 
     def _stop(self, name: str) -> None:
         self.seconds[name] += time.perf_counter() - self._started.pop(name)
-        self.calls[name] += 1
+
+
+def fixed_steps(model: Transformer, src: torch.Tensor, mask: torch.Tensor, beam: int, steps: int) -> float:
+    """Seconds of ``steps`` cached decoder steps of every sentence's ``beam`` rows from bos, with the output
+    projection and log-softmax: a step of fixed shapes, so that one change to it can be timed alone."""
+    with torch.inference_mode():
+        memory = model.encode(src, mask)
+        cache = DecoderCache()
+        tokens = torch.full((src.size(0) * beam, 1), BOS_ID)
+        start = time.perf_counter()
+        for _ in range(steps):
+            torch.log_softmax(model.decode(tokens, memory, mask, cache)[:, -1].float(), dim=-1)
+        return time.perf_counter() - start
 
 
 def main() -> None:
@@ -61,6 +91,13 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads; 0 keeps torch's default")
     p.add_argument("--top", type=int, default=15, help="operators listed")
     p.add_argument("--data-dir", type=Path, default=REPO.parent / "shared" / "data" / "multi30k")
+    p.add_argument(
+        "--fixed-steps",
+        type=int,
+        default=0,
+        help="instead: time this many decoder steps of the first 128 lines x beam from bos, --repeat times",
+    )
+    p.add_argument("--repeat", type=int, default=7, help="repeats of --fixed-steps; the median is reported")
     args = p.parse_args()
 
     set_threads(args.threads)
@@ -74,15 +111,22 @@ def main() -> None:
         model, bundle.src_tok, bundle.tgt_tok, DecodeConfig(beam=args.beam), device, shortlist=lexical
     )
     lines = read_lines(args.data_dir / "test_2016_flickr.en.gz")[: args.lines]
+    if args.fixed_steps:
+        src, mask = source_tensor(bundle.src_tok.encode(lines[:128]))
+        fixed_steps(model, src, mask, args.beam, args.fixed_steps)  # untimed
+        seconds = [fixed_steps(model, src, mask, args.beam, args.fixed_steps) for _ in range(args.repeat)]
+        step_ms = statistics.median(seconds) / args.fixed_steps * 1e3
+        print(f"decode_step precision={args.precision} rows={src.size(0) * args.beam} ms_per_step={step_ms:.2f}")
+        return
     translator.translate(lines)  # untimed: kernels chosen, memory pools grown
 
-    clock = PartClock({"encoder": model.encoder, "decoder": model.decoder, "output_projection": model.output})
+    clock = PartClock(model)
     start = time.perf_counter()
     translator.translate(lines)
     total = time.perf_counter() - start
     parts = dict(clock.seconds)
     parts["search_rest"] = total - sum(parts.values())
-    steps = clock.calls["output_projection"]
+    steps = clock.steps
     print(f"{args.precision}, beam {args.beam}, {len(lines)} sentences: {total:.2f} s, {steps} decoder steps")
     print(f"{'part':<20} {'seconds':>8} {'share':>7} {'ms/step':>8}")
     for name, seconds in parts.items():
@@ -97,9 +141,11 @@ def main() -> None:
         share = event.self_cpu_time_total / self_total
         print(f"{event.key:<40} {event.self_cpu_time_total / 1e3:9.1f} {share:7.1%} {event.count:7d}")
     figures = " ".join(f"{name}={seconds:.3f}" for name, seconds in parts.items())
+    shortlist = "on" if args.shortlist else "off"
     print(
-        f"\ndecode_profile precision={args.precision} beam={args.beam} lines={len(lines)} total={total:.3f} {figures}"
+        f"\ndecode_profile precision={args.precision} beam={args.beam} shortlist={shortlist} lines={len(lines)}", end=""
     )
+    print(f" total={total:.3f} {figures}")
 
 
 if __name__ == "__main__":

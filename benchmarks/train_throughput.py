@@ -19,6 +19,8 @@ transformer has them; ``--set model.positions=rotary`` trains the recipe's own):
    (``--max-tokens`` counts padded tokens per side as ``train.batch_tokens`` does), optimizer,
    schedule, label smoothing and clipping, fp32 on the CPU. Its figure is target tokens (fairseq's
    ``wpb``) over the seconds of the same updates, from its per-update log.
+5. With ``--profile``, each precision's timed updates run once more under torch.profiler, and the
+   operators that took the most self time are printed (stderr): where an update's time goes.
 
 Run from the repository root::
 
@@ -54,8 +56,8 @@ import torch
 from mtkit import config
 from mtkit.config import ModelConfig, RunConfig
 from mtkit.data.parallel import Batch
-from mtkit.launch import allocator_in_use, preload_environment
-from mtkit.runtime import set_threads
+from mtkit.launch import preload_environment
+from mtkit.runtime import allocator_in_use, set_threads
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "multi30k_en_de.yaml"
@@ -153,8 +155,9 @@ def bench_config(
     return config.read_config(RECIPE, [*overrides, *extra])
 
 
-def measure_training(cfg: RunConfig, work: Path, steps: int, warmup: int) -> dict:
-    """Throughput of ``steps`` Trainer updates on the corpus's first batches, after ``warmup`` updates."""
+def measure_training(cfg: RunConfig, work: Path, steps: int, warmup: int, profile: bool = False) -> dict:
+    """Throughput of ``steps`` Trainer updates on the corpus's first batches, after ``warmup`` updates; with
+    ``profile``, the same updates again under torch.profiler, its operators' self time printed to stderr."""
     from mtkit.training.trainer import Trainer
 
     trainer = Trainer(cfg, work)
@@ -170,6 +173,11 @@ def measure_training(cfg: RunConfig, work: Path, steps: int, warmup: int) -> dic
         trainer.train_step([batch], batch.target_tokens)
     synchronize(device)
     seconds = time.perf_counter() - start
+    if profile:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for batch in timed:
+                trainer.train_step([batch], batch.target_tokens)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20), file=sys.stderr)
     tokens = sum(b.target_tokens for b in timed)
     flops = sum(train_flops(b, cfg.model, trainer.tgt_tok.vocab_size) for b in timed)
     return {
@@ -201,7 +209,8 @@ def child_main(args: argparse.Namespace) -> None:
     """Training at one precision; prints its figures as one JSON line for the parent."""
     set_threads(args.threads)
     (precision,) = args.precisions
-    result = measure_training(config_for(args, precision, args.tokenizer), args.work, args.steps, args.warmup)
+    cfg = config_for(args, precision, args.tokenizer)
+    result = measure_training(cfg, args.work, args.steps, args.warmup, args.profile)
     print(json.dumps({**result, "peak_rss_mib": peak_rss_mib(), "allocator": allocator_in_use()}))
 
 
@@ -214,6 +223,7 @@ def run_child(args: argparse.Namespace, precision: str, tokenizer: Path, work: P
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--precisions", precision]
     cmd += ["--src", str(args.src), "--tgt", str(args.tgt), "--tokenizer", str(tokenizer), "--work", str(work)]
     cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads)]
+    cmd += ["--profile"] if args.profile else []
     cmd += ["--device", args.device]
     cmd += ["--preset", args.preset] if args.preset else []
     cmd += ["--batch-tokens", str(args.batch_tokens)] if args.batch_tokens else []
@@ -396,6 +406,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--steps", type=int, default=20, help="timed training updates per precision")
     p.add_argument("--warmup", type=int, default=WARMUP_UPDATES, help="untimed updates first")
+    p.add_argument(
+        "--profile", action="store_true", help="then profile the timed updates again: operators by self time"
+    )
     p.add_argument(
         "--precisions", type=lambda s: s.split(","), default=list(PRECISIONS), help="comma-separated: fp32,bf16"
     )

@@ -21,6 +21,7 @@ from helpers import HAND_BUILT_MODEL, joint_post_norm_run, joint_run, randomise_
 from torch.utils._python_dispatch import TorchDispatchMode
 from typer.testing import CliRunner
 
+import mtkit
 from mtkit.cli import app
 from mtkit.config import ConfigError, DecodeConfig, ModelConfig, RunConfig, TokenizerConfig
 from mtkit.data.parallel import source_tensor
@@ -228,6 +229,10 @@ def test_int8_export_translates_every_line(exported, tmp_path):
     results = list(CTranslate2Translator.from_dir(int8_dir, DecodeConfig(beam=4)).stream([lines]))
     assert len(results) == len(lines) and results[-1] == [EMPTY]
     assert all(len(r) == 1 and r[0].text and r[0].logprob < 0 for r in results[:-1])
+    # --precision int8 computes a float32 export in int8, as the int8 export computes
+    computed = mtkit.load(exported.ct2_dir, device="cpu", precision="int8", engine="ctranslate2", beam=4)
+    assert computed.precision["precision"] == "int8"
+    assert computed.translate(lines) == [r[0].text for r in results]
 
 
 def test_overlong_line_is_truncated_as_mtkit_truncates_it(exported, caplog):

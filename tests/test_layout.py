@@ -8,7 +8,9 @@ Imports are read with ``ast`` from the source, lazy ones (inside functions) and 
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -192,3 +194,14 @@ def test_layout_doc_gives_the_layer_order() -> None:
     order = LAYOUT.read_text().split("## Layers")[1].split("\n## ")[0]
     positions = [order.find(f"**{name}**") for name, _ in LAYERS]
     assert -1 not in positions and positions == sorted(positions)
+
+
+@pytest.mark.parametrize("script", sorted((ROOT / "benchmarks").glob("*.py")), ids=lambda path: path.name)
+def test_each_benchmark_script_imports(script, monkeypatch):
+    """A benchmark imports mtkit's names at its top: a name moved or renamed in the package breaks it here, not
+    when someone next runs it. Imported as ``python benchmarks/NAME.py`` runs it: its folder on the path."""
+    monkeypatch.syspath_prepend(str(script.parent))
+    spec = importlib.util.spec_from_file_location(script.stem, script)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, script.stem, module)
+    spec.loader.exec_module(module)
