@@ -79,10 +79,11 @@ def test_one_sentence_maps_have_a_row_per_target_piece_and_eos():
     torch.testing.assert_close(maps.cross.sum(dim=-1), torch.ones(2, 4, 3))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_recording_changes_no_output_and_leaves_nothing_behind(dtype):
-    """fp32 runs fused SDPA and bf16 on CPU the explicit kernel: both must give the very same logits."""
-    model = tiny_model(VOCAB).to(dtype)
+    """fp32 runs fused SDPA and bf16 on CPU the explicit kernel, int8 its linear layers: each must give the very
+    same logits."""
+    model = tiny_model(VOCAB, int8=True) if dtype == torch.int8 else tiny_model(VOCAB).to(dtype)
     src, src_pad_mask, tgt_in = padded_batch()
     plain = model.decode(tgt_in, model.encode(src, src_pad_mask), src_pad_mask)
     with recording(all_attention(model)) as weights:
@@ -156,8 +157,9 @@ def test_word_alignment_rejects_a_map_of_other_pieces():
         word_alignment(["▁a", "▁b", "▁c"], ["▁x", "▁y"], torch.rand(1, 2, 3, 3))
 
 
-def test_align_batch_matches_aligning_each_pair_alone(spm_model):
-    model = tiny_model(spm_model.vocab_size, seed=3, decoder_layers=3)
+@pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
+def test_align_batch_matches_aligning_each_pair_alone(spm_model, int8):
+    model = tiny_model(spm_model.vocab_size, seed=3, int8=int8, decoder_layers=3)
     lines = ["A man rides a bike.", "Two dogs play in the snow near a tree.", "Hi"]
     src_ids = spm_model.encode(lines)
     hyps = [[40, 41, 42], [50, 51, 52, 53, 54, 55, 56], []]
