@@ -31,7 +31,6 @@ from mtkit.decoding.shortlist import load_shortlist
 from mtkit.decoding.translate import Translator
 from mtkit.model.attention import DecoderCache
 from mtkit.model.loading import load_for_inference
-from mtkit.model.quantization import quantize_int8
 from mtkit.model.transformer import Transformer
 from mtkit.runtime import resolve_precision, set_threads
 
@@ -102,9 +101,7 @@ def main() -> None:
 
     set_threads(args.threads)
     device = torch.device("cpu")
-    bundle = load_for_inference(args.run, device, resolve_precision(args.precision, device).dtype)
-    if args.precision == "int8":
-        quantize_int8(bundle.model)
+    bundle = load_for_inference(args.run, device, resolve_precision(args.precision, device).precision)
     lexical = load_shortlist(args.shortlist, bundle.src_tok, bundle.tgt_tok) if args.shortlist else None
     model = bundle.model
     translator = Translator(

@@ -208,7 +208,6 @@ def make_translator(config: Config, run: Path, export_dir: Path, threads: int, s
     import torch
 
     from mtkit.model.loading import load_for_inference
-    from mtkit.model.quantization import quantize_int8
     from mtkit.runtime import resolve_precision, set_threads
 
     set_threads(threads)
@@ -223,9 +222,7 @@ def make_translator(config: Config, run: Path, export_dir: Path, threads: int, s
     from mtkit.decoding.shortlist import load_shortlist
     from mtkit.decoding.translate import Translator
 
-    bundle = load_for_inference(run, device, resolve_precision(config.precision, device).dtype)
-    if config.precision == "int8":
-        quantize_int8(bundle.model)
+    bundle = load_for_inference(run, device, resolve_precision(config.precision, device).precision)
     lexical = load_shortlist(shortlist, bundle.src_tok, bundle.tgt_tok) if config.shortlist else None
     return Translator(bundle.model, bundle.src_tok, bundle.tgt_tok, decode, device, shortlist=lexical)
 

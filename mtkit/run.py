@@ -252,7 +252,6 @@ def _translate(
 
 
 def _write_translation(cfg: RunConfig, model: Path, source: Path, hyp_path: Path) -> None:
-    import torch
 
     from mtkit.data.parallel import read_lines
     from mtkit.decoding.translate import Translator, chunked
@@ -261,7 +260,7 @@ def _write_translation(cfg: RunConfig, model: Path, source: Path, hyp_path: Path
     from mtkit.runtime import pick_device
 
     device = pick_device(cfg.train.device)
-    bundle = load_for_inference(model, device, torch.float32)
+    bundle = load_for_inference(model, device)
     translator = Translator(bundle.model, bundle.src_tok, bundle.tgt_tok, cfg.decode, device)
 
     def write(f) -> None:

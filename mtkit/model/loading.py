@@ -32,7 +32,9 @@ from mtkit.model.checkpoint import (
     tokenizer_folders,
     weights_file,
 )
+from mtkit.model.quantization import quantize_int8
 from mtkit.model.transformer import Transformer, build_model
+from mtkit.runtime import DTYPES
 
 CHECKPOINTS_DIR, BEST_DIR = "checkpoints", "best"
 
@@ -156,10 +158,12 @@ class InferenceBundle:
     step: int
 
 
-def load_for_inference(model_path: Path, device: torch.device, dtype: torch.dtype = torch.float32) -> InferenceBundle:
-    """Model in eval mode, its weights cast to ``dtype``, plus the tokenizers it was trained with, checked by hash.
+def load_for_inference(model_path: Path, device: torch.device, precision: str = "fp32") -> InferenceBundle:
+    """Model in eval mode in ``precision`` (fp32, bf16, fp16 or int8), plus the tokenizers it was trained with,
+    checked by hash.
 
-    Decoding in bf16/fp16 casts the weights once, rather than at every step as autocast would.
+    Decoding in bf16/fp16 casts the weights once, rather than at every step as autocast would; int8 quantizes
+    the linear layers once (mtkit.model.quantization).
     """
     ckpt = read_checkpoint(resolve(model_path), with_state=False)
     where = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
@@ -168,5 +172,7 @@ def load_for_inference(model_path: Path, device: torch.device, dtype: torch.dtyp
         for side, record in ckpt.meta["tokenizer"].items()
     }
     model = model_holding(ckpt.cfg.model, toks["src"].vocab_size, toks["tgt"].vocab_size, ckpt.weights, ckpt.path)
-    model.to(device=device, dtype=dtype).eval()
+    model.to(device=device, dtype=DTYPES[precision]).eval()
+    if precision == "int8":
+        quantize_int8(model)
     return InferenceBundle(model, toks["src"], toks["tgt"], ckpt.cfg, ckpt.meta["step"])

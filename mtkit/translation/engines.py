@@ -13,7 +13,6 @@ from mtkit.decoding.shortlist import load_shortlist
 from mtkit.decoding.translate import LineTranslator, Translator, aligner_of, with_overrides
 from mtkit.model.checkpoint import CheckpointError
 from mtkit.model.loading import load_for_inference
-from mtkit.model.quantization import quantize_int8
 
 # What each engine cannot do: option -> how `mtkit translate` names it. CTranslate2 runs its own search
 # over one export: no forced prefix, no sampling, no word alignments, its own rule for when a search ends,
@@ -85,10 +84,7 @@ def load_translator(
     if engine != "mtkit":
         raise ConfigError(f"engine must be mtkit or ctranslate2, got {engine!r}")
     choice = resolve_precision(precision, dev)
-    bundles = [load_for_inference(path, dev, choice.dtype) for path in models]
-    if choice.precision == "int8":
-        for bundle in bundles:
-            quantize_int8(bundle.model)
+    bundles = [load_for_inference(path, dev, choice.precision) for path in models]
     first = bundles[0]
     for path, other in zip(models[1:], bundles[1:]):
         if (other.src_tok.sha256, other.tgt_tok.sha256) != (first.src_tok.sha256, first.tgt_tok.sha256):
