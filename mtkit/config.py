@@ -30,6 +30,58 @@ Precision = Literal["auto", "fp32", "bf16", "fp16"]
 InferencePrecision = Literal["auto", "fp32", "bf16", "fp16", "int8"]
 
 
+# A language code: it names a direction and, in a model of several target languages, the tag <2CODE>
+# prefixed to each source (mtkit.data.directions).
+LANGUAGE_CODE = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,15}")
+MAX_CORPORA = 256  # corpora in data.corpora: each is a token store held open and a share of the batches
+
+
+@dataclass(frozen=True)
+class CorpusConfig:
+    """One parallel corpus of ``data.corpora``: a direction, where its pairs are, and its share of the batches.
+
+    Its pairs come from text files (``train_src``/``train_tgt``, as data.train_src/train_tgt take them), from a
+    folder ``mtkit prepare`` wrote (``prepared``: its train.SRC and train.TGT, and valid.* when there), or, in
+    ``mtkit run``, from a catalogue corpus (``corpus``), which the run prepares and whose test split it scores.
+    """
+
+    src_lang: str = ""  # source language code (required)
+    tgt_lang: str = ""  # target language code (required)
+    train_src: str = ""  # source side; a .tsv(.gz) holding both sides when train_tgt is empty
+    train_tgt: str = ""  # target side, line-aligned with train_src
+    valid_src: str = ""  # this direction's validation set (BLEU is reported per direction); empty: none
+    valid_tgt: str = ""  # its references, line-aligned with valid_src
+    prepared: str = ""  # a folder `mtkit prepare` wrote, instead of the files above
+    corpus: str = ""  # a catalogue corpus (`mtkit prepare --list`) that `mtkit run` prepares and tests on
+    weight: float = 1.0  # multiplies the corpus's size when batches are drawn (data.temperature)
+    # its sources are synthetic (back-translations): each is prefixed with the reserved <BT> tag (Caswell et al.,
+    # 2019), so the model can tell them from real text
+    back_translated: bool = False
+
+    def __post_init__(self) -> None:
+        for side in ("src_lang", "tgt_lang"):
+            code = getattr(self, side)
+            _check(bool(code), f"{side} is required")
+            _check(
+                LANGUAGE_CODE.fullmatch(code) is not None,
+                f"{side} {shown(code)} is not a language code (a letter, then up to 15 letters, digits, _ or -)",
+            )
+        _check(self.src_lang != self.tgt_lang, f"src_lang and tgt_lang are both {self.src_lang}")
+        _check(self.weight > 0, f"weight must be > 0, got {self.weight:g}")
+        given = [name for name in ("train_src", "prepared", "corpus") if getattr(self, name)]
+        _check(len(given) <= 1, f"give one of train_src, prepared and corpus, not {' and '.join(given)}")
+        _check(not self.train_tgt or bool(self.train_src), "train_tgt needs train_src (or a .tsv train_src alone)")
+        _check(not self.valid_tgt or bool(self.valid_src), "valid_tgt needs valid_src")
+        _check(
+            not (self.prepared or self.corpus) or not self.valid_src,
+            "a prepared folder or catalogue corpus brings its own validation set: leave valid_src empty",
+        )
+
+    @property
+    def direction(self) -> str:
+        return f"{self.src_lang}-{self.tgt_lang}"
+
+
 @dataclass(frozen=True)
 class DataConfig:
     train_src: str = ""  # source side; a .tsv(.gz) holding both sides when train_tgt is empty
@@ -43,10 +95,34 @@ class DataConfig:
     # Where training pairs are kept encoded (memory-mapped) for reuse by later runs; empty:
     # $MTKIT_CACHE_DIR, else ~/.cache/mtkit/encoded. `mtkit run` uses its data folder's encoded/.
     cache_dir: str = ""
+    # several parallel corpora trained into one model, each a direction with its own files and weight, instead of
+    # train_src/train_tgt/valid_src/valid_tgt; a model of several target languages gets a tag <2CODE> before
+    # each source (docs/multilingual.md)
+    corpora: tuple[CorpusConfig, ...] = ()
+    # each batch comes from one corpus, drawn with probability proportional to (weight * pairs) ** (1 / temperature):
+    # 1 follows the corpora's sizes, larger values flatten the shares towards uniform (fairseq's and eole's
+    # temperature sampling)
+    temperature: float = 1.0
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "corpora", tuple(self.corpora))  # a list when built in Python
         _check(self.max_tokens >= 1, "data.max_tokens must be >= 1")
         _check(self.max_ratio >= 1.0, "data.max_ratio must be >= 1")
+        _check(self.temperature > 0, f"data.temperature must be > 0, got {self.temperature:g}")
+        _check(
+            len(self.corpora) <= MAX_CORPORA,
+            f"data.corpora lists {len(self.corpora):,} corpora; at most {MAX_CORPORA} are taken",
+        )
+        if self.corpora:
+            given = [name for name in ("train_src", "train_tgt", "valid_src", "valid_tgt") if getattr(self, name)]
+            _check(
+                not given,
+                f"data.corpora replaces data.{', data.'.join(given)}: give each corpus its files (or leave "
+                "data.corpora empty)",
+            )
+            validated = [c.direction for c in self.corpora if c.valid_src]
+            twice = sorted({d for d in validated if validated.count(d) > 1})
+            _check(not twice, f"data.corpora gives two validation sets for {', '.join(twice)}: keep one")
 
 
 @dataclass(frozen=True)
@@ -435,6 +511,12 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             return tuple(_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value))
         of = f" of {', '.join(map(str, typing.get_args(item)))}" if typing.get_origin(item) is Literal else ""
         raise ConfigError(f"{key} must be a list{of} (YAML: [a, b]), got {shown(value)}")
+    if dataclasses.is_dataclass(hint):
+        if isinstance(value, hint):
+            return value
+        if isinstance(value, dict):
+            return _build(hint, value, key + ".")
+        raise ConfigError(f"{key} must be a mapping of {', '.join(f.name for f in dataclasses.fields(hint))}")
     if typing.get_origin(hint) is Literal:
         choices = typing.get_args(hint)
         if value in choices:
@@ -479,7 +561,12 @@ def _build(cls: type, values: dict[str, Any], prefix: str) -> Any:
             name = key if isinstance(key, str) and key.isprintable() else shown(key)
             raise ConfigError(f"unknown config key {prefix}{name} (known: {', '.join(sorted(known))})")
         kwargs[key] = _coerce(prefix + key, value, hints[key])
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ConfigError as err:
+        if prefix.endswith("]."):  # an item of a list (data.corpora[1].): its checks do not know where it is
+            raise ConfigError(f"{prefix[:-1]}: {err}") from None
+        raise
 
 
 SECTIONS: dict[str, type] = {

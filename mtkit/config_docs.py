@@ -77,6 +77,8 @@ def type_name(hint: Any) -> str:
     """A field's type as a reader of the YAML file sees it: ``int``, ``one of: post, pre``, ``list of: a, b``."""
     if typing.get_origin(hint) is Literal:
         return "one of: " + ", ".join(map(str, typing.get_args(hint)))
+    if dataclasses.is_dataclass(hint):
+        return "mapping"
     if typing.get_origin(hint) is tuple:
         item = typing.get_args(hint)[0]
         if typing.get_origin(item) is Literal:
@@ -98,7 +100,7 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join([_row(*header), _row(*["---"] * len(header)), *(_row(*row) for row in rows)])
 
 
-def _section(name: str, cls: type, node: ast.ClassDef, why: dict[str, str]) -> str:
+def _section(name: str, cls: type, node: ast.ClassDef, why: dict[str, str], classes: dict[str, ast.ClassDef]) -> str:
     """One config section: its docstring, its settings, then its presets and bounds where it has them."""
     hints = typing.get_type_hints(cls)
     rows = [
@@ -106,6 +108,10 @@ def _section(name: str, cls: type, node: ast.ClassDef, why: dict[str, str]) -> s
         for f in dataclasses.fields(cls)
     ]
     parts = [f"## `{name}`", ast.get_docstring(node) or "", _table(["key", "type", "default", "why"], rows)]
+    for f in dataclasses.fields(cls):  # a list of mappings (data.corpora): the keys of each
+        item = typing.get_args(hints[f.name])[0] if typing.get_origin(hints[f.name]) is tuple else None
+        if dataclasses.is_dataclass(item):
+            parts += [f"### `{name}.{f.name}`: each item", _items(item, classes[item.__name__], why)]
     if cls is config.ModelConfig:
         parts += ["### Presets", "`preset` sets these keys; keys given in the config override them.", _presets(why)]
     bounds = [
@@ -115,6 +121,16 @@ def _section(name: str, cls: type, node: ast.ClassDef, why: dict[str, str]) -> s
     if bounds:
         parts += ["### Bounds", _table(["bound", "value", "keys", "why"], bounds)]
     return "\n\n".join(part for part in parts if part)
+
+
+def _items(cls: type, node: ast.ClassDef, why: dict[str, str]) -> str:
+    """The keys of one item of a list setting: its docstring, then a table as a section's."""
+    hints = typing.get_type_hints(cls)
+    rows = [
+        [f"`{f.name}`", type_name(hints[f.name]), f"`{yaml_value(f.default)}`", why[f"{cls.__name__}.{f.name}"]]
+        for f in dataclasses.fields(cls)
+    ]
+    return "\n\n".join([ast.get_docstring(node) or "", _table(["key", "type", "default", "why"], rows)])
 
 
 def _presets(why: dict[str, str]) -> str:
@@ -139,8 +155,10 @@ def render() -> str:
         inspect.getdoc(config),
         "Each section is a mapping in the YAML file; `--set section.key=value` overrides one key.",
     ]
-    sections = [_section(name, cls, classes[cls.__name__], why) for name, cls in config.SECTIONS.items()]
-    sections += [_section(name, cls, classes[cls.__name__], why) for name, cls in config.COMMAND_OPTIONS.items()]
+    sections = [_section(name, cls, classes[cls.__name__], why, classes) for name, cls in config.SECTIONS.items()]
+    sections += [
+        _section(name, cls, classes[cls.__name__], why, classes) for name, cls in config.COMMAND_OPTIONS.items()
+    ]
     return "\n\n".join(intro + sections) + "\n"
 
 

@@ -63,7 +63,13 @@ def run_recipe(cfg: RunConfig, recipe: Path, out: Path, mirror: str | None, repo
     stages: list[Stage] = []
     if importlib.util.find_spec("matplotlib") is None:  # said now, not after an hour of training
         log.warning("no training curves: pip install matplotlib (or mtkit[plot]) to draw them")
-    cfg, test, source = _prepare(cfg, out, mirror, stages)
+    corpus = cfg.recipe.corpus
+    if cfg.data.corpora:
+        corpus = ", ".join(c.corpus or c.prepared or c.train_src for c in cfg.data.corpora)
+        cfg, tests, source = _prepare_corpora(cfg, out, mirror, stages)
+    else:
+        cfg, test, source = _prepare(cfg, out, mirror, stages)
+        tests = [TestSet(f"{cfg.data.src_lang}-{cfg.data.tgt_lang}", cfg.data.tgt_lang, *test)]
 
     start = time.perf_counter()
     run_training(cfg, out, reporter)
@@ -71,19 +77,43 @@ def run_recipe(cfg: RunConfig, recipe: Path, out: Path, mirror: str | None, repo
 
     record = StageRecord(out, Digests())
     model = _average(cfg, out, stages, record)
-    hyp_path, hyp_record = _translate(cfg, model, test[0], out, stages, record)
+    results = [_test(cfg, model, test, out, stages, record, several=len(tests) > 1) for test in tests]
+    report = _report(cfg, recipe, out, model, corpus, source, results, stages)
+    _write_report(out, report)
+    return report
 
+
+@dataclass(frozen=True)
+class TestSet:
+    """One direction's test split: what `mtkit run` translates and scores."""
+
+    direction: str  # SRC-TGT
+    tgt_lang: str
+    source: Path
+    reference: Path
+
+
+def _test(
+    cfg: RunConfig, model: Path, test: TestSet, out: Path, stages: list[Stage], record: StageRecord, several: bool
+) -> dict:
+    """Translate one test set (unless its translation is up to date) and score it: its part of the report."""
     from mtkit.data.parallel import read_lines
     from mtkit.scoring.metrics import REPORT_METRICS, corpus_scores
 
+    hyp_path, hyp_record = _translate(cfg, model, test, out, stages, record, several)
     start = time.perf_counter()
-    scores = corpus_scores(read_lines(hyp_path), [read_lines(test[1])], REPORT_METRICS)
+    scores = corpus_scores(read_lines(hyp_path), [read_lines(test.reference)], REPORT_METRICS)
     note = f"{hyp_path.name} from model sha256 {hyp_record['inputs']['model'][:12]}"
-    stages.append(Stage("eval", time.perf_counter() - start, True, note))
-
-    report = _report(cfg, recipe, out, model, test, source, hyp_path, hyp_record, scores, stages)
-    _write_report(out, report)
-    return report
+    stages.append(Stage(f"eval {test.direction}" if several else "eval", time.perf_counter() - start, True, note))
+    return {
+        "direction": test.direction,
+        "source": str(test.source),
+        "reference": str(test.reference),
+        "hypothesis": str(hyp_path),
+        "model_sha256": hyp_record["inputs"]["model"],
+        "decode": hyp_record["settings"]["decode"],
+        "scores": [score.to_dict() for score in scores],
+    }
 
 
 def _prepare(
@@ -126,6 +156,50 @@ def _prepare(
     )
     test = (Path(path("test", src)), Path(path("test", tgt)))
     return replace(cfg, data=data), test, prepared.get("source")
+
+
+def _prepare_corpora(
+    cfg: RunConfig, out: Path, mirror: str | None, stages: list[Stage]
+) -> tuple[RunConfig, list[TestSet], dict | None]:
+    """``_prepare`` for data.corpora: each catalogue corpus prepared into its shared folder and given as files, each
+    corpus with a test split (a catalogue corpus's, or a prepared folder's test.*) tested on."""
+    if cfg.recipe.corpus:
+        raise ConfigError("recipe.corpus names one corpus; with data.corpora, name each corpus in its corpus key")
+    from mtkit.data.corpora import find_corpus
+    from mtkit.data.preparation import RECORD, prepare_corpus, shared_folder
+
+    corpora, tests, folders = [], [], []
+    for i, corpus in enumerate(cfg.data.corpora):
+        folder = Path(corpus.prepared) if corpus.prepared else None
+        if corpus.corpus:
+            spec = find_corpus(corpus.corpus)
+            if spec.langs != (corpus.src_lang, corpus.tgt_lang):
+                raise ConfigError(
+                    f"data.corpora[{i}]: corpus {spec.name} is {spec.src_lang}->{spec.tgt_lang}, but its src_lang/"
+                    f"tgt_lang say {corpus.src_lang}->{corpus.tgt_lang}"
+                )
+            folder = Path(cfg.recipe.data_dir) / spec.name if cfg.recipe.data_dir else shared_folder(spec)
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            with filelock.FileLock(folder.parent / f".{folder.name}.lock"):  # two runs may prepare it at once
+                before = (folder / RECORD).stat().st_mtime_ns if (folder / RECORD).exists() else None
+                start = time.perf_counter()
+                prepare_corpus(spec, folder, mirror)
+            ran = (folder / RECORD).stat().st_mtime_ns != before
+            stages.append(Stage(f"prepare {spec.name}", time.perf_counter() - start, ran, str(folder)))
+            corpus = replace(corpus, corpus="", prepared=str(folder))
+        corpora.append(corpus)
+        if folder is not None:
+            folders.append(folder)
+            source, reference = (folder / f"test.{lang}" for lang in (corpus.src_lang, corpus.tgt_lang))
+            if source.is_file() and reference.is_file():
+                tests.append(TestSet(corpus.direction, corpus.tgt_lang, source, reference))
+    if not tests:
+        raise ConfigError("no corpus of data.corpora has a test split: name catalogue corpora (corpus: NAME)")
+    twice = sorted({t.direction for t in tests if [u.direction for u in tests].count(t.direction) > 1})
+    if twice:
+        raise ConfigError(f"data.corpora has two test splits for {', '.join(twice)}: keep one corpus with a test split")
+    cache = cfg.data.cache_dir or str(folders[0] / "encoded")
+    return replace(cfg, data=replace(cfg.data, corpora=tuple(corpora), cache_dir=cache)), tests, None
 
 
 class Digests:
@@ -235,23 +309,24 @@ def _average(cfg: RunConfig, out: Path, stages: list[Stage], record: StageRecord
 
 
 def _translate(
-    cfg: RunConfig, model: Path, source: Path, out: Path, stages: list[Stage], record: StageRecord
+    cfg: RunConfig, model: Path, test: TestSet, out: Path, stages: list[Stage], record: StageRecord, several: bool
 ) -> tuple[Path, dict]:
-    """The test set's translation, and the record of the model, source and settings it was made with."""
-    hyp_path = out / f"test.hyp.{cfg.data.tgt_lang}"
+    """A test set's translation, and the record of the model, source and settings it was made with."""
+    hyp_path = out / (f"test.{test.direction}.hyp.{test.tgt_lang}" if several else f"test.hyp.{test.tgt_lang}")
+    stage = f"translate {test.direction}" if several else "translate"
     start = time.perf_counter()
-    inputs = {"model": record.digests.of(weights_file(model)), "source": record.digests.of(source)}
+    inputs = {"model": record.digests.of(weights_file(model)), "source": record.digests.of(test.source)}
     settings = {"decode": asdict(cfg.decode)}
-    entry = record.current("translate", hyp_path, inputs, settings)
+    entry = record.current(stage, hyp_path, inputs, settings)
     ran = entry is None
     if ran:
-        _write_translation(cfg, model, source, hyp_path)
-        entry = record.write("translate", hyp_path, inputs, settings)
-    stages.append(Stage("translate", time.perf_counter() - start, ran, _decode_note(entry["settings"]["decode"])))
+        _write_translation(cfg, model, test, hyp_path)
+        entry = record.write(stage, hyp_path, inputs, settings)
+    stages.append(Stage(stage, time.perf_counter() - start, ran, _decode_note(entry["settings"]["decode"])))
     return hyp_path, entry
 
 
-def _write_translation(cfg: RunConfig, model: Path, source: Path, hyp_path: Path) -> None:
+def _write_translation(cfg: RunConfig, model: Path, test: TestSet, hyp_path: Path) -> None:
 
     from mtkit.data.parallel import read_lines
     from mtkit.decoding.translate import Translator, chunked
@@ -262,6 +337,9 @@ def _write_translation(cfg: RunConfig, model: Path, source: Path, hyp_path: Path
     device = pick_device(cfg.train.device)
     bundle = load_for_inference(model, device)
     translator = Translator(bundle.model, bundle.src_tok, bundle.tgt_tok, cfg.decode, device)
+    translator.data = bundle.cfg.data
+    translator = translator.into(test.tgt_lang)
+    source = test.source
 
     def write(f) -> None:
         for best in translator.stream(chunked(read_lines(source))):
@@ -314,43 +392,41 @@ def _origin(source: dict | None) -> str:
 
 
 def _report(
-    cfg,
+    cfg: RunConfig,
     recipe: Path,
     out: Path,
     model: Path,
-    test,
+    corpus: str,
     source: dict | None,
-    hyp_path: Path,
-    hyp_record: dict,
-    scores,
+    results: list[dict],
     stages: list[Stage],
 ) -> dict:
+    """The report of a run: with one test set, its scores (and ``test``, where they come from); with several
+    (data.corpora), each direction's under ``directions`` and their means under ``scores``, which the verdict
+    judges."""
     r = cfg.recipe
     events = _training_records(out)
     train, valid = events["train"], events["valid"]
-    bleu = next(s for s in scores if s.name == "BLEU")
+    scores = results[0]["scores"] if len(results) == 1 else _mean_scores(results)
+    bleu = next(s for s in scores if s["name"] == "BLEU")
     done = events["done"][-1] if events["done"] else None
     incomplete = done is not None and done["stopped_by"] == "max_time"
     if incomplete:
         verdict = "incomplete"  # the score of a model cut short says nothing of the recipe
     else:
-        verdict = "reproduced" if r.bleu_min <= bleu.value <= r.bleu_max else "not reproduced"
+        verdict = "reproduced" if r.bleu_min <= bleu["value"] <= r.bleu_max else "not reproduced"
     best = max(valid, key=lambda v: v.get("valid_bleu", float("-inf")), default=None)
     plot = _plot(out, train, valid)
+    tested = {key: value for key, value in results[0].items() if key not in ("direction", "scores")}
     return {
         "recipe": str(recipe),
-        "corpus": r.corpus,
+        "corpus": corpus,
         "corpus_source": source,
         "run_dir": str(out),
         "model": str(model),
-        "test": {
-            "source": str(test[0]),
-            "reference": str(test[1]),
-            "hypothesis": str(hyp_path),
-            "model_sha256": hyp_record["inputs"]["model"],
-            "decode": hyp_record["settings"]["decode"],
-        },
-        "scores": [s.to_dict() for s in scores],
+        "test": tested if len(results) == 1 else None,
+        "directions": results if len(results) > 1 else None,
+        "scores": scores,
         "expected": {"bleu_min": r.bleu_min, "bleu_max": r.bleu_max, "source": r.expected, "hardware": r.hardware},
         "verdict": verdict,
         "reproduced": None if incomplete else verdict == "reproduced",
@@ -360,12 +436,34 @@ def _report(
             "machines": _machines(events["start"]),
             "best_valid_bleu": best.get("valid_bleu") if best else None,
             "best_valid_step": best["step"] if best else None,
-            "validations": [{"step": v["step"], "bleu": v.get("valid_bleu"), "loss": v["valid_loss"]} for v in valid],
+            "validations": [_validation(v) for v in valid],
         },
         "curves": plot,
         "stages": [asdict(s) for s in stages],
         "seconds": sum(s.seconds for s in stages),
     }
+
+
+def _validation(record: dict) -> dict:
+    """A validation as the report lists it; per direction too where the run validates several."""
+    entry = {"step": record["step"], "bleu": record.get("valid_bleu"), "loss": record["valid_loss"]}
+    by_direction = record.get("valid_bleu_by_direction")
+    if isinstance(by_direction, dict) and all(isinstance(v, (int, float)) for v in by_direction.values()):
+        entry["bleu_by_direction"] = by_direction
+    return entry
+
+
+def _mean_scores(results: list[dict]) -> list[dict]:
+    """Each metric's mean over the directions tested, labelled as such (a mean is not a sacreBLEU score)."""
+    names = ", ".join(result["direction"] for result in results)
+    means = []
+    for i, first in enumerate(results[0]["scores"]):
+        value = sum(result["scores"][i]["value"] for result in results) / len(results)
+        means.append(
+            {"name": first["name"], "value": value, "signature": f"mean over {names}; each: {first['signature']}",
+             "details": "", "comparable": first["comparable"], "verbose": ""}
+        )  # fmt: skip
+    return means
 
 
 def _machines(starts: list[dict]) -> list[dict]:
@@ -422,7 +520,8 @@ def render_report(report: dict) -> str:
         + (f"; {e['source']}" if e["source"] else "")
         + ").",
         "",
-        f"Corpus `{report['corpus']}`{_origin(report['corpus_source'])}, run directory `{report['run_dir']}`, "
+        f"{'Corpora' if report.get('directions') else 'Corpus'} `{report['corpus']}`"
+        f"{_origin(report['corpus_source'])}, run directory `{report['run_dir']}`, "
         f"scored model `{report['model']}`" + (f"; the recipe expects {e['hardware']}." if e["hardware"] else "."),
         "",
         "| metric | score | signature |",
@@ -430,9 +529,23 @@ def render_report(report: dict) -> str:
         *(f"| {s['name']} | {s['value']:.2f} | `{_cell(s['signature'])}` |" for s in report["scores"]),
         "",
     ]
-    if t["best_valid_bleu"] is not None:
+    if report.get("directions"):
+        names = [s["name"] for s in report["directions"][0]["scores"]]
         lines += [
-            f"Training: {t['updates']:,} updates; best validation BLEU {t['best_valid_bleu']:.2f} "
+            "| direction | " + " | ".join(names) + " | hypothesis |",
+            "| --- |" + " --- |" * (len(names) + 1),
+            *(
+                f"| {d['direction']} | "
+                + " | ".join(f"{s['value']:.2f}" for s in d["scores"])
+                + f" | `{Path(d['hypothesis']).name}` |"
+                for d in report["directions"]
+            ),
+            "",
+        ]
+    if t["best_valid_bleu"] is not None:
+        mean = " (the mean over the directions)" if report.get("directions") else ""
+        lines += [
+            f"Training: {t['updates']:,} updates; best validation BLEU{mean} {t['best_valid_bleu']:.2f} "
             f"at update {t['best_valid_step']:,}.",
             "",
         ]

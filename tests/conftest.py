@@ -13,7 +13,8 @@ from pathlib import Path
 
 import captions
 import pytest
-from helpers import invoke, write_config
+import yaml
+from helpers import invoke, multilingual_raw, write_config
 
 import mtkit
 from mtkit import progress
@@ -87,6 +88,31 @@ def corpus_files(tmp_path_factory) -> dict[str, Path]:
             path.write_text("\n".join(corpus[lang][lines]) + "\n", encoding="utf-8")
             paths[f"{split}.{lang}"] = path
     return paths
+
+
+@pytest.fixture(scope="session")
+def trilingual_files(tmp_path_factory) -> dict[str, Path]:
+    """Train (400) and valid (40) captions in en, de and fr, line-aligned, keyed "train.en", "val.fr", ..."""
+    out = tmp_path_factory.mktemp("trilingual")
+    corpus, paths = captions.parallel(440, seed=2, langs=("en", "de", "fr")), {}
+    for split, lines in (("train", slice(0, 400)), ("val", slice(400, 440))):
+        for lang in ("en", "de", "fr"):
+            path = out / f"{split}.{lang}"
+            path.write_text("\n".join(corpus[lang][lines]) + "\n", encoding="utf-8")
+            paths[f"{split}.{lang}"] = path
+    return paths
+
+
+@pytest.fixture(scope="session")
+def multilingual_run(tmp_path_factory, trilingual_files) -> Path:
+    """`mtkit train` of one tiny model for en->de and en->fr (a tag before each source), 300 updates: enough for
+    the tag to choose the language of the output."""
+    root = tmp_path_factory.mktemp("multilingual")
+    raw = multilingual_raw(trilingual_files, train={"max_steps": 300, "valid_every": 150, "save_every": 150})
+    (root / "ml.yaml").write_text(yaml.safe_dump(raw))
+    result = invoke("train", root / "ml.yaml", "--out", root / "run")
+    assert result.exit_code == 0, result.output
+    return root / "run"
 
 
 @pytest.fixture(scope="session")

@@ -115,6 +115,41 @@ def write_config(path, corpus_files, **sections):
     return path
 
 
+def multilingual_raw(files: dict[str, Path], targets=("de", "fr"), **sections) -> dict:
+    """A config (as a dict) training a tiny model for en->TARGET on ``files`` ("train.en", "val.fr", ...), one
+    corpus per target, in fp32; ``sections`` update it."""
+    corpora = [
+        {
+            "src_lang": "en",
+            "tgt_lang": lang,
+            "train_src": str(files["train.en"]),
+            "train_tgt": str(files[f"train.{lang}"]),
+            "valid_src": str(files["val.en"]),
+            "valid_tgt": str(files[f"val.{lang}"]),
+        }
+        for lang in targets
+    ]
+    raw = {
+        "data": {"corpora": corpora},
+        "tokenizer": {"vocab_size": 400},
+        "model": dict(TINY_MODEL),
+        "train": {
+            "max_steps": 20,
+            "batch_tokens": 1024,
+            "warmup": 5,
+            "lr": 3e-3,
+            "valid_every": 10,
+            "save_every": 10,
+            "log_every": 5,
+            "valid_beam": 2,
+            "precision": "fp32",
+        },
+    }
+    for section, values in sections.items():
+        raw.setdefault(section, {}).update(values)
+    return raw
+
+
 def small_config(corpus_files, spm_model, **train):
     """A tiny model on ``corpus_files``, in fp32 (not auto) so that what the tests see is the same on every CPU."""
     return from_dict(

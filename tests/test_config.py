@@ -32,8 +32,13 @@ def test_every_shipped_recipe_loads(recipe):
     from mtkit.data.corpora import CORPORA
 
     cfg = read_config(recipe)
-    corpus = CORPORA[cfg.recipe.corpus]
-    assert (corpus.src_lang, corpus.tgt_lang) == (cfg.data.src_lang, cfg.data.tgt_lang)
+    if cfg.data.corpora:  # each corpus names its catalogue corpus, of its languages
+        assert not cfg.recipe.corpus
+        for item in cfg.data.corpora:
+            assert (CORPORA[item.corpus].src_lang, CORPORA[item.corpus].tgt_lang) == (item.src_lang, item.tgt_lang)
+    else:
+        corpus = CORPORA[cfg.recipe.corpus]
+        assert (corpus.src_lang, corpus.tgt_lang) == (cfg.data.src_lang, cfg.data.tgt_lang)
     assert cfg.recipe.expected and cfg.recipe.hardware and 0 < cfg.recipe.bleu_min < cfg.recipe.bleu_max
     # The machine decides the precision, and the updates the budget, so that a score does not depend on the CPU.
     assert cfg.train.precision == "auto" and cfg.train.max_time == 0

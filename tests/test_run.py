@@ -292,3 +292,45 @@ def test_the_report_says_which_commit_of_a_hub_corpus_it_used():
         " (hf:/mirror/IWSLT/iwslt2017 iwslt2017-de-en)"
     )
     assert _origin(None) == ""  # Multi30k: its files' SHA-256 are in prepare.json
+
+
+def test_a_recipe_of_several_corpora_scores_each_direction_and_their_mean(tiny_recipe, tmp_path, multi30k_mirror):
+    raw = yaml.safe_load(tiny_recipe.read_text())
+    del raw["recipe"]["corpus"], raw["data"]["src_lang"], raw["data"]["tgt_lang"]
+    raw["data"]["corpora"] = [
+        {"src_lang": "en", "tgt_lang": lang, "corpus": f"multi30k_en_{lang}"} for lang in ("de", "fr")
+    ]
+    (tmp_path / "en_xx.yaml").write_text(yaml.safe_dump(raw))
+    out = tmp_path / "run"
+    result = invoke("run", tmp_path / "en_xx.yaml", "--out", out, "--mirror", multi30k_mirror)
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "report.json").read_text())
+    assert [s["name"] for s in report["stages"]] == [
+        "prepare multi30k_en_de", "prepare multi30k_en_fr", "train", "average",
+        "translate en-de", "eval en-de", "translate en-fr", "eval en-fr",
+    ]  # fmt: skip
+    assert report["test"] is None and [d["direction"] for d in report["directions"]] == ["en-de", "en-fr"]
+    for direction in report["directions"]:
+        lang = direction["direction"][-2:]
+        hypothesis = out / f"test.{direction['direction']}.hyp.{lang}"
+        assert direction["hypothesis"] == str(hypothesis)
+        assert len(hypothesis.read_text().splitlines()) == captions.MIRROR_SPLITS["test_2016_flickr"]
+    bleu = [d["scores"][0]["value"] for d in report["directions"]]
+    assert report["scores"][0]["value"] == pytest.approx(sum(bleu) / 2)
+    assert report["scores"][0]["signature"].startswith("mean over en-de, en-fr")
+    assert all("bleu_by_direction" in v for v in report["training"]["validations"])
+    markdown = (out / "report.md").read_text()
+    assert "| en-fr |" in markdown and "Corpora `multi30k_en_de, multi30k_en_fr`" in markdown
+    again, _ = _rerun(tmp_path / "en_xx.yaml", multi30k_mirror, out)
+    assert not any(s["ran"] for s in again["stages"] if s["name"].startswith(("translate", "average")))
+
+
+def test_a_catalogue_corpus_of_other_languages_than_its_entry_is_one_line(tiny_recipe, tmp_path, multi30k_mirror):
+    raw = yaml.safe_load(tiny_recipe.read_text())
+    del raw["recipe"]["corpus"]
+    raw["data"] = {"corpora": [{"src_lang": "en", "tgt_lang": "fr", "corpus": "multi30k_en_de"}]}
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(raw))
+    result = invoke("run", tmp_path / "bad.yaml", "--out", tmp_path / "run", "--mirror", multi30k_mirror)
+    assert result.exit_code == 1
+    assert "corpus multi30k_en_de is en->de, but its src_lang/tgt_lang say en->fr" in result.output
+    assert not (tmp_path / "run" / "checkpoints").exists()

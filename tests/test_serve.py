@@ -222,10 +222,33 @@ def test_models_names_languages_precision_decode_settings_and_tokenizers(server,
     (model,) = info["models"]
     sha256 = Tokenizer(trained_run / "spm.model").sha256
     assert model["languages"] == {"source": "en", "target": "de"}
+    assert model["directions"] == [{"source": "en", "target": "de"}]
     assert model["decode"]["beam"] == 5 and model["tokenizers"] == {"source": sha256, "target": sha256}
     assert model["precision"] == choose_precision("auto", "cpu", cpu_features()).to_dict()  # the default
     assert info["limits"] == {"max_texts": 64, "max_chars": 20_000, "max_beam": 16}
     assert model["batching"] == "continuous" and "continuous" in server.log.read_text()
+
+
+def test_a_model_of_several_languages_takes_the_target_in_each_request(multilingual_run, tmp_path):
+    lines = ["A man in a red shirt reads a book.", "", "Two dogs play in the park."]
+    translator = mtkit.load(multilingual_run, device="cpu")
+    expected = {lang: translator.translate(lines, tgt_lang=lang) for lang in ("de", "fr")}
+    served = Server(multilingual_run, tmp_path / "stderr")
+    try:
+        [model] = httpx.get(served.url + "/v1/models").json()["models"]
+        assert model["directions"] == [{"source": "en", "target": "de"}, {"source": "en", "target": "fr"}]
+        assert model["languages"] is None
+        with ThreadPoolExecutor(4) as pool:  # both languages in flight at once
+            asked = [(lang, line) for line in lines for lang in ("de", "fr")]
+            answers = list(pool.map(lambda a: served.post({"text": [a[1]], "tgt_lang": a[0]}).json(), asked))
+        assert answers == [{"translations": [expected[lang][lines.index(line)]]} for lang, line in asked]
+        refused = [({"text": "A dog."}, "say which with tgt_lang")]
+        refused.append(({"text": "A dog.", "tgt_lang": "cs"}, "does not translate into 'cs'"))
+        for body, problem in refused:
+            response = served.post(body)
+            assert response.status_code == 422 and problem in response.text, response.text
+    finally:
+        assert served.stop() == 0
 
 
 def test_models_shows_no_path_of_the_server(server, trained_run):

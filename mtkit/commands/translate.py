@@ -30,6 +30,7 @@ import_commands = typer.Typer(help="Bring models trained by other toolkits into 
         "mtkit translate runs/m30k -i test.en -o test.hyp.de",
         'echo "A dog runs." | mtkit translate runs/m30k --beam 1',
         "mtkit translate runs/a runs/b -i test.en --nbest 5 --beam 5",
+        "mtkit translate runs/m30k_en_xx --tgt-lang fr -i test.en -o test.hyp.fr",
     ),
 )
 @user_errors
@@ -119,6 +120,14 @@ def translate_command(
             "candidates only. Faster in fp32 and in beam search; outputs can change."
         ),
     ] = None,
+    tgt_lang: Annotated[
+        str | None,
+        typer.Option(
+            "--tgt-lang",
+            help="The language to translate into, for a model trained on several target languages (its tag goes "
+            "before each source); a model of one needs none.",
+        ),
+    ] = None,
     device: Device = InferenceConfig.device,
     precision: WeightPrecision = InferenceConfig.precision,
     engine: EngineChoice = InferenceConfig.engine,
@@ -144,7 +153,7 @@ def translate_command(
     try:
         translate_file(
             model, input, output, prefix, nbest=nbest, scores=scores, alignments=alignments, sampling=sampling,
-            device=device, precision=precision, engine=engine, shortlist=shortlist, **decode,
+            device=device, precision=precision, engine=engine, shortlist=shortlist, tgt_lang=tgt_lang, **decode,
         )  # fmt: skip
     except Interrupted as stop:
         kept = f": they are in {stop.partial}, and {output} is not written" if stop.partial else ""

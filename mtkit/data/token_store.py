@@ -65,9 +65,15 @@ def default_cache_dir() -> Path:
 
 
 def store_key(
-    train_files: list[str | Path], src_tok: Tokenizer, tgt_tok: Tokenizer, max_tokens: int, max_ratio: float
+    train_files: list[str | Path],
+    src_tok: Tokenizer,
+    tgt_tok: Tokenizer,
+    max_tokens: int,
+    max_ratio: float,
+    source_prefix: str = "",
 ) -> dict:
-    """Everything the encoded pairs depend on; its digest names the store."""
+    """Everything the encoded pairs depend on; its digest names the store. ``source_prefix``: the tags put before
+    each source (mtkit.data.directions), part of the key only where there are some."""
     files = []
     for name in train_files:
         check_input_file(name)
@@ -80,7 +86,7 @@ def store_key(
         "tgt_tokenizer": tgt_tok.sha256,
         "max_tokens": max_tokens,
         "max_ratio": max_ratio,
-    }
+    } | ({"source_prefix": source_prefix} if source_prefix else {})
 
 
 def _digest(key: dict) -> str:

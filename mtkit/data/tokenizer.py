@@ -30,14 +30,20 @@ class TokenizerError(MtkitError, ValueError):
 
 
 def train_spm(
-    sentences: Iterable[str], out_prefix: Path, options: TokenizerConfig, source: str = "the input", threads: int = 2
+    sentences: Iterable[str],
+    out_prefix: Path,
+    options: TokenizerConfig,
+    source: str = "the input",
+    threads: int = 2,
+    symbols: Iterable[str] = (),
 ) -> Path:
     """Train a SentencePiece model on ``sentences``; writes PREFIX.model and PREFIX.vocab.
 
     The model is built in memory, so the same sentences and options give a byte-identical file
     (SentencePiece records the path it writes to inside a model it writes itself). Both files are
     written atomically, the .model last, so a crash never leaves a torn model that a resumed run
-    would pick up. ``source`` names the text in errors.
+    would pick up. ``source`` names the text in errors. ``symbols`` are reserved: each is one piece, never
+    split, wherever it stands (language tags).
 
     Progress shows in two stages: the sentences SentencePiece reads (it takes them all before it
     learns anything), then its training, which says nothing until it is done.
@@ -82,6 +88,7 @@ def train_spm(
                 eos_id=EOS_ID,
                 num_threads=threads,
                 minloglevel=2,
+                **({"user_defined_symbols": list(symbols)} if symbols else {}),
                 **sampling,
             )
     except RuntimeError as err:
@@ -140,6 +147,10 @@ class Tokenizer:
             )
         self.sha256 = file_sha256(self.path)
         self.vocab_size = vocabulary_size(self.sp)
+
+    def missing_symbols(self, symbols: Iterable[str]) -> list[str]:
+        """Those of ``symbols`` that are not a piece of this model (text holding them would be split)."""
+        return [s for s in symbols if self.sp.piece_to_id(s) == UNK_ID or self.sp.piece_to_id(s) >= self.vocab_size]
 
     def encode(self, lines: list[str]) -> list[list[int]]:
         """Ids without bos/eos (the data and search code add them), of the text less the control and format

@@ -240,7 +240,8 @@ class LineSearch:
         )
 
     def add(self, key: Hashable, line: str) -> None:
-        ids = source_ids(self.translator.src_tok, [line], self.translator.model.max_source_positions).get(0)
+        t = self.translator
+        ids = source_ids(t.src_tok, [line], t.model.max_source_positions, None, t.source_prefix).get(0)
         if ids is None:
             self.empty.append(key)
             return

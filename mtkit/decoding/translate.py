@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from mtkit.config import MAX_BEAM, ConfigError, DecodeConfig, SamplingConfig
+from mtkit.config import MAX_BEAM, ConfigError, DataConfig, DecodeConfig, SamplingConfig
+from mtkit.data.directions import choose_target, directions, source_prefix
 from mtkit.data.parallel import source_tensor
 from mtkit.data.tokenizer import Tokenizer
 from mtkit.decoding.alignment import align_batch
@@ -54,15 +55,17 @@ class PrefixMismatch(ValueError):
 
 
 def source_ids(
-    tok: Tokenizer, lines: list[str], max_positions: int, first_line: int | None = None
+    tok: Tokenizer, lines: list[str], max_positions: int, first_line: int | None = None, prefix: str = ""
 ) -> dict[int, list[int]]:
     """The token ids of each of ``lines`` that needs a search, by index: empty, blank and token-less lines
-    (U+200B alone) need none. Ids are truncated to leave the source eos a position, with a warning that
-    names the line where lines are numbered (``first_line``: the number of ``lines[0]``). Every engine
-    encodes its sources here."""
+    (U+200B alone) need none. Each line is read after ``prefix`` (a language tag, mtkit.data.directions). Ids
+    are truncated to leave the source eos a position, with a warning that names the line where lines are
+    numbered (``first_line``: the number of ``lines[0]``). Every engine encodes its sources here."""
     todo = [i for i, line in enumerate(lines) if line.strip()]
     limit = max_positions - 1
-    seqs = tok.encode_capped([lines[i] for i in todo], limit)
+    if prefix:  # a line of U+200B alone is still no text: its tag alone is not translated
+        todo = [i for i, seq in zip(todo, tok.encode([lines[i] for i in todo])) if seq]
+    seqs = tok.encode_capped([prefix + lines[i] for i in todo], limit)
     for i, seq in zip(todo, seqs):
         if len(seq) > limit:
             where = "a text" if first_line is None else f"line {first_line + i}:"
@@ -94,6 +97,27 @@ class LineTranslator(ABC):
     sampling: SamplingConfig | None = None  # engines that draw samples set it
     languages: tuple[str, str] | None = None  # (source, target) as the run's config names them, where known
     precision: dict[str, str] | None = None  # the number format it computes in and why (PrecisionChoice.to_dict)
+    data: DataConfig | None = None  # the data section of the model's config: the directions it was trained for
+    target_language: str | None = None  # the language it translates into; None until chosen (``into``)
+    source_prefix: str = ""  # put before each source: the target's tag, in a model of several targets
+
+    def into(self, tgt_lang: str | None) -> LineTranslator:
+        """This translator translating into ``tgt_lang``, which must be a target language of the model; None
+        picks the model's only one. ConfigError, naming the model's directions, otherwise."""
+        if self.data is None:  # an export of no known directions: one pair
+            if tgt_lang and self.languages and tgt_lang != self.languages[1]:
+                raise ConfigError(f"this model translates into {self.languages[1]}, not {tgt_lang!r}")
+            return self
+        lang = choose_target(self.data, tgt_lang)
+        changed = copy.copy(self)
+        changed.target_language, changed.source_prefix = lang, source_prefix(self.data, lang)
+        changed.languages = next((src, tgt) for src, tgt in directions(self.data) if tgt == lang)
+        return changed
+
+    def check_target(self) -> None:
+        """ConfigError unless the target language is known: a model of several needs ``into`` first."""
+        if self.data is not None and self.target_language is None:
+            choose_target(self.data, None)
 
     @abstractmethod
     def stream(self, chunks: Iterable[list[str]]) -> Iterator[list[Translation]]:
@@ -110,15 +134,20 @@ class LineTranslator(ABC):
         check_nbest(changed.nbest, changed.decode, changed.sampling)
         return changed
 
-    def translate(self, lines: Iterable[str], **decode: Any) -> list[str]:
+    def translate(self, lines: Iterable[str], tgt_lang: str | None = None, **decode: Any) -> list[str]:
         """The best translation of each line, in order: one string per line, "" for an empty line."""
-        return [best[0].text for best in self.hypotheses(lines, **decode)]
+        return [best[0].text for best in self.hypotheses(lines, tgt_lang, **decode)]
 
-    def hypotheses(self, lines: Iterable[str], **decode: Any) -> Iterator[list[Translation]]:
+    def hypotheses(
+        self, lines: Iterable[str], tgt_lang: str | None = None, **decode: Any
+    ) -> Iterator[list[Translation]]:
         """The translations of each line (``nbest`` of them, best first, with scores and alignments when
         asked for), streamed: lines are read and translated in chunks, so any iterable will do, an open
-        file too (a line's ending newline is not part of it)."""
-        yield from self.using(**decode).stream(chunked(line.removesuffix("\n").removesuffix("\r") for line in lines))
+        file too (a line's ending newline is not part of it). ``tgt_lang``: the target language, for a
+        model of several."""
+        translator = self.using(**decode) if tgt_lang is None else self.using(**decode).into(tgt_lang)
+        translator.check_target()
+        yield from translator.stream(chunked(line.removesuffix("\n").removesuffix("\r") for line in lines))
 
 
 def check_nbest(nbest: int, decode: DecodeConfig, sampling: SamplingConfig | None = None) -> None:
@@ -176,6 +205,7 @@ class Translator(LineTranslator):
         chunk is read, so the caller decides how much input is held at once. ``prefixes``,
         line-aligned with the input, gives the start each translation must have ("" for none).
         """
+        self.check_target()
         first_line = 1
         prefix_lines = iter(prefixes) if prefixes is not None else None
         for chunk in chunks:
@@ -200,7 +230,7 @@ class Translator(LineTranslator):
                     f"line {first_line + i}: the prefix is longer than the model's outputs can be "
                     f"({self.model.max_target_positions - 1} tokens, model.max_positions)"
                 )
-        ids = source_ids(self.src_tok, lines, self.model.max_source_positions, first_line)
+        ids = source_ids(self.src_tok, lines, self.model.max_source_positions, first_line, self.source_prefix)
         todo = list(ids)
         if self.on_batch is not None and len(todo) < len(lines):
             self.on_batch(len(lines) - len(todo))

@@ -35,7 +35,8 @@ import torch
 from torch import nn
 
 from mtkit import untrusted
-from mtkit.config import MAX_POSITIONS, ConfigError, ModelConfig, from_dict
+from mtkit.config import MAX_CORPORA, MAX_POSITIONS, ConfigError, ModelConfig, from_dict
+from mtkit.data.directions import data_of, directions, source_prefix
 from mtkit.data.tokenizer import BOS_ID, EOS_ID, UNK_ID, Tokenizer
 from mtkit.decoding.shortlist import load_shortlist, vocabulary_map
 from mtkit.files import atomic_write_directory, file_sha256
@@ -205,6 +206,9 @@ def export_ctranslate2(
         "tokenizer": {"src": bundle.src_tok.path.name, "tgt": bundle.tgt_tok.path.name},
         "max_positions": bundle.cfg.model.max_positions,
         "decode": asdict(bundle.cfg.decode),
+        # what the model translates, and the tag each target language needs before the source tokens
+        "directions": [list(pair) for pair in directions(bundle.cfg.data)],
+        "source_tags": {tgt: source_prefix(bundle.cfg.data, tgt).strip() for _, tgt in directions(bundle.cfg.data)},
     }
 
     def fill(directory: Path) -> None:
@@ -258,6 +262,14 @@ def read_manifest(ct2_dir: Path) -> dict[str, Any]:
         untrusted.integer(manifest["max_positions"], "max_positions", low=8, high=MAX_POSITIONS)
         untrusted.mapping(manifest["decode"], "decode")
         manifest["decode"] = from_dict({"decode": manifest["decode"]}).decode
+        if "directions" in manifest:  # none in exports made before they were recorded
+            pairs = manifest["directions"]
+            if not isinstance(pairs, list) or not 1 <= len(pairs) <= MAX_CORPORA:
+                raise untrusted.Malformed(f"directions must be a list of 1 to {MAX_CORPORA} [source, target] pairs")
+            for i, pair in enumerate(pairs):
+                if not isinstance(pair, list) or len(untrusted.strings(pair, f"directions[{i}]")) != 2:
+                    raise untrusted.Malformed(f"directions[{i}] must be a [source, target] pair")
+            manifest["data"] = data_of([tuple(pair) for pair in pairs])  # checks the language codes
     except (untrusted.Malformed, ConfigError) as err:
         raise CheckpointError(f"{path}: malformed export manifest: {err}") from None
     return manifest

@@ -106,10 +106,13 @@ class CTranslate2Translator(LineTranslator):
         manifest = read_manifest(ct2_dir)
         toks = {side: Tokenizer(Path(ct2_dir) / name) for side, name in manifest["tokenizer"].items()}
         settings = decode if isinstance(decode, DecodeConfig) else with_overrides(manifest["decode"], decode or {})
-        return cls(Path(ct2_dir), toks["src"], toks["tgt"], settings, device, compute_type, nbest, use_vmap)
+        translator = cls(Path(ct2_dir), toks["src"], toks["tgt"], settings, device, compute_type, nbest, use_vmap)
+        translator.data = manifest.get("data")
+        return translator
 
     def stream(self, chunks: Iterable[list[str]]) -> Iterator[list[Translation]]:
         """The ``nbest`` translations of each line, best first, in input order, chunk by chunk."""
+        self.check_target()
         first_line = 1
         for chunk in chunks:
             yield from self._translate_chunk(chunk, first_line)
@@ -117,7 +120,7 @@ class CTranslate2Translator(LineTranslator):
 
     def _translate_chunk(self, lines: list[str], first_line: int) -> list[list[Translation]]:
         results: list[list[Translation]] = [[EMPTY] for _ in lines]
-        ids = source_ids(self.src_tok, lines, self.max_positions, first_line)
+        ids = source_ids(self.src_tok, lines, self.max_positions, first_line, self.source_prefix)
         todo = list(ids)
         if not todo:
             return results

@@ -53,6 +53,7 @@ import torch
 from torch import Tensor
 
 from mtkit.config import ConfigError, DecodeConfig, ModelConfig
+from mtkit.data.directions import directions, tags_targets
 from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 from mtkit.files import atomic_write_directory
 from mtkit.interop.ct2_export import MANIFEST, MANIFEST_FORMAT, check_replaceable, provenance, vocabulary
@@ -261,6 +262,12 @@ def export_transformers(model_path: Path, out_dir: Path) -> Path:
         check_expressible(cfg)
     except ConfigError as err:
         raise ConfigError(f"{model_path}: cannot export to transformers: {err}") from None
+    if tags_targets(bundle.cfg.data):
+        targets = ", ".join(dict.fromkeys(tgt for _, tgt in directions(bundle.cfg.data)))
+        raise ConfigError(
+            f"{model_path}: cannot export to transformers: the model translates into {targets} by a tag before "
+            "each source, which MarianTokenizer does not put there (export it to CTranslate2)"
+        )
     marian = _marian_model(bundle.model, cfg, bundle.src_tok.vocab_size, bundle.tgt_tok.vocab_size)
     start = start_id(bundle.src_tok.vocab_size, bundle.tgt_tok.vocab_size)
     settings = generation_settings(bundle.cfg.decode, cfg.max_positions, start)

@@ -17,6 +17,7 @@ final one and renamed into place. Where checkpoints sit in a run directory is tr
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,7 @@ FORMAT_VERSION = 2
 WEIGHTS_FILE, STATE_FILE = "model.safetensors", "state.pt"
 TOKENIZER_NAMES = ("spm.model", "spm.src.model", "spm.tgt.model")  # every name a tokenizer file has in mtkit
 DATA_FILES = ("train_src", "train_tgt", "valid_src", "valid_tgt")  # the data.* files a header's data_sha256 may name
+CORPUS_FILE = re.compile(r"corpora\[\d{1,3}\]\.(train_src|train_tgt|valid_src|valid_tgt)")  # ...and of data.corpora
 
 _META_KEY, _ALIASES_KEY = "mtkit", "mtkit.aliases"  # safetensors header entries
 
@@ -315,7 +317,10 @@ def _check_meta(path: Path, meta: Any) -> RunConfig:
             untrusted.mapping(meta["validation"], "validation")
         if "averaged" in meta:
             untrusted.strings(meta["averaged"], "averaged")
-        for name, digest in untrusted.mapping(meta.get("data_sha256", {}), "data_sha256", optional=DATA_FILES).items():
+        digests = untrusted.mapping(meta.get("data_sha256", {}), "data_sha256")
+        for name, digest in digests.items():
+            if name not in DATA_FILES and CORPUS_FILE.fullmatch(name) is None:
+                raise untrusted.Malformed(f"data_sha256 names {untrusted.shown(name)}, not a data file")
             untrusted.sha256(digest, f"data_sha256.{name}")
         if "init" in meta:
             init = untrusted.mapping(meta["init"], "init", required=("path", "sha256"), optional=())

@@ -1,11 +1,11 @@
 """Translation over HTTP (`mtkit serve`): a FastAPI application over the translator `mtkit.load` gives.
 
     POST /v1/translate  {"text": "A dog." | ["A dog.", ...], "beam": 5, "nbest": 1, "scores": false,
-                         "alignments": false}
+                         "alignments": false, "tgt_lang": "de"}
                         -> {"translations": [...]}: one per text, in order
     GET  /health        -> 200 once the model is loaded (the server listens only then)
-    GET  /v1/models     -> the model's name, languages, precision, batching, decode settings and tokenizer
-                           hashes; mtkit's version
+    GET  /v1/models     -> the model's name, languages, directions, precision, batching, decode settings
+                           and tokenizer hashes; mtkit's version
 
 The sentences of concurrent requests are searched together (``mtkit.serving.batcher``). Every answer is
 bounded: too much text is 413 (up front when Content-Length says so), a full queue 503 with
@@ -49,6 +49,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from mtkit.config import ServeConfig
+from mtkit.data.directions import directions
 from mtkit.decoding.continuous import LineSearch
 from mtkit.decoding.ensemble import Ensemble
 from mtkit.decoding.translate import LineTranslator, Translation, Translator, aligner_of
@@ -80,6 +81,11 @@ class TranslateRequest(BaseModel):
         description="Each translation as {text, alignment}: its word alignment in Pharaoh format ('i-j': source "
         "word i, target word j, from 0), from the model's cross-attention. With the best translation only.",
     )
+    tgt_lang: str | None = Field(
+        None,
+        description="The language to translate into, one of /v1/models' directions; needed by a model of several "
+        "target languages.",
+    )
 
     @model_validator(mode="after")
     def _within_the_beam(self, info: ValidationInfo) -> TranslateRequest:
@@ -94,6 +100,13 @@ class TranslateRequest(BaseModel):
             raise ValueError("alignments go with the best translation only, not with nbest")
         if self.alignments and not info.context["aligns"]:
             raise ValueError("this server's engine gives no word alignments")
+        targets = info.context["targets"]
+        if self.tgt_lang is None and len(targets) > 1:
+            raise ValueError(f"this model translates into {', '.join(targets)}: say which with tgt_lang")
+        if self.tgt_lang is not None and self.tgt_lang not in targets:
+            raise ValueError(
+                f"this model does not translate into {self.tgt_lang!r}; tgt_lang is one of {', '.join(targets)}"
+            )
         return self
 
     def texts(self) -> list[str]:
@@ -134,9 +147,10 @@ def aligning(translator: LineTranslator) -> LineTranslator:
 
 
 def configured(translator: LineTranslator, options: Hashable) -> LineTranslator:
-    """``translator`` with a request's options: (beam, nbest, alignments)."""
-    beam, nbest, alignments = options
+    """``translator`` with a request's options: (beam, nbest, alignments, target language or None)."""
+    beam, nbest, alignments, tgt_lang = options
     chosen = translator.using(beam=beam, nbest=nbest)
+    chosen = chosen.into(tgt_lang) if tgt_lang is not None else chosen
     return aligning(chosen) if alignments else chosen
 
 
@@ -204,7 +218,13 @@ def create_app(
 
     app = FastAPI(title="mtkit", version=__version__, lifespan=lifespan)
     limits = {"max_texts": cfg.max_texts, "max_chars": cfg.max_chars, "max_beam": cfg.max_beam}
-    context = {"max_beam": cfg.max_beam, "beam": translator.decode.beam, "aligns": isinstance(translator, Translator)}
+    pairs = directions(translator.data) if translator.data is not None else [translator.languages or ("", "")]
+    context = {
+        "max_beam": cfg.max_beam,
+        "beam": translator.decode.beam,
+        "aligns": isinstance(translator, Translator),
+        "targets": list(dict.fromkeys(tgt for _, tgt in pairs if tgt)),
+    }
     schema = {"content": {"application/json": {"schema": TranslateRequest.model_json_schema()}}, "required": True}
     mode = batching(translator, cfg.continuous)
 
@@ -231,7 +251,8 @@ def create_app(
         if not texts:
             return {"translations": []}
         try:
-            future = batcher.submit(texts, (query.beam or translator.decode.beam, query.nbest, query.alignments))
+            options = (query.beam or translator.decode.beam, query.nbest, query.alignments, query.tgt_lang)
+            future = batcher.submit(texts, options)
         except Refused as err:
             raise HTTPException(503, str(err), headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         answer = asyncio.wrap_future(future)
@@ -259,12 +280,14 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        """The model served: its languages, precision (and why), decode settings and tokenizer hashes; the
-        request limits."""
+        """The model served: its languages (null for a model of several target languages), the directions it
+        translates (a request's tgt_lang chooses among them), precision (and why), decode settings and tokenizer
+        hashes; the request limits."""
         languages = translator.languages
         model = {
             "name": name,
             "languages": {"source": languages[0], "target": languages[1]} if languages else None,
+            "directions": [{"source": src, "target": tgt} for src, tgt in pairs if src and tgt],
             "precision": translator.precision,
             "batching": mode,
             "decode": asdict(translator.decode),

@@ -157,7 +157,10 @@ class TrainingReport:
 
 def _describe(result: dict) -> str:
     parts = [f"loss {result['valid_loss']:.3f}", f"ppl {result['valid_ppl']:.2f}"]
-    if "valid_bleu" in result:
+    if "valid_bleu_by_direction" in result:
+        each = ", ".join(f"{d} {b:.2f}" for d, b in result["valid_bleu_by_direction"].items())
+        parts.append(f"BLEU {result['valid_bleu']:.2f} (mean of {each})")
+    elif "valid_bleu" in result:
         parts.append(f"BLEU {result['valid_bleu']:.2f}")
     if result.get("new_best"):
         parts.append("(new best)")

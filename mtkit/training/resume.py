@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import logging
 import typing
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from mtkit import untrusted
-from mtkit.config import RunConfig
+from mtkit.config import MAX_CORPORA, RunConfig
 from mtkit.data.tokenizer import Tokenizer
 from mtkit.model import checkpoint
 from mtkit.training.distributed import Distributed
@@ -46,6 +46,8 @@ class Progress:
     log_loss: float = 0.0
     log_nll: float = 0.0
     log_updates: int = 0
+    # With data.corpora: batches drawn so far, then each corpus's epoch and batches of it given (CorpusMix)
+    mix: list[int] = field(default_factory=list)
 
     def counters(self) -> dict:
         return {
@@ -81,6 +83,11 @@ class TrainingState:
                 what = f"progress.{name}"
                 if hints[name] is int:
                     untrusted.integer(value, what)
+                elif name == "mix":
+                    if not isinstance(value, list) or len(value) > 1 + 2 * MAX_CORPORA:
+                        raise untrusted.Malformed(f"{what} must be a list of at most {1 + 2 * MAX_CORPORA} counts")
+                    for i, count in enumerate(value):
+                        untrusted.integer(count, f"{what}[{i}]")
                 elif value is not None or hints[name] is float:
                     untrusted.number(value, what)
             if values.get("step", 0) != step:
@@ -133,9 +140,9 @@ def check_resumable(
                 f"{path}: trained with another tokenizer than {tok.path}; use a new --out or --restart"
             )
     recorded = saved.meta.get("data_sha256")
-    for name in checkpoint.DATA_FILES if recorded is not None else ():
+    for name in sorted(set(recorded) | set(data_sha256)) if recorded is not None else ():
         if recorded.get(name) != data_sha256.get(name):
-            now = getattr(cfg.data, name)
+            now = getattr(cfg.data, name, None) if "." not in name else (name if name in data_sha256 else None)
             what = f"another data.{name} than {now}" if now else f"a data.{name}, which this config leaves out"
             raise checkpoint.CheckpointError(
                 f"{path}: trained on {what}; to go on with the data as it is, {_new_run(run_dir)}"

@@ -33,7 +33,9 @@ import numpy as np
 import torch
 
 from mtkit.config import ConfigError, RunConfig
+from mtkit.data.directions import CorpusFiles, corpus_files
 from mtkit.data.parallel import Batch, DataError, check_input_file, file_digest, iter_parallel
+from mtkit.data.sampling import CorpusMix, corpus_probabilities
 from mtkit.data.token_store import TokenStore, default_cache_dir, open_or_build, store_key
 from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 from mtkit.decoding.translate import Translator
@@ -60,7 +62,7 @@ from mtkit.training.schedule import lr_at
 from mtkit.training.skip_policy import SkipPolicy
 from mtkit.training.stop_signals import StopSignals, TrainingStopped
 from mtkit.training.tokenizers import open_tokenizers, prepare_tokenizers
-from mtkit.training.validation_set import loss_batches, read_validation_set
+from mtkit.training.validation_set import ValidationSet, loss_batches, read_validation_sets
 
 log = logging.getLogger("mtkit")
 
@@ -74,18 +76,33 @@ def open_training_data(cfg: RunConfig, src_tok: Tokenizer, tgt_tok: Tokenizer) -
     return open_or_build(cache_dir, iter_parallel(data.train_src, data.train_tgt), key, src_tok, tgt_tok)
 
 
-def data_sha256(cfg: RunConfig, corpus: TokenStore) -> dict[str, str]:
-    """The SHA-256 of each data file, by data.* key: the training files' as their token store recorded them,
-    the validation files' read now (they are small)."""
+def open_corpus_data(cfg: RunConfig, corpus: CorpusFiles, src_tok: Tokenizer, tgt_tok: Tokenizer) -> TokenStore:
+    """One corpus of data.corpora as a token store, its sources read after their tags; a DataError names it."""
     data = cfg.data
-    train = [name for name in ("train_src", "train_tgt") if getattr(data, name)]
-    recorded = corpus.file_sha256s
-    if recorded is None or len(recorded) != len(train):  # a store built before it recorded them
-        recorded = [file_digest(getattr(data, name)) for name in train]
-    digests = dict(zip(train, recorded))
-    for name in ("valid_src", "valid_tgt"):
-        if getattr(data, name):
-            digests[name] = file_digest(getattr(data, name))
+    paths = [corpus.train_src, corpus.train_tgt] if corpus.train_tgt else [corpus.train_src]
+    key = store_key(paths, src_tok, tgt_tok, data.max_tokens, data.max_ratio, corpus.prefix)
+    cache_dir = Path(data.cache_dir) if data.cache_dir else default_cache_dir()
+    prefix = corpus.prefix
+    pairs = ((prefix + s if s.strip() else s, t) for s, t in iter_parallel(corpus.train_src, corpus.train_tgt))
+    try:
+        return open_or_build(cache_dir, pairs, key, src_tok, tgt_tok)
+    except DataError as err:
+        raise DataError(f"{corpus.name}: {err}") from None
+
+
+def data_sha256(cfg: RunConfig, stores: list[TokenStore], corpora: list[CorpusFiles]) -> dict[str, str]:
+    """The SHA-256 of each data file, by data.* key (``corpora[I].train_src`` for a corpus of data.corpora): the
+    training files' as their token store recorded them, the validation files' read now (they are small)."""
+    digests = {}
+    for store, files, key in zip(stores, corpora or [cfg.data], [f"corpora[{c.index}]." for c in corpora] or [""]):
+        train = [name for name in ("train_src", "train_tgt") if getattr(files, name)]
+        recorded = store.file_sha256s
+        if recorded is None or len(recorded) != len(train):  # a store built before it recorded them
+            recorded = [file_digest(getattr(files, name)) for name in train]
+        digests |= {key + name: digest for name, digest in zip(train, recorded)}
+        for name in ("valid_src", "valid_tgt"):
+            if getattr(files, name):
+                digests[key + name] = file_digest(getattr(files, name))
     return digests
 
 
@@ -108,7 +125,8 @@ class Trainer:
         self._setup_runtime()
         self.report = TrainingReport(self.run_dir, reporter, self.is_main, self.device, cfg.train.log_every)
         check_trainable(cfg)
-        self.valid_src, self.valid_tgt = read_validation_set(cfg)
+        self.corpora = corpus_files(cfg.data)
+        self.valid_sets = read_validation_sets(cfg, self.corpora)
         if self.is_main:
             self.run_dir.claim(restart)
         self._setup_start()
@@ -174,18 +192,35 @@ class Trainer:
             if cfg.train.init_from and self.initial is None:  # resuming: RUN/ has the tokenizers, checked on loading
                 self.src_tok, self.tgt_tok = open_tokenizers(cfg, out_dir)
             else:
-                self.src_tok, self.tgt_tok = prepare_tokenizers(cfg, out_dir, pairs)
-            self.corpus = open_training_data(cfg, self.src_tok, self.tgt_tok)
+                self.src_tok, self.tgt_tok = prepare_tokenizers(cfg, out_dir, pairs, self.corpora)
+            self.stores = self._open_stores()
         self.dist.barrier()  # the other ranks read the tokenizer and the encoded pairs rank 0 made (or found)
         if not self.is_main:
             self.src_tok, self.tgt_tok = open_tokenizers(cfg, out_dir)
-            self.corpus = open_training_data(cfg, self.src_tok, self.tgt_tok)
-        self.data_sha256 = data_sha256(cfg, self.corpus)
+            self.stores = self._open_stores()
+        self.corpus = self.stores[0]
+        self.data_sha256 = data_sha256(cfg, self.stores, self.corpora)
+        self.mix: CorpusMix | None = None
+        if self.corpora:
+            shares = corpus_probabilities(
+                [len(store) for store in self.stores], [c.config.weight for c in self.corpora], cfg.data.temperature
+            )
+            log.info(
+                "batches drawn from %s",
+                ", ".join(f"{c.name} {len(st):,} pairs {p:.1%}" for c, st, p in zip(self.corpora, self.stores, shares)),
+            )
+            self.mix = CorpusMix(self.stores, shares, cfg.train.batch_tokens, cfg.train.seed)
         if self.is_main:
-            self.valid_batches = loss_batches(cfg, self.src_tok, self.tgt_tok, self.valid_src, self.valid_tgt)
+            self.valid_batches = loss_batches(cfg, self.src_tok, self.tgt_tok, self.valid_sets)
         else:
             self.valid_batches = []
         self._epoch_indices: tuple[int, list[np.ndarray]] = (0, [])
+
+    def _open_stores(self) -> list[TokenStore]:
+        """The training pairs: one token store, or one per corpus of data.corpora."""
+        if not self.corpora:
+            return [open_training_data(self.cfg, self.src_tok, self.tgt_tok)]
+        return [open_corpus_data(self.cfg, c, self.src_tok, self.tgt_tok) for c in self.corpora]
 
     def _setup_model(self) -> None:
         """The model and its loss; then dropout seeded per rank, so masks differ between ranks."""
@@ -313,6 +348,9 @@ class Trainer:
         each time, since a rollback may have moved it.
         """
         tc, world = self.cfg.train, self.dist.world_size
+        if self.mix is not None:
+            yield from self._mixed_update_groups()
+            return
         while self.stop_condition() is None:
             p = self.progress
             batches = self._epoch_batches(p.epoch)
@@ -323,6 +361,17 @@ class Trainer:
             p.batch_in_epoch += len(group)
             mine = [self.corpus.collate(indices) for indices in group[self.dist.rank :: world]]
             yield mine, sum(map(self.corpus.target_tokens, group))
+
+    def _mixed_update_groups(self) -> Iterator[tuple[list[Batch], int]]:
+        """``_update_groups`` over several corpora: each batch of a group drawn from one of them (CorpusMix)."""
+        tc, world = self.cfg.train, self.dist.world_size
+        while self.stop_condition() is None:
+            p = self.progress
+            if not p.mix:
+                p.mix = self.mix.start()
+            group = [self.mix.next(p.mix) for _ in range(tc.accum * world)]
+            mine = [self.stores[corpus].collate(indices) for corpus, indices in group[self.dist.rank :: world]]
+            yield mine, sum(self.stores[corpus].target_tokens(indices) for corpus, indices in group)
 
     def _epoch_batches(self, epoch: int) -> list[np.ndarray]:
         """The epoch's batches as corpus indices, identical on every rank (the shuffle is seeded by epoch)."""
@@ -488,13 +537,23 @@ class Trainer:
             return {}
 
     def _validate(self) -> dict:
+        """The loss over every validation set; BLEU of each, and their mean when there are several
+        (``valid_bleu_by_direction``), which best/ and early stopping follow."""
         self.model.eval()
-        if not self.valid_src:
+        if not self.valid_sets:
             return {}
         result = self._valid_loss()
         if self.cfg.train.valid_bleu:
-            score = bleu(self._valid_translations(), self.valid_tgt)
-            result.update(valid_bleu=score.value, bleu_signature=score.signature)
+            scores = {v.direction: bleu(self._valid_translations(v), v.references) for v in self.valid_sets}
+            if len(scores) == 1:
+                score = next(iter(scores.values()))
+                result.update(valid_bleu=score.value, bleu_signature=score.signature)
+            else:
+                result.update(
+                    valid_bleu=sum(score.value for score in scores.values()) / len(scores),
+                    valid_bleu_by_direction={direction: score.value for direction, score in scores.items()},
+                    bleu_signature=next(iter(scores.values())).signature,
+                )
         return result
 
     def _valid_loss(self) -> dict:
@@ -509,13 +568,15 @@ class Trainer:
             "valid_ppl": math.exp(min(nll_sum / tokens, 50)),
         }
 
-    def _valid_translations(self) -> list[str]:
-        """The validation set decoded with train.valid_beam, a progress bar counting the sentences done."""
+    def _valid_translations(self, valid: ValidationSet) -> list[str]:
+        """A validation set decoded with train.valid_beam, a progress bar counting the sentences done."""
         decode = replace(self.cfg.decode, beam=self.cfg.train.valid_beam)
-        progress = StageProgress("validation decoding", total=len(self.valid_src), unit="sentences")
+        what = "validation decoding" + (f" {valid.direction}" if len(self.valid_sets) > 1 else "")
+        progress = StageProgress(what, total=len(valid.sources), unit="sentences")
         with autocast(self.device, self.dtype), progress as bar:
             translator = Translator(self.model, self.src_tok, self.tgt_tok, decode, self.device, on_batch=bar.advance)
-            return translator.translate(self.valid_src)
+            translator.source_prefix = valid.prefix
+            return translator.translate(valid.sources)
 
     # -- checkpoints --------------------------------------------------------------------------
 
@@ -572,7 +633,16 @@ def check_trainable(cfg: RunConfig) -> None:
     line from one process.
     """
     data, tok = cfg.data, cfg.tokenizer
-    if not data.train_src:
+    if data.corpora:
+        if cfg.train.max_epochs:
+            raise ConfigError(
+                "train.max_epochs counts passes over one corpus; with data.corpora, budget by train.max_steps"
+            )
+        for corpus in corpus_files(data):
+            for path in (corpus.train_src, corpus.train_tgt, corpus.valid_src, corpus.valid_tgt):
+                if path:
+                    check_input_file(path)
+    elif not data.train_src:
         hint = f"; `mtkit run` prepares recipe.corpus {cfg.recipe.corpus} for it" if cfg.recipe.corpus else ""
         raise ConfigError(f"data.train_src is not set: training needs a parallel corpus{hint}")
     if not cfg.train.init_from:  # else the model's positions are the initial model's, checked once it is read

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from mtkit.config import ConfigError, Engine, InferenceConfig, InferencePrecision, SamplingConfig
+from mtkit.data.directions import tags_targets
 from mtkit.decoding.ensemble import Ensemble
 from mtkit.decoding.shortlist import load_shortlist
 from mtkit.decoding.translate import LineTranslator, Translator, aligner_of, with_overrides
@@ -45,6 +46,7 @@ def load_translator(
     sampling: SamplingConfig | None = None,
     alignments: bool = False,
     shortlist: str | Path | None = None,
+    tgt_lang: str | None = None,
     **decode: Any,
 ) -> LineTranslator:
     """A translator over ``models``: run directories (their best/), checkpoints or .safetensors files,
@@ -56,7 +58,9 @@ def load_translator(
     natively, else fp32; ``int8``: the linear layers' weights and activations in int8, on the CPU; with
     CTranslate2, ``auto`` is the export's own weight type); ``alignments`` adds word alignments
     from the first model's cross-attention; ``sampling`` draws tokens instead of searching;
-    ``shortlist``, a file `mtkit shortlist` wrote, limits each batch's outputs to its candidates.
+    ``shortlist``, a file `mtkit shortlist` wrote, limits each batch's outputs to its candidates;
+    ``tgt_lang`` the language to translate into, one the model was trained for (a model of several target
+    languages takes it here or in each ``translate`` call; ConfigError listing its directions otherwise).
     """
     from mtkit.runtime import pick_device, resolve_precision
 
@@ -80,7 +84,7 @@ def load_translator(
             chosen = resolve_precision(precision, dev).to_dict()
         engine_translator = CTranslate2Translator.from_dir(models[0], decode, dev.type, compute_type, nbest)
         engine_translator.precision = chosen
-        return engine_translator
+        return _choose_target(engine_translator, tgt_lang)
     if engine != "mtkit":
         raise ConfigError(f"engine must be mtkit or ctranslate2, got {engine!r}")
     choice = resolve_precision(precision, dev)
@@ -96,6 +100,14 @@ def load_translator(
     translator = Translator(
         network, first.src_tok, first.tgt_tok, settings, dev, nbest, sampling, aligner, shortlist=lexical
     )
-    translator.languages = (first.cfg.data.src_lang, first.cfg.data.tgt_lang)
+    translator.data = first.cfg.data
     translator.precision = choice.to_dict()
-    return translator
+    return _choose_target(translator, tgt_lang)
+
+
+def _choose_target(translator: LineTranslator, tgt_lang: str | None) -> LineTranslator:
+    """``translator`` into ``tgt_lang``, or into the model's one target language; a model of several is left
+    to each call to choose, unless ``tgt_lang`` does."""
+    if translator.data is not None and tgt_lang is None and tags_targets(translator.data):
+        return translator
+    return translator.into(tgt_lang)

@@ -236,11 +236,13 @@ def translate_file(
     precision: InferencePrecision = InferenceConfig.precision,
     engine: Engine = InferenceConfig.engine,
     shortlist: Path | None = None,
+    tgt_lang: str | None = None,
     **decode,
 ) -> int:
     """Translate ``input`` (a file, a pipe; None, ``-`` or ``/dev/stdin`` for stdin) into ``output``
     (None for stdout), one output line per input line (``nbest`` lines with ``nbest`` > 1); the count.
-    ``shortlist``: a file `mtkit shortlist` wrote, which limits each batch's outputs to its candidates.
+    ``shortlist``: a file `mtkit shortlist` wrote, which limits each batch's outputs to its candidates;
+    ``tgt_lang``: the target language, which a model of several needs.
 
     Everything is checked before the model loads: the input files exist, the output may be written
     (``check_output_file``), stdin and stdout are open. ``decode`` overrides the model's settings.
@@ -275,8 +277,9 @@ def translate_file(
         check_output_file(output, inputs, checkpoints_holding(output))
     with WholeLines() as whole_lines:
         translator = load_translator(
-            models, device, precision, engine, nbest, sampling, alignments, shortlist, **decode
+            models, device, precision, engine, nbest, sampling, alignments, shortlist, tgt_lang, **decode
         )
+        translator.check_target()
         size = translate.CHUNK_LINES
         chunks = input_chunks(input, size)
         if prefix is None:
