@@ -302,7 +302,6 @@ def test_a_corpus_empty_after_cleaning_is_one_line_naming_it_before_any_update(t
 def test_a_prepared_folder_of_other_languages_is_refused(tmp_path, trilingual_files):
     folder = tmp_path / "prepared"
     folder.mkdir()
-    (folder / "prepare.json").write_text("{}")
     for lang in ("en", "de"):
         (folder / f"train.{lang}").write_text(trilingual_files[f"train.{lang}"].read_text())
     data = DataConfig(corpora=(CorpusConfig("en", "fr", prepared=str(folder)),))

@@ -1,0 +1,137 @@
+"""The directions a model translates, the reserved tags that tell it which, and where each corpus's files are.
+
+A model trained on one corpus translates one direction and needs no tag. A model whose corpora have
+several target languages reads the target language from a tag before each source, ``<2de> A dog runs.``
+(Johnson et al., 2017): the tag is a reserved symbol of the tokenizer, so it is one piece, never split,
+and ``mtkit translate --tgt-lang de`` puts it there. Sources of a back-translated corpus also get
+``<BT>`` (Caswell et al., 2019), in training only. Tags are prefixed to the text, with a space, before
+encoding: the same text gives the same pieces in training, validation and translation, whichever
+engine encodes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from mtkit.config import ConfigError, CorpusConfig, DataConfig
+from mtkit.data.parallel import DataError
+
+BT_TAG = "<BT>"
+
+
+def target_tag(lang: str) -> str:
+    return f"<2{lang}>"
+
+
+def directions(data: DataConfig) -> list[tuple[str, str]]:
+    """The (source, target) language pairs a model of ``data`` is trained on, in the order the config names them."""
+    if not data.corpora:
+        return [(data.src_lang, data.tgt_lang)]
+    return list(dict.fromkeys((c.src_lang, c.tgt_lang) for c in data.corpora))
+
+
+def tags_targets(data: DataConfig) -> bool:
+    """Whether sources carry a target-language tag: they do when the corpora have several target languages."""
+    return len({tgt for _, tgt in directions(data)}) > 1
+
+
+def reserved_symbols(data: DataConfig) -> list[str]:
+    """The tags a tokenizer for ``data`` must hold as single pieces."""
+    symbols = [target_tag(tgt) for tgt in dict.fromkeys(tgt for _, tgt in directions(data))] if tags_targets(data) else []
+    return symbols + ([BT_TAG] if any(c.back_translated for c in data.corpora) else [])
+
+
+def source_prefix(data: DataConfig, tgt_lang: str, back_translated: bool = False) -> str:
+    """The text put before each source sentence for ``tgt_lang``: its tag and <BT> as the model needs them."""
+    tags = [target_tag(tgt_lang)] if tags_targets(data) else []
+    tags += [BT_TAG] if back_translated else []
+    return " ".join(tags) + " " if tags else ""
+
+
+def choose_target(data: DataConfig, tgt_lang: str | None) -> str:
+    """The target language to translate into: ``tgt_lang``, which must be one the model was trained for, or
+    the model's only one. ConfigError naming the directions otherwise."""
+    pairs = directions(data)
+    targets = list(dict.fromkeys(tgt for _, tgt in pairs))
+    trained = ", ".join(f"{src}->{tgt}" for src, tgt in pairs)
+    if tgt_lang is None or tgt_lang == "":
+        if len(targets) > 1:
+            raise ConfigError(f"this model translates into {', '.join(targets)}: say which with --tgt-lang ({trained})")
+        return targets[0]
+    if tgt_lang not in targets:
+        raise ConfigError(f"this model was not trained to translate into {tgt_lang!r}; it translates {trained}")
+    return tgt_lang
+
+
+def data_of(pairs: list[tuple[str, str]]) -> DataConfig:
+    """A data section naming just these directions: what an export records of its model's."""
+    if len(pairs) == 1:
+        return DataConfig(src_lang=pairs[0][0], tgt_lang=pairs[0][1])
+    return DataConfig(corpora=tuple(CorpusConfig(src, tgt) for src, tgt in pairs))
+
+
+@dataclass(frozen=True)
+class CorpusFiles:
+    """One corpus of data.corpora with its files found: what training reads."""
+
+    index: int
+    name: str  # data.corpora[INDEX] (SRC-TGT), for messages
+    config: CorpusConfig
+    train_src: str
+    train_tgt: str
+    valid_src: str
+    valid_tgt: str
+    prefix: str  # put before each training and validation source
+
+
+def corpus_files(data: DataConfig) -> list[CorpusFiles]:
+    """Each corpus of ``data.corpora`` with its training and validation files, checked against its languages.
+
+    A prepared folder gives train.SRC and train.TGT (valid.* when there); a file whose name ends in the code
+    of another language of the config than the side it is given for is refused, as swapped files would be.
+    """
+    langs = {lang for c in data.corpora for lang in (c.src_lang, c.tgt_lang)}
+    found = []
+    for i, c in enumerate(data.corpora):
+        name = f"data.corpora[{i}] ({c.direction})"
+        if c.corpus:
+            raise ConfigError(
+                f"{name}: corpus {c.corpus} is prepared by `mtkit run`; for training, prepare it "
+                f"(`mtkit prepare {c.corpus} DIR`) and give prepared: DIR"
+            )
+        train_src, train_tgt, valid_src, valid_tgt = c.train_src, c.train_tgt, c.valid_src, c.valid_tgt
+        if c.prepared:
+            train_src, train_tgt, valid_src, valid_tgt = _prepared_files(name, Path(c.prepared), c)
+        if not train_src:
+            raise ConfigError(f"{name}: no training data: give train_src (and train_tgt) or prepared")
+        for side, path, lang in (("source", train_src, c.src_lang), ("target", train_tgt, c.tgt_lang),
+                                 ("source", valid_src, c.src_lang), ("target", valid_tgt, c.tgt_lang)):  # fmt: skip
+            named = _named_language(path)
+            if named in langs and named != lang:
+                raise ConfigError(f"{name}: {path} is named as {named} text, but the {side} language is {lang}")
+        prefix = source_prefix(data, c.tgt_lang, c.back_translated)
+        found.append(CorpusFiles(i, name, c, train_src, train_tgt, valid_src, valid_tgt, prefix))
+    return found
+
+
+def _prepared_files(name: str, folder: Path, c: CorpusConfig) -> tuple[str, str, str, str]:
+    if not folder.is_dir():
+        raise DataError(f"{name}: {folder} is not a folder (prepared: a folder laid out as `mtkit prepare` writes)")
+    present = sorted(p.suffix[1:] for p in folder.glob("train.*"))
+    for lang in (c.src_lang, c.tgt_lang):
+        if not (folder / f"train.{lang}").is_file():
+            raise DataError(
+                f"{name}: {folder} has no train.{lang}: its languages ({', '.join(present) or 'none'}) "
+                f"are not {c.src_lang} and {c.tgt_lang}"
+            )
+    valid = all((folder / f"valid.{lang}").is_file() for lang in (c.src_lang, c.tgt_lang))
+    valid_src, valid_tgt = (str(folder / f"valid.{lang}") for lang in (c.src_lang, c.tgt_lang)) if valid else ("", "")
+    return str(folder / f"train.{c.src_lang}"), str(folder / f"train.{c.tgt_lang}"), valid_src, valid_tgt
+
+
+def _named_language(path: str) -> str | None:
+    """The language code a file's name ends in (``train.de``, ``train.de.gz``), if it ends in one."""
+    name = Path(path).name.removesuffix(".gz")
+    suffix = Path(name).suffix[1:]
+    return suffix or None
