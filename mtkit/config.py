@@ -1,6 +1,7 @@
 """Typed configuration: the one home for defaults, loaded from YAML plus ``--set`` overrides.
 
-The YAML file mirrors the dataclass tree (``data``, ``tokenizer``, ``model``, ``train``, ``decode``, ``recipe``);
+The YAML file mirrors the dataclass tree (``data``, ``tokenizer``, ``model``, ``train``, ``decode``, ``recipe``,
+``backtranslation``);
 an unknown key or a value of the wrong type or range is a ``ConfigError`` naming the key.
 """
 
@@ -41,8 +42,9 @@ class CorpusConfig:
     """One parallel corpus of ``data.corpora``: a direction, where its pairs are, and its share of the batches.
 
     Its pairs come from text files (``train_src``/``train_tgt``, as data.train_src/train_tgt take them), from a
-    folder ``mtkit prepare`` wrote (``prepared``: its train.SRC and train.TGT, and valid.* when there), or, in
-    ``mtkit run``, from a catalogue corpus (``corpus``), which the run prepares and whose test split it scores.
+    folder laid out as ``mtkit prepare`` writes one (``prepared``: its train.SRC and train.TGT, valid.* when there,
+    and test.*, which ``mtkit run`` scores), or, in ``mtkit run``, from a catalogue corpus (``corpus``), which the
+    run prepares and whose test split it scores.
     """
 
     src_lang: str = ""  # source language code (required)
@@ -51,7 +53,7 @@ class CorpusConfig:
     train_tgt: str = ""  # target side, line-aligned with train_src
     valid_src: str = ""  # this direction's validation set (BLEU is reported per direction); empty: none
     valid_tgt: str = ""  # its references, line-aligned with valid_src
-    prepared: str = ""  # a folder `mtkit prepare` wrote, instead of the files above
+    prepared: str = ""  # a folder laid out as `mtkit prepare` writes one, instead of the files above
     corpus: str = ""  # a catalogue corpus (`mtkit prepare --list`) that `mtkit run` prepares and tests on
     weight: float = 1.0  # multiplies the corpus's size when batches are drawn (data.temperature)
     # its sources are synthetic (back-translations): each is prefixed with the reserved <BT> tag (Caswell et al.,
@@ -458,6 +460,40 @@ class RecipeConfig:
 
 
 @dataclass(frozen=True)
+class BackTranslationConfig:
+    """What `mtkit run` does to grow the parallel data with back-translation (Sennrich et al., 2016): a model
+    of the reverse direction (given, or trained on the run's parallel data first) translates target-language
+    monolingual text, and the main model trains on the real pairs and these synthetic ones, each synthetic
+    source tagged <BT> (Caswell et al., 2019). Empty ``monolingual``: no back-translation."""
+
+    monolingual: str = ""  # target-language text, one sentence per line, to back-translate
+    # a trained model of the reverse direction (run directory, checkpoint or .safetensors); "": `mtkit run` trains
+    # one into RUN/reverse, with the run's model and train settings on its parallel data turned around
+    reverse_model: str = ""
+    reverse_steps: int = 0  # updates of that reverse model; 0: train.max_steps
+    # sample: each token drawn from the model's distribution, which Edunov et al. (2018) found better than beam
+    # search once there are millions of sentences; beam: the reverse model's best translation, better with little
+    # data in that study
+    method: Literal["sample", "beam"] = "sample"
+    beam: int = 5  # with method beam
+    temperature: float = 1.0  # with method sample, as `mtkit translate --sample`: unrestricted sampling by default
+    top_k: int = 0  # with method sample: only the k most probable tokens; 0 for all
+    top_p: float = 1.0  # with method sample: the smallest set of tokens holding this much probability
+    seed: int = 1  # of the sampling
+    weight: float = 1.0  # the synthetic corpus's weight when batches are drawn (data.corpora)
+    tag: bool = True  # put <BT> before each synthetic source
+
+    def __post_init__(self) -> None:
+        _check_choices(self, "backtranslation")
+        _check(self.reverse_steps >= 0, "backtranslation.reverse_steps must be >= 0")
+        _check(1 <= self.beam <= MAX_BEAM, f"backtranslation.beam must be in [1, {MAX_BEAM}]")
+        _check(self.weight > 0, f"backtranslation.weight must be > 0, got {self.weight:g}")
+        _check(0 < self.temperature, "backtranslation.temperature must be > 0")
+        _check(0 < self.top_p <= 1 and self.top_k >= 0, "backtranslation.top_p must be in (0, 1], top_k >= 0")
+        _check(0 <= self.seed < 2**63, "backtranslation.seed must be in [0, 2**63)")
+
+
+@dataclass(frozen=True)
 class CleanConfig:
     """How `mtkit prepare` cleans a training split (its --nfkc, --dedupe, --min-words, --max-words and
     --max-ratio); valid and test are written as published."""
@@ -485,6 +521,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     recipe: RecipeConfig = field(default_factory=RecipeConfig)
+    backtranslation: BackTranslationConfig = field(default_factory=BackTranslationConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -576,6 +613,7 @@ SECTIONS: dict[str, type] = {
     "train": TrainConfig,
     "decode": DecodeConfig,
     "recipe": RecipeConfig,
+    "backtranslation": BackTranslationConfig,
 }
 
 # Settings given as command-line options rather than in a run's YAML file, by the command that takes them.

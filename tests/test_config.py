@@ -32,10 +32,14 @@ def test_every_shipped_recipe_loads(recipe):
     from mtkit.data.corpora import CORPORA
 
     cfg = read_config(recipe)
-    if cfg.data.corpora:  # each corpus names its catalogue corpus, of its languages
+    if cfg.data.corpora:  # each corpus names its catalogue corpus, of its languages, or a folder a data script writes
         assert not cfg.recipe.corpus
         for item in cfg.data.corpora:
-            assert (CORPORA[item.corpus].src_lang, CORPORA[item.corpus].tgt_lang) == (item.src_lang, item.tgt_lang)
+            if item.corpus:
+                corpus = CORPORA[item.corpus]
+                assert (corpus.src_lang, corpus.tgt_lang) == (item.src_lang, item.tgt_lang)
+            else:
+                assert item.prepared.startswith("data/") and cfg.backtranslation.monolingual.startswith("data/")
     else:
         corpus = CORPORA[cfg.recipe.corpus]
         assert (corpus.src_lang, corpus.tgt_lang) == (cfg.data.src_lang, cfg.data.tgt_lang)
@@ -116,6 +120,7 @@ def test_settings_with_a_fixed_set_of_values_are_literals():
         "train.nonfinite",
         "train.best_metric",
         "train.schedule",
+        "backtranslation.method",
     }
     assert set(PRESETS) == set(typing.get_args(Preset))
 

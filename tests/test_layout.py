@@ -29,7 +29,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("translation", ("translation",)),
     ("training", ("training",)),
     ("serving", ("serving",)),
-    ("entry points", ("", "__main__", "api", "cli", "commands", "config_docs", "launch", "run")),
+    (
+        "entry points",
+        ("", "__main__", "api", "backtranslation", "cli", "commands", "config_docs", "launch", "run", "stages"),
+    ),
 ]
 
 

@@ -77,6 +77,11 @@ def train_command(
     }
     overrides = [*overrides, *(f"train.{key}={value}" for key, value in flags.items() if value is not None)]
     cfg = read_config(config, overrides)
+    if cfg.backtranslation.monolingual:
+        raise ConfigError(
+            "backtranslation is a chain of stages that `mtkit run` carries out (reverse model, back-translation, "
+            f"training): run `mtkit run {config}`"
+        )
     out = out or Path("runs") / config.stem
     if dry_run:
         typer.echo(_plan(cfg, out, nproc_per_node), nl=False)

@@ -38,7 +38,8 @@ def tags_targets(data: DataConfig) -> bool:
 
 def reserved_symbols(data: DataConfig) -> list[str]:
     """The tags a tokenizer for ``data`` must hold as single pieces."""
-    symbols = [target_tag(tgt) for tgt in dict.fromkeys(tgt for _, tgt in directions(data))] if tags_targets(data) else []
+    targets = dict.fromkeys(tgt for _, tgt in directions(data))
+    symbols = [target_tag(tgt) for tgt in targets] if tags_targets(data) else []
     return symbols + ([BT_TAG] if any(c.back_translated for c in data.corpora) else [])
 
 

@@ -353,7 +353,8 @@ def _pairs(files: list[str], columns, label: str) -> Iterator[tuple[str, str]]:
         with pa.OSFile(path) as source:
             for batch in pa.ipc.open_stream(source):
                 sides = [_texts(batch, column, key) for column, key in columns]
-                for number, pair in enumerate(zip(*sides), start=number + 1):
+                first = number + 1  # rows are numbered across batches and files
+                for number, pair in enumerate(zip(*sides), start=first):
                     if not all(isinstance(text, str) for text in pair):
                         raise DataError(f"{label}: row {number} has no text on both sides")
                     yield pair

@@ -46,10 +46,11 @@ RECORD = "prepare.json"
 # A record is a few KB, or ~150 bytes per local data file: 16 MiB is ~100k files; larger is not one mtkit wrote.
 _RECORD_MAX_BYTES = 16 << 20
 # Line and paragraph separators that would break line alignment if written inside a segment.
-_LINE_BREAKS = str.maketrans({c: " " for c in "\r\n\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"})
+DEFAULT_CLEANING = CleanConfig()  # `mtkit prepare`'s cleaning when no option changes it
+_LINE_BREAKS = str.maketrans(dict.fromkeys("\r\n\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029", " "))
 
 
-def prepare_corpus(corpus: Corpus, out: Path, mirror: str | None = None, clean: CleanConfig = CleanConfig()) -> dict:
+def prepare_corpus(corpus: Corpus, out: Path, mirror: str | None = None, clean: CleanConfig = DEFAULT_CLEANING) -> dict:
     """Prepare ``corpus`` into ``out`` (see the module docstring); returns the prepare.json record.
 
     A Hub corpus is loaded as ``prepare_dataset`` loads one, from its mirror if given (see ``_mirrored``)."""
@@ -82,7 +83,7 @@ def _settings(corpus: Corpus, clean: CleanConfig) -> dict:
     }
 
 
-def shared_folder(corpus: Corpus, clean: CleanConfig = CleanConfig()) -> Path:
+def shared_folder(corpus: Corpus, clean: CleanConfig = DEFAULT_CLEANING) -> Path:
     """Where `mtkit run` prepares ``corpus`` when its recipe names no folder: one folder per corpus and
     settings under $MTKIT_DATA_DIR (else $XDG_CACHE_HOME/mtkit/prepared, else ~/.cache/mtkit/prepared), so
     every run directory of a recipe uses one download and one prepared copy."""
@@ -93,7 +94,7 @@ def shared_folder(corpus: Corpus, clean: CleanConfig = CleanConfig()) -> Path:
 
 
 def prepare_dataset(
-    corpus: hf_corpus.HubCorpus, out: Path, clean: CleanConfig = CleanConfig(), num_proc: int | None = None
+    corpus: hf_corpus.HubCorpus, out: Path, clean: CleanConfig = DEFAULT_CLEANING, num_proc: int | None = None
 ) -> dict:
     """Prepare a Hugging Face ``datasets`` corpus into ``out``, laid out as ``prepare_corpus`` lays a standard
     one; prepare.json adds the source's resolved revision (or its files' checksums) and each split's fingerprint."""

@@ -46,7 +46,7 @@ from mtkit.data.parallel import (
     token_batches,
 )
 from mtkit.data.tokenizer import Tokenizer
-from mtkit.files import atomic_write_directory, file_sha256
+from mtkit.files import atomic_write_directory
 from mtkit.progress import StageProgress, shows_bar
 
 log = logging.getLogger("mtkit")

@@ -71,7 +71,7 @@ def train_spm(
 
     sampling = {}
     if options.input_sentence_size:
-        sampling = dict(input_sentence_size=options.input_sentence_size, shuffle_input_sentence=True)
+        sampling = {"input_sentence_size": options.input_sentence_size, "shuffle_input_sentence": True}
     model = io.BytesIO()
     feed = nonblank()
     try:

@@ -198,6 +198,15 @@ class Translator(LineTranslator):
         self.on_batch = on_batch
         self.generator = torch.Generator(device).manual_seed(sampling.seed) if sampling is not None else None
 
+    def reseeded(self, offset: int) -> Translator:
+        """This translator drawing its samples afresh from the sampling seed plus ``offset``: a part of a long
+        input sampled alone draws what it draws within the whole (mtkit.translation.resumable)."""
+        changed = copy.copy(self)
+        if self.sampling is not None:
+            seed = (self.sampling.seed + offset) % 2**64
+            changed.generator = torch.Generator(self.device).manual_seed(seed)
+        return changed
+
     def stream(self, chunks: Iterable[list[str]], prefixes: Iterable[str] | None = None) -> Iterator[list[Translation]]:
         """The ``nbest`` translations of each line, best first, in input order, chunk by chunk.
 

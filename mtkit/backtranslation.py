@@ -1,0 +1,143 @@
+"""Back-translation in `mtkit run`: the reverse model, the synthetic sources, and the config that trains on both.
+
+Three stages before the main training, each resumable and recorded like the run's others:
+
+1. ``reverse``: a model of the reverse direction, given (``backtranslation.reverse_model``) or trained into
+   RUN/reverse with the run's settings on its parallel data turned around (resuming from its checkpoints);
+2. ``back-translate``: the reverse model translates the target-language monolingual text, by sampling or
+   beam search, into RUN/backtranslated.SRC, in parts that a stopped run keeps
+   (mtkit.translation.resumable); RUN/stages.json records the model, text and settings it was made from,
+   so a later run redoes it only when one of them changed;
+3. the main training then reads the run's parallel corpora and one more, the synthetic pairs
+   (backtranslated.SRC, the monolingual text), weighted by ``backtranslation.weight`` and, with
+   ``backtranslation.tag``, their sources tagged <BT> (mtkit.data.directions).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mtkit.config import BackTranslationConfig, ConfigError, CorpusConfig, RunConfig, SamplingConfig
+from mtkit.data.directions import directions
+from mtkit.data.parallel import DataError, check_input_file, count_lines
+from mtkit.model.checkpoint import weights_file
+from mtkit.stages import Stage, StageRecord
+
+if TYPE_CHECKING:
+    from mtkit.training.reporting import Reporter
+
+log = logging.getLogger("mtkit")
+
+REVERSE_DIR = "reverse"
+
+
+def check_monolingual(bt: BackTranslationConfig) -> None:
+    """DataError unless the monolingual text is a file with lines, said before any training."""
+    check_input_file(bt.monolingual)
+    if not count_lines(bt.monolingual):
+        raise DataError(f"{bt.monolingual}: backtranslation.monolingual has no lines to back-translate")
+
+
+def reverse_config(cfg: RunConfig) -> RunConfig:
+    """The run's config turned around: each real corpus's sides and languages swapped, the reverse model's
+    updates, no back-translation of its own."""
+    bt, data = cfg.backtranslation, cfg.data
+    if data.corpora:
+        swapped = tuple(
+            replace(c, src_lang=c.tgt_lang, tgt_lang=c.src_lang, train_src=c.train_tgt, train_tgt=c.train_src,
+                    valid_src=c.valid_tgt, valid_tgt=c.valid_src)
+            for c in data.corpora if not c.back_translated
+        )  # fmt: skip
+        if any(c.train_src and not c.train_tgt for c in data.corpora):
+            raise ConfigError("back-translation turns corpora around: give train_tgt, not a .tsv train_src alone")
+        reversed_data = replace(data, corpora=swapped)
+    else:
+        if not data.train_tgt:
+            raise ConfigError("back-translation turns the corpus around: give data.train_tgt, not a .tsv alone")
+        reversed_data = replace(
+            data, src_lang=data.tgt_lang, tgt_lang=data.src_lang, train_src=data.train_tgt, train_tgt=data.train_src,
+            valid_src=data.valid_tgt, valid_tgt=data.valid_src,
+        )  # fmt: skip
+    train = replace(cfg.train, max_steps=bt.reverse_steps or cfg.train.max_steps)
+    return replace(cfg, data=reversed_data, train=train, backtranslation=BackTranslationConfig())
+
+
+def with_synthetic(cfg: RunConfig, synthetic: Path) -> RunConfig:
+    """The config of the main training: the run's parallel corpora plus the synthetic pairs."""
+    bt, data = cfg.backtranslation, cfg.data
+    (src, tgt), = directions(data)  # fmt: skip
+    corpora = data.corpora or (CorpusConfig(src, tgt, data.train_src, data.train_tgt, data.valid_src, data.valid_tgt),)
+    extra = CorpusConfig(src, tgt, str(synthetic), bt.monolingual, weight=bt.weight, back_translated=bt.tag)
+    plain = replace(data, train_src="", train_tgt="", valid_src="", valid_tgt="", corpora=(*corpora, extra))
+    return replace(cfg, data=plain)
+
+
+def back_translate(
+    cfg: RunConfig, out: Path, stages: list[Stage], record: StageRecord, reporter: Reporter | None = None
+) -> RunConfig:
+    """Run the reverse and back-translate stages into ``out``; the config the main model trains with."""
+    from mtkit.training.trainer import run_training
+
+    bt = cfg.backtranslation
+    pairs = directions(cfg.data)
+    if len(pairs) != 1:
+        raise ConfigError(f"back-translation is for a model of one direction; these corpora have {len(pairs)}")
+    check_monolingual(bt)
+    start = time.perf_counter()
+    if bt.reverse_model:
+        reverse, ran, note = Path(bt.reverse_model), False, f"given: {bt.reverse_model}"
+    else:
+        reverse, ran = out / REVERSE_DIR, True
+        result = run_training(reverse_config(cfg), reverse, reporter)
+        note = f"{pairs[0][1]}->{pairs[0][0]} trained into {reverse}; validation BLEU {result.get('valid_bleu', 0):.2f}"
+    stages.append(Stage("reverse", time.perf_counter() - start, ran, note))
+
+    synthetic = out / f"backtranslated.{pairs[0][0]}"
+    start = time.perf_counter()
+    model = weights_file(_model_of(reverse))
+    inputs = {"model": record.digests.of(model), "monolingual": record.digests.of(Path(bt.monolingual))}
+    settings = {"backtranslation": _translation_settings(bt), "decode": asdict(cfg.decode)}
+    entry = record.current("back-translate", synthetic, inputs, settings)
+    if entry is None:
+        lines = _write_back_translation(cfg, reverse, synthetic)
+        record.write("back-translate", synthetic, inputs, settings)
+        note = f"{lines:,} lines of {bt.monolingual} by {_method(bt)}"
+    else:
+        note = f"{synthetic.name} is up to date ({_method(bt)})"
+    stages.append(Stage("back-translate", time.perf_counter() - start, entry is None, note))
+    return with_synthetic(cfg, synthetic)
+
+
+def _model_of(model: Path) -> Path:
+    from mtkit.model.loading import resolve
+
+    return resolve(model)
+
+
+def _translation_settings(bt: BackTranslationConfig) -> dict:
+    """What the synthetic sources depend on besides the model and the text: the search or the sampling."""
+    if bt.method == "beam":
+        return {"method": "beam", "beam": bt.beam}
+    return {"method": "sample", "temperature": bt.temperature, "top_k": bt.top_k, "top_p": bt.top_p, "seed": bt.seed}
+
+
+def _method(bt: BackTranslationConfig) -> str:
+    if bt.method == "beam":
+        return f"beam search (beam {bt.beam})"
+    return f"sampling (temperature {bt.temperature:g}, top-k {bt.top_k}, top-p {bt.top_p:g}, seed {bt.seed})"
+
+
+def _write_back_translation(cfg: RunConfig, reverse: Path, synthetic: Path) -> int:
+    from mtkit.translation.engines import load_translator
+    from mtkit.translation.resumable import translate_resumably
+
+    bt = cfg.backtranslation
+    sampling = SamplingConfig(bt.temperature, bt.top_k, bt.top_p, bt.seed) if bt.method == "sample" else None
+    decode = {"beam": bt.beam} if bt.method == "beam" else {}
+    (src, _), = directions(cfg.data)  # fmt: skip
+    translator = load_translator(reverse, cfg.train.device, "auto", sampling=sampling, **decode).into(src)
+    return translate_resumably(translator, Path(bt.monolingual), synthetic, "back-translating")

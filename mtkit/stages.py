@@ -1,0 +1,105 @@
+"""What `mtkit run` records of its stages: each one's wall clock, and how each output was made (RUN/stages.json),
+so that a re-run can tell what is up to date."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mtkit.files import atomic_write_text, file_sha256
+
+log = logging.getLogger("mtkit")
+
+STAGE_RECORD = "stages.json"
+RECORD_FORMAT = 1
+_RECORD_MAX_BYTES = 1 << 20  # a record is a few KB; anything larger is not one mtkit wrote
+
+
+@dataclass
+class Stage:
+    name: str
+    seconds: float
+    ran: bool  # False: its output was already up to date
+    note: str = ""
+
+
+class Digests:
+    """SHA-256 of files, each file read at most once per `mtkit run` unless this run rewrites it.
+
+    The average's inputs are the weight files of K checkpoints: hashing costs one read of each, which
+    is why none is read twice. Translating the average reuses the digest the average stage took.
+    """
+
+    def __init__(self) -> None:
+        self._known: dict[Path, str] = {}
+
+    def of(self, path: Path) -> str:
+        if path not in self._known:
+            self._known[path] = file_sha256(path)
+        return self._known[path]
+
+    def rewritten(self, path: Path) -> str:
+        """The digest of ``path`` as this run has just written it (any digest known before is stale)."""
+        self._known.pop(path, None)
+        return self.of(path)
+
+
+class StageRecord:
+    """RUN/stages.json: how each stage's output was made, so a re-run can tell whether it is up to date.
+
+    ``{"format": 1, "stages": {STAGE: {"output": NAME, "inputs": {WHAT: SHA256}, "settings": {...},
+    "output_sha256": SHA256}}}``, NAME relative to the run directory. The file is read as untrusted
+    data: whatever it holds can only fail to match, which redoes the stage.
+    """
+
+    def __init__(self, out: Path, digests: Digests) -> None:
+        self.out = out
+        self.path = out / STAGE_RECORD
+        self.digests = digests
+        self._stages = _read_stages(self.path)
+
+    def current(self, stage: str, output: Path, inputs: dict[str, str], settings: dict[str, Any]) -> dict | None:
+        """The entry of ``stage`` if ``output`` is what it wrote from ``inputs`` with ``settings``, else None."""
+        entry = self._stages.get(stage)
+        if not isinstance(entry, dict) or "output_sha256" not in entry:
+            return None
+        made = {key: value for key, value in entry.items() if key != "output_sha256"}
+        if made != self._made(output, inputs, settings) or not output.is_file():
+            return None
+        return entry if entry["output_sha256"] == self.digests.of(output) else None
+
+    def write(self, stage: str, output: Path, inputs: dict[str, str], settings: dict[str, Any]) -> dict:
+        """Record that ``stage`` has just written ``output`` from ``inputs`` with ``settings``; the new entry."""
+        entry = {**self._made(output, inputs, settings), "output_sha256": self.digests.rewritten(output)}
+        self._stages[stage] = entry
+        atomic_write_text(self.path, json.dumps({"format": RECORD_FORMAT, "stages": self._stages}, indent=1) + "\n")
+        return entry
+
+    def _made(self, output: Path, inputs: dict[str, str], settings: dict[str, Any]) -> dict:
+        """An entry less its output digest, as it reads back from JSON (tuples as lists), so it compares equal."""
+        return json.loads(
+            json.dumps({"output": str(output.relative_to(self.out)), "inputs": inputs, "settings": settings})
+        )
+
+
+def _read_stages(path: Path) -> dict:
+    """The stages recorded in ``path``; none when it is missing, or not a record of this format."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_RECORD_MAX_BYTES + 1)
+    except FileNotFoundError:
+        return {}
+    except OSError as err:
+        log.warning("%s: unreadable (%s); redoing the stages it records", path, err.strerror)
+        return {}
+    try:
+        record = json.loads(raw) if len(raw) <= _RECORD_MAX_BYTES else None
+    except (ValueError, RecursionError):  # not JSON (UnicodeDecodeError is a ValueError), or nested too deep
+        record = None
+    if isinstance(record, dict) and record.get("format") == RECORD_FORMAT and isinstance(record.get("stages"), dict):
+        return record["stages"]
+    log.warning("%s: not a stage record mtkit wrote; redoing the stages it records", path)
+    return {}

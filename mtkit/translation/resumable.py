@@ -1,0 +1,85 @@
+"""A long translation of a file into a file that survives being stopped: back-translating monolingual text,
+translating a training corpus with a teacher.
+
+The source is translated in parts of ``PART_LINES`` lines, each written whole (atomically) into a work
+folder beside the output as soon as it is done, named by its first line. A run stopped at any moment
+keeps every finished part; the next run translates only the parts that are missing, then joins them
+into the output, which appears whole or not at all, with exactly as many lines as the source. A part
+is trusted only if it has the lines its source range has; the work folder is removed once the output
+is written. Sampling draws each part's samples from the seed plus the part's first line, so a part
+translated after a stop is the part an uninterrupted run writes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from mtkit.data.parallel import DataError, count_lines, iter_lines, reading
+from mtkit.decoding.translate import LineTranslator, Translator
+from mtkit.files import atomic_write
+from mtkit.progress import StageProgress
+
+log = logging.getLogger("mtkit")
+
+PART_LINES = 2_000  # a part is a minute or two of CPU decoding: what a stop can cost at most
+
+
+def translate_resumably(
+    translator: LineTranslator,
+    source: Path,
+    output: Path,
+    what: str = "translating",
+    part_lines: int = PART_LINES,
+    on_part: Callable[[int], None] | None = None,
+) -> int:
+    """Translate ``source`` line by line into ``output`` (see the module docstring); the number of lines.
+
+    ``on_part(first_line)`` is called after each part is written (tests stop a run there).
+    """
+    total = count_lines(source)
+    if total is None:
+        raise DataError(f"{source}: a file to translate in resumable parts must be a plain text file")
+    work = output.with_name(f".{output.name}.parts")
+    work.mkdir(parents=True, exist_ok=True)
+    done = {first for first in range(0, total, part_lines) if _whole(work, first, min(part_lines, total - first))}
+    if done:
+        log.info("%s: %d of %d lines already translated in %s", what, len(done) * part_lines, total, work)
+    with StageProgress(what, total=total, unit="lines") as bar, reading(source):
+        bar.advance(sum(min(part_lines, total - first) for first in done))
+        lines = iter_lines(source, allow_nul=True)
+        for first in range(0, total, part_lines):
+            chunk = list(itertools.islice(lines, part_lines))
+            if first in done:
+                continue
+            part = translator.reseeded(first) if isinstance(translator, Translator) else translator
+            text = "".join(best[0].text.replace("\n", " ") + "\n" for best in part.hypotheses(chunk)).encode("utf-8")
+            atomic_write(_part(work, first), lambda f, text=text: f.write(text))
+            bar.advance(len(chunk))
+            if on_part is not None:
+                on_part(first)
+
+    def join(f) -> None:
+        for first in range(0, total, part_lines):
+            with open(_part(work, first), "rb") as part:
+                shutil.copyfileobj(part, f)
+
+    atomic_write(output, join)
+    written = count_lines(output)
+    if written != total:  # a part changed under us: never hand on a misaligned corpus
+        raise DataError(f"{output}: {written} lines written for the {total} of {source}")
+    shutil.rmtree(work)
+    return total
+
+
+def _part(work: Path, first: int) -> Path:
+    return work / f"{first:012d}.txt"
+
+
+def _whole(work: Path, first: int, lines: int) -> bool:
+    """Whether the part starting at ``first`` was written and has its ``lines`` lines."""
+    path = _part(work, first)
+    return path.is_file() and count_lines(path) == lines

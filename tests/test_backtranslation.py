@@ -1,0 +1,188 @@
+"""Back-translation in `mtkit run`: the chain end to end on a tiny model, killed in each stage and resumed to
+the uninterrupted run's result; the resumable translation of a file; the config and its refusals."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import captions
+import pytest
+import yaml
+from helpers import TINY_MODEL, invoke, one_line_error
+
+import mtkit
+from mtkit.backtranslation import reverse_config, with_synthetic
+from mtkit.config import ConfigError, SamplingConfig, from_dict, read_config
+from mtkit.data.tokenizer import Tokenizer
+from mtkit.model import checkpoint, loading
+from mtkit.translation.resumable import translate_resumably
+
+RUNNER = Path(__file__).with_name("kill_runner.py")
+MONO_LINES = 4_500  # three parts of resumable.PART_LINES
+
+
+@pytest.fixture(scope="module")
+def bt_data(tmp_path_factory) -> Path:
+    """A folder laid out as `mtkit prepare` writes (400 en-de training pairs, 40 valid, 40 test) and mono.de."""
+    root = tmp_path_factory.mktemp("bt")
+    corpus = captions.parallel(480, seed=7)
+    half = root / "half"
+    half.mkdir()
+    for split, lines in (("train", slice(0, 400)), ("valid", slice(400, 440)), ("test", slice(440, 480))):
+        for lang in ("en", "de"):
+            (half / f"{split}.{lang}").write_text("\n".join(corpus[lang][lines]) + "\n")
+    (root / "mono.de").write_text("\n".join(captions.parallel(MONO_LINES, seed=8)["de"]) + "\n")
+    return root
+
+
+def _recipe(root: Path, data: Path, **backtranslation) -> Path:
+    raw = {
+        "data": {"corpora": [{"src_lang": "en", "tgt_lang": "de", "prepared": str(data / "half")}]},
+        "backtranslation": {"monolingual": str(data / "mono.de"), **backtranslation},
+        "tokenizer": {"vocab_size": 300},
+        "model": dict(TINY_MODEL),
+        "train": {"max_steps": 8, "batch_tokens": 1024, "warmup": 2, "lr": 3e-3, "valid_every": 4, "save_every": 2,
+                  "log_every": 2, "valid_beam": 1, "precision": "fp32", "threads": 1},
+        "decode": {"beam": 1, "max_len_a": 0.0, "max_len_b": 6},
+        "recipe": {"average_last": 2, "bleu_max": 100.0, "expected": "a tiny test model"},
+    }  # fmt: skip
+    path = root / "bt.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _run(recipe: Path, out: Path, plan: dict | None = None) -> subprocess.CompletedProcess:
+    """``mtkit run RECIPE --out OUT`` in a subprocess that carries out the kill ``plan`` (kill_runner.py)."""
+    command = [sys.executable, str(RUNNER), json.dumps(plan or {}), "run", str(recipe), "--out", str(out)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600)
+
+
+def _kill_at(target: str, call: int) -> dict:
+    return {"target": target, "call": call, "kind": "any", "event": 1}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(bt_data, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("straight") / "run"
+    done = _run(_recipe(out.parent, bt_data), out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def test_the_chain_trains_a_reverse_model_back_translates_and_trains_on_both(uninterrupted, bt_data):
+    report = json.loads((uninterrupted / "report.json").read_text())
+    stages = ["reverse", "back-translate", "train", "average", "translate", "eval"]
+    assert [s["name"] for s in report["stages"]] == stages
+    synthetic = (uninterrupted / "backtranslated.en").read_text().splitlines()
+    assert len(synthetic) == MONO_LINES  # line-aligned with the monolingual text
+    reverse = checkpoint.read_checkpoint(loading.resolve(uninterrupted / "reverse"), with_state=False)
+    assert (reverse.cfg.data.corpora[0].src_lang, reverse.cfg.data.corpora[0].tgt_lang) == ("de", "en")
+    main = checkpoint.read_checkpoint(loading.latest(uninterrupted), with_state=False)
+    real, extra = main.cfg.data.corpora
+    assert (extra.train_src, extra.train_tgt) == (str(uninterrupted / "backtranslated.en"), str(bt_data / "mono.de"))
+    assert extra.back_translated and not real.back_translated
+    assert Tokenizer(uninterrupted / "spm.model").missing_symbols(["<BT>"]) == []
+    record = json.loads((uninterrupted / "stages.json").read_text())["stages"]["back-translate"]
+    assert record["settings"]["backtranslation"]["method"] == "sample"
+
+
+def test_killed_in_each_stage_and_resumed_the_chain_ends_as_the_uninterrupted_one(uninterrupted, bt_data, tmp_path):
+    recipe, out = _recipe(tmp_path, bt_data), tmp_path / "run"
+    kills = [
+        ("reverse", _kill_at("mtkit.training.trainer:Trainer.train_step", 5)),
+        ("back-translate", _kill_at("mtkit.translation.resumable:atomic_write", 2)),
+        ("train", _kill_at("mtkit.training.trainer:Trainer.train_step", 3)),
+    ]
+    parts = out / ".backtranslated.en.parts"
+    for stage, plan in kills:
+        killed = _run(recipe, out, plan)
+        assert killed.returncode == -9, f"{stage}: {killed.returncode}\n{killed.stderr[-3000:]}"
+        if stage == "reverse":
+            assert loading.latest(out / "reverse") is not None and not parts.exists()
+        if stage == "back-translate":  # the first part is kept, the synthetic corpus not yet written
+            assert [p.name for p in parts.glob("*.txt")] == ["000000000000.txt"]
+            assert not (out / "backtranslated.en").exists()
+    done = _run(recipe, out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name in ("backtranslated.en", "test.hyp.de"):
+        assert (out / name).read_bytes() == (uninterrupted / name).read_bytes(), name
+    assert not (out / ".backtranslated.en.parts").exists()
+    ours = checkpoint.read_checkpoint(loading.latest(out), with_state=False).weights
+    theirs = checkpoint.read_checkpoint(loading.latest(uninterrupted), with_state=False).weights
+    assert all((ours[name] == theirs[name]).all() for name in theirs)
+
+
+def test_a_resumed_translation_keeps_the_parts_done_and_redoes_a_damaged_one(bt_data, tmp_path, monkeypatch):
+    model = _reverse_model(bt_data, tmp_path)
+    translator = mtkit.load(model, device="cpu", sampling=SamplingConfig(seed=3))
+    source = bt_data / "mono.de"
+    straight = translate_resumably(translator, source, tmp_path / "straight.en", part_lines=1_000)
+    assert straight == MONO_LINES
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_two(first: int) -> None:
+        if first == 1_000:
+            raise Stop
+
+    with pytest.raises(Stop):
+        translate_resumably(translator, source, tmp_path / "out.en", part_lines=1_000, on_part=stop_after_two)
+    parts = tmp_path / ".out.en.parts"
+    assert sorted(p.name for p in parts.glob("*.txt")) == ["000000000000.txt", "000000001000.txt"]
+    (parts / "000000001000.txt").write_text("a torn part\n")  # fewer lines than its range: redone
+    done: list[int] = []
+    translate_resumably(translator, source, tmp_path / "out.en", part_lines=1_000, on_part=done.append)
+    assert done == [1_000, 2_000, 3_000, 4_000]
+    assert (tmp_path / "out.en").read_bytes() == (tmp_path / "straight.en").read_bytes()
+    assert not parts.exists()
+
+
+def _reverse_model(bt_data: Path, root: Path) -> Path:
+    raw = yaml.safe_load(_recipe(root, bt_data).read_text())
+    del raw["backtranslation"], raw["recipe"]
+    raw["data"]["corpora"][0].update(src_lang="de", tgt_lang="en")
+    raw["train"].update(max_steps=4, valid_every=0)
+    (root / "reverse.yaml").write_text(yaml.safe_dump(raw))
+    assert invoke("train", root / "reverse.yaml", "--out", root / "reverse").exit_code == 0
+    return root / "reverse"
+
+
+def test_the_reverse_config_turns_the_corpus_around_and_the_main_one_adds_the_synthetic_pairs(bt_data, tmp_path):
+    cfg = read_config(_recipe(tmp_path, bt_data, reverse_steps=3, weight=0.5))
+    reverse = reverse_config(cfg)
+    (corpus,) = reverse.data.corpora
+    assert (corpus.src_lang, corpus.tgt_lang, corpus.prepared) == ("de", "en", str(bt_data / "half"))
+    assert reverse.train.max_steps == 3 and not reverse.backtranslation.monolingual
+    single = from_dict({"data": {"train_src": "a.en", "train_tgt": "a.de", "src_lang": "en", "tgt_lang": "de"},
+                        "backtranslation": {"monolingual": "m.de"}})  # fmt: skip
+    flipped = reverse_config(single).data
+    assert (flipped.src_lang, flipped.train_src, flipped.train_tgt) == ("de", "a.de", "a.en")
+    main = with_synthetic(single, Path("bt.en")).data
+    assert not main.train_src and [(c.train_src, c.train_tgt, c.back_translated) for c in main.corpora] == [
+        ("a.en", "a.de", False),
+        ("bt.en", "m.de", True),
+    ]
+    assert with_synthetic(cfg, Path("bt.en")).data.corpora[1].weight == 0.5
+
+
+def test_bad_back_translation_settings_and_files_are_one_line_before_any_training(bt_data, tmp_path):
+    with pytest.raises(ConfigError, match="backtranslation.weight must be > 0"):
+        from_dict({"backtranslation": {"weight": 0}})
+    with pytest.raises(ConfigError, match="backtranslation.method must be one of sample, beam"):
+        from_dict({"backtranslation": {"method": "greedy"}})
+    (tmp_path / "empty.de").write_text("")
+    recipe = _recipe(tmp_path, bt_data)
+    raw = yaml.safe_load(recipe.read_text())
+    raw["backtranslation"]["monolingual"] = str(tmp_path / "empty.de")
+    recipe.write_text(yaml.safe_dump(raw))
+    result = invoke("run", recipe, "--out", tmp_path / "run")
+    assert result.exit_code == 1
+    one_line_error(result, "empty.de: backtranslation.monolingual has no lines")
+    assert not (tmp_path / "run" / "reverse").exists()
+    result = invoke("train", recipe, "--out", tmp_path / "train")
+    assert result.exit_code == 1
+    one_line_error(result, "`mtkit run`")
