@@ -80,6 +80,7 @@ def back_translate(
     cfg: RunConfig, out: Path, stages: list[Stage], record: StageRecord, reporter: Reporter | None = None
 ) -> RunConfig:
     """Run the reverse and back-translate stages into ``out``; the config the main model trains with."""
+    from mtkit.model.loading import resolve
     from mtkit.training.trainer import run_training
 
     bt = cfg.backtranslation
@@ -98,7 +99,7 @@ def back_translate(
 
     synthetic = out / f"backtranslated.{pairs[0][0]}"
     start = time.perf_counter()
-    model = weights_file(_model_of(reverse))
+    model = weights_file(resolve(reverse))
     inputs = {"model": record.digests.of(model), "monolingual": record.digests.of(Path(bt.monolingual))}
     settings = {"backtranslation": _translation_settings(bt), "decode": asdict(cfg.decode)}
     entry = record.current("back-translate", synthetic, inputs, settings)
@@ -110,12 +111,6 @@ def back_translate(
         note = f"{synthetic.name} is up to date ({_method(bt)})"
     stages.append(Stage("back-translate", time.perf_counter() - start, entry is None, note))
     return with_synthetic(cfg, synthetic)
-
-
-def _model_of(model: Path) -> Path:
-    from mtkit.model.loading import resolve
-
-    return resolve(model)
 
 
 def _translation_settings(bt: BackTranslationConfig) -> dict:

@@ -81,6 +81,18 @@ def random_sources(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
 # -- configs --------------------------------------------------------------------------------------------------
 
 TINY_MODEL = {"encoder_layers": 1, "decoder_layers": 1, "d_model": 32, "heads": 2, "ffn": 64}
+# 20 updates of a tiny model in fp32 (not auto), so that what the tests see is the same on every CPU
+TINY_TRAIN = {
+    "max_steps": 20,
+    "batch_tokens": 1024,
+    "warmup": 5,
+    "lr": 3e-3,
+    "valid_every": 10,
+    "save_every": 10,
+    "log_every": 5,
+    "valid_beam": 2,
+    "precision": "fp32",
+}
 
 
 def write_config(path, corpus_files, **sections):
@@ -97,17 +109,7 @@ def write_config(path, corpus_files, **sections):
         },
         "tokenizer": {"vocab_size": 300},
         "model": dict(TINY_MODEL),
-        "train": {
-            "max_steps": 20,
-            "batch_tokens": 1024,
-            "warmup": 5,
-            "lr": 3e-3,
-            "valid_every": 10,
-            "save_every": 10,
-            "log_every": 5,
-            "valid_beam": 2,
-            "precision": "fp32",
-        },
+        "train": dict(TINY_TRAIN),
     }
     for section, values in sections.items():
         raw.setdefault(section, {}).update(values)
@@ -133,17 +135,7 @@ def multilingual_raw(files: dict[str, Path], targets=("de", "fr"), **sections) -
         "data": {"corpora": corpora},
         "tokenizer": {"vocab_size": 400},
         "model": dict(TINY_MODEL),
-        "train": {
-            "max_steps": 20,
-            "batch_tokens": 1024,
-            "warmup": 5,
-            "lr": 3e-3,
-            "valid_every": 10,
-            "save_every": 10,
-            "log_every": 5,
-            "valid_beam": 2,
-            "precision": "fp32",
-        },
+        "train": dict(TINY_TRAIN),
     }
     for section, values in sections.items():
         raw.setdefault(section, {}).update(values)

@@ -63,9 +63,10 @@ def source_ids(
     numbered (``first_line``: the number of ``lines[0]``). Every engine encodes its sources here."""
     todo = [i for i, line in enumerate(lines) if line.strip()]
     limit = max_positions - 1
-    if prefix:  # a line of U+200B alone is still no text: its tag alone is not translated
-        todo = [i for i, seq in zip(todo, tok.encode([lines[i] for i in todo])) if seq]
     seqs = tok.encode_capped([prefix + lines[i] for i in todo], limit)
+    if prefix:  # a line of U+200B alone is still no text: its tag alone is not translated
+        tag = tok.encode([prefix])[0]
+        todo, seqs = [i for i, seq in zip(todo, seqs) if seq != tag], [seq for seq in seqs if seq != tag]
     for i, seq in zip(todo, seqs):
         if len(seq) > limit:
             where = "a text" if first_line is None else f"line {first_line + i}:"
