@@ -145,7 +145,7 @@ def test_a_mix_goes_on_from_a_copied_position_as_if_never_stopped():
 
 def test_resumed_mid_epoch_with_several_corpora_equals_uninterrupted_training(tmp_path, trilingual_files):
     def config(steps):
-        train = {"max_steps": steps, "batch_tokens": 256, "save_every": 1, "valid_every": 0}
+        train = {"max_steps": steps, "batch_tokens": 256, "save_every": 1, "valid_every": 0, "log_every": 1}
         return _config(trilingual_files, train={**train, "valid_bleu": False, "best_metric": "loss"})
 
     straight = Trainer(config(8), tmp_path / "a")
@@ -158,6 +158,10 @@ def test_resumed_mid_epoch_with_several_corpora_equals_uninterrupted_training(tm
     assert resumed.progress.mix == straight.progress.mix
     for (name, a), (_, b) in zip(straight.model.state_dict().items(), resumed.model.state_dict().items()):
         assert torch.equal(a, b), name
+    # Each corpus walks its own epochs: the metrics give each one's, in the config's order, not one run epoch.
+    lines = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    last_train = [r for r in lines if r["event"] == "train"][-1]
+    assert last_train["epochs"] == straight.progress.mix[1::2] and "epoch" not in last_train
 
 
 def test_a_single_corpus_config_trains_on_the_batches_it_always_has(tmp_path, corpus_files, spm_model):

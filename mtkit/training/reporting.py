@@ -69,7 +69,7 @@ class TrainingProgress:
             self.progress.start()
 
     def update(self, step: int, stats: dict) -> None:
-        text = f"loss {stats['loss']:.3f} lr {stats['lr']:.2e} {stats['tok_s']:,.0f} tok/s epoch {stats['epoch']}"
+        text = f"loss {stats['loss']:.3f} lr {stats['lr']:.2e} {stats['tok_s']:,.0f} tok/s {stats['epoch']}"
         if self.progress is not None:
             self.progress.update(self.task, completed=step, stats=text)
         elif step % self.every == 0:
@@ -89,6 +89,16 @@ class LogWindow:
 
     def tokens_per_s(self) -> float:
         return self.tokens / max(time.perf_counter() - self.start, 1e-9)
+
+
+def epochs(p: Progress) -> dict:
+    """The epoch a run is in; with several corpora (data.corpora) each walks its own epochs, in config order."""
+    return {"epochs": p.mix[1::2]} if p.mix else {"epoch": p.epoch}
+
+
+def epoch_text(p: Progress) -> str:
+    """``epoch 3``, or with several corpora ``epochs 3,2,4`` (data.corpora's order)."""
+    return f"epochs {','.join(map(str, p.mix[1::2]))}" if p.mix else f"epoch {p.epoch}"
 
 
 class TrainingReport:
@@ -128,16 +138,17 @@ class TrainingReport:
         p.log_loss, p.log_nll, p.log_updates = p.log_loss + stats["loss"], p.log_nll + stats["nll"], p.log_updates + 1
         self.window.tokens += stats["tokens"]
         # The mean loss since the last line, as in metrics.jsonl: one update's loss swings with its batch's lengths.
-        shown = {**stats, "loss": p.log_loss / p.log_updates, "tok_s": self.window.tokens_per_s(), "epoch": p.epoch}
+        loss, tok_s = p.log_loss / p.log_updates, self.window.tokens_per_s()
+        shown = {**stats, "loss": loss, "tok_s": tok_s, "epoch": epoch_text(p)}
         self.reporter.update(p.step, shown)
         if p.step % self.log_every:
             return
         record = {
             "event": "train",
             "step": p.step,
-            "epoch": p.epoch,
+            **epochs(p),
             "lr": stats["lr"],
-            "loss": p.log_loss / p.log_updates,
+            "loss": loss,
             "nll": p.log_nll / p.log_updates,
             "grad_norm": stats["grad_norm"],
             "tgt_tokens_per_s": self.window.tokens_per_s(),

@@ -48,7 +48,7 @@ from mtkit.scoring.metrics import bleu
 from mtkit.training.distributed import Distributed
 from mtkit.training.freezing import freeze
 from mtkit.training.init_from import InitialModel, import_once, read_initial_model, settle_config
-from mtkit.training.reporting import Reporter, TrainingReport
+from mtkit.training.reporting import Reporter, TrainingReport, epoch_text
 from mtkit.training.resume import (
     Progress,
     TrainingState,
@@ -257,7 +257,7 @@ class Trainer:
             self._load(latest)
         except checkpoint.UnreadableCheckpoint as err:
             raise self._unreadable(err, latest) from None
-        log.info("resuming from %s at update %d (epoch %d)", latest, self.progress.step, self.progress.epoch)
+        log.info("resuming from %s at update %d (%s)", latest, self.progress.step, epoch_text(self.progress))
         return True
 
     def _unreadable(self, err: checkpoint.UnreadableCheckpoint, latest: Path) -> checkpoint.CheckpointError:
