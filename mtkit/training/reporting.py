@@ -151,7 +151,7 @@ class TrainingReport:
             "loss": loss,
             "nll": p.log_nll / p.log_updates,
             "grad_norm": stats["grad_norm"],
-            "tgt_tokens_per_s": self.window.tokens_per_s(),
+            "tgt_tokens_per_s": tok_s,
             **p.counters(),
         }
         if self.device.type == "cuda":
