@@ -29,6 +29,10 @@ x ``--early-stop``, less the combinations that do not exist:
 - ``--early-stop off`` searches on until ``beam`` hypotheses have ended (fairseq's rule, ``mtkit
   translate --no-early-stop``) instead of stopping once the best candidate has ended: mtkit only,
   and beam > 1 only (greedy search is the same either way).
+- ``--model NAME=RUN[,RUN...]``, given several times, measures several models in one run (a teacher
+  and its student): each configuration once per model, named ``NAME:configuration``, and, after the
+  table, each later model's sentences/s as a multiple of the first one's in the same configuration.
+  Several runs after ``=`` are an ensemble, which only mtkit's engine decodes.
 - ``--shortlist FILE`` (a file ``mtkit shortlist`` wrote) runs each mtkit and ct2native configuration
   a second time with it: mtkit as ``mtkit translate --shortlist``, CTranslate2 with the shortlist
   exported as its vocabulary map (``mtkit export --shortlist``) and ``use_vmap=True``, as its users
@@ -50,6 +54,8 @@ Run from the repository root with a trained run directory::
 
     python benchmarks/decode_speed.py --run runs/multi30k_en_de --repeat 3 --json decode.json
     python benchmarks/decode_speed.py --run runs/multi30k_en_de --engines mtkit --beams 5 --batch-sizes 1,32,128
+    python benchmarks/decode_speed.py --model teacher=runs/st/teacher-1,runs/st/teacher-2 --model student=runs/st \
+        --engines mtkit --precisions bf16,int8 --beams 1,5 --shortlist runs/st/shortlist.safetensors
 """
 
 from __future__ import annotations
@@ -61,7 +67,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from mtkit.config import DecodeConfig
@@ -101,20 +107,23 @@ class Config:
     batch_size: int = DecodeConfig.batch_size
     early_stop: bool = True
     shortlist: bool = False
+    model: str = ""  # the --model NAME it decodes; "" for --run
 
     @property
     def name(self) -> str:
         suffix = ("" if self.early_stop else NO_EARLY_STOP) + (SHORTLIST if self.shortlist else "")
-        return f"{self.engine}-{self.precision}-beam{self.beam}-batch{self.batch_size}{suffix}"
+        model = f"{self.model}:" if self.model else ""
+        return f"{model}{self.engine}-{self.precision}-beam{self.beam}-batch{self.batch_size}{suffix}"
 
     @classmethod
     def parse(cls, name: str) -> Config:
         """The inverse of ``name``; a missing beam or batch is the default (``mtkit-fp32``: beam 5, batch 128)."""
+        model, _, name = name.rpartition(":")
         shortlist = name.endswith(SHORTLIST)
         name = name.removesuffix(SHORTLIST)
         early_stop = not name.endswith(NO_EARLY_STOP)
         engine, precision, *rest = name.removesuffix(NO_EARLY_STOP).split("-")
-        config = cls(engine, precision, early_stop=early_stop, shortlist=shortlist)
+        config = cls(engine, precision, early_stop=early_stop, shortlist=shortlist, model=model)
         for part in rest:
             if part.startswith("beam"):
                 config = cls(**{**asdict(config), "beam": int(part.removeprefix("beam"))})
@@ -126,7 +135,8 @@ class Config:
 
     def summary(self, result: dict | None) -> str:
         """The one ``decode_speed key=value ...`` line of this configuration."""
-        pairs = [("engine", self.engine), ("precision", self.precision), ("beam", self.beam)]
+        pairs = [("model", self.model)] if self.model else []
+        pairs += [("engine", self.engine), ("precision", self.precision), ("beam", self.beam)]
         pairs += [("batch", self.batch_size), ("early_stop", "on" if self.early_stop else "off")]
         pairs.append(("shortlist", "on" if self.shortlist else "off"))
         pairs.append(("status", "failed" if result is None else "ok"))
@@ -135,10 +145,13 @@ class Config:
         return "decode_speed " + " ".join(f"{key}={value}" for key, value in pairs)
 
 
-def grid(args: argparse.Namespace, ct2_bf16: bool) -> list[Config]:
-    """The configurations the options ask for, less those that do not exist (see the module docstring)."""
+def grid(args: argparse.Namespace, ct2_bf16: bool, model: str = "", ensemble: bool = False) -> list[Config]:
+    """The configurations the options ask for, for ``model`` (an ``ensemble`` of runs or not), less those that do
+    not exist (see the module docstring)."""
     configs = []
     for engine in args.engines:
+        if ensemble and engine in CT2_ENGINES:
+            continue
         for precision in args.precisions:
             if (
                 precision not in ENGINE_PRECISIONS[engine]
@@ -152,9 +165,11 @@ def grid(args: argparse.Namespace, ct2_bf16: bool) -> list[Config]:
                     for early_stop in args.early_stop:
                         if not early_stop and (engine in CT2_ENGINES or beam == 1):
                             continue
-                        configs.append(Config(engine, precision, beam, batch_size, early_stop))
+                        configs.append(Config(engine, precision, beam, batch_size, early_stop, model=model))
                         if args.shortlist and engine != "ct2":
-                            configs.append(Config(engine, precision, beam, batch_size, early_stop, shortlist=True))
+                            configs.append(
+                                Config(engine, precision, beam, batch_size, early_stop, shortlist=True, model=model)
+                            )
     return configs
 
 
@@ -204,14 +219,11 @@ class NativeCTranslate2:
             yield [Translation(self.tgt_tok.sp.decode(result.hypotheses[0]), 0.0, 0.0)]
 
 
-def make_translator(config: Config, run: Path, export_dir: Path, threads: int, shortlist: Path | None = None):
-    import torch
-
-    from mtkit.model.loading import load_for_inference
-    from mtkit.runtime import resolve_precision, set_threads
+def make_translator(config: Config, runs: list[Path], export_dir: Path, threads: int, shortlist: Path | None = None):
+    from mtkit.runtime import set_threads
+    from mtkit.translation.engines import load_translator
 
     set_threads(threads)
-    device = torch.device("cpu")
     decode = DecodeConfig(beam=config.beam, batch_size=config.batch_size, early_stop=config.early_stop)
     if config.engine == "ct2native":
         return NativeCTranslate2(export_dir, config, threads)
@@ -219,12 +231,8 @@ def make_translator(config: Config, run: Path, export_dir: Path, threads: int, s
         from mtkit.interop.ct2_translator import CTranslate2Translator
 
         return CTranslate2Translator.from_dir(export_dir, decode, "cpu", CT2_COMPUTE[config.precision])
-    from mtkit.decoding.shortlist import load_shortlist
-    from mtkit.decoding.translate import Translator
-
-    bundle = load_for_inference(run, device, resolve_precision(config.precision, device).precision)
-    lexical = load_shortlist(shortlist, bundle.src_tok, bundle.tgt_tok) if config.shortlist else None
-    return Translator(bundle.model, bundle.src_tok, bundle.tgt_tok, decode, device, shortlist=lexical)
+    listed = shortlist if config.shortlist else None
+    return load_translator(runs, "cpu", config.precision, shortlist=listed, **asdict(decode))
 
 
 def child_main(args: argparse.Namespace) -> None:
@@ -232,7 +240,8 @@ def child_main(args: argparse.Namespace) -> None:
     from mtkit.data.parallel import read_lines
     from mtkit.scoring.metrics import bleu
 
-    translator = make_translator(Config.parse(args.config), args.run, args.export_dir, args.threads, args.shortlist)
+    runs = [Path(run) for run in args.run.split(",")]
+    translator = make_translator(Config.parse(args.config), runs, args.export_dir, args.threads, args.shortlist)
     # The fastest of --repeat passes: other tenants of a shared machine only ever slow a pass down.
     runs = [timed_translation(translator, args.data_dir / "test_2016_flickr.en.gz") for _ in range(args.repeat)]
     hyps, seconds = min(runs, key=lambda run: run[1])
@@ -245,13 +254,14 @@ def child_main(args: argparse.Namespace) -> None:
     print(json.dumps({**result, "bleu": score.value, "signature": score.signature, "peak_rss_mib": peak}))
 
 
-def run_child(args: argparse.Namespace, config: str, export_dir: Path) -> dict | None:
-    """The figures of configuration ``config`` (a ``Config.name``) from a child process; None if it failed.
+def run_child(args: argparse.Namespace, config: str, runs: list[Path], export_dir: Path) -> dict | None:
+    """The figures of configuration ``config`` (a ``Config.name``) of the model ``runs`` (several: an ensemble)
+    from a child process; None if it failed.
 
-    ``args`` needs run, data_dir, threads and repeat; ``export_dir`` is the CTranslate2 export (ct2 only).
+    ``args`` needs data_dir, threads and repeat; ``export_dir`` is the CTranslate2 export (ct2 only).
     """
     print(f"{config} ...", file=sys.stderr, flush=True)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--config", config, "--run", str(args.run)]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--config", config, "--run", ",".join(map(str, runs))]
     cmd += ["--data-dir", str(args.data_dir), "--threads", str(args.threads), "--export-dir", str(export_dir)]
     cmd += ["--repeat", str(args.repeat)] + (["--shortlist", str(args.shortlist)] if args.shortlist else [])
     # mtkit's engines run under the allocator the mtkit command would use; CTranslate2 used natively, as a
@@ -295,7 +305,14 @@ def on_off(text: str) -> bool:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--run", type=Path, required=True, help="trained run directory (tokenizer and best/)")
+    p.add_argument("--run", help="trained run directory (tokenizer and best/), checkpoint or .safetensors file")
+    p.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="NAME=RUN[,RUN...]",
+        help="instead of --run, given several times: models measured in one run (several runs: an ensemble)",
+    )
     p.add_argument(
         "--data-dir",
         type=Path,
@@ -347,7 +364,8 @@ def main() -> None:
     ct2_bf16 = bool(compute_types) and "bfloat16" in compute_types
     if wants_ct2 and "bf16" in args.precisions and not ct2_bf16:
         print("ct2 bf16: skipped (CTranslate2 has no bfloat16 for this CPU)", file=sys.stderr)
-    configs = grid(args, ct2_bf16)
+    models = _models(p, args)
+    configs = [c for name, runs in models.items() for c in grid(args, ct2_bf16, name, len(runs) > 1)]
     if not configs:
         p.error("no configuration left to run: see the combinations that exist in --help")
 
@@ -355,7 +373,8 @@ def main() -> None:
     unexportable = None  # why this model has no CTranslate2 export (its positions), once an export said so
     with tempfile.TemporaryDirectory() as tmp:
         for config in configs:
-            export_dir = Path(tmp) / f"ct2-{CT2_EXPORT[config.precision]}{SHORTLIST if config.shortlist else ''}"
+            export = f"ct2-{CT2_EXPORT[config.precision]}{SHORTLIST if config.shortlist else ''}"
+            export_dir = Path(tmp) / (config.model or "run") / export
             if config.engine in CT2_ENGINES and unexportable:
                 continue
             if config.engine in CT2_ENGINES and not export_dir.exists():
@@ -365,12 +384,12 @@ def main() -> None:
                 print(f"exporting {export_dir.name} ...", file=sys.stderr, flush=True)
                 vmap = args.shortlist if config.shortlist else None
                 try:
-                    export_ctranslate2(args.run, export_dir, CT2_EXPORT[config.precision], vmap)
+                    export_ctranslate2(models[config.model][0], export_dir, CT2_EXPORT[config.precision], vmap)
                 except ConfigError as e:
                     unexportable = str(e)
                     print(f"ct2, ct2native: skipped ({unexportable})", file=sys.stderr)
                     continue
-            figures[config] = run_child(args, config.name, export_dir)
+            figures[config] = run_child(args, config.name, models[config.model], export_dir)
     if not figures:
         sys.exit(f"decode_speed: nothing left to measure ({unexportable})")
 
@@ -387,9 +406,37 @@ def main() -> None:
     print()
     for config, r in figures.items():
         print(config.summary(r))
+    if len(models) > 1:
+        print()
+        _print_ratios(figures, next(iter(models)))
     if args.json:
         records = {c.name: {**asdict(c), **r} if r is not None else None for c, r in figures.items()}
         args.json.write_text(json.dumps(records, indent=1))
+
+
+def _models(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, list[Path]]:
+    """The models to measure by name: --run's (named ""), or each --model's runs."""
+    if bool(args.run) == bool(args.model):
+        p.error("give --run, or --model NAME=RUN[,RUN...] one or more times")
+    if args.run:
+        return {"": [Path(args.run)]}
+    models = {}
+    for given in args.model:
+        name, _, runs = given.partition("=")
+        if not name or not runs or not all(c.isalnum() or c in "_." for c in name) or name in models:
+            p.error(f"--model {given!r}: expected a new NAME (letters, digits, _ and .) = RUN[,RUN...]")
+        models[name] = [Path(run) for run in runs.split(",")]
+    return models
+
+
+def _print_ratios(figures: dict[Config, dict | None], first: str) -> None:
+    """Each later model's sentences/s over the first model's, configuration by configuration."""
+    base = {replace(c, model=""): r for c, r in figures.items() if c.model == first and r is not None}
+    for config, r in figures.items():
+        same = base.get(replace(config, model=""))
+        if config.model != first and r is not None and same is not None:
+            ratio = r["sentences_per_s"] / same["sentences_per_s"]
+            print(f"decode_speed_ratio {config.name} over={first} sentences_per_s={ratio:.2f}")
 
 
 if __name__ == "__main__":

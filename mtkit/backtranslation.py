@@ -94,7 +94,10 @@ def back_translate(
     else:
         reverse, ran = out / REVERSE_DIR, True
         result = run_training(reverse_config(cfg), reverse, reporter)
-        note = f"{pairs[0][1]}->{pairs[0][0]} trained into {reverse}; validation BLEU {result.get('valid_bleu', 0):.2f}"
+        bleu = result.get("valid_bleu")  # none when it had trained to the end already
+        note = f"{pairs[0][1]}->{pairs[0][0]} trained into {reverse}" + (
+            f"; validation BLEU {bleu:.2f}" if bleu is not None else ", up to date"
+        )
     stages.append(Stage("reverse", time.perf_counter() - start, ran, note))
 
     synthetic = out / f"backtranslated.{pairs[0][0]}"
@@ -104,7 +107,7 @@ def back_translate(
     settings = {"backtranslation": _translation_settings(bt), "decode": asdict(cfg.decode)}
     entry = record.current("back-translate", synthetic, inputs, settings)
     if entry is None:
-        lines = _write_back_translation(cfg, reverse, synthetic)
+        lines = _write_back_translation(cfg, reverse, synthetic, {"inputs": inputs, "settings": settings})
         record.write("back-translate", synthetic, inputs, settings)
         note = f"{lines:,} lines of {bt.monolingual} by {_method(bt)}"
     else:
@@ -126,7 +129,7 @@ def _method(bt: BackTranslationConfig) -> str:
     return f"sampling (temperature {bt.temperature:g}, top-k {bt.top_k}, top-p {bt.top_p:g}, seed {bt.seed})"
 
 
-def _write_back_translation(cfg: RunConfig, reverse: Path, synthetic: Path) -> int:
+def _write_back_translation(cfg: RunConfig, reverse: Path, synthetic: Path, made_from: dict) -> int:
     from mtkit.translation.engines import load_translator
     from mtkit.translation.resumable import translate_resumably
 
@@ -135,4 +138,4 @@ def _write_back_translation(cfg: RunConfig, reverse: Path, synthetic: Path) -> i
     decode = {"beam": bt.beam} if bt.method == "beam" else {}
     (src, _), = directions(cfg.data)  # fmt: skip
     translator = load_translator(reverse, cfg.train.device, "auto", sampling=sampling, **decode).into(src)
-    return translate_resumably(translator, Path(bt.monolingual), synthetic, "back-translating")
+    return translate_resumably(translator, Path(bt.monolingual), synthetic, "back-translating", made_from=made_from)

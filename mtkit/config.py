@@ -1,7 +1,7 @@
 """Typed configuration: the one home for defaults, loaded from YAML plus ``--set`` overrides.
 
 The YAML file mirrors the dataclass tree (``data``, ``tokenizer``, ``model``, ``train``, ``decode``, ``recipe``,
-``backtranslation``);
+``backtranslation``, ``distillation``);
 an unknown key or a value of the wrong type or range is a ``ConfigError`` naming the key.
 """
 
@@ -149,7 +149,7 @@ class TokenizerConfig:
         _check(0 <= self.seed < 2**32, "tokenizer.seed must be in [0, 2**32)")
 
 
-Preset = Literal["transformer-base", "transformer-big", "transformer-small"]
+Preset = Literal["transformer-base", "transformer-big", "transformer-small", "student-tiny", "student-micro"]
 PRESETS: dict[Preset, dict[str, Any]] = {
     # Vaswani et al. (2017), Table 3: 65M parameters on a 37k joint vocabulary.
     "transformer-base": {
@@ -176,6 +176,26 @@ PRESETS: dict[Preset, dict[str, Any]] = {
         "d_model": 256,
         "heads": 4,
         "ffn": 1024,
+        "dropout": 0.1,
+    },
+    # Students for sequence-level distillation (`distillation`): a deep encoder, which runs once per sentence, and a
+    # shallow decoder, which runs once per output token and beam entry (Kasai et al., 2021). student-tiny is
+    # the shape of Firefox Translations' tiny students (whose decoder layers are SSRUs, not attention).
+    "student-tiny": {
+        "encoder_layers": 6,
+        "decoder_layers": 2,
+        "d_model": 256,
+        "heads": 8,
+        "ffn": 1536,
+        "dropout": 0.1,
+    },
+    # Half that width: a student of transformer-small teachers (a quarter of their parameters or less).
+    "student-micro": {
+        "encoder_layers": 6,
+        "decoder_layers": 2,
+        "d_model": 128,
+        "heads": 4,
+        "ffn": 512,
         "dropout": 0.1,
     },
 }
@@ -493,6 +513,58 @@ class BackTranslationConfig:
         _check(0 <= self.seed < 2**63, "backtranslation.seed must be in [0, 2**63)")
 
 
+MAX_TEACHERS = 16  # models in a teacher ensemble: each is held in memory and run at every decoding step
+
+
+@dataclass(frozen=True)
+class DistillationConfig:
+    """What `mtkit run` does to train a small, fast student on a teacher's translations (sequence-level knowledge
+    distillation, Kim and Rush, 2016): the teacher (given, or trained first from a recipe, one model per seed;
+    several models decode as an ensemble) translates the training source by beam search, the pairs it makes
+    are filtered, and this config's model, the student, trains on them with the teacher's tokenizer; then a
+    shortlist is built from them and the report sets teacher and student side by side. Neither ``teacher``
+    nor ``teacher_recipe``: no distillation."""
+
+    teacher: tuple[str, ...] = ()  # trained models (run directories, checkpoints, .safetensors): several, an ensemble
+    # a recipe `mtkit run` runs first, once per seed, into RUN/teacher-SEED, when teacher is empty: a teacher of the
+    # same direction; the later seeds take the first one's tokenizer, so that they decode as an ensemble
+    teacher_recipe: str = ""
+    teacher_seeds: tuple[int, ...] = (1,)  # train.seed of each teacher trained from teacher_recipe
+    beam: int = 5  # the teacher's beam on the training source (Firefox Translations uses 8)
+    # of the teacher's n best translations of a line, keep the one closest to the line's reference by sentence
+    # chrF (as Firefox Translations does with its whole beam); 1: the teacher's best; at most beam
+    nbest: int = 1
+    # drop pairs whose longer side, in the teacher's subword tokens (eos included), is more than this many times
+    # the shorter: a translation much longer than its source repeats itself, one much shorter leaves text out
+    max_ratio: float = 2.0
+    # then drop this fraction of the pairs left: those whose translation the teacher scored lowest (length-normalised
+    # log-probability), where it was least sure of itself; 0: none
+    drop_worst: float = 0.0
+    shortlist: bool = True  # build RUN/shortlist.safetensors from the distilled pairs (shortlist defaults)
+
+    def __post_init__(self) -> None:
+        _check(
+            1 <= len(self.teacher_seeds) <= MAX_TEACHERS and len(self.teacher) <= MAX_TEACHERS,
+            f"distillation.teacher and distillation.teacher_seeds must name 1 to {MAX_TEACHERS} models",
+        )
+        _check(len(set(self.teacher_seeds)) == len(self.teacher_seeds), "distillation.teacher_seeds has a seed twice")
+        _check(all(0 <= s < 2**63 for s in self.teacher_seeds), "distillation.teacher_seeds must be in [0, 2**63)")
+        _check(
+            not (self.teacher and self.teacher_recipe),
+            "give distillation.teacher (trained models) or distillation.teacher_recipe (to train them), not both",
+        )
+        _check(1 <= self.beam <= MAX_BEAM, f"distillation.beam must be in [1, {MAX_BEAM}]")
+        _check(
+            1 <= self.nbest <= self.beam, f"distillation.nbest must be between 1 and distillation.beam ({self.beam})"
+        )
+        _check(self.max_ratio >= 1.0, f"distillation.max_ratio must be >= 1, got {self.max_ratio:g}")
+        _check(0.0 <= self.drop_worst < 1.0, f"distillation.drop_worst must be in [0, 1), got {self.drop_worst:g}")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.teacher or self.teacher_recipe)
+
+
 @dataclass(frozen=True)
 class CleanConfig:
     """How `mtkit prepare` cleans a training split (its --nfkc, --dedupe, --min-words, --max-words and
@@ -522,6 +594,7 @@ class RunConfig:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     recipe: RecipeConfig = field(default_factory=RecipeConfig)
     backtranslation: BackTranslationConfig = field(default_factory=BackTranslationConfig)
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -614,6 +687,7 @@ SECTIONS: dict[str, type] = {
     "decode": DecodeConfig,
     "recipe": RecipeConfig,
     "backtranslation": BackTranslationConfig,
+    "distillation": DistillationConfig,
 }
 
 # Settings given as command-line options rather than in a run's YAML file, by the command that takes them.

@@ -63,6 +63,15 @@ def run_recipe(cfg: RunConfig, recipe: Path, out: Path, mirror: str | None, repo
         tests = [TestSet(f"{cfg.data.src_lang}-{cfg.data.tgt_lang}", cfg.data.tgt_lang, *test)]
 
     record = StageRecord(out, Digests())
+    distillation = None
+    if cfg.distillation.enabled:
+        from mtkit.distillation import distil
+
+        def run_teacher(teacher: RunConfig, folder: Path) -> dict:
+            return run_recipe(teacher, Path(cfg.distillation.teacher_recipe), folder, mirror, reporter)
+
+        distillation = distil(cfg, out, stages, record, run_teacher)
+        cfg = distillation.cfg
     if cfg.backtranslation.monolingual:
         from mtkit.backtranslation import back_translate
 
@@ -74,7 +83,13 @@ def run_recipe(cfg: RunConfig, recipe: Path, out: Path, mirror: str | None, repo
 
     model = _average(cfg, out, stages, record)
     results = [_test(cfg, model, test, out, stages, record, several=len(tests) > 1) for test in tests]
-    report = _report(cfg, recipe, out, model, corpus, source, results, stages)
+    distilled = None
+    if distillation is not None:
+        from mtkit.distillation import compare, report_section
+
+        comparison = compare(cfg, distillation, model, tests[0].source, tests[0].reference, out, stages, record)
+        distilled = report_section(distillation, comparison)
+    report = _report(cfg, recipe, out, model, corpus, source, results, stages, distilled)
     _write_report(out, report)
     return report
 
@@ -317,10 +332,11 @@ def _report(
     source: dict | None,
     results: list[dict],
     stages: list[Stage],
+    distillation: dict | None = None,
 ) -> dict:
     """The report of a run: with one test set, its scores (and ``test``, where they come from); with several
     (data.corpora), each direction's under ``directions`` and their means under ``scores``, which the verdict
-    judges."""
+    judges; with ``distillation``, the teacher and the student compared (mtkit.distillation)."""
     r = cfg.recipe
     events = _training_records(out)
     train, valid = events["train"], events["valid"]
@@ -355,6 +371,7 @@ def _report(
             "best_valid_step": best["step"] if best else None,
             "validations": [_validation(v) for v in valid],
         },
+        "distillation": distillation,
         "curves": plot,
         "stages": [asdict(s) for s in stages],
         "seconds": sum(s.seconds for s in stages),
@@ -469,6 +486,10 @@ def render_report(report: dict) -> str:
     for i, m in enumerate(t["machines"]):
         where = "Trained" if i == 0 else f"Resumed at update {m['step']:,}"
         lines += [f"{where} on {m['hardware']}, in {m['precision']} ({m['reason']}).", ""]
+    if report.get("distillation"):
+        from mtkit.distillation import render_section
+
+        lines += render_section(report["distillation"])
     if report["curves"]:
         lines += [f"![training curves]({report['curves']})", ""]
     lines += ["| stage | wall clock | |", "| --- | --- | --- |"]

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import safetensors
@@ -270,3 +272,24 @@ def one_line_error(result, *fragments: str) -> str:
         assert fragment in lines[0], lines[0]
     assert "Traceback" not in result.output
     return lines[0]
+
+
+# -- chains of `mtkit run` stages (back-translation, distillation) ----------------------------------------------
+
+KILL_RUNNER = Path(__file__).with_name("kill_runner.py")  # mtkit with a fault plan; see its docstring
+# 8 updates of a tiny model, each stage of a chain saving and validating often enough to be killed and resumed
+CHAIN_TRAIN = {"max_steps": 8, "batch_tokens": 1024, "warmup": 2, "lr": 3e-3, "valid_every": 4, "save_every": 2,
+               "log_every": 2, "valid_beam": 1, "precision": "fp32", "threads": 1}  # fmt: skip
+
+
+def run_recipe_with_plan(recipe: Path, out: Path, plan: dict | None = None) -> subprocess.CompletedProcess:
+    """``mtkit run RECIPE --out OUT`` in a subprocess that carries out the kill ``plan`` (kill_runner.py)."""
+    command = [sys.executable, str(KILL_RUNNER), json.dumps(plan or {}), "run", str(recipe), "--out", str(out)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=900)
+
+
+def finished_run(recipe: Path, out: Path) -> Path:
+    """``out`` after ``mtkit run RECIPE --out OUT`` has run to the end, uninterrupted."""
+    done = run_recipe_with_plan(recipe, out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out

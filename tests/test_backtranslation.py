@@ -4,14 +4,12 @@ the uninterrupted run's result; the resumable translation of a file; the config 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import captions
 import pytest
 import yaml
-from helpers import TINY_MODEL, invoke, one_line_error
+from helpers import CHAIN_TRAIN, TINY_MODEL, finished_run, invoke, one_line_error, run_recipe_with_plan
 
 import mtkit
 from mtkit.backtranslation import reverse_config, with_synthetic
@@ -20,7 +18,6 @@ from mtkit.data.tokenizer import Tokenizer
 from mtkit.model import checkpoint, loading
 from mtkit.translation.resumable import translate_resumably
 
-RUNNER = Path(__file__).with_name("kill_runner.py")
 MONO_LINES = 4_500  # three parts of resumable.PART_LINES
 
 
@@ -44,20 +41,13 @@ def _recipe(root: Path, data: Path, **backtranslation) -> Path:
         "backtranslation": {"monolingual": str(data / "mono.de"), **backtranslation},
         "tokenizer": {"vocab_size": 300},
         "model": dict(TINY_MODEL),
-        "train": {"max_steps": 8, "batch_tokens": 1024, "warmup": 2, "lr": 3e-3, "valid_every": 4, "save_every": 2,
-                  "log_every": 2, "valid_beam": 1, "precision": "fp32", "threads": 1},
+        "train": CHAIN_TRAIN,
         "decode": {"beam": 1, "max_len_a": 0.0, "max_len_b": 6},
         "recipe": {"average_last": 2, "bleu_max": 100.0, "expected": "a tiny test model"},
     }  # fmt: skip
     path = root / "bt.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
-
-
-def _run(recipe: Path, out: Path, plan: dict | None = None) -> subprocess.CompletedProcess:
-    """``mtkit run RECIPE --out OUT`` in a subprocess that carries out the kill ``plan`` (kill_runner.py)."""
-    command = [sys.executable, str(RUNNER), json.dumps(plan or {}), "run", str(recipe), "--out", str(out)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=600)
 
 
 def _kill_at(target: str, call: int) -> dict:
@@ -67,9 +57,7 @@ def _kill_at(target: str, call: int) -> dict:
 @pytest.fixture(scope="module")
 def uninterrupted(bt_data, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("straight") / "run"
-    done = _run(_recipe(out.parent, bt_data), out)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return out
+    return finished_run(_recipe(out.parent, bt_data), out)
 
 
 def test_the_chain_trains_a_reverse_model_back_translates_and_trains_on_both(uninterrupted, bt_data):
@@ -98,14 +86,14 @@ def test_killed_in_each_stage_and_resumed_the_chain_ends_as_the_uninterrupted_on
     ]
     parts = out / ".backtranslated.en.parts"
     for stage, plan in kills:
-        killed = _run(recipe, out, plan)
+        killed = run_recipe_with_plan(recipe, out, plan)
         assert killed.returncode == -9, f"{stage}: {killed.returncode}\n{killed.stderr[-3000:]}"
         if stage == "reverse":
             assert loading.latest(out / "reverse") is not None and not parts.exists()
         if stage == "back-translate":  # the first part is kept, the synthetic corpus not yet written
             assert [p.name for p in parts.glob("*.txt")] == ["000000000000.txt"]
             assert not (out / "backtranslated.en").exists()
-    done = _run(recipe, out)
+    done = run_recipe_with_plan(recipe, out)
     assert done.returncode == 0, done.stderr[-3000:]
     for name in ("backtranslated.en", "test.hyp.de"):
         assert (out / name).read_bytes() == (uninterrupted / name).read_bytes(), name
@@ -139,6 +127,14 @@ def test_a_resumed_translation_keeps_the_parts_done_and_redoes_a_damaged_one(bt_
     assert done == [1_000, 2_000, 3_000, 4_000]
     assert (tmp_path / "out.en").read_bytes() == (tmp_path / "straight.en").read_bytes()
     assert not parts.exists()
+
+    with pytest.raises(Stop):  # parts of a translation made from other settings are never reused
+        translate_resumably(translator, source, tmp_path / "again.en", part_lines=1_000, on_part=stop_after_two,
+                            made_from={"beam": 5})  # fmt: skip
+    done.clear()
+    translate_resumably(translator, source, tmp_path / "again.en", part_lines=1_000, on_part=done.append,
+                        made_from={"beam": 4})  # fmt: skip
+    assert done == [0, 1_000, 2_000, 3_000, 4_000]
 
 
 def _reverse_model(bt_data: Path, root: Path) -> Path:

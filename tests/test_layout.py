@@ -31,7 +31,19 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("serving", ("serving",)),
     (
         "entry points",
-        ("", "__main__", "api", "backtranslation", "cli", "commands", "config_docs", "launch", "run", "stages"),
+        (
+            "",
+            "__main__",
+            "api",
+            "backtranslation",
+            "cli",
+            "commands",
+            "config_docs",
+            "distillation",
+            "launch",
+            "run",
+            "stages",
+        ),
     ),
 ]
 

@@ -82,6 +82,11 @@ def train_command(
             "backtranslation is a chain of stages that `mtkit run` carries out (reverse model, back-translation, "
             f"training): run `mtkit run {config}`"
         )
+    if cfg.distillation.enabled:
+        raise ConfigError(
+            "distillation is a chain of stages that `mtkit run` carries out (teacher, its translations, filters, "
+            f"the student's training): run `mtkit run {config}`"
+        )
     out = out or Path("runs") / config.stem
     if dry_run:
         typer.echo(_plan(cfg, out, nproc_per_node), nl=False)

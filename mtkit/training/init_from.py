@@ -71,6 +71,17 @@ def import_once(init_from: str, run_dir: Path) -> Path:
 
 def read_initial_model(model: Path) -> InitialModel:
     """The model train.init_from names, read whole; CheckpointError for a path mtkit cannot start training from."""
+    ckpt, cfg = read_trained_model(model)
+    weights = weights_file(ckpt.path).resolve()
+    log.info("starting from the weights of %s (train.init_from)", weights)
+    record = {"path": str(weights), "sha256": file_sha256(weights)}
+    return InitialModel(ckpt, cfg, record)
+
+
+def read_trained_model(model: Path) -> tuple[Checkpoint, RunConfig]:
+    """A trained model (run directory, checkpoint or averaged .safetensors) read without its training state, and its
+    config whose tokenizer models are the files found beside it (checked against its header) and whose vocab_size
+    is theirs; CheckpointError for an export or anything else mtkit cannot read as a model."""
     model = Path(model)
     if (model / MANIFEST).is_file():
         raise CheckpointError(
@@ -86,10 +97,7 @@ def read_initial_model(model: Path) -> InitialModel:
     # what the tokenizers hold, not what the config asked of tokenizer training (unused when a model was given)
     vocab_size = sizes.pop() if len(sizes) == 1 else tc.vocab_size
     tokenizer = replace(tc, vocab_size=vocab_size, **{key: str(path) for key, path in files.items()})
-    weights = weights_file(ckpt.path).resolve()
-    log.info("starting from the weights of %s (train.init_from)", weights)
-    record = {"path": str(weights), "sha256": file_sha256(weights)}
-    return InitialModel(ckpt, replace(ckpt.cfg, tokenizer=tokenizer), record)
+    return ckpt, replace(ckpt.cfg, tokenizer=tokenizer)
 
 
 def settle_config(cfg: RunConfig, theirs: RunConfig, records: dict[str, Any], source: str) -> RunConfig:
@@ -100,14 +108,35 @@ def settle_config(cfg: RunConfig, theirs: RunConfig, records: dict[str, Any], so
     ConfigError, in one line naming the key and both values, for a key that disagrees.
     """
     model = _agreed("model", cfg.model, theirs.model, source, changeable=TRAINING_SETTINGS)
-    _check_tokenizer_files(cfg.tokenizer, theirs.tokenizer.joint, records, source)
-    unnamed = replace(cfg.tokenizer, **dict.fromkeys(TOKENIZER_FILES, ""))  # the files were compared by content
-    return replace(cfg, model=model, tokenizer=_agreed("tokenizer", unnamed, theirs.tokenizer, source))
+    return replace(cfg, model=model, tokenizer=settle_tokenizer(cfg.tokenizer, theirs.tokenizer, records, source))
 
 
-def _agreed(section: str, mine: Any, theirs: Any, source: str, changeable: tuple[str, ...] = ()) -> Any:
+def settle_tokenizer(
+    mine: TokenizerConfig,
+    theirs: TokenizerConfig,
+    records: dict[str, Any],
+    source: str,
+    keeps: str = "a run that starts from a model keeps its tokenizer settings",
+) -> TokenizerConfig:
+    """The tokenizer section of a run that must use the tokenizers of ``source`` (whose config section is ``theirs``
+    and tokenizer records ``records``): theirs, where ``mine`` leaves a key at its default; ConfigError, in one line
+    saying that the run ``keeps`` them, for a key or tokenizer file that disagrees."""
+    _check_tokenizer_files(mine, theirs.joint, records, source)
+    unnamed = replace(mine, **dict.fromkeys(TOKENIZER_FILES, ""))  # the files were compared by content
+    return _agreed("tokenizer", unnamed, theirs, source, keeps=keeps)
+
+
+def _agreed(
+    section: str,
+    mine: Any,
+    theirs: Any,
+    source: str,
+    changeable: tuple[str, ...] = (),
+    keeps: str = "",
+) -> Any:
     """A config section whose every key is ``theirs``, unless ``mine`` sets it (to other than the default) and it is
     ``changeable``; ConfigError for any other key ``mine`` sets to another value."""
+    keeps = keeps or f"a run that starts from a model keeps its {section} settings"
     defaults = type(mine)()
     values = {}
     for f in dataclasses.fields(mine):
@@ -118,8 +147,8 @@ def _agreed(section: str, mine: Any, theirs: Any, source: str, changeable: tuple
             values[f.name] = my
         else:
             raise ConfigError(
-                f"{section}.{f.name} is {shown(my)} in this config but {shown(their)} in {source}: a run that "
-                f"starts from a model keeps its {section} settings; leave {section}.{f.name} out"
+                f"{section}.{f.name} is {shown(my)} in this config but {shown(their)} in {source}: {keeps}; "
+                f"leave {section}.{f.name} out"
             )
     return type(mine)(**values)
 
