@@ -279,10 +279,9 @@ def kept_pairs(
     cfg: RunConfig, tokenizer: TokenizerConfig, source: Path, scored: Path
 ) -> tuple[np.ndarray, dict[str, int]]:
     """Whether each pair is kept, and how many each filter dropped."""
-    from mtkit.data.tokenizer import Tokenizer
 
     d = cfg.distillation
-    src_tok, tgt_tok = (Tokenizer(Path(tokenizer.model or path)) for path in (tokenizer.src_model, tokenizer.tgt_model))
+    src_tok, tgt_tok = teacher_tokenizers(tokenizer)
     scores: list[float] = []
     empty: list[bool] = []
     too_long: list[bool] = []
@@ -305,6 +304,13 @@ def kept_pairs(
         keep[lowest] = False
     counts = {"translated": len(keep), "empty": int(is_empty.sum()), "ratio": ratio, "worst": worst}
     return keep, {**counts, "kept": int(keep.sum())}
+
+
+def teacher_tokenizers(tokenizer: TokenizerConfig) -> tuple[Any, Any]:
+    """The source and target tokenizers a settled tokenizer section names (one joint model, or one per side)."""
+    from mtkit.data.tokenizer import Tokenizer
+
+    return tuple(Tokenizer(Path(tokenizer.model or path)) for path in (tokenizer.src_model, tokenizer.tgt_model))
 
 
 def _scored_lines(path: Path) -> Iterator[tuple[float, str]]:
@@ -354,12 +360,11 @@ def _shortlist(
     cfg: RunConfig, tokenizer: TokenizerConfig, folder: Path, out: Path, stages: list[Stage], record: StageRecord
 ) -> Path:
     """RUN/shortlist.safetensors from the distilled pairs, with `mtkit shortlist`'s defaults."""
-    from mtkit.data.tokenizer import Tokenizer
     from mtkit.decoding.shortlist import build_shortlist, co_occurring_pairs
 
     ((src, tgt),) = directions(cfg.data)
     target = out / SHORTLIST_FILE
-    src_tok, tgt_tok = (Tokenizer(Path(tokenizer.model or path)) for path in (tokenizer.src_model, tokenizer.tgt_model))
+    src_tok, tgt_tok = teacher_tokenizers(tokenizer)
     files = [folder / f"train.{src}", folder / f"train.{tgt}"]
     inputs = {"source": record.digests.of(files[0]), "target": record.digests.of(files[1])}
     inputs |= {"src_tokenizer": src_tok.sha256, "tgt_tokenizer": tgt_tok.sha256}
