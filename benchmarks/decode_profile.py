@@ -11,7 +11,11 @@ Two views of the same translation of the first ``--lines`` test_2016_flickr sent
 
 Output: the two tables, then one ``decode_profile key=value ...`` line of the parts' seconds. With
 ``--fixed-steps N``, only the median milliseconds of a decoder step of fixed shapes instead (128 sentences x
-beam rows, N steps from bos): the yardstick for one change to the step.
+beam rows, N steps from bos): the yardstick for one change to the step. ``--preset NAME`` times instead a model
+of that preset's shape with random weights and the run's vocabulary and positions: what each shape costs per
+decoded token, whose time does not depend on the weights' values.
+
+    python benchmarks/decode_profile.py --run runs/multi30k_en_de --fixed-steps 20 --preset student-micro
 """
 
 from __future__ import annotations
@@ -20,19 +24,21 @@ import argparse
 import statistics
 import time
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from mtkit.config import DecodeConfig
+from mtkit.config import PRESETS, DecodeConfig
 from mtkit.data.parallel import read_lines, source_tensor
-from mtkit.data.tokenizer import BOS_ID
+from mtkit.data.tokenizer import BOS_ID, PAD_ID
 from mtkit.decoding.shortlist import load_shortlist
 from mtkit.decoding.translate import Translator
 from mtkit.model.attention import DecoderCache
 from mtkit.model.loading import load_for_inference
-from mtkit.model.transformer import Transformer
-from mtkit.runtime import resolve_precision, set_threads
+from mtkit.model.quantization import quantize_int8
+from mtkit.model.transformer import Transformer, build_model, count_parameters
+from mtkit.runtime import DTYPES, resolve_precision, set_threads
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -80,6 +86,18 @@ def fixed_steps(model: Transformer, src: torch.Tensor, mask: torch.Tensor, beam:
         return time.perf_counter() - start
 
 
+def preset_model(bundle, preset: str, precision: str) -> tuple[Transformer, int]:
+    """A model of ``preset``'s shape with random weights, the run's vocabulary and other model settings, and its
+    parameter count (taken before int8 quantization turns the weights into buffers)."""
+    cfg = replace(bundle.cfg.model, **PRESETS[preset])
+    model = build_model(cfg, bundle.src_tok.vocab_size, bundle.tgt_tok.vocab_size, PAD_ID)
+    parameters = count_parameters(model)
+    model.to(dtype=DTYPES[precision]).eval()
+    if precision == "int8":
+        quantize_int8(model)
+    return model, parameters
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", type=Path, required=True, help="trained run directory (its best/)")
@@ -97,7 +115,10 @@ def main() -> None:
         help="instead: time this many decoder steps of the first 128 lines x beam from bos, --repeat times",
     )
     p.add_argument("--repeat", type=int, default=7, help="repeats of --fixed-steps; the median is reported")
+    p.add_argument("--preset", choices=list(PRESETS), help="with --fixed-steps: time this shape, random weights")
     args = p.parse_args()
+    if args.preset and not args.fixed_steps:
+        p.error("--preset times fixed steps: give --fixed-steps")
 
     set_threads(args.threads)
     device = torch.device("cpu")
@@ -108,12 +129,16 @@ def main() -> None:
         model, bundle.src_tok, bundle.tgt_tok, DecodeConfig(beam=args.beam), device, shortlist=lexical
     )
     lines = read_lines(args.data_dir / "test_2016_flickr.en.gz")[: args.lines]
+    shape = "preset=run "
+    if args.preset:
+        model, parameters = preset_model(bundle, args.preset, resolve_precision(args.precision, device).precision)
+        shape = f"preset={args.preset} parameters={parameters} "
     if args.fixed_steps:
         src, mask = source_tensor(bundle.src_tok.encode(lines[:128]))
         fixed_steps(model, src, mask, args.beam, args.fixed_steps)  # untimed
         seconds = [fixed_steps(model, src, mask, args.beam, args.fixed_steps) for _ in range(args.repeat)]
         step_ms = statistics.median(seconds) / args.fixed_steps * 1e3
-        print(f"decode_step precision={args.precision} rows={src.size(0) * args.beam} ms_per_step={step_ms:.2f}")
+        print(f"decode_step {shape}precision={args.precision} rows={src.size(0) * args.beam} ms_per_step={step_ms:.2f}")
         return
     translator.translate(lines)  # untimed: kernels chosen, memory pools grown
 

@@ -189,7 +189,7 @@ PRESETS: dict[Preset, dict[str, Any]] = {
         "ffn": 1536,
         "dropout": 0.1,
     },
-    # Half that width: a student of transformer-small teachers (a quarter of their parameters or less).
+    # Half that width: a student of an ensemble of two transformer-small teachers (under a quarter of its parameters).
     "student-micro": {
         "encoder_layers": 6,
         "decoder_layers": 2,

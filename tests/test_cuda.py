@@ -57,7 +57,9 @@ def test_fused_loss_and_its_gradients_on_the_gpu_equal_the_cpu():
     target = torch.randint(0, 500, (3000,), generator=gen)
     results = []
     for device in ("cpu", "cuda"):
-        h, w = features.to(device).requires_grad_(), weight.to(device).requires_grad_()
+        # copies: on the CPU .to() returns the tensor itself, which must stay a plain leaf
+        h = features.to(device, copy=True).requires_grad_()
+        w = weight.to(device, copy=True).requires_grad_()
         loss, nll = linear_cross_entropy(h, w, target.to(device), 0.1)
         loss.backward()
         results.append([t.detach().cpu() for t in (loss, nll, h.grad, w.grad)])
