@@ -13,6 +13,7 @@ from pathlib import Path
 
 import captions
 import pytest
+import torch
 import yaml
 from helpers import invoke, multilingual_raw, write_config
 
@@ -25,6 +26,22 @@ from mtkit.data.tokenizer import Tokenizer, train_spm
 # running unnoticed, for want of a file, a package or a device.
 NO_SKIPS = os.environ.get("MTKIT_TESTS_NO_SKIPS") == "1"
 MAY_SKIP = {"tests/test_cuda.py"}
+# pyproject.toml runs the tests in one worker per core (pytest-xdist), at most this many: each worker trains its own
+# session fixtures and holds its own models.
+MAX_WORKERS = 4
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    return max(1, min(CORES, MAX_WORKERS))
+
+
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    # A worker's share of the cores, for its torch and for the mtkit processes it starts: torch threads that
+    # outnumber the cores busy-wait on each other and make every worker several times slower.
+    _threads = max(1, CORES // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    torch.set_num_threads(_threads)
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
 
 
 _wrongly_skipped: list[str] = []
