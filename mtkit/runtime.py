@@ -114,7 +114,8 @@ def choose_precision(
         if found := [name for feature, name in INT8_CPU_FEATURES.items() if feature in cpu_features]:
             return PrecisionChoice("int8", f"asked for; int8 products on {' and '.join(found)}")
         wanted = " or ".join(INT8_CPU_FEATURES.values())
-        return PrecisionChoice("int8", f"asked for; this CPU has no {wanted}: int8 products run slower", False)
+        slow = f"asked for; this CPU has no {wanted}: int8 products run several times slower than fp32"
+        return PrecisionChoice("int8", slow, False)
     if device_type == "cuda":
         native = gpu_capability is not None and tuple(gpu_capability) >= NATIVE_BF16_GPU
         capability = ".".join(map(str, gpu_capability or ()))
