@@ -122,7 +122,8 @@ def main() -> None:
 
     set_threads(args.threads)
     device = torch.device("cpu")
-    bundle = load_for_inference(args.run, device, resolve_precision(args.precision, device).precision)
+    precision = resolve_precision(args.precision, device).precision
+    bundle = load_for_inference(args.run, device, precision)
     lexical = load_shortlist(args.shortlist, bundle.src_tok, bundle.tgt_tok) if args.shortlist else None
     model = bundle.model
     translator = Translator(
@@ -131,7 +132,7 @@ def main() -> None:
     lines = read_lines(args.data_dir / "test_2016_flickr.en.gz")[: args.lines]
     shape = "preset=run "
     if args.preset:
-        model, parameters = preset_model(bundle, args.preset, resolve_precision(args.precision, device).precision)
+        model, parameters = preset_model(bundle, args.preset, precision)
         shape = f"preset={args.preset} parameters={parameters} "
     if args.fixed_steps:
         src, mask = source_tensor(bundle.src_tok.encode(lines[:128]))
