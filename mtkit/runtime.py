@@ -9,6 +9,7 @@ import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -59,6 +60,9 @@ def set_threads(threads: int) -> None:
 NATIVE_BF16_CPU_FEATURES = {"avx512_bf16": "AVX512-BF16", "amx_bf16": "AMX-BF16"}
 # The x86 CPU features with which int8 matrix products run as int8 dot products (oneDNN's VNNI and AMX kernels).
 INT8_CPU_FEATURES = {"amx_int8": "AMX-INT8", "avx512_vnni": "AVX512-VNNI", "avx_vnni": "AVX-VNNI"}
+# Without them, AVX2 multiplies int8 in pairs summed in int16: int8's "pairs" kernel (mtkit.model.quantization).
+INT8_PAIRS_CPU_FEATURE = "avx2"
+Int8Kernel = Literal["dot", "pairs"]
 # What each precision computes in; int8's layers other than the linear ones (attention, norms) stay float32.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.float32}
 
@@ -68,6 +72,14 @@ def native_bf16(cpu_features: set[str]) -> list[str]:
     return [name for feature, name in NATIVE_BF16_CPU_FEATURES.items() if feature in cpu_features]
 
 
+def int8_kernel(cpu_features: set[str]) -> Int8Kernel:
+    """The kernel that computes int8 products fastest on a CPU with these features: ``dot`` where it has int8 dot
+    products (or nothing better), ``pairs`` where AVX2 alone multiplies int8 (mtkit.model.quantization)."""
+    if any(feature in cpu_features for feature in INT8_CPU_FEATURES):
+        return "dot"
+    return "pairs" if INT8_PAIRS_CPU_FEATURE in cpu_features else "dot"
+
+
 @dataclass(frozen=True)
 class PrecisionChoice:
     """The number format a run computes in, and why: what a precision setting (``auto`` included) came to on
@@ -75,7 +87,7 @@ class PrecisionChoice:
 
     precision: str  # fp32, bf16 or fp16
     reason: str  # in words, for logs and reports: "auto: this CPU has AVX512-BF16"
-    native: bool = True  # False: bf16 asked for on a CPU that only emulates it, int8 on one without VNNI or AMX
+    native: bool = True  # False: bf16 asked for on a CPU that only emulates it, int8 on one without VNNI, AMX or AVX2
 
     @property
     def dtype(self) -> torch.dtype:
@@ -113,7 +125,9 @@ def choose_precision(
             raise RuntimeSetupError("precision int8 runs on the CPU; use bf16 or fp16 on a GPU")
         if found := [name for feature, name in INT8_CPU_FEATURES.items() if feature in cpu_features]:
             return PrecisionChoice("int8", f"asked for; int8 products on {' and '.join(found)}")
-        wanted = " or ".join(INT8_CPU_FEATURES.values())
+        if int8_kernel(cpu_features) == "pairs":
+            return PrecisionChoice("int8", "asked for; int8 products in pairs on AVX2, with 7-bit weights")
+        wanted = " or ".join([*INT8_CPU_FEATURES.values(), INT8_PAIRS_CPU_FEATURE.upper()])
         slow = f"asked for; this CPU has no {wanted}: int8 products run several times slower than fp32"
         return PrecisionChoice("int8", slow, False)
     if device_type == "cuda":
@@ -143,7 +157,7 @@ _warned: set[str] = set()  # the warnings given once per process
 
 
 def resolve_precision(asked: str, device: torch.device) -> PrecisionChoice:
-    """``choose_precision`` on this machine's ``device``; an emulated bf16, or int8 without int8 dot products, is
+    """``choose_precision`` on this machine's ``device``; an emulated bf16, or int8 without a fast int8 kernel, is
     warned about once per process."""
     choice = choose_precision(asked, device.type, cpu_features(), gpu_capability(device))
     if not choice.native and choice.reason not in _warned:

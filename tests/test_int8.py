@@ -5,6 +5,7 @@ the server in int8."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -14,7 +15,7 @@ from helpers import invoke, tiny_model
 import mtkit
 from mtkit import runtime
 from mtkit.model.quantization import Int8Linear, quantize_int8, quantize_rows
-from mtkit.runtime import RuntimeSetupError, choose_precision
+from mtkit.runtime import RuntimeSetupError, choose_precision, int8_kernel
 
 
 def test_a_row_quantizes_to_its_own_scale_and_back():
@@ -25,12 +26,13 @@ def test_a_row_quantizes_to_its_own_scale_and_back():
     assert torch.allclose(quantized * scale, x, atol=float(scale.max()) / 2)
 
 
-def test_the_int8_layer_is_the_float_one_within_a_percent_and_each_row_is_computed_alone():
+@pytest.mark.parametrize("kernel", ["dot", "pairs"])
+def test_the_int8_layer_is_the_float_one_within_2_percent_and_each_row_is_computed_alone(kernel):
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 48)
     # rows of very different sizes: a scale per row keeps each one's precision
     x = torch.randn(3, 7, 64) * torch.logspace(-3, 3, 7)[:, None]
-    layer = Int8Linear.from_linear(linear)
+    layer = Int8Linear.from_linear(linear, kernel)
     want, got = linear(x).detach(), layer(x)
     assert got.shape == want.shape and got.dtype == torch.float32
     error = (got - want).norm(dim=-1) / (want - linear.bias.detach()).norm(dim=-1)
@@ -40,8 +42,28 @@ def test_the_int8_layer_is_the_float_one_within_a_percent_and_each_row_is_comput
             assert torch.equal(layer(x[i, j][None])[0], got[i, j])
     ids = torch.tensor([0, 5, 6, 40])  # a shortlist's cut is those outputs of the whole layer, exactly
     assert torch.equal(layer.rows(ids)(x), got[..., ids])
-    unbiased = Int8Linear.from_linear(torch.nn.Linear(64, 48, bias=False))
+    assert torch.equal(copy.deepcopy(layer)(x), got)  # an ensemble's copies compute as the original
+    unbiased = Int8Linear.from_linear(torch.nn.Linear(64, 48, bias=False), kernel)
     assert unbiased.bias is None and torch.equal(unbiased(torch.zeros(2, 64)), torch.zeros(2, 48))
+
+
+@pytest.mark.parametrize("kernel", ["dot", "pairs"])
+def test_int8_sums_are_exact_even_where_every_product_is_at_its_largest(kernel):
+    """Where int16 pair sums would saturate (AVX2's unsigned-by-signed multiply), the pairs kernel's 7-bit weights
+    keep them exact: each output is the float64 product of the quantized values, scaled back."""
+    top = 63 if kernel == "pairs" else 127
+    assert Int8Linear.from_linear(torch.nn.Linear(512, 40), kernel).weight.abs().max() == top
+    torch.manual_seed(1)
+    weight = torch.randint(-top, top + 1, (40, 512), dtype=torch.int8)
+    weight[0], weight[1] = top, -top
+    weight[2] = torch.tensor([top, -top], dtype=torch.int8).repeat(256)
+    layer = Int8Linear(weight, torch.ones(40), None, kernel)
+    signs = weight[2].float().sign()
+    x = torch.cat([torch.ones(2, 512) * torch.tensor([[3.0], [-1.0]]), signs[None], -signs[None], torch.randn(5, 512)])
+    row_scale = x.abs().amax(dim=-1, keepdim=True) / 127
+    exact = (x / row_scale).round().double() @ weight.double().t()
+    assert (exact[:4, :3].abs() == 512 * 127 * top).sum() == 6  # the largest sums there are, of either sign
+    assert torch.equal(layer(x), exact.float() * row_scale)
 
 
 def test_every_linear_layer_is_quantized_and_the_embeddings_stay_float():
@@ -62,7 +84,15 @@ def test_int8_is_cpu_only_and_says_whether_the_cpu_has_int8_dot_products():
     assert vnni.precision == "int8" and vnni.native and "AVX512-VNNI" in vnni.reason
     assert vnni.dtype == torch.float32  # attention and norms around the int8 layers
     avx2 = choose_precision("int8", "cpu", {"avx2", "fma"})
-    assert avx2.precision == "int8" and not avx2.native and "no AMX-INT8 or AVX512-VNNI or AVX-VNNI" in avx2.reason
+    assert avx2.precision == "int8" and avx2.native and avx2.reason.endswith("in pairs on AVX2, with 7-bit weights")
+    older = choose_precision("int8", "cpu", {"sse4_2"})
+    assert not older.native and "no AMX-INT8 or AVX512-VNNI or AVX-VNNI or AVX2: " in older.reason
+
+
+def test_int8_products_run_on_the_kernel_the_cpu_is_fast_at():
+    assert int8_kernel({"avx2", "avx512f", "avx512_vnni"}) == "dot" and int8_kernel({"avx2", "amx_int8"}) == "dot"
+    assert int8_kernel({"avx2", "fma"}) == "pairs"
+    assert int8_kernel({"sse4_2"}) == "dot" and int8_kernel(set()) == "dot"  # exact everywhere, if slow
 
 
 def test_doctor_says_whether_int8_products_have_vnni(monkeypatch):
@@ -71,7 +101,9 @@ def test_doctor_says_whether_int8_products_have_vnni(monkeypatch):
     [line] = [line for line in invoke("doctor").stdout.splitlines() if line.startswith("int8 decoding")]
     assert line.endswith("cpu (int8 products on AVX512-VNNI)")
     monkeypatch.setattr(runtime, "cpu_features", lambda: frozenset({"avx2"}))
-    assert "no AMX-INT8 or AVX512-VNNI or AVX-VNNI" in invoke("doctor").stdout
+    assert "cpu (int8 products in pairs on AVX2, with 7-bit weights)" in invoke("doctor").stdout
+    monkeypatch.setattr(runtime, "cpu_features", lambda: frozenset({"sse4_2"}))
+    assert "no AMX-INT8 or AVX512-VNNI or AVX-VNNI or AVX2" in invoke("doctor").stdout
 
 
 def test_translate_and_load_take_int8_and_agree(trained_run, corpus_files, tmp_path):

@@ -51,14 +51,16 @@ def test_tiny_transformer_learns_to_reverse(reverser):
     assert exact_matches(beam, test) >= 0.95
 
 
-def test_int8_keeps_what_it_learned(reverser):
-    """``--precision int8``'s model against fp32's: exact matches drop by at most 2 points (the tolerance), at
-    least 95% of outputs are fp32's, and their log-probabilities differ by under 0.05 per sentence on average."""
+@pytest.mark.parametrize("kernel", ["dot", "pairs"])
+def test_int8_keeps_what_it_learned(reverser, kernel):
+    """``--precision int8``'s model against fp32's, with either kernel (the pairs kernel's weights have 7 bits):
+    exact matches drop by at most 2 points (the tolerance), at least 95% of outputs are fp32's, and their
+    log-probabilities differ by under 0.05 per sentence on average."""
     model, test = reverser
     src, mask = source_tensor(test)
     fp32_greedy = greedy_search(model, src, mask)
     fp32_beam = beam_search(model, src, mask, DecodeConfig(beam=4))
-    quantized = quantize_int8(copy.deepcopy(model))
+    quantized = quantize_int8(copy.deepcopy(model), kernel)
     int8_greedy = greedy_search(quantized, src, mask)
     int8_beam = beam_search(quantized, src, mask, DecodeConfig(beam=4))
     assert exact_matches(int8_greedy, test) >= exact_matches(fp32_greedy, test) - 0.02
