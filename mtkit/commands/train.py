@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -127,7 +128,7 @@ def _stopped(stop, out: Path) -> typer.Exit:
 
 
 def _run_training(cfg, out: Path, restart: bool) -> None:
-    from mtkit.training.distributed import DistributedError, from_environment
+    from mtkit.training.distributed import MAIN_EXIT_GRACE_S, DistributedError, from_environment
     from mtkit.training.reporting import TrainingProgress
     from mtkit.training.stop_signals import TrainingStopped
     from mtkit.training.trainer import run_training
@@ -142,6 +143,8 @@ def _run_training(cfg, out: Path, restart: bool) -> None:
     except DistributedError as err:
         if not dist.is_main:  # rank 0 says what failed; a peer that lost it only notes it
             log.warning("%s", err)
+            if err.main_exited:
+                time.sleep(MAIN_EXIT_GRACE_S)
             raise typer.Exit(1) from None
         raise
     finally:

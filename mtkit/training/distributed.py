@@ -31,7 +31,17 @@ LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
 class DistributedError(MtkitError, RuntimeError):
-    """A collective that failed or timed out; the message names the rank(s) that stopped answering."""
+    """A collective that failed or timed out; the message names the rank(s) that stopped answering.
+    ``main_exited``: rank 0 ended (its connection closed) rather than hung, and says why itself."""
+
+    def __init__(self, message: str, main_exited: bool = False) -> None:
+        super().__init__(message)
+        self.main_exited = main_exited
+
+
+# How long a rank that saw rank 0 end waits before ending too, so that torchrun records rank 0's exit status
+# (exit 1: it printed why) rather than stopping rank 0 for this rank's failure; torchrun ends the wait.
+MAIN_EXIT_GRACE_S = 10.0
 
 
 @dataclass
@@ -93,9 +103,9 @@ class Distributed:
         try:
             return collective(*args, **kwargs)
         except RuntimeError as err:
-            raise DistributedError(self._diagnose(name, err)) from None
+            raise self._diagnose(name, err) from None
 
-    def _diagnose(self, name: str, err: RuntimeError) -> str:
+    def _diagnose(self, name: str, err: RuntimeError) -> DistributedError:
         """Which rank is to blame: rank 0 learns who missed a monitored barrier; the others blame rank 0."""
         prefix = f"rank {self.rank}: {name} failed after up to {self.timeout_s:g} s (train.ddp_timeout)"
         start = time.monotonic()
@@ -104,11 +114,13 @@ class Distributed:
         except RuntimeError as barrier_err:
             missing = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", str(barrier_err))
             if missing:
-                return f"{prefix}: rank(s) {missing.group(1).strip()} stopped responding (hung or dead); stopping"
+                stopped = missing.group(1).strip()
+                return DistributedError(f"{prefix}: rank(s) {stopped} stopped responding (hung or dead); stopping")
             if time.monotonic() - start < self.timeout_s / 2:  # its connection closed: it ended, it did not hang
-                return f"rank {self.rank}: {name} failed: rank 0 has exited (its own message says why); stopping"
-            return f"{prefix}: rank 0 stopped responding (hung or dead); stopping"
-        return f"{prefix}: {str(err).splitlines()[0]}"
+                ended = f"rank {self.rank}: {name} failed: rank 0 has exited (its own message says why); stopping"
+                return DistributedError(ended, main_exited=True)
+            return DistributedError(f"{prefix}: rank 0 stopped responding (hung or dead); stopping")
+        return DistributedError(f"{prefix}: {str(err).splitlines()[0]}")
 
     def close(self) -> None:
         if self.enabled and dist.is_initialized():
