@@ -23,7 +23,6 @@ from mtkit.config import ModelConfig, RunConfig, TrainConfig, from_dict
 from mtkit.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
 from mtkit.model.quantization import quantize_int8
 from mtkit.model.transformer import Transformer, build_model
-from mtkit.runtime import cpu_features, int8_kernel
 from mtkit.training import run_directory
 
 runner = CliRunner()
@@ -49,7 +48,7 @@ def tiny_model(vocab: int = 40, seed: int = 0, int8: bool = False, **overrides) 
     """A tiny random model; ``int8``: its linear layers quantized as ``--precision int8`` quantizes them."""
     torch.manual_seed(seed)
     model = build_model(tiny_model_config(**overrides), vocab, vocab, PAD_ID).eval()
-    return quantize_int8(model, int8_kernel(cpu_features())) if int8 else model
+    return quantize_int8(model) if int8 else model
 
 
 def train_on_task(model: Transformer, pairs, steps: int, peak_lr: float, warmup: int) -> Transformer:

@@ -75,6 +75,7 @@ def test_every_linear_layer_is_quantized_and_the_embeddings_stay_float():
     assert len(layers) == 2 * (4 + 2) + 2 * (8 + 2) + 1  # attention projections and FFNs, and the output
     assert model.output.weight.dtype == torch.int8
     assert torch.equal(model.encoder.embed.tokens.weight, embedding)  # the tied embedding is not the int8 copy
+    assert {layer.kernel for layer in layers} == {int8_kernel(runtime.cpu_features())}  # the CPU's fast one
 
 
 def test_int8_is_cpu_only_and_says_whether_the_cpu_has_int8_dot_products():

@@ -34,7 +34,7 @@ from mtkit.model.checkpoint import (
 )
 from mtkit.model.quantization import quantize_int8
 from mtkit.model.transformer import Transformer, build_model
-from mtkit.runtime import DTYPES, cpu_features, int8_kernel
+from mtkit.runtime import DTYPES
 
 CHECKPOINTS_DIR, BEST_DIR = "checkpoints", "best"
 
@@ -174,5 +174,5 @@ def load_for_inference(model_path: Path, device: torch.device, precision: str = 
     model = model_holding(ckpt.cfg.model, toks["src"].vocab_size, toks["tgt"].vocab_size, ckpt.weights, ckpt.path)
     model.to(device=device, dtype=DTYPES[precision]).eval()
     if precision == "int8":
-        quantize_int8(model, int8_kernel(cpu_features()))
+        quantize_int8(model)
     return InferenceBundle(model, toks["src"], toks["tgt"], ckpt.cfg, ckpt.meta["step"])

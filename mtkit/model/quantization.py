@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from mtkit.runtime import Int8Kernel
+from mtkit.runtime import Int8Kernel, cpu_features, int8_kernel
 
 INT8_MAX = 127  # symmetric: -127..127, so that -x quantizes to the negation of x
 PAIRS_WEIGHT_MAX = 63  # the pairs kernel's weights: 2 * 255 * 63 fits in int16
@@ -102,11 +102,13 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}, kernel={self.kernel}"
 
 
-def quantize_int8(model: nn.Module, kernel: Int8Kernel = "dot") -> nn.Module:
-    """``model`` with each of its ``nn.Linear`` layers replaced, in place, by an ``Int8Linear`` (CPU only).
+def quantize_int8(model: nn.Module, kernel: Int8Kernel | None = None) -> nn.Module:
+    """``model`` with each of its ``nn.Linear`` layers replaced, in place, by an ``Int8Linear`` (CPU only), on
+    ``kernel``: by default the one this CPU is fast at.
 
     A tied output layer gets an int8 copy; the embedding it shares weights with stays float32.
     """
+    kernel = kernel or int8_kernel(cpu_features())
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear):
             setattr(model, name, Int8Linear.from_linear(child, kernel))
