@@ -75,9 +75,8 @@ def native_bf16(cpu_features: set[str]) -> list[str]:
 def int8_kernel(cpu_features: set[str]) -> Int8Kernel:
     """The kernel that computes int8 products fastest on a CPU with these features: ``dot`` where it has int8 dot
     products (or nothing better), ``pairs`` where AVX2 alone multiplies int8 (mtkit.model.quantization)."""
-    if any(feature in cpu_features for feature in INT8_CPU_FEATURES):
-        return "dot"
-    return "pairs" if INT8_PAIRS_CPU_FEATURE in cpu_features else "dot"
+    dot_products = any(feature in cpu_features for feature in INT8_CPU_FEATURES)
+    return "pairs" if INT8_PAIRS_CPU_FEATURE in cpu_features and not dot_products else "dot"
 
 
 @dataclass(frozen=True)

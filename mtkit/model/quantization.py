@@ -47,17 +47,19 @@ class Int8Linear(nn.Module):
     of any leading shape go in, as with ``nn.Linear``; the output is float32.
     """
 
-    def __init__(self, weight: Tensor, scale: Tensor, bias: Tensor | None, kernel: Int8Kernel = "dot") -> None:
+    def __init__(self, weight: Tensor, scale: Tensor, bias: Tensor | None, kernel: Int8Kernel) -> None:
         super().__init__()
         self.register_buffer("weight", weight)
         self.register_buffer("scale", scale)
         self.register_buffer("bias", bias)
         self.in_features, self.out_features = weight.size(1), weight.size(0)
         self.kernel = kernel
-        self._packed: Tensor | None = None  # the pairs kernel's weights in oneDNN's layout, made on first use
+        # The pairs kernel's weights in oneDNN's layout and its zero points, made on first use.
+        self._packed: Tensor | None = None
+        self._zero_points: Tensor | None = None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, kernel: Int8Kernel = "dot") -> Int8Linear:
+    def from_linear(cls, linear: nn.Linear, kernel: Int8Kernel) -> Int8Linear:
         weight = linear.weight.detach().float()
         quantized, scale = quantize_rows(weight, PAIRS_WEIGHT_MAX if kernel == "pairs" else INT8_MAX)
         bias = None if linear.bias is None else linear.bias.detach().float().clone()
