@@ -272,6 +272,12 @@ class MultiHeadAttention(nn.Module):
     def project_kv(self, x: Tensor) -> tuple[Tensor, Tensor]:
         return self.split_heads(self.k_proj(x)), self.split_heads(self.v_proj(x))
 
+    def project_memory(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        """The keys and values of the encoder memory that a decoding cache keeps, each (B, H, Tk, Dh) and contiguous:
+        every later step multiplies by them in place rather than copying the strided view of the heads first."""
+        k, v = self.project_kv(memory)
+        return k.contiguous(), v.contiguous()
+
     def attend(
         self,
         q: Tensor,

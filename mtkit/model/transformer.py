@@ -155,7 +155,7 @@ class DecoderLayer(nn.Module):
         if cache is None:
             return attn(h, memory, src_allowed)
         if cache.cross_k is None:
-            cache.cross_k, cache.cross_v = attn.project_kv(memory)
+            cache.cross_k, cache.cross_v = attn.project_memory(memory)
         # Beam search keeps one memory row per sentence for its ``group`` consecutive rows of h
         # (its beams): their queries attend together, each sentence's keys read once.
         rows, length, _ = h.shape
@@ -264,7 +264,7 @@ class Decoder(nn.Module):
         memory = autocast_once(memory)
         layers = []
         for layer in self.layers:
-            k, v = layer.cross_attn.project_kv(memory)
+            k, v = layer.cross_attn.project_memory(memory)
             layers.append(LayerCache(cross_k=k, cross_v=v))
         return DecoderCache(layers)
 
