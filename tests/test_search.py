@@ -115,12 +115,24 @@ def test_one_sentences_cap_is_the_batched_caps():
         assert [max_length(n, a, b, limit) for n in lengths] == batched
 
 
-def test_beam_one_equals_greedy():
-    model = tiny_model(30, seed=3)
-    src, mask = source_tensor(random_sources(8, 30))
-    greedy = greedy_search(model, src, mask)
-    beam = [h[0].tokens for h in beam_search(model, src, mask, DecodeConfig(beam=1, lenpen=0.0))]
-    assert beam == greedy
+@pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
+@pytest.mark.parametrize(
+    "bounds",
+    [{}, {"lenpen": 0.6, "min_len": 3}, {"max_len_a": 0.0, "max_len_b": 4}, {"lenpen": 0.0, "min_len": 50}],
+    ids=["plain", "lenpen-min_len", "cap", "min_len-beyond-cap"],
+)
+def test_greedy_finds_what_beam_one_finds_scores_included(int8, bounds):
+    """Translation decodes beam 1 with the greedy loop: its outputs and scores must be beam search's to the bit,
+    under every bound, with forced prefixes, while sentences of the batch end at different steps."""
+    model = tiny_model(30, seed=3, int8=int8)
+    src, mask = source_tensor(random_sources(12, 30, seed=5))
+    decode = DecodeConfig(beam=1, **bounds)
+    for prefixes in (None, [[7, 8], [], [9], [10, 11, 12]] * 3):
+        greedy = sample_search(model, src, mask, None, decode, prefixes)
+        beam = [h[0] for h in beam_search(model, src, mask, decode, prefixes=prefixes)]
+        assert greedy == beam
+        if not bounds:  # and sentences left the batch at different steps
+            assert len({len(h.tokens) for h in greedy}) > 2
 
 
 def test_batched_search_equals_one_sentence_at_a_time():

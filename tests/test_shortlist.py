@@ -17,7 +17,7 @@ from mtkit.data.parallel import source_tensor
 from mtkit.data.tokenizer import EOS_ID, Tokenizer
 from mtkit.decoding import shortlist as lexical
 from mtkit.decoding.ensemble import Ensemble
-from mtkit.decoding.search import beam_search
+from mtkit.decoding.search import beam_search, sample_search
 from mtkit.decoding.shortlist import ShortlistError
 from mtkit.decoding.translate import Translator
 from mtkit.model.transformer import Candidates
@@ -114,6 +114,13 @@ def test_outputs_are_candidates_of_their_batch_and_forced_prefixes_still_lead(
     prefixes = [[outside, outside]] * len(lines)
     forced = beam_search(model, src, mask, DecodeConfig(beam=3), 1, prefixes, shortlist.candidates(src, prefixes))
     assert all(sentence[0].tokens[:2] == [outside, outside] for sentence in forced)
+
+    for batch_prefixes in (None, prefixes):  # greedy over the candidates finds what beam 1 does
+        cut = shortlist.candidates(src, batch_prefixes)
+        greedy = sample_search(model, src, mask, None, DecodeConfig(beam=1), batch_prefixes, None, cut)
+        beam = beam_search(model, src, mask, DecodeConfig(beam=1), 1, batch_prefixes, cut)
+        assert greedy == [sentence[0] for sentence in beam]
+        assert all(set(h.tokens) <= set(cut.ids.tolist()) for h in greedy)
 
 
 def test_a_saved_shortlist_loads_the_same_and_a_bad_one_is_named(tmp_path, corpus_files, spm_model, shortlist):

@@ -62,9 +62,12 @@ def ban_pad_and_bos(lprobs: Tensor) -> None:
     lprobs[:, [PAD_ID, BOS_ID]] = float("-inf")
 
 
-def _step_log_probs(model: Transformer, tokens: Tensor, memory: Tensor, mask: Tensor, cache: DecoderCache) -> Tensor:
-    """Log-probabilities (N, V) of the next token given the last one; never pad or bos."""
-    logits = model.decode(tokens[:, -1:], memory, mask, cache)[:, -1]
+def _step_log_probs(
+    model: Transformer, tokens: Tensor, memory: Tensor, mask: Tensor, cache: DecoderCache, candidates: Candidates | None
+) -> Tensor:
+    """Log-probabilities (N, V) of the next token given the last one (over the shortlist's candidates, if any);
+    never pad or bos."""
+    logits = model.decode(tokens[:, -1:], memory, mask, cache, candidates)[:, -1]
     lprobs = F.log_softmax(logits.float(), dim=-1)
     ban_pad_and_bos(lprobs)
     return lprobs
@@ -298,40 +301,56 @@ def sample_search(
     decode: DecodeConfig = DEFAULT_DECODE,
     prefixes: list[list[int]] | None = None,
     generator: torch.Generator | None = None,
+    candidates: Candidates | None = None,
 ) -> list[Hypothesis]:
-    """One output per sentence, token by token: the most probable (``sampling`` None, greedy) or drawn;
-    ``decode`` gives the length bounds (max_len_a, max_len_b, min_len).
+    """One output per sentence, token by token: the most probable (``sampling`` None: greedy, which finds what
+    beam search with beam 1 finds, with less bookkeeping per step) or drawn; ``decode`` gives the length bounds
+    (max_len_a, max_len_b, min_len) and the length penalty of the score; with a shortlist's ``candidates``, over
+    those target ids only (they hold the special ids and every prefix token).
 
     Each Hypothesis carries the model's own log-probability of the output (not the sampling
-    distribution's), so sampled back-translations can be filtered by it.
+    distribution's), so sampled back-translations can be filtered by it. A sentence leaves the batch
+    once it has ended, so work shrinks as decoding goes on.
     """
     n, device = src.size(0), src.device
     forced = prefix_tensor(prefixes, n, device)
     max_lens = output_caps(src_pad_mask, forced, decode.max_len_a, decode.max_len_b, model.max_target_positions)
-    memory = model.encode(src, src_pad_mask)
+    if candidates is not None:
+        forced = candidates.columns(forced)
+    memory, mask = model.encode(src, src_pad_mask), src_pad_mask
     cache = DecoderCache()
     tokens = torch.full((n, 1), BOS_ID, dtype=torch.long, device=device)
     logprob = torch.zeros(n, device=device)
-    ended = torch.zeros(n, dtype=torch.bool, device=device)
+    active = torch.arange(n, device=device)  # the sentence of each row
+    results: list[Hypothesis | None] = [None] * n
     for step in range(int(max_lens.max())):
-        lprobs = _step_log_probs(model, tokens, memory, src_pad_mask, cache)
+        lprobs = _step_log_probs(model, tokens, memory, mask, cache, candidates)
         eos = lprobs[:, EOS_ID].clone()
         if step < decode.min_len:
             lprobs[:, EOS_ID] = float("-inf")
         if step < forced.size(1):
-            _force(lprobs, forced[:, step])
+            _force(lprobs, forced[active, step])
         next_tok = lprobs.argmax(dim=1) if sampling is None else draw_tokens(lprobs, sampling, generator)
         chosen = lprobs.gather(1, next_tok[:, None]).squeeze(1)
-        at_cap = step + 1 >= max_lens
+        at_cap = step + 1 >= max_lens[active]
         next_tok[at_cap], chosen[at_cap] = EOS_ID, eos[at_cap]
-        next_tok[ended], chosen[ended] = PAD_ID, 0.0
         logprob += chosen
+        if candidates is not None:  # columns to target ids; the special ids are their own columns
+            next_tok = candidates.ids[next_tok]
         tokens = torch.cat([tokens, next_tok[:, None]], dim=1)
-        ended |= next_tok == EOS_ID
+        ended = next_tok == EOS_ID
+        if not ended.any():
+            continue
+        rows = ended.nonzero().squeeze(1)
+        outputs = tokens[rows, 1:-1].tolist()  # without bos and eos
+        for sentence, output, lp in zip(active[rows].tolist(), outputs, logprob[rows].tolist()):
+            results[sentence] = Hypothesis(output, lp / length_penalty(len(output) + 1, decode.lenpen), lp)
         if ended.all():
             break
-    outputs = [[t for t in row[1:] if t not in (EOS_ID, PAD_ID)] for row in tokens.tolist()]
-    return [Hypothesis(out, lp / length_penalty(len(out) + 1, 1.0), lp) for out, lp in zip(outputs, logprob.tolist())]
+        keep = (~ended).nonzero().squeeze(1)
+        tokens, logprob, active, memory, mask = tokens[keep], logprob[keep], active[keep], memory[keep], mask[keep]
+        cache.select(keep, cross_index=keep)
+    return results
 
 
 def greedy_search(

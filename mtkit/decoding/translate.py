@@ -260,7 +260,11 @@ class Translator(LineTranslator):
                 hyps = [sorted(drawn[i : i + n], key=lambda h: -h.score) for i in range(0, len(drawn), n)]
             else:
                 candidates = self.shortlist.candidates(src, batch_prefixes) if self.shortlist is not None else None
-                hyps = beam_search(self.model, src, src_pad_mask, d, self.nbest, batch_prefixes, candidates)
+                if d.beam == 1:  # greedy: what beam 1 finds, with less bookkeeping per step
+                    found = sample_search(self.model, src, src_pad_mask, None, d, batch_prefixes, None, candidates)
+                    hyps = [[h] for h in found]
+                else:
+                    hyps = beam_search(self.model, src, src_pad_mask, d, self.nbest, batch_prefixes, candidates)
             alignments = [""] * len(chunk)
             if self.aligner is not None:
                 pairs = [(ids[i], sentence[0].tokens) for i, sentence in zip(chunk, hyps)]
