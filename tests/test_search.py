@@ -20,6 +20,7 @@ from mtkit.decoding.search import (
     beam_search,
     beam_step,
     best_first,
+    draw,
     greedy_search,
     group_rows,
     length_penalty,
@@ -351,6 +352,27 @@ def test_sampling_follows_the_model_and_its_filters():
     assert set(first_tokens(SamplingConfig(temperature=0.05))) == {A}
     hyp = sample_search(model, *one_source(), SamplingConfig(top_k=1), generator=g)[0]
     assert hyp.tokens == [A] and math.isclose(hyp.logprob, math.log(0.6), rel_tol=1e-4)  # the model's own
+
+
+@pytest.mark.parametrize("width", [3, 64, 200])
+def test_draw_follows_each_rows_probabilities_and_never_draws_a_zero(width):
+    """Draws land on each entry at its share (within 5 standard deviations over 60,000 draws per row), also
+    across block boundaries and in a last, partial block; entries of probability 0 never; rows independently."""
+    g = torch.Generator().manual_seed(0)
+    rows = torch.zeros(3, width, dtype=torch.float32)
+    rows[0, :] = torch.rand(width, generator=g) * (torch.rand(width, generator=g) > 0.3)  # some zeros
+    rows[0, 0] = 1.0
+    rows[1, -1], rows[1, width // 2] = 3.0, 0.001  # unnormalised, a small share beside a large one
+    rows[2, 1 % width] = 2.0  # one possible entry
+    draws = 60_000
+    drawn = draw(rows.repeat_interleave(draws, 0), g).view(3, draws)
+    for row, columns in zip(rows, drawn):
+        counts = torch.bincount(columns, minlength=width).double()
+        share = row.double() / row.double().sum()
+        assert torch.all(counts[share == 0] == 0)
+        spread = (draws * share * (1 - share)).sqrt()
+        assert torch.all((counts - draws * share).abs() <= 5 * spread + 1e-9)
+    assert drawn[1].eq(width // 2).any()  # the small share (about 1 in 3,000) was reached
 
 
 def test_top_k_one_sampling_is_greedy():
