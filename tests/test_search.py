@@ -26,6 +26,7 @@ from mtkit.decoding.search import (
     length_penalty,
     max_length,
     max_lengths,
+    nucleus,
     row_topk,
     sample_search,
     settle,
@@ -373,6 +374,27 @@ def test_draw_follows_each_rows_probabilities_and_never_draws_a_zero(width):
         spread = (draws * share * (1 - share)).sqrt()
         assert torch.all((counts - draws * share).abs() <= 5 * spread + 1e-9)
     assert drawn[1].eq(width // 2).any()  # the small share (about 1 in 3,000) was reached
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.9, 0.999])
+def test_nucleus_is_the_sorted_rows_prefix_whatever_its_size(top_p):
+    """The nucleus equals what sorting each whole row gives (the columns while the mass before them is below
+    top_p), for sharp rows (a few columns) and flat ones (thousands) in one batch."""
+    g = torch.Generator().manual_seed(3)
+    sharpness = torch.tensor([8.0, 4.0, 1.0, 0.2, 0.05])[:, None]
+    probs = (torch.randn(5, 3000, generator=g) * sharpness).softmax(dim=1)
+    values, columns = nucleus(probs, top_p)
+    ordered = probs.sort(dim=1, descending=True).values
+    inside = ordered.cumsum(dim=1) - ordered < top_p
+    sizes = []
+    for row in range(5):
+        kept = values[row] > 0
+        assert torch.equal(values[row][kept], probs[row, columns[row][kept]])
+        assert len(set(columns[row][kept].tolist())) == int(kept.sum())
+        # the same probabilities (among exactly equal ones, the columns kept at the boundary may differ)
+        assert torch.equal(values[row][kept].sort().values, ordered[row][inside[row]].sort().values)
+        sizes.append(int(kept.sum()))
+    assert min(sizes) < 64 < max(sizes)  # the rows needed different widths
 
 
 def test_top_k_one_sampling_is_greedy():
