@@ -37,6 +37,11 @@ x ``--early-stop``, less the combinations that do not exist:
   a second time with it: mtkit as ``mtkit translate --shortlist``, CTranslate2 with the shortlist
   exported as its vocabulary map (``mtkit export --shortlist``) and ``use_vmap=True``, as its users
   would apply the same shortlist. Names end in ``-shortlist``.
+- ``--sampling full,topk10,topp0.9`` adds sampled decoding (``mtkit translate --sample``, as back-translation
+  runs it; beam 1, no shortlist): from the whole distribution, the 10 most probable tokens, or the nucleus of
+  mass 0.9, at temperature 1 and seed 1. ct2native samples with ``sampling_topk`` (0: the whole
+  distribution) and ``sampling_topp``; the ct2 engine does not sample. Names end in ``-sample_SPEC``;
+  the BLEU of a sample is only its BLEU.
 - a batch size is ``mtkit translate --batch-size``, at most that many sentences per batch (with
   the default ``--batch-tokens``). ``--batch-sizes 1,128`` adds one sentence per batch, which
   shows that batching changes speed and not the translations (same BLEU).
@@ -70,7 +75,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from mtkit.config import DecodeConfig
+from mtkit.config import DecodeConfig, SamplingConfig
 from mtkit.launch import preload_environment
 
 REPO = Path(__file__).resolve().parents[1]
@@ -86,6 +91,7 @@ CT2_EXPORT = {"fp32": "float32", "bf16": "float32", "int8": "int8"}  # the weigh
 CT2_COMPUTE = {"fp32": "default", "bf16": "bfloat16", "int8": "default"}  # what CTranslate2 computes in
 NO_EARLY_STOP = "-no-early-stop"
 SHORTLIST = "-shortlist"
+SAMPLE = "sample_"  # the name part of a sampled configuration: sample_full, sample_topk10, sample_topp0.9
 # The figures of a summary line, in order, with their format.
 SUMMARY_FIGURES = (
     ("sentences_per_s", ".1f"),
@@ -108,12 +114,18 @@ class Config:
     early_stop: bool = True
     shortlist: bool = False
     model: str = ""  # the --model NAME it decodes; "" for --run
+    sampling: str = ""  # a --sampling spec (full, topkK, toppP) when it samples instead of searching
+
+    @property
+    def sampling_config(self) -> SamplingConfig | None:
+        return sampling_config(self.sampling) if self.sampling else None
 
     @property
     def name(self) -> str:
         suffix = ("" if self.early_stop else NO_EARLY_STOP) + (SHORTLIST if self.shortlist else "")
         model = f"{self.model}:" if self.model else ""
-        return f"{model}{self.engine}-{self.precision}-beam{self.beam}-batch{self.batch_size}{suffix}"
+        sampled = f"-{SAMPLE}{self.sampling}" if self.sampling else ""
+        return f"{model}{self.engine}-{self.precision}-beam{self.beam}-batch{self.batch_size}{sampled}{suffix}"
 
     @classmethod
     def parse(cls, name: str) -> Config:
@@ -129,6 +141,8 @@ class Config:
                 config = cls(**{**asdict(config), "beam": int(part.removeprefix("beam"))})
             elif part.startswith("batch"):
                 config = cls(**{**asdict(config), "batch_size": int(part.removeprefix("batch"))})
+            elif part.startswith(SAMPLE):
+                config = cls(**{**asdict(config), "sampling": part.removeprefix(SAMPLE)})
             else:
                 raise ValueError(f"configuration {name!r}: unknown part {part!r}")
         return config
@@ -139,6 +153,7 @@ class Config:
         pairs += [("engine", self.engine), ("precision", self.precision), ("beam", self.beam)]
         pairs += [("batch", self.batch_size), ("early_stop", "on" if self.early_stop else "off")]
         pairs.append(("shortlist", "on" if self.shortlist else "off"))
+        pairs.append(("sampling", self.sampling or "off"))
         pairs.append(("status", "failed" if result is None else "ok"))
         if result is not None:
             pairs += [(key, format(result[key], spec)) for key, spec in SUMMARY_FIGURES]
@@ -170,7 +185,21 @@ def grid(args: argparse.Namespace, ct2_bf16: bool, model: str = "", ensemble: bo
                             configs.append(
                                 Config(engine, precision, beam, batch_size, early_stop, shortlist=True, model=model)
                             )
+            for spec in args.sampling if engine != "ct2" else []:
+                for batch_size in args.batch_sizes:
+                    configs.append(Config(engine, precision, 1, batch_size, model=model, sampling=spec))
     return configs
+
+
+def sampling_config(spec: str) -> SamplingConfig:
+    """The SamplingConfig of a --sampling spec: full, topkK or toppP."""
+    if spec == "full":
+        return SamplingConfig()
+    if spec.startswith("topk"):
+        return SamplingConfig(top_k=int(spec.removeprefix("topk")))
+    if spec.startswith("topp"):
+        return SamplingConfig(top_p=float(spec.removeprefix("topp")))
+    raise ValueError(f"sampling {spec!r}: expected full, topkK or toppP")
 
 
 def timed_translation(translator, source: Path) -> tuple[list[str], float]:
@@ -203,6 +232,11 @@ class NativeCTranslate2:
         compute_type = CT2_COMPUTE[config.precision]
         self.engine = ctranslate2.Translator(str(export_dir), "cpu", compute_type=compute_type, intra_threads=threads)
         self.config = config
+        self.sampling = {}
+        if config.sampling_config is not None:
+            ctranslate2.set_random_seed(config.sampling_config.seed)
+            top_k, top_p = config.sampling_config.top_k, config.sampling_config.top_p
+            self.sampling = {"sampling_topk": top_k, "sampling_topp": top_p}  # top-k 0: the whole distribution
 
     def stream(self, chunks):
         from mtkit.decoding.translate import Translation
@@ -214,6 +248,7 @@ class NativeCTranslate2:
             batch_type="examples",
             beam_size=self.config.beam,
             use_vmap=self.config.shortlist,
+            **self.sampling,
         )
         for result in results:
             yield [Translation(self.tgt_tok.sp.decode(result.hypotheses[0]), 0.0, 0.0)]
@@ -232,7 +267,9 @@ def make_translator(config: Config, runs: list[Path], export_dir: Path, threads:
 
         return CTranslate2Translator.from_dir(export_dir, decode, "cpu", CT2_COMPUTE[config.precision])
     listed = shortlist if config.shortlist else None
-    return load_translator(runs, "cpu", config.precision, shortlist=listed, **asdict(decode))
+    return load_translator(
+        runs, "cpu", config.precision, sampling=config.sampling_config, shortlist=listed, **asdict(decode)
+    )
 
 
 def child_main(args: argparse.Namespace) -> None:
@@ -345,6 +382,12 @@ def main() -> None:
         help="a shortlist file (`mtkit shortlist`): mtkit and ct2native also run with it (ct2native: exported "
         "as CTranslate2's vocabulary map, use_vmap=True)",
     )
+    p.add_argument(
+        "--sampling",
+        type=comma_list(str),
+        default=[],
+        help="also sample (beam 1): full, topkK, toppP, e.g. full,topk10,topp0.9 (mtkit and ct2native)",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch threads; 0 for the default")
     p.add_argument("--repeat", type=int, default=1, help="translate the test set this many times; report the fastest")
     p.add_argument("--json", type=Path, help="also write the figures to this JSON file")
@@ -355,6 +398,11 @@ def main() -> None:
     if args.config:
         child_main(args)
         return
+    for spec in args.sampling:
+        try:
+            sampling_config(spec)
+        except ValueError as e:
+            p.error(str(e))
 
     wants_ct2 = any(engine in CT2_ENGINES for engine in args.engines)
     compute_types = ct2_compute_types() if wants_ct2 else set()
