@@ -281,15 +281,16 @@ def best_first(hyps: list[Hypothesis], nbest: int) -> list[Hypothesis]:
 
 def draw_tokens(lprobs: Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> Tensor:
     """One next token per row, drawn from ``lprobs`` as ``sampling`` says (temperature, top-k, top-p)."""
-    # Shifted so the best is 0 before dividing: a temperature near 0 then tends to greedy, not to NaN.
-    probs = ((lprobs - lprobs.amax(dim=1, keepdim=True)) / sampling.temperature).softmax(dim=1)
-    columns = None  # the column of lprobs each column of probs stands for, once probs is cut
-    if sampling.top_k and sampling.top_k < probs.size(1):
-        probs, columns = probs.topk(sampling.top_k, dim=1)
+    scores, columns = lprobs, None  # columns: the column of lprobs each column of scores stands for, once cut
+    if sampling.top_k and sampling.top_k < lprobs.size(1):
+        scores, columns = lprobs.topk(sampling.top_k, dim=1)
+    # Shifted so the best is 0 before dividing: a temperature near 0 then tends to greedy, not to NaN. The
+    # weights are proportional to the probabilities, which is all that draw needs.
+    weights = ((scores - scores.amax(dim=1, keepdim=True)) / sampling.temperature).exp()
     if sampling.top_p < 1.0:
-        probs, kept = nucleus(probs / probs.sum(dim=1, keepdim=True), sampling.top_p)
+        weights, kept = nucleus(weights / weights.sum(dim=1, keepdim=True), sampling.top_p)
         columns = kept if columns is None else columns.gather(1, kept)
-    drawn = draw(probs, generator)
+    drawn = draw(weights, generator)
     return drawn if columns is None else columns.gather(1, drawn[:, None]).squeeze(1)
 
 
@@ -327,7 +328,8 @@ def draw(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
     """
     rows, width = probs.shape
     blocks = -(-width // DRAW_BLOCK)
-    grid = F.pad(probs, (0, blocks * DRAW_BLOCK - width)).view(rows, blocks, DRAW_BLOCK)
+    short = blocks * DRAW_BLOCK - width
+    grid = (F.pad(probs, (0, short)) if short else probs).view(rows, blocks, DRAW_BLOCK)
     block_ends = grid.sum(dim=2, dtype=torch.float64).cumsum(dim=1)  # (N, blocks)
     total = block_ends[:, -1:]
     u = torch.rand(rows, 1, dtype=torch.float64, generator=generator, device=probs.device) * total
