@@ -202,6 +202,15 @@ def sampling_config(spec: str) -> SamplingConfig:
     raise ValueError(f"sampling {spec!r}: expected full, topkK or toppP")
 
 
+def sampling_spec(text: str) -> str:
+    """An argparse type: a --sampling spec that ``sampling_config`` reads."""
+    try:
+        sampling_config(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def timed_translation(translator, source: Path) -> tuple[list[str], float]:
     """Outputs and seconds from opening the input to writing the last output line."""
     from mtkit.data.parallel import read_lines
@@ -384,7 +393,7 @@ def main() -> None:
     )
     p.add_argument(
         "--sampling",
-        type=comma_list(str),
+        type=comma_list(sampling_spec),
         default=[],
         help="also sample (beam 1): full, topkK, toppP, e.g. full,topk10,topp0.9 (mtkit and ct2native)",
     )
@@ -398,11 +407,6 @@ def main() -> None:
     if args.config:
         child_main(args)
         return
-    for spec in args.sampling:
-        try:
-            sampling_config(spec)
-        except ValueError as e:
-            p.error(str(e))
 
     wants_ct2 = any(engine in CT2_ENGINES for engine in args.engines)
     compute_types = ct2_compute_types() if wants_ct2 else set()

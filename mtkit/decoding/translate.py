@@ -261,7 +261,7 @@ class Translator(LineTranslator):
             else:
                 candidates = self.shortlist.candidates(src, batch_prefixes) if self.shortlist is not None else None
                 if d.beam == 1:  # greedy: what beam 1 finds, with less bookkeeping per step
-                    found = sample_search(self.model, src, src_pad_mask, None, d, batch_prefixes, None, candidates)
+                    found = sample_search(self.model, src, src_pad_mask, None, d, batch_prefixes, candidates=candidates)
                     hyps = [[h] for h in found]
                 else:
                     hyps = beam_search(self.model, src, src_pad_mask, d, self.nbest, batch_prefixes, candidates)
