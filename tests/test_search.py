@@ -27,6 +27,7 @@ from mtkit.decoding.search import (
     max_length,
     max_lengths,
     nucleus,
+    row_argmax,
     row_topk,
     sample_search,
     settle,
@@ -438,6 +439,22 @@ def test_row_topk_gives_torch_topk_values_on_wide_rows():
         assert torch.equal(values, x.topk(k, dim=1).values)
         assert torch.equal(x.gather(1, index), values)
         assert all(len(set(row)) == k for row in index.tolist())  # k different columns
+
+
+@pytest.mark.parametrize("width", [8000, 8003, 700])
+def test_row_argmax_is_argmax_first_of_ties_included(width):
+    """Through the block path (>= 2**18 elements): the best in the columns after the last whole block, ties
+    across blocks and inside one (the first must win), and rows that may only end."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(400, width, generator=gen)
+    x[:50, -1] += 8.0  # the best is the last column
+    x[50:100, [3, width - 1]] += 8.0  # equal best in the first block and the last column
+    x[100:150, [64 * 5 + 9, 64 * 5 + 2, 64 * 9]] = 9.0  # equal best twice in one block and once in a later one
+    x[150:200] = float("-inf")
+    x[150:200, EOS_ID] = -1.0
+    x[200:] = x[200:].round()  # many exact ties
+    assert torch.equal(row_argmax(x, block=64), x.argmax(dim=1))
+    assert torch.equal(row_argmax(x[:3], block=64), x[:3].argmax(dim=1))  # few rows: argmax itself
 
 
 def test_beam_step_ranks_every_extension_of_every_hypothesis():

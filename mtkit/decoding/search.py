@@ -28,7 +28,8 @@ from mtkit.model.transformer import Candidates, Transformer
 
 DEFAULT_DECODE = DecodeConfig()  # DecodeConfig's defaults, for a search called without settings
 
-TOPK_BLOCK = 64  # columns per block in row_topk
+TOPK_BLOCK = 64  # columns per block in row_topk and row_argmax
+ARGMAX_MIN_SIZE = 2**18  # fewer elements than this: row_argmax calls argmax, whose fixed cost is lower
 DRAW_BLOCK = 64  # entries per block in draw's two-level cumulative sums
 NUCLEUS_FIRST = 64  # most probable columns a top-p nucleus is first looked for among
 
@@ -121,6 +122,29 @@ def row_topk(x: Tensor, k: int, block: int = TOPK_BLOCK) -> tuple[Tensor, Tensor
     in_block = at < k * block
     from_block = chosen.gather(1, (at // block).clamp(max=k - 1)) * block + at % block
     return values, torch.where(in_block, from_block, at - k * block + whole)
+
+
+def row_argmax(x: Tensor, block: int = TOPK_BLOCK) -> Tensor:
+    """``x.argmax(dim=1)``, the same index (the first of equal maxima), faster on CPU for many rows.
+
+    Why: CPU argmax walks a row one element at a time, while amax is vectorised. So the maximum's block is
+    found through block maxima (the first block holding it), then the first maximum inside that block; the
+    columns after the last whole block are compared on their own. Small inputs keep argmax: this costs a few
+    operations more, which only some hundred thousand elements repay.
+    """
+    rows, width = x.shape
+    blocks = width // block
+    if x.is_cuda or x.numel() < ARGMAX_MIN_SIZE or blocks < 2:
+        return x.argmax(dim=1)
+    whole = blocks * block
+    grid = x[:, :whole].unflatten(1, (blocks, block))  # (rows, blocks, block), a view
+    chosen = grid.amax(dim=2).argmax(dim=1)  # (rows,)
+    inside = grid.gather(1, chosen[:, None, None].expand(-1, 1, block)).squeeze(1).argmax(dim=1)
+    best = chosen * block + inside
+    if whole < width:  # a later column wins only if strictly larger
+        tail = x[:, whole:].max(dim=1)
+        best = torch.where(tail.values > x.gather(1, best[:, None]).squeeze(1), tail.indices + whole, best)
+    return best
 
 
 def best_extensions(
@@ -384,7 +408,7 @@ def sample_search(
             lprobs[:, EOS_ID] = float("-inf")
         if step < forced.size(1):
             _force(lprobs, forced[active, step])
-        next_tok = lprobs.argmax(dim=1) if sampling is None else draw_tokens(lprobs, sampling, generator)
+        next_tok = row_argmax(lprobs) if sampling is None else draw_tokens(lprobs, sampling, generator)
         chosen = lprobs.gather(1, next_tok[:, None]).squeeze(1)
         at_cap = step + 1 >= max_lens[active]
         next_tok[at_cap], chosen[at_cap] = EOS_ID, eos[at_cap]

@@ -178,7 +178,7 @@ def attention_weights(
         future = torch.ones(tq, tk, dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(future, masked)
     if attn_allowed is not None:
-        scores = scores.masked_fill(~attn_allowed, masked)
+        scores = torch.where(attn_allowed, scores, masked)
     return torch.softmax(scores, dim=-1)
 
 
