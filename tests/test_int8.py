@@ -43,6 +43,8 @@ def test_the_int8_layer_is_the_float_one_within_2_percent_and_each_row_is_comput
     ids = torch.tensor([0, 5, 6, 40])  # a shortlist's cut is those outputs of the whole layer, exactly
     assert torch.equal(layer.rows(ids)(x), got[..., ids])
     assert torch.equal(copy.deepcopy(layer)(x), got)  # an ensemble's copies compute as the original
+    other = Int8Linear.from_linear(torch.nn.Linear(64, 16), kernel)  # joined, as a decoding step's q, k and v
+    assert torch.equal(Int8Linear.joined((layer, other))(x), torch.cat([got, other(x)], dim=-1))
     unbiased = Int8Linear.from_linear(torch.nn.Linear(64, 48, bias=False), kernel)
     assert unbiased.bias is None and torch.equal(unbiased(torch.zeros(2, 64)), torch.zeros(2, 48))
 

@@ -147,6 +147,28 @@ def test_explicit_attention_path_matches_sdpa():
         torch.testing.assert_close(_explicit_attention(q, k, v, mask, causal, 0.0), expected, atol=1e-5, rtol=1e-5)
 
 
+def test_joint_qkv_is_the_three_projections_after_their_weights_change():
+    """A decoding step's one product for q, k and v keeps up with the weights: changed in place (an optimizer step
+    between validations), replaced, cast."""
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 4, 0.0)
+    x = torch.randn(3, 2, 16)
+
+    def separate() -> torch.Tensor:
+        return torch.cat([p(x) for p in (attn.q_proj, attn.k_proj, attn.v_proj)], dim=-1)
+
+    with torch.no_grad():
+        torch.testing.assert_close(attn.joint_qkv()(x), separate())
+        assert attn.joint_qkv() is attn.joint_qkv()  # made once
+        attn.k_proj.weight.mul_(2.0)
+        torch.testing.assert_close(attn.joint_qkv()(x), separate())
+        attn.v_proj.bias = torch.nn.Parameter(torch.ones(16))
+        torch.testing.assert_close(attn.joint_qkv()(x), separate())
+        attn.to(torch.float64)
+        x = x.double()
+        torch.testing.assert_close(attn.joint_qkv()(x), separate())
+
+
 @pytest.mark.parametrize("how", ["autocast", "cast weights"])
 def test_bf16_output_close_to_fp32(how):
     """Training runs bf16 under autocast; decoding casts the weights once (mtkit translate --precision bf16)."""

@@ -14,6 +14,7 @@ polarity: masks handed to attention (``attn_allowed``) are True where a query ma
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from torch.utils.hooks import RemovableHandle
 
 from mtkit.config import ModelConfig
 from mtkit.model.positions import RelativePositions, Rotary
+from mtkit.model.quantization import Int8Linear
 
 # fp32 attention of at most this many queries per row (a decoding step: one, or a sentence's beams in
 # cross-attention) is written out on CPU, where that is faster than SDPA's flash kernel (docs/benchmarks.md).
@@ -44,6 +46,7 @@ class LayerCache:
     self_len: int = 0
     cross_k: Tensor | None = None
     cross_v: Tensor | None = None
+    qkv: Callable[[Tensor], Tensor] | None = None  # the self-attention's joint_qkv, the same for the whole search
 
     def append_self(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Add the new positions' keys/values; returns those of every position so far."""
@@ -241,6 +244,8 @@ class MultiHeadAttention(nn.Module):
         self.relative = relative
         self.window = window
         self._weights_hooks: OrderedDict[int, WeightsHook] = OrderedDict()  # a handle refers to it weakly
+        # joint_qkv's layer, after the tensors it was made from and their stamps
+        self._joint: tuple[list[Tensor], list[tuple[int, int, int]], Callable[[Tensor], Tensor]] | None = None
 
     def init_weights(self) -> None:
         """Xavier-uniform projection matrices, as the Transformer initialises them; biases keep nn.Linear's."""
@@ -271,6 +276,23 @@ class MultiHeadAttention(nn.Module):
 
     def project_kv(self, x: Tensor) -> tuple[Tensor, Tensor]:
         return self.split_heads(self.k_proj(x)), self.split_heads(self.v_proj(x))
+
+    def joint_qkv(self) -> Callable[[Tensor], Tensor]:
+        """The query, key and value projections as one layer, outputs side by side (.., 3 * D).
+
+        Why: a decoding step projects a position or a few per row, where each operation's fixed cost outweighs
+        its arithmetic: one product of thrice the width replaces three, and rotary positions then turn the
+        queries and keys in one call. Made once (a copy of the three weights) and again only when one of
+        them changes; a search looks it up at its first step (``LayerCache.qkv``), as this check costs about
+        what it saves.
+        """
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        sources = [t for p in projections for t in (p.weight, p.bias) if t is not None]
+        stamp = [_stamp(t) for t in sources]
+        if self._joint is None or self._joint[1] != stamp:
+            # The sources are held so that no other tensor takes their identity while the stamp refers to it.
+            self._joint = (sources, stamp, _joined(projections))
+        return self._joint[2]
 
     def project_memory(self, memory: Tensor) -> tuple[Tensor, Tensor]:
         """The keys and values of the encoder memory that a decoding cache keeps, each (B, H, Tk, Dh) and contiguous:
@@ -393,6 +415,20 @@ class MultiHeadAttention(nn.Module):
         k, v = self.project_kv(key_value)
         q = self.split_heads(self.q_proj(query))
         return self.attend(self.rotate(q, 0), self.rotate(k, 0), v, attn_allowed, causal)
+
+
+def _stamp(t: Tensor) -> tuple[int, int, int]:
+    """Which tensor, where its values live and how often they were changed in place: it differs once its values may."""
+    return id(t), t.data_ptr(), 0 if t.is_inference() else t._version
+
+
+def _joined(projections: tuple[nn.Module, ...]) -> Callable[[Tensor], Tensor]:
+    """One layer computing what the linear ``projections`` of one input compute, outputs side by side."""
+    if isinstance(projections[0], Int8Linear):
+        return Int8Linear.joined(projections)
+    biases = [p.bias for p in projections]
+    bias = None if any(b is None for b in biases) else torch.cat(biases)
+    return functools.partial(F.linear, weight=torch.cat([p.weight for p in projections]), bias=bias)
 
 
 def _per_key(attn_allowed: Tensor | None) -> bool:

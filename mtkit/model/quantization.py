@@ -65,6 +65,15 @@ class Int8Linear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach().float().clone()
         return cls(quantized, scale.squeeze(1), bias, kernel)
 
+    @classmethod
+    def joined(cls, layers: tuple[Int8Linear, ...]) -> Int8Linear:
+        """One layer computing what ``layers`` (of one input width and kernel) compute, outputs side by side: the
+        same values, since each row is quantized on its own scale and the products are summed exactly."""
+        biases = [layer.bias for layer in layers]
+        bias = None if any(b is None for b in biases) else torch.cat(biases)
+        weight, scale = torch.cat([layer.weight for layer in layers]), torch.cat([layer.scale for layer in layers])
+        return cls(weight, scale, bias, layers[0].kernel)
+
     def rows(self, ids: Tensor) -> Int8Linear:
         """The layer restricted to outputs ``ids`` (a shortlist's candidates), quantized as the whole one is."""
         bias = None if self.bias is None else self.bias[ids]

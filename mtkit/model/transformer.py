@@ -136,8 +136,12 @@ class DecoderLayer(nn.Module):
         # keep; rotary ones rotate each row by its own position, stored rotated with its key.
         start = cache.self_len
         rotation = start if positions is None else positions
-        k, v = attn.project_kv(h)
-        k, v = cache.append_self(attn.rotate(k, rotation), v)
+        if cache.qkv is None:
+            cache.qkv = attn.joint_qkv()
+        b, length, _ = h.shape
+        qkv = cache.qkv(h).view(b, length, 3 * attn.heads, attn.d_head).transpose(1, 2)  # (B, 3H, L, Dh)
+        q, k = attn.rotate(qkv[:, : 2 * attn.heads], rotation).chunk(2, dim=1)  # the same positions: one call
+        k, v = cache.append_self(k, qkv[:, 2 * attn.heads :])
         # New positions see every cached position and, among themselves, only earlier ones.
         causal = h.size(1) > 1
         if causal and k.size(2) != h.size(1):
@@ -147,7 +151,6 @@ class DecoderLayer(nn.Module):
             k_start = max(0, k.size(2) - attn.window - 1)
             k, v = k[:, :, k_start:], v[:, :, k_start:]
             allowed = allowed[..., k_start:] if allowed is not None else None
-        q = attn.rotate(attn.split_heads(attn.q_proj(h)), rotation)
         return attn.attend(q, k, v, allowed, causal, start, k_start)
 
     def _cross_attend(self, h: Tensor, memory: Tensor | None, src_allowed: Tensor, cache: LayerCache | None) -> Tensor:
