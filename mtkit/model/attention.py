@@ -245,7 +245,7 @@ class MultiHeadAttention(nn.Module):
         self.window = window
         self._weights_hooks: OrderedDict[int, WeightsHook] = OrderedDict()  # a handle refers to it weakly
         # joint_qkv's layer, after the tensors it was made from and their stamps
-        self._joint: tuple[list[Tensor], list[tuple[int, int, int]], Callable[[Tensor], Tensor]] | None = None
+        self._joint: tuple[list[Tensor], list[tuple[int, int]], Callable[[Tensor], Tensor]] | None = None
 
     def init_weights(self) -> None:
         """Xavier-uniform projection matrices, as the Transformer initialises them; biases keep nn.Linear's."""
@@ -290,7 +290,7 @@ class MultiHeadAttention(nn.Module):
         sources = [t for p in projections for t in (p.weight, p.bias) if t is not None]
         stamp = [_stamp(t) for t in sources]
         if self._joint is None or self._joint[1] != stamp:
-            # The sources are held so that no other tensor takes their identity while the stamp refers to it.
+            # The sources are held so that their memory goes to no other tensor while the stamp refers to it.
             self._joint = (sources, stamp, _joined(projections))
         return self._joint[2]
 
@@ -417,9 +417,9 @@ class MultiHeadAttention(nn.Module):
         return self.attend(self.rotate(q, 0), self.rotate(k, 0), v, attn_allowed, causal)
 
 
-def _stamp(t: Tensor) -> tuple[int, int, int]:
-    """Which tensor, where its values live and how often they were changed in place: it differs once its values may."""
-    return id(t), t.data_ptr(), 0 if t.is_inference() else t._version
+def _stamp(t: Tensor) -> tuple[int, int]:
+    """Where a tensor's values live and how often they were changed in place: it differs once its values may."""
+    return t.data_ptr(), 0 if t.is_inference() else t._version
 
 
 def _joined(projections: tuple[nn.Module, ...]) -> Callable[[Tensor], Tensor]:
