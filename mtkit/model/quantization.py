@@ -3,9 +3,10 @@
 Weights are quantized once, symmetrically per output channel. Activations are quantized as they come,
 symmetrically per row (a token's vector, or one beam's step), so that a row's result never depends on the
 rows beside it: the products of two int8 matrices are summed exactly in int32 and scaling back is element by
-element. Batching, a beam search's reordering and sentences that join a continuous search therefore change no
-translation, as in fp32. Attention itself (scores, softmax, the mix of values), layer norms and embeddings stay
-in fp32, as in CTranslate2's int8.
+element. Batching, a beam search's reordering and sentences that join a continuous search therefore add no
+dependence on other sentences of int8's own. Attention itself (scores, softmax, the mix of values), layer norms
+and embeddings stay in fp32, as in CTranslate2's int8; there, as in fp32 decoding, other padding can move a sum
+by rounding, which int8's rounding of the next layer's input can, rarely, carry to another token.
 
 Two kernels sum the products, chosen by what the CPU has (``mtkit.runtime.int8_kernel``):
 
