@@ -41,14 +41,14 @@ class Ensemble:
     def decode(
         self,
         tgt_in: Tensor,
-        memory: Tensor,
+        memory: Tensor | None,
         src_pad_mask: Tensor,
         cache: DecoderCache | None = None,
         candidates: Candidates | None = None,
     ) -> Tensor:
         """The mean of the members' log-probabilities, (B, T, V) or over ``candidates``; search's log-softmax
-        renormalises it."""
-        memories = memory.split(self.widths, dim=-1)
+        renormalises it. ``memory`` may be None once the cache holds the members' keys and values."""
+        memories = memory.split(self.widths, dim=-1) if memory is not None else [None] * len(self.members)
         views = self._member_caches(cache)
         lprobs = [
             F.log_softmax(m.decode(tgt_in, mem, src_pad_mask, view, candidates).float(), dim=-1)

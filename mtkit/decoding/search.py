@@ -66,7 +66,12 @@ def ban_pad_and_bos(lprobs: Tensor) -> None:
 
 
 def _step_log_probs(
-    model: Transformer, tokens: Tensor, memory: Tensor, mask: Tensor, cache: DecoderCache, candidates: Candidates | None
+    model: Transformer,
+    tokens: Tensor,
+    memory: Tensor | None,
+    mask: Tensor,
+    cache: DecoderCache,
+    candidates: Candidates | None,
 ) -> Tensor:
     """Log-probabilities (N, V) of the next token given the last one (over the shortlist's candidates, if any);
     never pad or bos."""
@@ -403,6 +408,7 @@ def sample_search(
     results: list[Hypothesis | None] = [None] * n
     for step in range(int(max_lens.max())):
         lprobs = _step_log_probs(model, tokens, memory, mask, cache, candidates)
+        memory = None  # the cache holds the memory's keys and values now
         eos = lprobs[:, EOS_ID].clone()
         if step < decode.min_len:
             lprobs[:, EOS_ID] = float("-inf")
@@ -426,7 +432,7 @@ def sample_search(
         if ended.all():
             break
         keep = (~ended).nonzero().squeeze(1)
-        tokens, logprob, active, memory, mask = tokens[keep], logprob[keep], active[keep], memory[keep], mask[keep]
+        tokens, logprob, active, mask = tokens[keep], logprob[keep], active[keep], mask[keep]
         cache.select(keep, cross_index=keep)
     return results
 
@@ -471,8 +477,9 @@ def beam_search(
     forced = prefix_tensor(prefixes, n_sent, device)
     max_lens = output_caps(src_pad_mask, forced, decode.max_len_a, decode.max_len_b, limit)
 
-    # A sentence's beams share its encoder output: memory and mask keep one row per sentence, and
-    # the decoder's cross-attention serves all of a sentence's rows from it.
+    # A sentence's beams share its encoder output: the cache keeps its keys and values (made at the first
+    # step) and the mask one row per sentence, and the decoder's cross-attention serves all of a sentence's
+    # rows from it.
     memory, mask = model.encode(src, src_pad_mask), src_pad_mask
     cache = DecoderCache()
     width = 1  # rows per sentence; every beam starts as the same bos, so the first step runs one
@@ -484,6 +491,7 @@ def beam_search(
 
     for step in range(int(max_lens.max())):
         logits = model.decode(tokens[:, -1:], memory, mask, cache, candidates)[:, -1].float()  # (n * width, V)
+        memory = None  # the cache holds the memory's keys and values now
         must_end = step + 1 >= max_lens[active]  # (n,)
         forced_now = forced[active, step].repeat_interleave(width) if step < forced.size(1) else None
         if forced_now is not None and candidates is not None:
@@ -515,7 +523,6 @@ def beam_search(
             scores = scores[keep]
             active = active[keep]
             top_ended = top_ended[keep]
-            memory = memory[keep]
             mask = mask[keep]
         tokens = torch.cat([tokens[rows], next_tok], dim=1)
         cache.select(rows, cross_index=keep)
