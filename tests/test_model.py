@@ -169,6 +169,30 @@ def test_joint_qkv_is_the_three_projections_after_their_weights_change():
         torch.testing.assert_close(attn.joint_qkv()(x), separate())
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_output_layer_is_the_output_projection_after_its_weights_change(bias):
+    """Decoding's output projection (in fp32 on a CPU, over a copy of the weights by columns) gives the layer's
+    logits and keeps up with its weights: changed in place (an optimizer step between validations), replaced;
+    with gradients on, int8 or another dtype it is the layer itself."""
+    model = tiny_model(VOCAB, output_bias=bias).eval()
+    x = torch.randn(3, 2, model.output.in_features)
+    with torch.no_grad():
+        layer = model.output_layer()
+        assert layer is not model.output and layer is model.output_layer()  # the copy, made once
+        torch.testing.assert_close(layer(x), model.output(x))
+        model.output.weight.mul_(2.0)  # the tied embeddings too
+        torch.testing.assert_close(model.output_layer()(x), model.output(x))
+        model.output.weight = torch.nn.Parameter(torch.randn_like(model.output.weight))
+        torch.testing.assert_close(model.output_layer()(x), model.output(x))
+        if bias:
+            model.output.bias.add_(1.0)
+            torch.testing.assert_close(model.output_layer()(x), model.output(x))
+        assert model.to(torch.float64).output_layer() is model.output
+        int8 = tiny_model(VOCAB, int8=True)
+        assert int8.output_layer() is int8.output
+    assert model.float().output_layer() is model.output  # gradients on: training's layer
+
+
 @pytest.mark.parametrize("how", ["autocast", "cast weights"])
 def test_bf16_output_close_to_fp32(how):
     """Training runs bf16 under autocast; decoding casts the weights once (mtkit translate --precision bf16)."""

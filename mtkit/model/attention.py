@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from mtkit.config import ModelConfig
+from mtkit.model.derived import Derived
 from mtkit.model.positions import RelativePositions, Rotary
 from mtkit.model.quantization import Int8Linear
 
@@ -244,8 +245,7 @@ class MultiHeadAttention(nn.Module):
         self.relative = relative
         self.window = window
         self._weights_hooks: OrderedDict[int, WeightsHook] = OrderedDict()  # a handle refers to it weakly
-        # joint_qkv's layer, after the tensors it was made from and their stamps
-        self._joint: tuple[list[Tensor], list[tuple[int, int]], Callable[[Tensor], Tensor]] | None = None
+        self._joint: Derived[Callable[[Tensor], Tensor]] = Derived()  # joint_qkv's layer
 
     def init_weights(self) -> None:
         """Xavier-uniform projection matrices, as the Transformer initialises them; biases keep nn.Linear's."""
@@ -288,11 +288,7 @@ class MultiHeadAttention(nn.Module):
         """
         projections = (self.q_proj, self.k_proj, self.v_proj)
         sources = [t for p in projections for t in (p.weight, p.bias) if t is not None]
-        stamp = [_stamp(t) for t in sources]
-        if self._joint is None or self._joint[1] != stamp:
-            # The sources are held so that their memory goes to no other tensor while the stamp refers to it.
-            self._joint = (sources, stamp, _joined(projections))
-        return self._joint[2]
+        return self._joint.get(sources, lambda: _joined(projections))
 
     def project_memory(self, memory: Tensor) -> tuple[Tensor, Tensor]:
         """The keys and values of the encoder memory that a decoding cache keeps, each (B, H, Tk, Dh) and contiguous:
@@ -415,11 +411,6 @@ class MultiHeadAttention(nn.Module):
         k, v = self.project_kv(key_value)
         q = self.split_heads(self.q_proj(query))
         return self.attend(self.rotate(q, 0), self.rotate(k, 0), v, attn_allowed, causal)
-
-
-def _stamp(t: Tensor) -> tuple[int, int]:
-    """Where a tensor's values live and how often they were changed in place: it differs once its values may."""
-    return t.data_ptr(), 0 if t.is_inference() else t._version
 
 
 def _joined(projections: tuple[nn.Module, ...]) -> Callable[[Tensor], Tensor]:

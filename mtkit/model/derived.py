@@ -1,0 +1,34 @@
+"""Weights that decoding derives from a model's parameters (joined, laid out anew), kept while the parameters last.
+
+A model being trained is also decoded (validation between updates), so a derived copy is checked against its
+sources at each use and made again once one of them changed: moved, replaced, cast or changed in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+from torch import Tensor
+
+Value = TypeVar("Value")
+
+
+def stamp(t: Tensor) -> tuple[int, int]:
+    """Where a tensor's values live and how often they were changed in place: it differs once its values may."""
+    return t.data_ptr(), 0 if t.is_inference() else t._version
+
+
+class Derived(Generic[Value]):
+    """One value made from some tensors, made again only when one of them changes."""
+
+    def __init__(self) -> None:
+        # The sources are held so that their memory goes to no other tensor while a stamp refers to it.
+        self._held: tuple[list[Tensor], list[tuple[int, int]], Value] | None = None
+
+    def get(self, sources: list[Tensor], make: Callable[[], Value]) -> Value:
+        """The value ``make()`` returned for these sources, made now if they are new or changed."""
+        stamps = [stamp(t) for t in sources]
+        if self._held is None or self._held[1] != stamps:
+            self._held = (sources, stamps, make())
+        return self._held[2]
