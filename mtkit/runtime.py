@@ -63,6 +63,10 @@ INT8_CPU_FEATURES = {"amx_int8": "AMX-INT8", "avx512_vnni": "AVX512-VNNI", "avx_
 # Without them, AVX2 multiplies int8 in pairs summed in int16: int8's "pairs" kernel (mtkit.model.quantization).
 INT8_PAIRS_CPU_FEATURE = "avx2"
 Int8Kernel = Literal["dot", "pairs"]
+# Where ATen's own fp32 matrix products (MKL) run at full speed: Intel's x86 CPUs. On other x86 CPUs MKL takes a
+# slower path, and decoding's product with the vocabulary goes through oneDNN instead (``fp32_vocabulary_gemm``).
+MKL_CPU_VENDORS = {"GenuineIntel"}
+Fp32Gemm = Literal["aten", "onednn"]
 # What each precision computes in; int8's layers other than the linear ones (attention, norms) stay float32.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.float32}
 
@@ -77,6 +81,19 @@ def int8_kernel(cpu_features: set[str]) -> Int8Kernel:
     products (or nothing better), ``pairs`` where AVX2 alone multiplies int8 (mtkit.model.quantization)."""
     dot_products = any(feature in cpu_features for feature in INT8_CPU_FEATURES)
     return "pairs" if INT8_PAIRS_CPU_FEATURE in cpu_features and not dot_products else "dot"
+
+
+def fp32_vocabulary_gemm(cpu_vendor: str | None) -> Fp32Gemm:
+    """The library that multiplies decoding's fp32 features by the output weights on a CPU from ``cpu_vendor``.
+
+    ``onednn`` (oneDNN over weights packed once, as CTranslate2 also takes oneDNN rather than MKL on CPUs not made
+    by Intel) on an x86 CPU of another vendor, where it measured 1.2-3.9x faster than ATen's product at 5 to 640
+    rows (docs/benchmarks.md); ``aten`` on Intel's CPUs, against which oneDNN was not measured, and where the
+    vendor is unknown (no /proc/cpuinfo, or a CPU that is not x86) or this torch has no oneDNN.
+    """
+    if cpu_vendor is None or cpu_vendor in MKL_CPU_VENDORS or not torch.backends.mkldnn.is_available():
+        return "aten"
+    return "onednn"
 
 
 @dataclass(frozen=True)
@@ -180,6 +197,12 @@ def cpu_features() -> frozenset[str]:
 
 
 @functools.cache
+def cpu_vendor() -> str | None:
+    """The x86 CPU's vendor as /proc/cpuinfo gives it ("GenuineIntel", "AuthenticAMD"); None where it is not listed."""
+    return _proc_field("/proc/cpuinfo", "vendor_id")
+
+
+@functools.cache
 def cpu_name() -> str:
     """The CPU's model name, as /proc/cpuinfo gives it, else the platform's processor name."""
     import platform
@@ -277,6 +300,7 @@ def environment_report(path: Path = Path(".")) -> dict:
             for name in ("cpu", *(["cuda"] if cuda else []))
         },
         "int8_decoding": choose_precision("int8", "cpu", cpu_features()).to_dict(),
+        "fp32_vocabulary_gemm": fp32_vocabulary_gemm(cpu_vendor()),
         "memory_available_gib": round(int(mem_kib.split()[0]) / 2**20, 1) if mem_kib else None,
         "disk_free_gib": round(shutil.disk_usage(disk).free / 2**30, 1),
         "disk_path": str(disk),  # where disk_free_gib was measured: ``path``, or its nearest existing parent

@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers import invoke, one_line_error, write_config
 
+from mtkit import runtime
 from mtkit.model import checkpoint, loading
 
 
@@ -194,8 +195,9 @@ def test_doctor_reports_the_machine(tmp_path):
     assert report["threads"] == torch.get_num_threads()
     assert report["distributed_backends"]["gloo"] is True
     assert report["disk_free_gib"] > 0 and "fp32" in report["precisions"]["cpu"]
+    assert report["fp32_vocabulary_gemm"] == runtime.fp32_vocabulary_gemm(runtime.cpu_vendor())
     text = invoke("doctor")
-    assert text.exit_code == 0 and "distributed backends" in text.stdout
+    assert text.exit_code == 0 and "distributed backends" in text.stdout and "fp32 output projection" in text.stdout
 
 
 def test_doctor_on_a_path_not_made_yet_says_where_it_measured_the_disk(tmp_path):

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from helpers import tiny_model
 
+from mtkit import runtime
 from mtkit.config import from_dict
 from mtkit.data.tokenizer import PAD_ID
 from mtkit.model.attention import DecoderCache, MultiHeadAttention, _explicit_attention, dropout
@@ -170,16 +171,20 @@ def test_joint_qkv_is_the_three_projections_after_their_weights_change():
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_output_layer_is_the_output_projection_after_its_weights_change(bias):
-    """Decoding's output projection (in fp32 on a CPU, over a copy of the weights by columns) gives the layer's
+def test_output_layer_is_the_output_projection_after_its_weights_change(bias, monkeypatch):
+    """Decoding's output projection through oneDNN (fp32 on a CPU not made by Intel, no gradients) gives the layer's
     logits and keeps up with its weights: changed in place (an optimizer step between validations), replaced;
-    with gradients on, int8 or another dtype it is the layer itself."""
-    model = tiny_model(VOCAB, output_bias=bias).eval()
+    with gradients on, int8, another dtype or on an Intel CPU it is the layer itself."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN")
+    monkeypatch.setattr(runtime, "cpu_vendor", lambda: "AuthenticAMD")
+    model = tiny_model(VOCAB, output_bias=bias)
     x = torch.randn(3, 2, model.output.in_features)
     with torch.no_grad():
         layer = model.output_layer()
-        assert layer is not model.output and layer is model.output_layer()  # the copy, made once
+        assert layer is not model.output and layer is model.output_layer()  # the packed copy, made once
         torch.testing.assert_close(layer(x), model.output(x))
+        torch.testing.assert_close(layer(x[:1, :1]), model.output(x[:1, :1]))  # one row: a decoding step
         model.output.weight.mul_(2.0)  # the tied embeddings too
         torch.testing.assert_close(model.output_layer()(x), model.output(x))
         model.output.weight = torch.nn.Parameter(torch.randn_like(model.output.weight))
@@ -187,9 +192,12 @@ def test_output_layer_is_the_output_projection_after_its_weights_change(bias):
         if bias:
             model.output.bias.add_(1.0)
             torch.testing.assert_close(model.output_layer()(x), model.output(x))
-        assert model.to(torch.float64).output_layer() is model.output
         int8 = tiny_model(VOCAB, int8=True)
         assert int8.output_layer() is int8.output
+        monkeypatch.setattr(runtime, "cpu_vendor", lambda: "GenuineIntel")
+        assert model.output_layer() is model.output
+        monkeypatch.setattr(runtime, "cpu_vendor", lambda: "AuthenticAMD")
+        assert model.to(torch.float64).output_layer() is model.output
     assert model.float().output_layer() is model.output  # gradients on: training's layer
 
 

@@ -7,11 +7,12 @@ import json
 import logging
 
 import pytest
+import torch
 from helpers import invoke
 
 import mtkit
 from mtkit import runtime
-from mtkit.runtime import RuntimeSetupError, choose_precision
+from mtkit.runtime import RuntimeSetupError, choose_precision, fp32_vocabulary_gemm
 
 # /proc/cpuinfo flags of the CPU kinds mtkit runs on, trimmed to those that matter here.
 AMD_EPYC_ZEN4 = {"avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16"}
@@ -128,3 +129,10 @@ def test_training_logs_and_records_what_auto_chose(tmp_path, corpus_files, spm_m
     assert start["event"] == "start" and start["step"] == 0 and start["device"] == "cpu"
     assert (start["precision"], start["reason"]) == ("fp32", reason)
     assert start["hardware"].startswith(runtime.cpu_name()) and "no native bf16" in start["hardware"]
+
+
+def test_the_vocabulary_product_goes_through_onednn_only_on_x86_cpus_not_made_by_intel():
+    """MKL, ATen's own, takes a slower path on other vendors' CPUs; where the vendor is unknown, ATen stays."""
+    onednn = "onednn" if torch.backends.mkldnn.is_available() else "aten"
+    assert fp32_vocabulary_gemm("AuthenticAMD") == onednn and fp32_vocabulary_gemm("HygonGenuine") == onednn
+    assert fp32_vocabulary_gemm("GenuineIntel") == "aten" and fp32_vocabulary_gemm(None) == "aten"

@@ -11,6 +11,7 @@ import typer
 from mtkit.commands.common import examples
 
 commands = typer.Typer()
+GEMM_NAMES = {"aten": "ATen's matrix product", "onednn": "oneDNN over packed weights"}  # fp32_vocabulary_gemm's
 
 
 @commands.command("doctor", epilog=examples("mtkit doctor", "mtkit doctor --path runs/ --json"))
@@ -24,7 +25,7 @@ def doctor_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
     """What a run will use here: torch, CPU, CUDA/NCCL, GPUs, bf16/fp16 support and what precision auto picks,
-    int8 decoding, threads, allocator, memory, disk."""
+    int8 decoding and the library of fp32 decoding's output projection, threads, allocator, memory, disk."""
     from mtkit.runtime import environment_report
 
     report = environment_report(path)
@@ -53,6 +54,7 @@ def doctor_command(
             ),
         ),
         ("int8 decoding", f"cpu ({report['int8_decoding']['reason'].removeprefix('asked for; ')})"),
+        ("fp32 output projection", GEMM_NAMES[report["fp32_vocabulary_gemm"]]),
         ("memory available", f"{report['memory_available_gib']} GiB"),
         ("disk free", f"{report['disk_free_gib']} GiB at {report['disk_path']}{_not_there(path)}"),
     ]

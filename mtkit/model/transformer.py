@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mtkit import runtime
 from mtkit.config import ModelConfig
 from mtkit.model.attention import DecoderCache, Dropout, LayerCache, MultiHeadAttention, autocast_once, self_attention
-from mtkit.model.derived import Derived
+from mtkit.model.derived import Derived, onednn_linear
 from mtkit.model.positions import RelativePositions, building_skeleton
 from mtkit.model.quantization import Int8Linear
 
@@ -281,7 +282,7 @@ class Transformer(nn.Module):
         self.encoder = encoder
         self.decoder = decoder
         self.output = output  # features (.., D) -> logits (.., V)
-        self._by_columns: Derived[Callable[[Tensor], Tensor]] = Derived()  # output_layer's copy
+        self._packed: Derived[Callable[[Tensor], Tensor]] = Derived()  # output_layer's copy
 
     @property
     def max_source_positions(self) -> int:
@@ -321,13 +322,13 @@ class Transformer(nn.Module):
         return self.output_layer()(features) if candidates is None else candidates.project(features, self.output)
 
     def output_layer(self) -> Callable[[Tensor], Tensor]:
-        """The output projection as decoding applies it: ``self.output``, or in fp32 on a CPU without gradients,
-        the same layer over a copy of its weights stored by columns, (D, V) in memory.
+        """The output projection as decoding applies it: ``self.output``, or in fp32 on a CPU whose vendor's
+        products go through oneDNN (``mtkit.runtime.fp32_vocabulary_gemm``) and without gradients, the same layer
+        over a copy of its weights packed for oneDNN.
 
-        Why: a product of few rows by the (V, D) matrix reads it a row per output, while (D, V) streams whole
-        rows of outputs at once; decoding's products with 1 to 640 rows and a vocabulary of 8,000 took 7-31%
-        less time so (docs/benchmarks.md). The copy costs the output weights' size again, and is made again
-        when the weights change (validation between training updates).
+        Why: the product with the vocabulary is the largest of a decoding step, and at the few rows of one
+        sentence's beams, ATen's product there took up to 3.9x as long (docs/benchmarks.md). The copy costs the
+        output weights' size again, and is made again when they change (validation between training updates).
         """
         out = self.output
         if (
@@ -335,12 +336,11 @@ class Transformer(nn.Module):
             or torch.is_grad_enabled()
             or out.weight.dtype != torch.float32
             or out.weight.is_cuda
+            or runtime.fp32_vocabulary_gemm(runtime.cpu_vendor()) != "onednn"
         ):
             return out
         sources = [out.weight] if out.bias is None else [out.weight, out.bias]
-        return self._by_columns.get(
-            sources, lambda: functools.partial(F.linear, weight=out.weight.t().contiguous().t(), bias=out.bias)
-        )
+        return self._packed.get(sources, lambda: onednn_linear(out.weight, out.bias))
 
     def features(self, src: Tensor, src_pad_mask: Tensor, tgt_in: Tensor) -> Tensor:
         """Decoder features (B, T, D); training projects only the non-pad positions to the vocabulary."""
