@@ -66,6 +66,9 @@ Int8Kernel = Literal["dot", "pairs"]
 # Where ATen's own fp32 matrix products (MKL) run at full speed: Intel's x86 CPUs. On other x86 CPUs MKL takes a
 # slower path, and decoding's product with the vocabulary goes through oneDNN instead (``fp32_vocabulary_gemm``).
 MKL_CPU_VENDORS = {"GenuineIntel"}
+# Output weights (vocabulary x width) from which oneDNN's product is the faster at any number of rows: below, its
+# fixed cost of some 30 us a call outweighs what it saves at one row (docs/benchmarks.md).
+ONEDNN_MIN_WEIGHTS = 2**19
 Fp32Gemm = Literal["aten", "onednn"]
 # What each precision computes in; int8's layers other than the linear ones (attention, norms) stay float32.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.float32}

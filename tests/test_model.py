@@ -178,6 +178,7 @@ def test_output_layer_is_the_output_projection_after_its_weights_change(bias, mo
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch has no oneDNN")
     monkeypatch.setattr(runtime, "cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.setattr(runtime, "ONEDNN_MIN_WEIGHTS", 0)  # a tiny vocabulary takes it too
     model = tiny_model(VOCAB, output_bias=bias)
     x = torch.randn(3, 2, model.output.in_features)
     with torch.no_grad():
@@ -197,6 +198,9 @@ def test_output_layer_is_the_output_projection_after_its_weights_change(bias, mo
         monkeypatch.setattr(runtime, "cpu_vendor", lambda: "GenuineIntel")
         assert model.output_layer() is model.output
         monkeypatch.setattr(runtime, "cpu_vendor", lambda: "AuthenticAMD")
+        monkeypatch.setattr(runtime, "ONEDNN_MIN_WEIGHTS", model.output.weight.numel() + 1)
+        assert model.output_layer() is model.output  # a call's fixed cost would outweigh what it saves
+        monkeypatch.setattr(runtime, "ONEDNN_MIN_WEIGHTS", 0)
         assert model.to(torch.float64).output_layer() is model.output
     assert model.float().output_layer() is model.output  # gradients on: training's layer
 

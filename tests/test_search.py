@@ -142,6 +142,7 @@ def test_greedy_finds_what_beam_one_finds_scores_included(int8, bounds):
 @pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD"])  # the output projection in ATen or oneDNN
 def test_batched_search_equals_one_sentence_at_a_time(vendor, monkeypatch):
     monkeypatch.setattr(runtime, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(runtime, "ONEDNN_MIN_WEIGHTS", 0)
     model = tiny_model(30, seed=4)
     sources = random_sources(7, 30, seed=1)
     src, mask = source_tensor(sources)
@@ -156,6 +157,7 @@ def test_batched_search_equals_one_sentence_at_a_time(vendor, monkeypatch):
 def test_search_finds_the_same_through_either_library_of_the_output_projection(monkeypatch):
     """oneDNN's product with the vocabulary (x86 CPUs not made by Intel) changes no output and no score beyond
     rounding: greedy and beam 4, nbest 2, against ATen's."""
+    monkeypatch.setattr(runtime, "ONEDNN_MIN_WEIGHTS", 0)
     model = tiny_model(30, seed=5)
     src, mask = source_tensor(random_sources(9, 30, seed=3))
     found = {}

@@ -323,8 +323,8 @@ class Transformer(nn.Module):
 
     def output_layer(self) -> Callable[[Tensor], Tensor]:
         """The output projection as decoding applies it: ``self.output``, or in fp32 on a CPU whose vendor's
-        products go through oneDNN (``mtkit.runtime.fp32_vocabulary_gemm``) and without gradients, the same layer
-        over a copy of its weights packed for oneDNN.
+        products go through oneDNN (``mtkit.runtime.fp32_vocabulary_gemm``), without gradients and for a vocabulary
+        large enough (``ONEDNN_MIN_WEIGHTS``), the same layer over a copy of its weights packed for oneDNN.
 
         Why: the product with the vocabulary is the largest of a decoding step, and at the few rows of one
         sentence's beams, ATen's product there took up to 3.9x as long (docs/benchmarks.md). The copy costs the
@@ -336,6 +336,7 @@ class Transformer(nn.Module):
             or torch.is_grad_enabled()
             or out.weight.dtype != torch.float32
             or out.weight.is_cuda
+            or out.weight.numel() < runtime.ONEDNN_MIN_WEIGHTS
             or runtime.fp32_vocabulary_gemm(runtime.cpu_vendor()) != "onednn"
         ):
             return out
