@@ -11,6 +11,7 @@ from helpers import invoke, one_line_error, tiny_model, tiny_model_config
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
+from mtkit import runtime
 from mtkit.cli import app
 from mtkit.config import ConfigError, DataConfig, DecodeConfig, RunConfig, SamplingConfig
 from mtkit.data.parallel import source_tensor
@@ -68,9 +69,19 @@ def test_each_source_token_keeps_its_strongest_co_occurring_targets(corpus_files
     assert shortlist.always.numel() <= 10 + EOS_ID + 1
 
 
+def multiply_through(library: str, monkeypatch) -> None:
+    """Have fp32 decoding's products with the vocabulary, cut or whole, go through ``library`` on any CPU."""
+    monkeypatch.setattr(runtime, "cpu_vendor", lambda: "GenuineIntel" if library == "aten" else "AuthenticAMD")
+    monkeypatch.setattr(runtime, "ONEDNN_MIN_WEIGHTS", 0)
+
+
+@pytest.mark.parametrize("library", ["aten", "onednn"])
 @pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
-def test_candidates_of_the_whole_vocabulary_search_exactly_as_without(corpus_files, spm_model, int8):
+def test_candidates_of_the_whole_vocabulary_search_exactly_as_without(
+    corpus_files, spm_model, int8, library, monkeypatch
+):
     """The cut output layer is the whole one: hypotheses, scores and n-best lists are the same, for an ensemble too."""
+    multiply_through(library, monkeypatch)
     lines = corpus_files["val.en"].read_text().splitlines()[:12]
     src, mask = source_tensor(spm_model.encode(lines))
     vocab = spm_model.vocab_size
@@ -256,12 +267,14 @@ def masked(model, allowed: torch.Tensor, vocab: int):
     return model
 
 
+@pytest.mark.parametrize("library", ["aten", "onednn"])
 @pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
 def test_a_real_cut_searches_as_the_whole_vocabulary_with_the_rest_masked(
-    corpus_files, spm_model, shortlist, monkeypatch, int8
+    corpus_files, spm_model, shortlist, monkeypatch, int8, library
 ):
     """Outputs, n-best lists and scores of a cut to under half the vocabulary, against the full model's search
     with the other ids' logits at -inf: an id taken for another (a column for its id) changes them."""
+    multiply_through(library, monkeypatch)
     monkeypatch.setattr(lexical, "CANDIDATE_MULTIPLE", 1)
     lines = corpus_files["val.en"].read_text().splitlines()[:12]
     src, mask = source_tensor(spm_model.encode(lines))

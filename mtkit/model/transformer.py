@@ -27,7 +27,8 @@ from mtkit.model.quantization import Int8Linear
 @dataclass
 class Candidates:
     """One batch's target ids (sorted; the special ids, the lowest, keep their own positions) and the
-    output weights cut down to them, cut once per batch and output layer rather than at every step."""
+    output weights cut down to them, cut (and packed for oneDNN where that pays) once per batch and output layer
+    rather than at every step."""
 
     ids: Tensor
     _cut: dict[int, Callable[[Tensor], Tensor]] = field(default_factory=dict, repr=False)
@@ -39,14 +40,31 @@ class Candidates:
             if isinstance(output, Int8Linear):
                 cut = output.rows(self.ids)
             else:
-                bias = None if output.bias is None else output.bias[self.ids]
-                cut = functools.partial(F.linear, weight=output.weight[self.ids], bias=bias)
+                weight, bias = output.weight[self.ids], None if output.bias is None else output.bias[self.ids]
+                cut = (
+                    onednn_linear(weight, bias)
+                    if onednn_pays(weight)
+                    else functools.partial(F.linear, weight=weight, bias=bias)
+                )
             self._cut[id(output)] = cut
         return cut(features)
 
     def columns(self, ids: Tensor) -> Tensor:
         """The positions of target ``ids`` (each one of the candidates, or -1, kept) among the candidates."""
         return torch.where(ids >= 0, torch.searchsorted(self.ids, ids.clamp(min=0)), ids)
+
+
+def onednn_pays(weight: Tensor) -> bool:
+    """Whether decoding multiplies by these output weights (the whole layer's, or a shortlist's cut of them) through
+    oneDNN: in fp32 on a CPU whose vendor's products go there (``mtkit.runtime.fp32_vocabulary_gemm``), without
+    gradients, and enough of them that oneDNN's fixed cost per call pays (``ONEDNN_MIN_WEIGHTS``)."""
+    return (
+        not torch.is_grad_enabled()
+        and weight.dtype == torch.float32
+        and not weight.is_cuda
+        and weight.numel() >= runtime.ONEDNN_MIN_WEIGHTS
+        and runtime.fp32_vocabulary_gemm(runtime.cpu_vendor()) == "onednn"
+    )
 
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "swish": F.silu}  # model.activation's choices
@@ -331,14 +349,7 @@ class Transformer(nn.Module):
         output weights' size again, and is made again when they change (validation between training updates).
         """
         out = self.output
-        if (
-            isinstance(out, Int8Linear)
-            or torch.is_grad_enabled()
-            or out.weight.dtype != torch.float32
-            or out.weight.is_cuda
-            or out.weight.numel() < runtime.ONEDNN_MIN_WEIGHTS
-            or runtime.fp32_vocabulary_gemm(runtime.cpu_vendor()) != "onednn"
-        ):
+        if isinstance(out, Int8Linear) or not onednn_pays(out.weight):
             return out
         sources = [out.weight] if out.bias is None else [out.weight, out.bias]
         return self._packed.get(sources, lambda: onednn_linear(out.weight, out.bias))
