@@ -17,6 +17,9 @@ from typing import Any
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _SHORT = reprlib.Repr()
 _SHORT.maxlevel, _SHORT.maxdict, _SHORT.maxlist, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 2, 4, 4, 60, 60, 40
+# A path read from a file, shown to the user to copy (a hint, never opened): whole up to this many characters.
+_PATH = reprlib.Repr()
+_PATH.maxstring = 400
 _TYPE_NAMES = {dict: "a mapping", list: "a list", str: "a string", int: "an integer", float: "a number"}
 
 
@@ -84,3 +87,8 @@ def one_of(value: Any, what: str, allowed: Collection[str]) -> str:
 def shown(value: Any) -> str:
     """``repr(value)`` cut short without building it whole: an error line never repeats a huge value."""
     return _SHORT.repr(value)
+
+
+def shown_path(value: Any) -> str:
+    """``shown`` for a path the user may copy from the message: whole unless it is longer than any real one."""
+    return _PATH.repr(value) if isinstance(value, str) else shown(value)

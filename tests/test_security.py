@@ -234,3 +234,14 @@ def test_a_yaml_alias_bomb_is_refused_at_once_with_a_short_error(tmp_path):
     anchors.write_text("train: {lr: &lr 0.002, max_steps: 10}\ndecode: {lenpen: *lr}\n")
     result = invoke("train", anchors, "--dry-run")
     assert result.exit_code == 0 and "lenpen: 0.002" in result.stdout
+
+
+def test_a_path_a_header_names_is_shown_whole_and_a_huge_one_cut_short():
+    """The training data a checkpoint names is a hint the user may copy (whole at any real length), never a way to
+    fill an error line."""
+    from mtkit import untrusted
+
+    path = "/data/" + "corpora/" * 30 + "train.en"  # 254 characters
+    assert untrusted.shown_path(path) == repr(path)
+    assert len(untrusted.shown_path("/x" * 500_000)) < 500
+    assert untrusted.shown_path(["not", "a", "path"]) == untrusted.shown(["not", "a", "path"])

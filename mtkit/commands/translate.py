@@ -403,7 +403,7 @@ def _trained_on(model: Path) -> str:
     except (MtkitError, OSError):  # the missing option is the error to report
         return ""
     sides = (("data.train_src", data.train_src), ("data.train_tgt", data.train_tgt))
-    named = [f"{name} {untrusted.shown(value)}" for name, value in sides if value]
+    named = [f"{name} {untrusted.shown_path(value)}" for name, value in sides if value]
     if not named:
         return ""
     return f"; the model was trained on {' and '.join(named)} (not opened: pass them if they are yours)"
