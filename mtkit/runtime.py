@@ -90,7 +90,7 @@ def fp32_vocabulary_gemm(cpu_vendor: str | None) -> Fp32Gemm:
     """The library that multiplies decoding's fp32 features by the output weights on a CPU from ``cpu_vendor``.
 
     ``onednn`` (oneDNN over weights packed once, as CTranslate2 also takes oneDNN rather than MKL on CPUs not made
-    by Intel) on an x86 CPU of another vendor, where it measured 1.2-3.9x faster than ATen's product at 5 to 640
+    by Intel) on an x86 CPU of another vendor, where it measured 1.2-5.9x faster than ATen's product at 1 to 640
     rows (docs/benchmarks.md); ``aten`` on Intel's CPUs, against which oneDNN was not measured, and where the
     vendor is unknown (no /proc/cpuinfo, or a CPU that is not x86) or this torch has no oneDNN.
     """

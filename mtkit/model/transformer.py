@@ -345,7 +345,7 @@ class Transformer(nn.Module):
         large enough (``ONEDNN_MIN_WEIGHTS``), the same layer over a copy of its weights packed for oneDNN.
 
         Why: the product with the vocabulary is the largest of a decoding step, and at the few rows of one
-        sentence's beams, ATen's product there took up to 3.9x as long (docs/benchmarks.md). The copy costs the
+        sentence's beams, ATen's product there took up to 5.9x as long (docs/benchmarks.md). The copy costs the
         output weights' size again, and is made again when they change (validation between training updates).
         """
         out = self.output
