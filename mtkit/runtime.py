@@ -91,8 +91,9 @@ def fp32_vocabulary_gemm(cpu_vendor: str | None) -> Fp32Gemm:
 
     ``onednn`` (oneDNN over weights packed once, as CTranslate2 also takes oneDNN rather than MKL on CPUs not made
     by Intel) on an x86 CPU of another vendor, where it measured 1.2-5.9x faster than ATen's product at 1 to 640
-    rows (docs/benchmarks.md); ``aten`` on Intel's CPUs, against which oneDNN was not measured, and where the
-    vendor is unknown (no /proc/cpuinfo, or a CPU that is not x86) or this torch has no oneDNN.
+    rows (docs/benchmarks.md); ``aten`` on Intel's CPUs, where MKL was as fast or faster at 1 and at 640 rows
+    (oneDNN won only at a few rows between), and where the vendor is unknown (no /proc/cpuinfo, or a CPU that is not
+    x86) or this torch has no oneDNN.
     """
     if cpu_vendor is None or cpu_vendor in MKL_CPU_VENDORS or not torch.backends.mkldnn.is_available():
         return "aten"
