@@ -69,7 +69,7 @@ MKL_CPU_VENDORS = {"GenuineIntel"}
 # Output weights (vocabulary x width) from which oneDNN's product is the faster at any number of rows: below, its
 # fixed cost of some 30 us a call outweighs what it saves at one row (docs/benchmarks.md).
 ONEDNN_MIN_WEIGHTS = 2**19
-Fp32Gemm = Literal["aten", "onednn"]
+Gemm = Literal["aten", "onednn"]
 # What each precision computes in; int8's layers other than the linear ones (attention, norms) stay float32.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.float32}
 
@@ -86,7 +86,7 @@ def int8_kernel(cpu_features: set[str]) -> Int8Kernel:
     return "pairs" if INT8_PAIRS_CPU_FEATURE in cpu_features and not dot_products else "dot"
 
 
-def fp32_vocabulary_gemm(cpu_vendor: str | None) -> Fp32Gemm:
+def fp32_vocabulary_gemm(cpu_vendor: str | None) -> Gemm:
     """The library that multiplies decoding's fp32 features by the output weights on a CPU from ``cpu_vendor``.
 
     ``onednn`` (oneDNN over weights packed once, as CTranslate2 also takes oneDNN rather than MKL on CPUs not made
@@ -98,6 +98,20 @@ def fp32_vocabulary_gemm(cpu_vendor: str | None) -> Fp32Gemm:
     if cpu_vendor is None or cpu_vendor in MKL_CPU_VENDORS or not torch.backends.mkldnn.is_available():
         return "aten"
     return "onednn"
+
+
+def bf16_decoding_gemm(cpu_vendor: str | None, features: set[str]) -> Gemm:
+    """The library that multiplies decoding's bf16 activations by a bf16 model's weights, in every linear layer, on a
+    CPU from ``cpu_vendor`` with these ``features``.
+
+    ATen's bf16 product on a CPU is oneDNN's too, but it lays the weights out for oneDNN again at every call.
+    ``onednn`` (over a copy packed once) on an x86 CPU with native bf16 (``native_bf16``) not made by Intel, where it
+    measured 1.1-2.9x faster than ATen's product at 1 to 640 rows for every layer shape of transformer-small and the
+    students, the output projection included (AMD EPYC with AVX512-BF16, docs/benchmarks.md); ``aten`` on Intel's
+    CPUs, where it has not been measured, on CPUs that emulate bf16, and where the vendor is unknown or this torch
+    has no oneDNN.
+    """
+    return fp32_vocabulary_gemm(cpu_vendor) if native_bf16(features) else "aten"
 
 
 @dataclass(frozen=True)
@@ -305,6 +319,7 @@ def environment_report(path: Path = Path(".")) -> dict:
         },
         "int8_decoding": choose_precision("int8", "cpu", cpu_features()).to_dict(),
         "fp32_vocabulary_gemm": fp32_vocabulary_gemm(cpu_vendor()),
+        "bf16_decoding_gemm": bf16_decoding_gemm(cpu_vendor(), cpu_features()),
         "memory_available_gib": round(int(mem_kib.split()[0]) / 2**20, 1) if mem_kib else None,
         "disk_free_gib": round(shutil.disk_usage(disk).free / 2**30, 1),
         "disk_path": str(disk),  # where disk_free_gib was measured: ``path``, or its nearest existing parent

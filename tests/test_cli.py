@@ -196,8 +196,10 @@ def test_doctor_reports_the_machine(tmp_path):
     assert report["distributed_backends"]["gloo"] is True
     assert report["disk_free_gib"] > 0 and "fp32" in report["precisions"]["cpu"]
     assert report["fp32_vocabulary_gemm"] == runtime.fp32_vocabulary_gemm(runtime.cpu_vendor())
+    assert report["bf16_decoding_gemm"] == runtime.bf16_decoding_gemm(runtime.cpu_vendor(), runtime.cpu_features())
     text = invoke("doctor")
     assert text.exit_code == 0 and "distributed backends" in text.stdout and "fp32 output projection" in text.stdout
+    assert "bf16 decoding products" in text.stdout
 
 
 def test_doctor_on_a_path_not_made_yet_says_where_it_measured_the_disk(tmp_path):

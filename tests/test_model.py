@@ -13,6 +13,7 @@ from helpers import tiny_model
 from mtkit import runtime
 from mtkit.config import from_dict
 from mtkit.data.tokenizer import PAD_ID
+from mtkit.model import derived, linear
 from mtkit.model.attention import DecoderCache, MultiHeadAttention, _explicit_attention, dropout
 from mtkit.model.positions import RelativePositions
 from mtkit.model.transformer import build_model, count_parameters
@@ -77,6 +78,36 @@ def test_cached_decoding_matches_full_decoding(norm):
     cache = DecoderCache()
     steps = [F.log_softmax(model.decode(tgt[:, i : i + 1], memory, mask, cache), dim=-1) for i in range(tgt.size(1))]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD"])
+def test_decoding_between_fused_optimizer_updates_uses_the_updated_weights(vendor, dtype, monkeypatch):
+    """Training steps its parameters with fused Adam, which changes them in place without counting the change, and
+    validates between updates by cached decoding through derived weights (the joined query, key and value
+    projections; packed products on CPUs not made by Intel). Each validation must decode with the weights of its
+    update, as the full forward pass computes them: a stale copy once held validation BLEU at the first
+    validation's weights."""
+    monkeypatch.setattr(runtime, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(runtime, "cpu_features", lambda: frozenset({"avx512_bf16"}))
+    monkeypatch.setattr(runtime, "ONEDNN_MIN_WEIGHTS", 0)
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():  # AVX2 alone
+        monkeypatch.setattr(runtime, "cpu_features", lambda: frozenset())
+    model = tiny_model(VOCAB).to(dtype)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05, fused=True)
+    src, mask, tgt = random_batch(2, 6, 5)
+    for _ in range(3):
+        model.eval()
+        with torch.no_grad():
+            full = model(src, mask, tgt)
+            memory, cache = model.encode(src, mask), DecoderCache()
+            steps = [model.decode(tgt[:, i : i + 1], memory, mask, cache) for i in range(tgt.size(1))]
+        tolerance = {"atol": 0.05, "rtol": 0.02} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
+        torch.testing.assert_close(torch.cat(steps, dim=1), full, **tolerance)
+        model.train()
+        model(src, mask, tgt).float().logsumexp(dim=-1).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
 
 
 def test_cache_select_follows_reordered_rows():
@@ -203,6 +234,42 @@ def test_output_layer_is_the_output_projection_after_its_weights_change(bias, mo
         monkeypatch.setattr(runtime, "ONEDNN_MIN_WEIGHTS", 0)
         assert model.to(torch.float64).output_layer() is model.output
     assert model.float().output_layer() is model.output  # gradients on: training's layer
+
+
+def test_bf16_layers_decode_through_packed_weights_and_keep_up_with_them(monkeypatch):
+    """In bf16 without gradients, on a CPU with native bf16 not made by Intel, every linear layer multiplies by a copy
+    of its weights packed for oneDNN once: the layer's own results, a row's the same alone as among others, the copy
+    made again when a weight changes in place or is replaced; with gradients, in fp32 and on Intel's CPUs, none."""
+    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        # oneDNN computes no bf16 product on this CPU (AVX2 alone), which then has no native bf16 either
+        assert runtime.bf16_decoding_gemm(runtime.cpu_vendor(), runtime.cpu_features()) == "aten"
+        return
+    monkeypatch.setattr(runtime, "cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.setattr(runtime, "cpu_features", lambda: frozenset({"avx512_bf16"}))
+    made = []
+    monkeypatch.setattr(linear, "onednn_linear", lambda w, b: made.append(w) or derived.onednn_linear(w, b))
+    model = tiny_model(VOCAB).to(torch.bfloat16)
+    layer = model.decoder.layers[0].ffn.up
+    x = torch.randn(5, 3, layer.in_features, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+        assert len(made) == 1
+        assert torch.equal(layer(x)[2:3, 1:2], layer(x[2:3, 1:2]))  # one row, a decoding step, as in a batch
+        layer.weight.mul_(2.0)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+        layer.bias = torch.nn.Parameter(torch.randn_like(layer.bias))
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+        assert len(made) == 3
+        src, mask, tgt = random_batch(2, 6, 5)
+        model(src, mask, tgt)  # every layer: attention, joined q/k/v, feed-forward, output
+        packed = len(made)
+        assert packed > 4 * len(model.decoder.layers)
+        monkeypatch.setattr(runtime, "cpu_vendor", lambda: "GenuineIntel")
+        model(src, mask, tgt)
+        model.float()(src, mask, tgt)
+    model.to(torch.bfloat16)(src, mask, tgt)  # gradients on: training's layers
+    assert len(made) == packed
 
 
 @pytest.mark.parametrize("how", ["autocast", "cast weights"])

@@ -139,11 +139,14 @@ def test_greedy_finds_what_beam_one_finds_scores_included(int8, bounds):
             assert len({len(h.tokens) for h in greedy}) > 2
 
 
-@pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD"])  # the output projection in ATen or oneDNN
-def test_batched_search_equals_one_sentence_at_a_time(vendor, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD"])  # products in ATen or oneDNN
+def test_batched_search_equals_one_sentence_at_a_time(vendor, dtype, monkeypatch):
     monkeypatch.setattr(runtime, "cpu_vendor", lambda: vendor)
     monkeypatch.setattr(runtime, "ONEDNN_MIN_WEIGHTS", 0)
-    model = tiny_model(30, seed=4)
+    if dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():  # AVX2 alone: no oneDNN bf16
+        monkeypatch.setattr(runtime, "cpu_features", lambda: frozenset({"avx512_bf16"}))
+    model = tiny_model(30, seed=4).to(dtype)
     sources = random_sources(7, 30, seed=1)
     src, mask = source_tensor(sources)
     batched = beam_search(model, src, mask, DecodeConfig(beam=4, lenpen=1.0), nbest=2)
@@ -154,11 +157,14 @@ def test_batched_search_equals_one_sentence_at_a_time(vendor, monkeypatch):
             assert math.isclose(h.score, a.score, rel_tol=1e-4, abs_tol=1e-5)
 
 
-def test_search_finds_the_same_through_either_library_of_the_output_projection(monkeypatch):
-    """oneDNN's product with the vocabulary (x86 CPUs not made by Intel) changes no output and no score beyond
-    rounding: greedy and beam 4, nbest 2, against ATen's."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_search_finds_the_same_through_either_library_of_the_products(dtype, monkeypatch):
+    """oneDNN's products (x86 CPUs not made by Intel: the vocabulary's in fp32, every layer's in bf16 with native bf16)
+    change no output and no score beyond rounding: greedy and beam 4, nbest 2, against ATen's."""
     monkeypatch.setattr(runtime, "ONEDNN_MIN_WEIGHTS", 0)
-    model = tiny_model(30, seed=5)
+    if dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():  # AVX2 alone: no oneDNN bf16
+        monkeypatch.setattr(runtime, "cpu_features", lambda: frozenset({"avx512_bf16"}))
+    model = tiny_model(30, seed=5).to(dtype)
     src, mask = source_tensor(random_sources(9, 30, seed=3))
     found = {}
     for vendor in ("GenuineIntel", "AuthenticAMD"):

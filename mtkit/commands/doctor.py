@@ -11,7 +11,7 @@ import typer
 from mtkit.commands.common import examples
 
 commands = typer.Typer()
-GEMM_NAMES = {"aten": "ATen's matrix product", "onednn": "oneDNN over packed weights"}  # fp32_vocabulary_gemm's
+GEMM_NAMES = {"aten": "ATen's matrix product", "onednn": "oneDNN over packed weights"}  # runtime's *_gemm choices
 
 
 @commands.command("doctor", epilog=examples("mtkit doctor", "mtkit doctor --path runs/ --json"))
@@ -55,6 +55,7 @@ def doctor_command(
         ),
         ("int8 decoding", f"cpu ({report['int8_decoding']['reason'].removeprefix('asked for; ')})"),
         ("fp32 output projection", GEMM_NAMES[report["fp32_vocabulary_gemm"]]),
+        ("bf16 decoding products", GEMM_NAMES[report["bf16_decoding_gemm"]]),
         ("memory available", f"{report['memory_available_gib']} GiB"),
         ("disk free", f"{report['disk_free_gib']} GiB at {report['disk_path']}{_not_there(path)}"),
     ]

@@ -14,10 +14,10 @@ polarity: masks handed to attention (``attn_allowed``) are True where a query ma
 
 from __future__ import annotations
 
-import functools
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Self
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,7 @@ from torch.utils.hooks import RemovableHandle
 
 from mtkit.config import ModelConfig
 from mtkit.model.derived import Derived
+from mtkit.model.linear import Linear, decoding_linear
 from mtkit.model.positions import RelativePositions, Rotary
 from mtkit.model.quantization import Int8Linear
 
@@ -236,16 +237,20 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"d_model {d_model} is not divisible by heads {heads}")
         self.heads = heads
         self.d_head = d_model // heads
-        self.q_proj = nn.Linear(d_model, d_model)
-        self.k_proj = nn.Linear(d_model, d_model)
-        self.v_proj = nn.Linear(d_model, d_model)
-        self.out_proj = nn.Linear(d_model, d_model)
+        self.q_proj = Linear(d_model, d_model)
+        self.k_proj = Linear(d_model, d_model)
+        self.v_proj = Linear(d_model, d_model)
+        self.out_proj = Linear(d_model, d_model)
         self.dropout = dropout
         self.rotary = rotary
         self.relative = relative
         self.window = window
         self._weights_hooks: OrderedDict[int, WeightsHook] = OrderedDict()  # a handle refers to it weakly
         self._joint: Derived[Callable[[Tensor], Tensor]] = Derived()  # joint_qkv's layer
+
+    def train(self, mode: bool = True) -> Self:
+        self._joint.clear()  # a fused optimizer's steps leave no trace that the copy could be checked against
+        return super().train(mode)
 
     def init_weights(self) -> None:
         """Xavier-uniform projection matrices, as the Transformer initialises them; biases keep nn.Linear's."""
@@ -419,7 +424,7 @@ def _joined(projections: tuple[nn.Module, ...]) -> Callable[[Tensor], Tensor]:
         return Int8Linear.joined(projections)
     biases = [p.bias for p in projections]
     bias = None if any(b is None for b in biases) else torch.cat(biases)
-    return functools.partial(F.linear, weight=torch.cat([p.weight for p in projections]), bias=bias)
+    return decoding_linear(torch.cat([p.weight for p in projections]), bias)
 
 
 def _per_key(attn_allowed: Tensor | None) -> bool:

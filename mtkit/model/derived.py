@@ -1,7 +1,10 @@
 """Weights that decoding derives from a model's parameters (joined, packed), kept while the parameters last.
 
 A model being trained is also decoded (validation between updates), so a derived copy is checked against its
-sources at each use and made again once one of them changed: moved, replaced, cast or changed in place.
+sources at each use and made again once one of them changed: moved, replaced, cast or changed in place. A fused
+optimizer (``torch.optim.Adam(fused=True)``, as training steps) changes parameters in place without counting the
+change, so the modules that hold derived copies also drop them whenever their mode is set (``train()``, ``eval()``),
+which a training loop does between its updates and its validations.
 """
 
 from __future__ import annotations
@@ -33,6 +36,10 @@ class Derived(Generic[Value]):
         if self._held is None or self._held[1] != stamps:
             self._held = (sources, stamps, make())
         return self._held[2]
+
+    def clear(self) -> None:
+        """Forget the value: the next ``get`` makes it again."""
+        self._held = None
 
 
 def onednn_linear(weight: Tensor, bias: Tensor | None) -> Callable[[Tensor], Tensor]:

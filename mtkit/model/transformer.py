@@ -7,19 +7,19 @@ query may attend (``attn_allowed``).
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Self
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mtkit import runtime
 from mtkit.config import ModelConfig
 from mtkit.model.attention import DecoderCache, Dropout, LayerCache, MultiHeadAttention, autocast_once, self_attention
 from mtkit.model.derived import Derived, onednn_linear
+from mtkit.model.linear import Linear, decoding_linear, onednn_pays
 from mtkit.model.positions import RelativePositions, building_skeleton
 from mtkit.model.quantization import Int8Linear
 
@@ -41,30 +41,13 @@ class Candidates:
                 cut = output.rows(self.ids)
             else:
                 weight, bias = output.weight[self.ids], None if output.bias is None else output.bias[self.ids]
-                cut = (
-                    onednn_linear(weight, bias)
-                    if onednn_pays(weight)
-                    else functools.partial(F.linear, weight=weight, bias=bias)
-                )
+                cut = decoding_linear(weight, bias, vocabulary=True)
             self._cut[id(output)] = cut
         return cut(features)
 
     def columns(self, ids: Tensor) -> Tensor:
         """The positions of target ``ids`` (each one of the candidates, or -1, kept) among the candidates."""
         return torch.where(ids >= 0, torch.searchsorted(self.ids, ids.clamp(min=0)), ids)
-
-
-def onednn_pays(weight: Tensor) -> bool:
-    """Whether decoding multiplies by these output weights (the whole layer's, or a shortlist's cut of them) through
-    oneDNN: in fp32 on a CPU whose vendor's products go there (``mtkit.runtime.fp32_vocabulary_gemm``), without
-    gradients, and enough of them that oneDNN's fixed cost per call pays (``ONEDNN_MIN_WEIGHTS``)."""
-    return (
-        not torch.is_grad_enabled()
-        and weight.dtype == torch.float32
-        and not weight.is_cuda
-        and weight.numel() >= runtime.ONEDNN_MIN_WEIGHTS
-        and runtime.fp32_vocabulary_gemm(runtime.cpu_vendor()) == "onednn"
-    )
 
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "swish": F.silu}  # model.activation's choices
@@ -75,8 +58,8 @@ class FeedForward(nn.Module):
 
     def __init__(self, d_model: int, ffn: int, dropout: float, activation: str = "relu") -> None:
         super().__init__()
-        self.up = nn.Linear(d_model, ffn)
-        self.down = nn.Linear(ffn, d_model)
+        self.up = Linear(d_model, ffn)
+        self.down = Linear(ffn, d_model)
         self.dropout = Dropout(dropout)
         self.activation = activation
         self.activate = ACTIVATIONS[activation]
@@ -339,17 +322,21 @@ class Transformer(nn.Module):
         features = self.decoder(tgt_in, memory, src_pad_mask, cache)
         return self.output_layer()(features) if candidates is None else candidates.project(features, self.output)
 
+    def train(self, mode: bool = True) -> Self:
+        self._packed.clear()  # a fused optimizer's steps leave no trace that the copy could be checked against
+        return super().train(mode)
+
     def output_layer(self) -> Callable[[Tensor], Tensor]:
-        """The output projection as decoding applies it: ``self.output``, or in fp32 on a CPU whose vendor's
-        products go through oneDNN (``mtkit.runtime.fp32_vocabulary_gemm``), without gradients and for a vocabulary
-        large enough (``ONEDNN_MIN_WEIGHTS``), the same layer over a copy of its weights packed for oneDNN.
+        """The output projection as decoding applies it: ``self.output``, or where oneDNN pays
+        (``mtkit.model.linear.onednn_pays``: without gradients, in bf16 or in fp32 for a vocabulary large enough, on a
+        CPU whose products go there), the same layer over a copy of its weights packed for oneDNN.
 
         Why: the product with the vocabulary is the largest of a decoding step, and at the few rows of one
         sentence's beams, ATen's product there took up to 5.9x as long (docs/benchmarks.md). The copy costs the
         output weights' size again, and is made again when they change (validation between training updates).
         """
         out = self.output
-        if isinstance(out, Int8Linear) or not onednn_pays(out.weight):
+        if isinstance(out, Int8Linear) or not onednn_pays(out.weight, vocabulary=True):
             return out
         sources = [out.weight] if out.bias is None else [out.weight, out.bias]
         return self._packed.get(sources, lambda: onednn_linear(out.weight, out.bias))
