@@ -46,6 +46,14 @@ def decoding_linear(weight: Tensor, bias: Tensor | None, vocabulary: bool = Fals
     return lambda x: F.linear(x, weight, bias)
 
 
+def packed_linear(
+    copy: Derived[Callable[[Tensor], Tensor]], weight: Tensor, bias: Tensor | None
+) -> Callable[[Tensor], Tensor]:
+    """``F.linear`` with these weights through oneDNN, over the packed copy that ``copy`` keeps for them."""
+    sources = [weight] if bias is None else [weight, bias]
+    return copy.get(sources, lambda: onednn_linear(weight, bias))
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` (the same parameters and state dict) that decodes through oneDNN over a packed copy of its
     weights where that pays (``onednn_pays``)."""
@@ -57,8 +65,7 @@ class Linear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         if not onednn_pays(self.weight):
             return F.linear(x, self.weight, self.bias)
-        sources = [self.weight] if self.bias is None else [self.weight, self.bias]
-        return self._packed.get(sources, lambda: onednn_linear(self.weight, self.bias))(x)
+        return packed_linear(self._packed, self.weight, self.bias)(x)
 
     def train(self, mode: bool = True) -> Self:
         self._packed.clear()  # a fused optimizer's steps leave no trace that the copy could be checked against

@@ -18,8 +18,8 @@ from torch import Tensor, nn
 
 from mtkit.config import ModelConfig
 from mtkit.model.attention import DecoderCache, Dropout, LayerCache, MultiHeadAttention, autocast_once, self_attention
-from mtkit.model.derived import Derived, onednn_linear
-from mtkit.model.linear import Linear, decoding_linear, onednn_pays
+from mtkit.model.derived import Derived
+from mtkit.model.linear import Linear, decoding_linear, onednn_pays, packed_linear
 from mtkit.model.positions import RelativePositions, building_skeleton
 from mtkit.model.quantization import Int8Linear
 
@@ -338,8 +338,7 @@ class Transformer(nn.Module):
         out = self.output
         if isinstance(out, Int8Linear) or not onednn_pays(out.weight, vocabulary=True):
             return out
-        sources = [out.weight] if out.bias is None else [out.weight, out.bias]
-        return self._packed.get(sources, lambda: onednn_linear(out.weight, out.bias))
+        return packed_linear(self._packed, out.weight, out.bias)
 
     def features(self, src: Tensor, src_pad_mask: Tensor, tgt_in: Tensor) -> Tensor:
         """Decoder features (B, T, D); training projects only the non-pad positions to the vocabulary."""
