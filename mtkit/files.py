@@ -7,11 +7,12 @@ An output is checked before any work (``check_output_file``), so a command never
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from mtkit.errors import MtkitError
@@ -25,10 +26,11 @@ def atomic_write(path: Path, write, partial: Path | None = None) -> None:
     A symlink is followed, as shell redirection follows it: the file it points to is replaced.
     """
     path = Path(os.path.realpath(path)) if Path(path).is_symlink() else Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with naming(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
+        with naming(path, tmp=Path(tmp)), os.fdopen(fd, "wb") as f:
             try:
                 write(f)
             except KeyboardInterrupt:
@@ -39,22 +41,40 @@ def atomic_write(path: Path, write, partial: Path | None = None) -> None:
                 raise
             f.flush()
             os.fsync(f.fileno())
-        _publish(Path(tmp), path)
-    except OSError as err:
-        Path(tmp).unlink(missing_ok=True)
-        if err.filename in (None, tmp):  # the temporary name means nothing to the user: name the file
-            err.filename = str(path)
-        raise
+        with naming(path, tmp=Path(tmp)):
+            _publish(Path(tmp), path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
 
+@contextlib.contextmanager
+def naming(path: Path, tmp: Path | None = None) -> Iterator[None]:
+    """An error of the file system raised inside names ``path`` where it names no file (a write or an fsync to a full
+    disk: "[Errno 28] No space left on device"), or names ``tmp``, the temporary file or folder written in its place,
+    whose name means nothing to the user (a file in that folder is named as it will be in ``path``)."""
+    try:
+        yield
+    except OSError as err:
+        if err.filename is None and err.strerror is None:  # OSError("text"), as shutil.rmtree raises: text kept
+            raise OSError(err.errno, " ".join(map(str, err.args)) or type(err).__name__, str(path)) from err
+        if err.filename is None:
+            err.filename = str(path)
+        elif (
+            tmp is not None
+            and isinstance(err.filename, str | bytes)
+            and Path(os.fsdecode(err.filename)).is_relative_to(tmp)
+        ):
+            err.filename = str(path / Path(os.fsdecode(err.filename)).relative_to(tmp))
+        raise
+
+
 def os_error_line(err: OSError) -> str:
-    """'PATH: reason' for an error of the file system (disk full, permission denied, ...)."""
-    if err.filename is not None and err.strerror:
-        return f"{err.filename}: {err.strerror}"
-    return str(err)
+    """'PATH: reason' for an error of the file system (disk full, permission denied, ...); 'PATH -> PATH2: reason'
+    for one of a rename."""
+    reason = err.strerror or " ".join(map(str, err.args)) or type(err).__name__  # OSError("text"): no strerror
+    names = list(dict.fromkeys(os.fsdecode(name) for name in (err.filename, err.filename2) if name is not None))
+    return f"{' -> '.join(names)}: {reason}" if names else reason
 
 
 def _publish(tmp: Path, path: Path) -> None:
@@ -65,11 +85,13 @@ def _publish(tmp: Path, path: Path) -> None:
 
 
 def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """Make a file's content, or a folder's entries, durable; an error names ``path``."""
+    with naming(path):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _umask() -> int:
@@ -91,20 +113,24 @@ def copy_file(source: Path, target: Path) -> None:
 def atomic_write_directory(directory: Path, fill) -> None:
     """Call ``fill(tmp)`` on a temporary folder beside ``directory``, fsync it all, then swap it in whole.
 
-    Folders an earlier crash left beside ``directory`` are cleaned up first.
+    Folders an earlier crash left beside ``directory`` are cleaned up first. A symlink is followed, as
+    ``atomic_write`` follows one: the folder it points to is replaced, and the link kept.
     """
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    _remove_leftovers(directory)
-    tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.", suffix=".tmp"))
+    directory = Path(os.path.realpath(directory)) if Path(directory).is_symlink() else Path(directory)
+    with naming(directory):
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        _remove_leftovers(directory)
+        tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.", suffix=".tmp"))
     try:
-        fill(tmp)
-        for path in tmp.iterdir():
-            if path.is_file():  # some writers (transformers' save_pretrained) make files 0600, as mkstemp does
-                os.chmod(path, 0o666 & ~_umask())
-            fsync_path(path)
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700
-        fsync_path(tmp)
-        _swap_in(tmp, directory)
+        with naming(directory, tmp=tmp):
+            fill(tmp)
+            for path in tmp.iterdir():
+                if path.is_file():  # some writers (transformers' save_pretrained) make files 0600, as mkstemp does
+                    os.chmod(path, 0o666 & ~_umask())
+                fsync_path(path)
+            os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700
+            fsync_path(tmp)
+            _swap_in(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -51,13 +51,26 @@ def pick_device(name: str) -> torch.device:
 
 
 def set_threads(threads: int) -> None:
-    if threads > 0:
-        torch.set_num_threads(threads)
+    """Run torch's operations on ``threads`` CPU threads (0 keeps torch's default: OMP_NUM_THREADS where set, else
+    one per core), so that processes sharing a machine do not each take every core. The inter-op pool, which only
+    ``torch.jit.fork`` uses, is sized alike while torch still allows it: before its first parallel work."""
+    if threads <= 0:
+        return
+    torch.set_num_threads(threads)
+    with contextlib.suppress(RuntimeError):  # the inter-op pool is fixed once started, and is not mtkit's to need
+        torch.set_num_interop_threads(threads)
 
 
-# The x86 CPU features (as /proc/cpuinfo names them) with which oneDNN computes bf16 matrix products in bf16.
-# Without one, bf16 is emulated through fp32 arithmetic and runs several times slower than fp32 itself.
-NATIVE_BF16_CPU_FEATURES = {"avx512_bf16": "AVX512-BF16", "amx_bf16": "AMX-BF16"}
+# The CPU features (as /proc/cpuinfo names them) with which oneDNN computes bf16 matrix products in bf16, by CPU
+# architecture: x86's AVX-512 and AMX instructions (its ``flags`` line), 64-bit Arm's BF16 extension (its
+# ``Features`` line: Neoverse V1 and N2 on, AWS Graviton3 on). Without one, bf16 is emulated through fp32 arithmetic
+# and runs several times slower than fp32 itself.
+NATIVE_BF16_CPU_FEATURES = {
+    "x86": {"avx512_bf16": "AVX512-BF16", "amx_bf16": "AMX-BF16"},
+    "arm": {"bf16": "Arm BF16"},
+}
+ARM_CPU_FEATURE = "asimd"  # Advanced SIMD: every 64-bit Arm CPU lists it, no x86 CPU does
+CpuArchitecture = Literal["x86", "arm"]
 # The x86 CPU features with which int8 matrix products run as int8 dot products (oneDNN's VNNI and AMX kernels).
 INT8_CPU_FEATURES = {"amx_int8": "AMX-INT8", "avx512_vnni": "AVX512-VNNI", "avx_vnni": "AVX-VNNI"}
 # Without them, AVX2 multiplies int8 in pairs summed in int16: int8's "pairs" kernel (mtkit.model.quantization).
@@ -74,9 +87,25 @@ Gemm = Literal["aten", "onednn"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.float32}
 
 
+def cpu_architecture(cpu_features: set[str]) -> CpuArchitecture:
+    """The architecture of a CPU with these features: ``arm`` where they are 64-bit Arm's, else ``x86``."""
+    return "arm" if ARM_CPU_FEATURE in cpu_features else "x86"
+
+
 def native_bf16(cpu_features: set[str]) -> list[str]:
-    """The native-bf16 features among ``cpu_features``, by their usual names ("AVX512-BF16")."""
-    return [name for feature, name in NATIVE_BF16_CPU_FEATURES.items() if feature in cpu_features]
+    """The native-bf16 features among ``cpu_features``, by their usual names ("AVX512-BF16", "Arm BF16")."""
+    features = NATIVE_BF16_CPU_FEATURES[cpu_architecture(cpu_features)]
+    return [name for feature, name in features.items() if feature in cpu_features]
+
+
+def wanted_for_bf16(cpu_features: set[str]) -> str:
+    """The features that would make bf16 native on a CPU with these features, in words ("AVX512-BF16 or AMX-BF16");
+    every architecture's where the list is empty (no /proc/cpuinfo), as the architecture is then unknown."""
+    if cpu_features:
+        names = list(NATIVE_BF16_CPU_FEATURES[cpu_architecture(cpu_features)].values())
+    else:
+        names = [name for features in NATIVE_BF16_CPU_FEATURES.values() for name in features.values()]
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
 
 
 def int8_kernel(cpu_features: set[str]) -> Int8Kernel:
@@ -144,9 +173,9 @@ def choose_precision(
     /proc/cpuinfo flags, and a GPU's CUDA compute capability.
 
     A function of the features alone, so that every machine's choice can be tested on any machine: ``auto`` is
-    bf16 where the device computes it natively (a GPU from Ampere on; a CPU with AVX512-BF16 or AMX-BF16), fp32
-    elsewhere; fp16 only when asked for, and only on CUDA, where it has fast units and the trainer scales the
-    loss. An explicit bf16 where it is emulated runs, marked not ``native``.
+    bf16 where the device computes it natively (a GPU from Ampere on; an x86 CPU with AVX512-BF16 or AMX-BF16, an
+    Arm CPU with BF16), fp32 elsewhere; fp16 only when asked for, and only on CUDA, where it has fast units and the
+    trainer scales the loss. An explicit bf16 where it is emulated runs, marked not ``native``.
     """
     if asked == "fp16":
         if device_type != "cuda":
@@ -174,8 +203,7 @@ def choose_precision(
         if native:
             return PrecisionChoice("bf16", f"auto: this GPU (compute capability {capability}) has bf16 units")
         return PrecisionChoice("fp32", f"auto: this GPU (compute capability {capability}) has no bf16 units")
-    found = native_bf16(cpu_features)
-    wanted = " or ".join(NATIVE_BF16_CPU_FEATURES.values())
+    found, wanted = native_bf16(cpu_features), wanted_for_bf16(cpu_features)
     if asked == "bf16":
         if cpu_features and not found:
             return PrecisionChoice("bf16", f"asked for; emulated, as this CPU has no {wanted}", native=False)
@@ -211,7 +239,12 @@ def gpu_capability(device: torch.device) -> tuple[int, int] | None:
 @functools.cache
 def cpu_features() -> frozenset[str]:
     """The CPU's feature flags as Linux lists them in /proc/cpuinfo; empty where that file is missing."""
-    return frozenset((_proc_field("/proc/cpuinfo", "flags") or "").split())
+    return read_cpu_features("/proc/cpuinfo")
+
+
+def read_cpu_features(cpuinfo: str) -> frozenset[str]:
+    """The features a /proc/cpuinfo file lists: x86 Linux writes them as ``flags``, 64-bit Arm Linux as ``Features``."""
+    return frozenset((_proc_field(cpuinfo, "flags") or _proc_field(cpuinfo, "Features") or "").split())
 
 
 @functools.cache

@@ -22,10 +22,18 @@ from mtkit import progress
 from mtkit.config import TokenizerConfig
 from mtkit.data.tokenizer import Tokenizer, train_spm
 
-# Set by .ci/run: there a skipped test is a failure unless it needs a GPU (CI has none), so that no test can stop
-# running unnoticed, for want of a file, a package or a device.
+# Set by .ci/run: there a test that is skipped, or marked to fail (xfail, whether it fails or passes), fails the
+# session, so that no test can stop running unnoticed, for want of a file, a package or a device; unless the machine
+# lacks what the test needs (``MACHINE_SKIPS``).
 NO_SKIPS = os.environ.get("MTKIT_TESTS_NO_SKIPS") == "1"
-MAY_SKIP = {"tests/test_cuda.py"}
+# The skips a machine justifies, by file and reason, each with whether this machine lacks what the test needs: a
+# CUDA device (CI has none), a CPU for which oneDNN computes bf16 products (AVX2 alone has none).
+MACHINE_SKIPS = {
+    ("tests/test_cuda.py", "needs a CUDA device"): lambda: not torch.cuda.is_available(),
+    ("tests/test_model.py", "oneDNN computes no bf16 product on this CPU"): lambda: (
+        not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    ),
+}
 # pyproject.toml runs the tests in one worker per core (pytest-xdist), at most this many: each worker trains its own
 # session fixtures and holds its own models.
 MAX_WORKERS = 4
@@ -44,13 +52,28 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     os.environ["OMP_NUM_THREADS"] = str(_threads)
 
 
-_wrongly_skipped: list[str] = []
+_wrongly_skipped: list[str] = []  # "NODEID (skipped: REASON)", "NODEID (xfailed)", ...
+
+
+def skip_reason(report) -> str:
+    """The reason a skipped test's report gives ("needs a CUDA device"); a tuple, or a list once pytest-xdist's
+    worker has sent it."""
+    return report.longrepr[2].removeprefix("Skipped: ") if isinstance(report.longrepr, (tuple, list)) else ""
+
+
+def machine_skip(report) -> bool:
+    """Whether a skipped test's report is one of ``MACHINE_SKIPS`` on a machine that lacks what the test needs."""
+    lacks = MACHINE_SKIPS.get((report.location[0], skip_reason(report)))
+    return lacks is not None and lacks()
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if NO_SKIPS and reporter is not None:
-        _wrongly_skipped[:] = [r.nodeid for r in reporter.stats.get("skipped", []) if r.location[0] not in MAY_SKIP]
+        stats = reporter.stats
+        _wrongly_skipped[:] = [
+            f"{r.nodeid} (skipped: {skip_reason(r)})" for r in stats.get("skipped", []) if not machine_skip(r)
+        ] + [f"{r.nodeid} ({kind})" for kind in ("xfailed", "xpassed") for r in stats.get(kind, [])]
         if _wrongly_skipped:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
@@ -58,9 +81,9 @@ def pytest_sessionfinish(session, exitstatus) -> None:
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     """Runs after pytest_sessionfinish: lists what it failed the session for."""
     if _wrongly_skipped:
-        terminalreporter.write_line(f"{len(_wrongly_skipped)} tests skipped that must run (MTKIT_TESTS_NO_SKIPS):")
-        for nodeid in _wrongly_skipped:
-            terminalreporter.write_line(f"  {nodeid}")
+        terminalreporter.write_line(f"{len(_wrongly_skipped)} tests did not run that must (MTKIT_TESTS_NO_SKIPS):")
+        for entry in _wrongly_skipped:
+            terminalreporter.write_line(f"  {entry}")
 
 
 @pytest.fixture

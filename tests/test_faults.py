@@ -10,7 +10,9 @@ from __future__ import annotations
 import errno
 import json
 import math
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,9 +21,10 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from helpers import small_config
+from helpers import joint_post_norm_run, small_config
 from typer.testing import CliRunner
 
+from mtkit import files
 from mtkit.cli import app
 from mtkit.config import from_dict
 from mtkit.errors import TrainingFailed
@@ -626,3 +629,53 @@ def test_the_first_log_line_after_a_resume_is_the_mean_an_uninterrupted_run_logs
         return {(e["step"], e["loss"], e["nll"]) for e in events(run, "train")}
 
     assert logged(tmp_path / "run") == logged(tmp_path / "straight")
+
+
+# -- file-system errors name their path -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EINVAL])
+def test_a_failed_fsync_names_the_file_as_the_export_calls_it(tmp_path, spm_model, monkeypatch, code):
+    """An fsync that fails (a full disk: ENOSPC; a file system that cannot: EINVAL) names no file of its own: the
+    error line names the one being written, by the name it would have had in the output folder."""
+    run, out = joint_post_norm_run(tmp_path, spm_model), tmp_path / "ct2"
+
+    def fsync(fd: int) -> None:
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    result = CliRunner().invoke(app, ["export", str(run), "-o", str(out)])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert re.fullmatch(rf"error: {re.escape(str(out))}(/[\w.]+)?: {os.strerror(code)}\n", result.stderr), result.stderr
+    assert not out.exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_failed_write_without_a_file_name_names_the_folder_being_written(tmp_path, monkeypatch):
+    """A file object's write to a full disk raises an OSError that names no file."""
+
+    def fill(tmp: Path) -> None:
+        with open(tmp / "weights.bin", "wb") as f:
+            f.write(b"begun")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with pytest.raises(OSError) as caught:
+        files.atomic_write_directory(tmp_path / "out", fill)
+    assert files.os_error_line(caught.value) == f"{tmp_path / 'out'}: No space left on device"
+
+
+def test_a_set_aside_folder_that_cannot_be_removed_names_the_folder(tmp_path, monkeypatch):
+    """shutil.rmtree raises some errors with neither an errno nor a file name ("Cannot call rmtree on a symbolic
+    link"); replacing a folder whose old copy it cannot remove names the folder."""
+    out = tmp_path / "out"
+    files.atomic_write_directory(out, lambda tmp: (tmp / "a").write_text("old"))
+    real_rmtree = shutil.rmtree
+
+    def rmtree(path, *args, **kwargs) -> None:
+        if Path(path).name == f".{out.name}.old":
+            raise OSError("Cannot call rmtree on a symbolic link")
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    with pytest.raises(OSError) as caught:
+        files.atomic_write_directory(out, lambda tmp: (tmp / "a").write_text("new"))
+    assert files.os_error_line(caught.value) == f"{out}: Cannot call rmtree on a symbolic link"

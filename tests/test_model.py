@@ -13,7 +13,7 @@ from helpers import tiny_model
 from mtkit import runtime
 from mtkit.config import from_dict
 from mtkit.data.tokenizer import PAD_ID
-from mtkit.model import derived, linear
+from mtkit.model import linear
 from mtkit.model.attention import DecoderCache, MultiHeadAttention, _explicit_attention, dropout
 from mtkit.model.positions import RelativePositions
 from mtkit.model.transformer import build_model, count_parameters
@@ -238,16 +238,18 @@ def test_output_layer_is_the_output_projection_after_its_weights_change(bias, mo
 
 def test_bf16_layers_decode_through_packed_weights_and_keep_up_with_them(monkeypatch):
     """In bf16 without gradients, on a CPU with native bf16 not made by Intel, every linear layer multiplies by a copy
-    of its weights packed for oneDNN once: the layer's own results, a row's the same alone as among others, the copy
+    of its weights packed once (here a stand-in for oneDNN's packing, which runs on any CPU: a copy of the weights),
     made again when a weight changes in place or is replaced; with gradients, in fp32 and on Intel's CPUs, none."""
-    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
-        # oneDNN computes no bf16 product on this CPU (AVX2 alone), which then has no native bf16 either
-        assert runtime.bf16_decoding_gemm(runtime.cpu_vendor(), runtime.cpu_features()) == "aten"
-        return
     monkeypatch.setattr(runtime, "cpu_vendor", lambda: "AuthenticAMD")
     monkeypatch.setattr(runtime, "cpu_features", lambda: frozenset({"avx512_bf16"}))
     made = []
-    monkeypatch.setattr(linear, "onednn_linear", lambda w, b: made.append(w) or derived.onednn_linear(w, b))
+
+    def pack(weight, bias):
+        made.append(weight)
+        weight, bias = weight.clone(), None if bias is None else bias.clone()  # a stale copy gives stale results
+        return lambda x: F.linear(x, weight, bias)
+
+    monkeypatch.setattr(linear, "onednn_linear", pack)
     model = tiny_model(VOCAB).to(torch.bfloat16)
     layer = model.decoder.layers[0].ffn.up
     x = torch.randn(5, 3, layer.in_features, dtype=torch.bfloat16)
@@ -255,7 +257,6 @@ def test_bf16_layers_decode_through_packed_weights_and_keep_up_with_them(monkeyp
         for _ in range(2):
             torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
         assert len(made) == 1
-        assert torch.equal(layer(x)[2:3, 1:2], layer(x[2:3, 1:2]))  # one row, a decoding step, as in a batch
         layer.weight.mul_(2.0)
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
         layer.bias = torch.nn.Parameter(torch.randn_like(layer.bias))
@@ -270,6 +271,28 @@ def test_bf16_layers_decode_through_packed_weights_and_keep_up_with_them(monkeyp
         model.float()(src, mask, tgt)
     model.to(torch.bfloat16)(src, mask, tgt)  # gradients on: training's layers
     assert len(made) == packed
+
+
+@pytest.mark.skipif(
+    not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+    reason="oneDNN computes no bf16 product on this CPU",  # AVX2 alone: it has no native bf16 either
+)
+def test_bf16_products_over_weights_packed_for_onednn_are_the_layers_own(monkeypatch):
+    """oneDNN's bf16 product over the packed weights gives the layer's results, a row's the same alone as among
+    others (a decoding step as in a batch), and the model's as ATen computes them."""
+    model = tiny_model(VOCAB).to(torch.bfloat16)
+    layer = model.decoder.layers[0].ffn.up
+    x = torch.randn(5, 3, layer.in_features, dtype=torch.bfloat16)
+    src, mask, tgt = random_batch(2, 6, 5)
+    with torch.no_grad():
+        monkeypatch.setattr(runtime, "cpu_vendor", lambda: "GenuineIntel")
+        aten = model(src, mask, tgt)
+        monkeypatch.setattr(runtime, "cpu_vendor", lambda: "AuthenticAMD")
+        monkeypatch.setattr(runtime, "cpu_features", lambda: frozenset({"avx512_bf16"}))
+        assert linear.onednn_pays(layer.weight)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+        assert torch.equal(layer(x)[2:3, 1:2], layer(x[2:3, 1:2]))
+        torch.testing.assert_close(model(src, mask, tgt), aten, rtol=0.05, atol=0.05)
 
 
 @pytest.mark.parametrize("how", ["autocast", "cast weights"])

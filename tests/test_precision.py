@@ -12,7 +12,13 @@ from helpers import invoke
 
 import mtkit
 from mtkit import runtime
-from mtkit.runtime import RuntimeSetupError, bf16_decoding_gemm, choose_precision, fp32_vocabulary_gemm
+from mtkit.runtime import (
+    RuntimeSetupError,
+    bf16_decoding_gemm,
+    choose_precision,
+    fp32_vocabulary_gemm,
+    read_cpu_features,
+)
 
 # /proc/cpuinfo flags of the CPU kinds mtkit runs on, trimmed to those that matter here.
 AMD_EPYC_ZEN4 = {"avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16"}
@@ -20,6 +26,32 @@ INTEL_ICE_LAKE = {"avx2", "fma", "avx512f", "avx512_vnni"}  # AVX-512 with VNNI,
 INTEL_SAPPHIRE_RAPIDS = {"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"}
 AVX2_ONLY = {"avx2", "fma"}
 NO_CPUINFO = set()  # macOS, Windows: no flags to read
+
+# /proc/cpuinfo of 64-bit Arm CPUs (one core's lines, as Linux writes them): their features are ``Features``.
+GRAVITON2 = """processor\t: 0
+BogoMIPS\t: 243.75
+Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp ssbs
+CPU implementer\t: 0x41
+CPU architecture: 8
+CPU variant\t: 0x3
+CPU part\t: 0xd0c
+CPU revision\t: 1
+"""
+GRAVITON3 = """processor\t: 0
+BogoMIPS\t: 2100.00
+Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm jscvt fcma lrcpc dcpop \
+sha3 sm3 sm4 asimddp sha512 sve asimdfhm dit uscat ilrcpc flagm ssbs paca pacg dcpodp svei8mm svebf16 i8mm bf16 dgh rng
+CPU implementer\t: 0x41
+CPU architecture: 8
+CPU variant\t: 0x1
+CPU part\t: 0xd40
+CPU revision\t: 1
+"""
+X86_CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC 9R14
+flags\t\t: fpu sse2 avx2 fma avx512f avx512_vnni avx512_bf16
+"""
 
 
 H200, A100, T4, V100 = (9, 0), (8, 0), (7, 5), (7, 0)  # CUDA compute capabilities
@@ -65,6 +97,34 @@ def test_the_reason_names_the_feature_found_or_missing():
     )
 
 
+@pytest.mark.parametrize(
+    "cpuinfo, has, lacks",
+    [(X86_CPUINFO, "avx512_bf16", "bf16"), (GRAVITON3, "bf16", "avx512_bf16"), (GRAVITON2, "asimd", "bf16")],
+)
+def test_cpu_features_are_read_from_x86_flags_and_arm_features(tmp_path, cpuinfo, has, lacks):
+    (tmp_path / "cpuinfo").write_text(cpuinfo)
+    features = read_cpu_features(str(tmp_path / "cpuinfo"))
+    assert has in features and lacks not in features
+    assert read_cpu_features(str(tmp_path / "missing")) == frozenset()
+
+
+def test_on_arm_bf16_is_native_with_the_bf16_feature_and_the_reason_says_so(tmp_path):
+    (tmp_path / "graviton3").write_text(GRAVITON3)
+    (tmp_path / "graviton2").write_text(GRAVITON2)
+    graviton3 = read_cpu_features(str(tmp_path / "graviton3"))
+    graviton2 = read_cpu_features(str(tmp_path / "graviton2"))
+    assert choose_precision("auto", "cpu", graviton3) == runtime.PrecisionChoice("bf16", "auto: this CPU has Arm BF16")
+    assert choose_precision("bf16", "cpu", graviton3) == runtime.PrecisionChoice("bf16", "asked for")
+    assert choose_precision("auto", "cpu", graviton2) == runtime.PrecisionChoice(
+        "fp32", "auto: this CPU has no Arm BF16, so bf16 would be emulated"
+    )
+    emulated = choose_precision("bf16", "cpu", graviton2)
+    assert (emulated.reason, emulated.native) == ("asked for; emulated, as this CPU has no Arm BF16", False)
+    assert choose_precision("auto", "cpu", NO_CPUINFO).reason == (
+        "auto: no CPU feature list (/proc/cpuinfo) to find AVX512-BF16, AMX-BF16 or Arm BF16 in"
+    )
+
+
 def test_fp16_needs_cuda():
     with pytest.raises(RuntimeSetupError, match="fp16 needs a CUDA device"):
         choose_precision("fp16", "cpu", AMD_EPYC_ZEN4)
@@ -92,6 +152,16 @@ def test_an_explicit_bf16_without_native_support_runs_and_warns_once(run_with_de
     assert first.translate(["A dog runs."]) and len(first.translate(["A dog.", "", "Two cats."])) == 3
 
 
+def test_an_explicit_bf16_on_an_arm_cpu_without_it_is_warned_about(tmp_path, cpu, caplog):
+    (tmp_path / "cpuinfo").write_text(GRAVITON2)
+    cpu(read_cpu_features(str(tmp_path / "cpuinfo")))
+    with caplog.at_level(logging.WARNING, logger="mtkit"):
+        choice = runtime.resolve_precision("bf16", torch.device("cpu"))
+    assert (choice.precision, choice.native) == ("bf16", False)
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "no Arm BF16" in warning and "slower than fp32" in warning
+
+
 @pytest.mark.parametrize("features, chosen", [(AMD_EPYC_ZEN4, "bf16"), (INTEL_ICE_LAKE, "fp32")])
 def test_load_and_translate_default_to_auto(run_with_decode_settings, cpu, features, chosen, caplog):
     cpu(features)
@@ -100,7 +170,7 @@ def test_load_and_translate_default_to_auto(run_with_decode_settings, cpu, featu
     assert translator.precision["precision"] == chosen
     assert next(translator.model.parameters()).dtype == runtime.DTYPES[chosen]
     with caplog.at_level(logging.WARNING, logger="mtkit"):
-        assert invoke("translate", run_with_decode_settings, input="A dog runs.\n").exit_code == 0
+        assert invoke("translate", run_with_decode_settings, "--device", "cpu", input="A dog runs.\n").exit_code == 0
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]  # auto never warns
 
 
@@ -122,7 +192,7 @@ def test_training_logs_and_records_what_auto_chose(tmp_path, corpus_files, spm_m
 
     cpu(INTEL_ICE_LAKE)
     with caplog.at_level(logging.INFO, logger="mtkit"):
-        run_training(small_config(corpus_files, spm_model, max_steps=1, precision="auto"), tmp_path)
+        run_training(small_config(corpus_files, spm_model, max_steps=1, precision="auto", device="cpu"), tmp_path)
     reason = choose_precision("auto", "cpu", INTEL_ICE_LAKE).reason
     assert any(r.getMessage().startswith(f"precision fp32 ({reason}) on ") for r in caplog.records)
     start = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
