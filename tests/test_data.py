@@ -5,9 +5,11 @@ from __future__ import annotations
 import gzip
 
 import captions
+import numpy as np
 import pytest
 
 from mtkit.data.parallel import DataError, collate, filter_pairs, read_lines, read_parallel, token_batches
+from mtkit.data.sampling import CorpusMix, corpus_probabilities
 from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 
@@ -106,3 +108,21 @@ def test_tsv_holds_both_sides(tmp_path):
     path.write_text("a dog\tein Hund\nno tab here\n")
     with pytest.raises(DataError, match=r"train\.tsv:2: expected 2 tab-separated columns"):
         read_parallel(path, "")
+
+
+class _OneBatchStore:
+    """What CorpusMix asks of a token store: one batch an epoch."""
+
+    def batch_indices(self, batch_tokens: int, seed: int) -> list[np.ndarray]:
+        return [np.array([0])]
+
+
+def test_corpus_shares_stay_probabilities_at_small_temperatures_and_large_weights():
+    """Computed in log space: neither 0.5 ** 10,000 (underflow, 0 / 0) nor 1e307 * 300 (overflow) makes them NaN."""
+    assert corpus_probabilities([100, 100], [1, 1], 1e-4).tolist() == [0.5, 0.5]
+    assert corpus_probabilities([100, 300, 300], [1, 1, 1], 1e-300).tolist() == [0.0, 0.5, 0.5]
+    assert corpus_probabilities([100, 300], [1e307, 1e307], 1.0) == pytest.approx([0.25, 0.75])
+    assert corpus_probabilities([2, 1], [1, 1e300], 1e-3).tolist() == [0.0, 1.0]
+    mix = CorpusMix([_OneBatchStore(), _OneBatchStore()], corpus_probabilities([9, 9], [1, 1], 1e-4), 100, seed=1)
+    drawn = [mix.corpus_of(draw) for draw in range(200)]
+    assert 60 < drawn.count(0) < 140  # both corpora, as equal shares draw them, not the last one every time

@@ -12,14 +12,20 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import safetensors
+import safetensors.torch
 import torch
+import torch.nn.functional as F
 import yaml
 from helpers import invoke, one_line_error, small_config, tiny_model, with_header
 
-from mtkit.config import ConfigError, TokenizerConfig, TrainConfig, from_dict
-from mtkit.data.tokenizer import train_spm
+from mtkit.config import ConfigError, TokenizerConfig, TrainConfig, config_yaml, from_dict
+from mtkit.data.parallel import collate
+from mtkit.data.tokenizer import PAD_ID, train_spm
 from mtkit.files import file_sha256
+from mtkit.interop.marian import NOT_A_TOKEN
 from mtkit.model import checkpoint, loading
+from mtkit.training import init_from
 from mtkit.training.averaging import write_average
 from mtkit.training.freezing import freeze, parts
 from mtkit.training.schedule import lr_at, schedule_preview
@@ -146,6 +152,51 @@ def test_a_vocabulary_that_cannot_match_is_refused(tmp_path, corpus_files, spm_m
     ).cleanup()
 
 
+def with_a_large_output_bias(base_run: Path, folder: Path, vocab: int) -> Path:
+    """base_run's best model given a large output bias whose pad entry is NOT_A_TOKEN, as an imported Marian model's
+    is, in ``folder`` beside its tokenizer."""
+    folder.mkdir()
+    with safetensors.safe_open(base_run / "best" / "model.safetensors", framework="pt") as f:
+        header = dict(f.metadata())
+        tensors = {key: f.get_tensor(key) for key in f.keys()}
+    meta = json.loads(header["mtkit"])
+    meta["config"]["model"]["output_bias"] = True
+    header["mtkit"] = json.dumps(meta)
+    tensors["output.bias"] = 3.0 * torch.randn(vocab, generator=torch.Generator().manual_seed(0))
+    tensors["output.bias"][PAD_ID] = NOT_A_TOKEN
+    (folder / "model.safetensors").write_bytes(safetensors.torch.save(tensors, metadata=header))
+    shutil.copy(base_run / "spm.model", folder / "spm.model")
+    return folder / "model.safetensors"
+
+
+def decoded_nll(model: Path, corpus_files) -> float:
+    """The validation NLL per token of ``model`` as it decodes: the logits of Transformer.decode."""
+    bundle = loading.load_for_inference(model, torch.device("cpu"))
+    src = bundle.src_tok.encode(corpus_files["val.en"].read_text().splitlines())
+    batch = collate(src, bundle.tgt_tok.encode(corpus_files["val.de"].read_text().splitlines()))
+    with torch.no_grad():
+        memory = bundle.model.encode(batch.src, batch.src_pad_mask)
+        logits = bundle.model.decode(batch.tgt_in, memory, batch.src_pad_mask)
+    keep = batch.tgt_out != PAD_ID
+    return float(F.cross_entropy(logits[keep], batch.tgt_out[keep]))
+
+
+def test_a_finetune_trains_the_output_bias_and_lowers_the_decoded_models_loss(
+    tmp_path, corpus_files, spm_model, base_run
+):
+    """The loss a run optimizes and reports is that of the model as it decodes, the output bias included."""
+    start = with_a_large_output_bias(base_run, tmp_path / "start", spm_model.vocab_size)
+    cfg = finetune_config(corpus_files, spm_model, start, schedule="constant", warmup=1, max_steps=10, lr=3e-3)
+    trainer = Trainer(cfg, tmp_path / "ft")
+    trainer.run()
+    before, after = decoded_nll(start, corpus_files), decoded_nll(loading.latest(tmp_path / "ft"), corpus_files)
+    assert after < before - 2.0  # about 10 -> 7; only to 8.4-8.8 when the loss leaves the bias out
+    assert not torch.equal(trainer.model.output.bias, weights(start)["output.bias"])
+    records = [json.loads(line) for line in (tmp_path / "ft" / "metrics.jsonl").read_text().splitlines()]
+    valid = [r for r in records if r["event"] == "valid"]
+    assert valid[-1]["step"] == 10 and valid[-1]["valid_nll"] == pytest.approx(after, rel=1e-5)
+
+
 # -- schedules and freezing -----------------------------------------------------------------------------------
 
 
@@ -260,3 +311,51 @@ def test_a_checkpoint_without_data_digests_still_resumes(tmp_path, corpus_files,
     latest = loading.latest(tmp_path) / "model.safetensors"
     with_header(latest, latest, lambda meta: meta.pop("data_sha256"))
     assert Trainer(small_config(corpus_files, spm_model, max_steps=4), tmp_path).progress.step == 2
+
+
+# -- where a run starts from, when it is run again ------------------------------------------------------------
+
+
+def test_a_run_resumed_with_another_init_from_is_refused_in_one_line(tmp_path, corpus_files, spm_model, base_run):
+    """The run's config.yaml keeps naming the model it started from."""
+    Trainer(finetune_config(corpus_files, spm_model, base_run, max_steps=2), tmp_path / "ft").run()
+    config = tmp_path / "ft.yaml"
+    config.write_text(config_yaml(finetune_config(corpus_files, spm_model, base_run, max_steps=4)))
+    other = loading.run_checkpoints(base_run)[0]
+    result = invoke("train", config, "--out", tmp_path / "ft", "--set", f"train.init_from={other}")
+    one_line_error(
+        result,
+        f"this run started from train.init_from '{base_run}', this config from train.init_from '{other}'; "
+        "to start from that, use another --out or start over (--restart)",
+    )
+    assert yaml.safe_load((tmp_path / "ft" / "config.yaml").read_text())["train"]["init_from"] == str(base_run)
+    Trainer(small_config(corpus_files, spm_model, max_steps=1), tmp_path / "plain").run()
+    with pytest.raises(checkpoint.CheckpointError, match="this run started from random weights .no train.init_from."):
+        Trainer(finetune_config(corpus_files, spm_model, base_run), tmp_path / "plain")
+
+
+def test_an_hf_init_from_is_imported_anew_until_the_first_checkpoint_and_restart_removes_it(
+    tmp_path, corpus_files, spm_model, base_run, monkeypatch
+):
+    """Two Marian models stand in for each other: an import is the mtkit model the name stands for, copied."""
+    models = {"first": base_run / "best", "second": loading.run_checkpoints(base_run)[0]}
+
+    def import_marian(source: str, target: Path, **_languages) -> Path:
+        shutil.copytree(models[source], target)
+        shutil.copy(base_run / "spm.model", target / "spm.model")
+        return target
+
+    monkeypatch.setattr(init_from, "import_marian", import_marian)
+    run = tmp_path / "ft"
+
+    def started_from(name: str, **options) -> Trainer:
+        trainer = Trainer(finetune_config(corpus_files, spm_model, f"hf:{name}", max_steps=2), run, **options)
+        assert_same(trainer.model.state_dict(), weights(models[name]))
+        assert_same(weights(run / "imported"), weights(models[name]))
+        return trainer
+
+    started_from("first").cleanup()  # stopped before its first checkpoint
+    started_from("second").run()  # not the first one's import
+    started_from("first", restart=True).run()
+    Trainer(finetune_config(corpus_files, spm_model, base_run), run, restart=True).cleanup()
+    assert not (run / "imported").exists()  # --restart leaves no import behind

@@ -44,6 +44,15 @@ def test_loss_goes_down_and_checkpoints_are_written(tmp_path, corpus_files, spm_
     assert checkpoint.read_checkpoint(loading.latest(tmp_path)).meta["step"] == 30
 
 
+def test_a_model_with_an_output_bias_trains_it(tmp_path, corpus_files, spm_model):
+    raw = small_config(corpus_files, spm_model, max_steps=2).to_dict()
+    raw["model"]["output_bias"] = True
+    trainer = Trainer(from_dict(raw), tmp_path)
+    assert not trainer.model.output.bias.any()  # it starts at zero
+    trainer.run()
+    assert trainer.model.output.bias.abs().min() > 0
+
+
 def test_resumed_training_equals_uninterrupted_training(tmp_path, corpus_files, spm_model):
     straight = Trainer(small_config(corpus_files, spm_model, max_steps=6), tmp_path / "a")
     straight.run()

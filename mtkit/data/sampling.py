@@ -19,9 +19,17 @@ from mtkit.data.token_store import TokenStore
 
 
 def corpus_probabilities(pairs: Sequence[int], weights: Sequence[float], temperature: float) -> np.ndarray:
-    """p_i proportional to (weight_i * pairs_i) ** (1 / temperature), summing to 1."""
-    sizes = np.asarray(weights, dtype=np.float64) * np.asarray(pairs, dtype=np.float64)
-    shares = (sizes / sizes.sum()) ** (1.0 / temperature)  # normalised first: no overflow at low temperatures
+    """p_i proportional to (weight_i * pairs_i) ** (1 / temperature), summing to 1, for pairs_i >= 1 and finite
+    weights > 0 (the config refuses any other number) at any temperature > 0.
+
+    Computed in log space, as a softmax of the log sizes over the temperature, the largest subtracted first: a
+    large weight times a large corpus cannot overflow, nor can every power underflow to 0 at a small temperature
+    (0 / 0), since the largest corpus's term is exp(0) = 1. Towards temperature 0 the draws go to the largest
+    corpus (the largest ones in equal shares); towards infinity, to uniform.
+    """
+    log_sizes = np.log(np.asarray(weights, dtype=np.float64)) + np.log(np.asarray(pairs, dtype=np.float64))
+    with np.errstate(over="ignore", under="ignore"):  # -inf and 0 are the right limits at a small temperature
+        shares = np.exp((log_sizes - log_sizes.max()) / temperature)
     return shares / shares.sum()
 
 

@@ -1,16 +1,21 @@
-"""Label-smoothed cross-entropy (Szegedy et al., 2016) fused with the output projection.
+"""Label-smoothed cross-entropy (Szegedy et al., 2016) fused with the output projection and its bias.
 
 Why fused: on a small model the (tokens x vocabulary) logits dominate training. Autograd would
 write them to memory and read them back five or six times (log_softmax, gather, mean and their
 backward buffers), which is memory-bound on a CPU. Here rows are processed in chunks, each chunk's
 logits are turned into the loss and straight into the gradient in two reused buffers, and only the
-(N, D) and (V, D) gradients are kept. The smoothing mass eps is spread uniformly over all V classes:
+(N, D), (V, D) and (V,) gradients are kept. The logits are the ones decoding scores with,
+x_i = W h_i + b, b the output bias where the model has one (an imported Marian model's, whose pad
+entry is NOT_A_TOKEN), so that the loss is the NLL of the model as it translates. The smoothing
+mass eps is spread uniformly over all V classes:
     loss_i = logsumexp(x_i) - (1 - eps) * x_i[y_i] - eps * mean(x_i)
     d loss_i / d x_i = softmax(x_i) - (1 - eps) * onehot(y_i) - eps / V
 Three identities keep the passes over the logits to a softmax and a cast:
     logsumexp(x_i) - x_i[y_i] = -log softmax(x_i)[y_i]     (the NLL, from the softmax itself)
-    mean(x_i) = h_i . mean(W)                               (a matrix-vector product, no pass)
+    mean(x_i) = h_i . mean(W) + mean(b)                     (a matrix-vector product, no pass)
     (eps / V) 1^T W = (eps / V) sum(W)                      (the uniform term as a rank-one correction)
+The bias's gradient is the column sum of d loss / d x. Softmax, sums and gradients are kept in
+fp32, or in fp64 for fp64 inputs (what torch.autograd.gradcheck needs).
 """
 
 from __future__ import annotations
@@ -30,80 +35,111 @@ TINY_PROBABILITY = 1e-30
 
 
 def _chunk_losses(
-    h: Tensor, w: Tensor, target: Tensor, logits: Tensor, probs: Tensor, w_sum: Tensor, eps: float
+    h: Tensor,
+    w: Tensor,
+    bias: Tensor | None,
+    target: Tensor,
+    logits: Tensor,
+    probs: Tensor,
+    w_sum: Tensor,
+    b_mean: Tensor | float,
+    eps: float,
 ) -> tuple[Tensor, Tensor]:
-    """Per-row smoothed loss and NLL of the rows ``h``; leaves softmax(h w^T) in ``probs``.
+    """Per-row smoothed loss and NLL of the rows ``h``; leaves softmax(h w^T + bias) in ``probs``.
 
-    ``logits`` (``h``'s dtype) and ``probs`` (fp32) are buffers of ``h``'s shape, the same one in fp32.
+    ``logits`` (``h``'s dtype) and ``probs`` (the sums' dtype: fp32, or fp64) are buffers of ``h``'s shape, the
+    same one where the dtypes agree; ``bias`` (V,) is in the sums' dtype, so that it adds at full precision.
     """
     torch.mm(h, w.t(), out=logits)
     if probs.data_ptr() != logits.data_ptr():
         probs.copy_(logits)
+    if bias is not None:
+        probs += bias
     gold = probs.gather(1, target)
     torch.softmax(probs, dim=-1, out=probs)
     gold_probability = probs.gather(1, target)
     nll = -gold_probability.log()
     tiny = gold_probability < TINY_PROBABILITY
-    if tiny.any():  # the softmax overwrote the fp32 logits: recompute those rows
+    if tiny.any():  # the softmax overwrote the logits: recompute those rows
         rows = tiny.squeeze(1).nonzero().squeeze(1)
-        nll[rows] = torch.logsumexp((h[rows] @ w.t()).float(), dim=-1, keepdim=True) - gold[rows]
-    mean_logit = (h.float() @ w_sum)[:, None] / w.size(0)
+        exact = (h[rows] @ w.t()).to(probs.dtype)
+        if bias is not None:
+            exact += bias
+        nll[rows] = torch.logsumexp(exact, dim=-1, keepdim=True) - gold[rows]
+    mean_logit = (h.to(probs.dtype) @ w_sum)[:, None] / w.size(0) + b_mean
     return (1.0 - eps) * nll + eps * (gold + nll - mean_logit), nll
 
 
 class _LinearSmoothedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, features: Tensor, weight: Tensor, target: Tensor, eps: float, dtype: torch.dtype):
+    def forward(
+        ctx, features: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, eps: float, dtype: torch.dtype
+    ):
         h = features.to(dtype)
         w = weight.to(dtype)
+        sums = torch.promote_types(dtype, torch.float32)  # softmax, sums and gradients: fp32, or fp64
+        b = None if bias is None else bias.to(sums)
         rows, vocab = h.size(0), w.size(0)
-        want_grad = features.requires_grad or weight.requires_grad
-        w_sum = w.float().sum(dim=0)  # (D,)
+        want_grad = any(t is not None and t.requires_grad for t in (features, weight, bias))
+        w_sum = w.to(sums).sum(dim=0)  # (D,)
+        b_mean = 0.0 if b is None else b.mean()
         logits = h.new_empty(min(rows, CHUNK_ROWS), vocab)
-        probs = logits if dtype == torch.float32 else torch.empty_like(logits, dtype=torch.float32)
-        grad_h = torch.empty_like(features, dtype=torch.float32) if want_grad else None
-        grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_grad else None
-        loss_sum = torch.zeros((), dtype=torch.float32, device=features.device)
-        nll_sum = torch.zeros((), dtype=torch.float32, device=features.device)
+        probs = logits if dtype == sums else torch.empty_like(logits, dtype=sums)
+        grad_h = torch.empty_like(features, dtype=sums) if want_grad else None
+        grad_w = torch.zeros_like(weight, dtype=sums) if want_grad else None
+        grad_b = torch.zeros_like(b) if want_grad and b is not None else None
+        loss_sum = torch.zeros((), dtype=sums, device=features.device)
+        nll_sum = torch.zeros((), dtype=sums, device=features.device)
         for start in range(0, rows, CHUNK_ROWS):
             h_c = h[start : start + CHUNK_ROWS]
             y_c = target[start : start + CHUNK_ROWS, None]
             n = h_c.size(0)
-            loss, nll = _chunk_losses(h_c, w, y_c, logits[:n], probs[:n], w_sum, eps)
+            loss, nll = _chunk_losses(h_c, w, b, y_c, logits[:n], probs[:n], w_sum, b_mean, eps)
             loss_sum += loss.sum()
             nll_sum += nll.sum()
             if not want_grad:
                 continue
             grad = probs[:n].scatter_add_(1, y_c, torch.full_like(nll, eps - 1.0))
+            if grad_b is not None:
+                grad_b += grad.sum(dim=0)
             if grad.dtype != dtype:
                 grad = logits[:n].copy_(grad)
             grad_h[start : start + n] = grad @ w
-            grad_w += (grad.t() @ h_c).float()
+            grad_w += (grad.t() @ h_c).to(sums)
         if want_grad and eps:
             grad_h -= (eps / vocab) * w_sum
-            grad_w -= (eps / vocab) * h.float().sum(dim=0)
-        ctx.save_for_backward(grad_h, grad_w)
-        ctx.dtypes = (features.dtype, weight.dtype)
+            grad_w -= (eps / vocab) * h.to(sums).sum(dim=0)
+            if grad_b is not None:
+                grad_b -= eps * rows / vocab
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        ctx.dtypes = (features.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.mark_non_differentiable(nll_sum)
         return loss_sum, nll_sum
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor, _grad_nll: Tensor):
-        grad_h, grad_w = ctx.saved_tensors
-        h_dtype, w_dtype = ctx.dtypes
-        return (grad_h * grad_loss).to(h_dtype), (grad_w * grad_loss).to(w_dtype), None, None, None
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        h_dtype, w_dtype, b_dtype = ctx.dtypes
+        grad_bias = None if grad_b is None else (grad_b * grad_loss).to(b_dtype)
+        return (grad_h * grad_loss).to(h_dtype), (grad_w * grad_loss).to(w_dtype), grad_bias, None, None, None
 
 
 def linear_cross_entropy(
-    features: Tensor, weight: Tensor, target: Tensor, eps: float, dtype: torch.dtype = torch.float32
+    features: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    eps: float,
+    dtype: torch.dtype = torch.float32,
+    bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Summed label-smoothed loss and summed plain NLL of ``features @ weight.T`` against ``target``.
+    """Summed label-smoothed loss and summed plain NLL of ``features @ weight.T + bias`` against ``target``.
 
     features (N, D) are the decoder outputs at real (non-pad) target positions, weight (V, D) the
-    output projection, target (N,) the gold ids. ``dtype`` is the matmul precision (bf16 under
-    mixed precision); softmax and sums are always fp32. Only the first result carries a gradient.
+    output projection, bias (V,) its bias or None, target (N,) the gold ids. ``dtype`` is the matmul
+    precision (bf16 under mixed precision); softmax, the bias and sums are fp32 (fp64 for fp64 matmuls).
+    Only the first result carries a gradient.
     """
-    return _LinearSmoothedCrossEntropy.apply(features, weight, target, eps, dtype)
+    return _LinearSmoothedCrossEntropy.apply(features, weight, bias, target, eps, dtype)
 
 
 class TrainingObjective(nn.Module):
@@ -126,11 +162,13 @@ class TrainingObjective(nn.Module):
         self._features = torch.compile(self.model.features, dynamic=True)
 
     def forward(self, src: Tensor, src_pad_mask: Tensor, tgt_in: Tensor, tgt_out: Tensor) -> tuple[Tensor, Tensor]:
-        """Summed smoothed loss and summed NLL over the real (non-pad) target tokens."""
+        """Summed smoothed loss and summed NLL over the real (non-pad) target tokens, of the logits decoding
+        scores with (the output projection and its bias)."""
         features_of = self._features if torch.is_grad_enabled() else self.model.features  # validation: eager
         with autocast(src.device, self.dtype):
             features = features_of(src, src_pad_mask, tgt_in)
         keep = tgt_out != PAD_ID
+        output = self.model.output
         return linear_cross_entropy(
-            features[keep], self.model.output.weight, tgt_out[keep], self.label_smoothing, self.dtype
+            features[keep], output.weight, tgt_out[keep], self.label_smoothing, self.dtype, output.bias
         )

@@ -9,7 +9,9 @@ tokenizer.vocab_size with the pieces of the model's tokenizer(s). A key left at 
 model's value, so a key set to its default value cannot be told from one left out.
 
 ``hf:SOURCE`` names a transformers MarianMTModel folder or Hub repository (an OPUS-MT model), as
-`mtkit import hf SOURCE` takes it: the run imports it into RUN/imported/ once, then starts from that.
+`mtkit import hf SOURCE` takes it: the run imports it into RUN/imported/, then starts from that. Each start
+before the run's first checkpoint imports it anew, since an import an earlier start left there may be of
+another model (train.init_from changed, or the folder did).
 
 The model is read only while the run has no checkpoint. Once it has one, the same rules settle the
 config against the run's newest checkpoint, so the config that started a run resumes it, even if the
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -38,6 +41,7 @@ from mtkit.model.checkpoint import (
     weights_file,
 )
 from mtkit.model.loading import resolve
+from mtkit.training.run_directory import IMPORTED_DIR
 from mtkit.untrusted import shown
 
 log = logging.getLogger("mtkit")
@@ -45,7 +49,6 @@ log = logging.getLogger("mtkit")
 TRAINING_SETTINGS = ("dropout", "attention_dropout", "activation_dropout")  # model.* keys a run may change
 TOKENIZER_FILES = ("model", "src_model", "tgt_model")  # tokenizer.* keys naming files: compared by content
 HF_PREFIX = "hf:"  # train.init_from: hf:SOURCE, a Marian model to import first
-IMPORTED_DIR = "imported"  # RUN/imported/: where that import is kept
 
 
 @dataclass
@@ -58,12 +61,14 @@ class InitialModel:
     record: dict[str, str]  # what the run's checkpoints and metrics.jsonl say of it: its weights file and SHA-256
 
 
-def import_once(init_from: str, run_dir: Path) -> Path:
+def import_once(init_from: str, run_dir: Path, afresh: bool = False) -> Path:
     """The mtkit model train.init_from names: the path as given, or for ``hf:SOURCE`` its import in RUN/imported/,
-    made the first time (the Hub's files are downloaded into huggingface_hub's cache)."""
+    made if there is none, or ``afresh`` (the Hub's files are downloaded into huggingface_hub's cache)."""
     if not init_from.startswith(HF_PREFIX):
         return Path(init_from)
     target = Path(run_dir) / IMPORTED_DIR
+    if afresh:
+        shutil.rmtree(target, ignore_errors=True)
     if not (target / WEIGHTS_FILE).is_file():
         import_marian(init_from[len(HF_PREFIX) :], target)
     return target

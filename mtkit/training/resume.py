@@ -123,6 +123,11 @@ def check_resumable(
 
     A checkpoint saved before data digests were recorded is resumed without comparing them.
     """
+    if saved.cfg.train.init_from != cfg.train.init_from:
+        raise checkpoint.CheckpointError(
+            f"{path}: this run started from {_started_from(saved.cfg.train.init_from)}, this config from "
+            f"{_started_from(cfg.train.init_from)}; to start from that, use another --out or start over (--restart)"
+        )
     if saved.cfg.model != cfg.model:
         raise checkpoint.CheckpointError(
             f"{path}: model settings differ from this config; use a new --out or --restart"
@@ -147,6 +152,11 @@ def check_resumable(
             raise checkpoint.CheckpointError(
                 f"{path}: trained on {what}; to go on with the data as it is, {_new_run(run_dir)}"
             )
+
+
+def _started_from(init_from: str) -> str:
+    """Where a run's weights came from, as its train.init_from says."""
+    return f"train.init_from {untrusted.shown_path(init_from)}" if init_from else "random weights (no train.init_from)"
 
 
 def _new_run(run_dir: Path) -> str:

@@ -10,7 +10,8 @@ Its layout::
         validation.json                              what the validation of that update changed, once done
     RUN_DIR/best/model.safetensors                   weights of the best validation result, for translating
     RUN_DIR/metrics.jsonl                            one JSON object per log or validation event
-    RUN_DIR/imported/                                the model train.init_from: hf:SOURCE names, imported once
+    RUN_DIR/imported/                                the model train.init_from: hf:SOURCE names, imported anew
+                                                     by each start before the run's first checkpoint
     RUN_DIR/.lock                                    held while a training process writes here
 
 Rank 0 claims the directory (its lock, ``--restart``, tidying what a crash left) and is the one that
@@ -41,6 +42,7 @@ from mtkit.model.checkpoint import CheckpointError
 from mtkit.model.loading import BEST_DIR, CHECKPOINTS_DIR
 
 METRICS_FILE, CONFIG_FILE, TENSORBOARD_DIR = "metrics.jsonl", "config.yaml", "tensorboard"
+IMPORTED_DIR = "imported"  # RUN/imported/: the model train.init_from: hf:SOURCE names, as mtkit imported it
 VALIDATION_FILE = "validation.json"  # added to a checkpoint once the validation of its update is done
 
 
@@ -238,7 +240,7 @@ def recover(run_dir: Path) -> None:
 
 def remove_run_outputs(out_dir: Path) -> None:
     """Delete what training wrote into ``out_dir`` (for ``--restart``), leaving anything else alone."""
-    for name in (CHECKPOINTS_DIR, BEST_DIR, TENSORBOARD_DIR):  # not .lock: it is held
+    for name in (CHECKPOINTS_DIR, BEST_DIR, TENSORBOARD_DIR, IMPORTED_DIR):  # not .lock: it is held
         shutil.rmtree(out_dir / name, ignore_errors=True)
     names = [METRICS_FILE, CONFIG_FILE]
     for path in [*(out_dir / name for name in names), *out_dir.glob("spm*.model"), *out_dir.glob("spm*.vocab")]:

@@ -168,8 +168,8 @@ class Trainer:
         self.dist.barrier()  # rank 0 has tidied the run directory
         latest = self.run_dir.latest()
         if latest is None:
-            if self.is_main:
-                import_once(self.cfg.train.init_from, self.run_dir.path)
+            if self.is_main:  # an import an earlier start left may be of another model
+                import_once(self.cfg.train.init_from, self.run_dir.path, afresh=True)
             self.dist.barrier()  # the other ranks read the model rank 0 imported
             self.initial = initial = read_initial_model(import_once(self.cfg.train.init_from, self.run_dir.path))
             source = f"{self.cfg.train.init_from} (train.init_from)"
