@@ -178,6 +178,14 @@ def test_beam_best_equals_mtkit_beam_best(ending, lenpen):
     assert_close_logprobs(pairs)
 
 
+def test_beam_best_equals_mtkit_beam_best_at_the_power_length_penalty(ending):
+    """With decode.length_penalty power, CTranslate2 searches under its own penalty, the same length ** lenpen, and
+    finds what mtkit's search finds with early_stop false: 37 of 40 agree, the others at the length cap."""
+    pairs = same_best(ending, DecodeConfig(beam=4, lenpen=1.0, length_penalty="power", early_stop=False))
+    assert len(pairs) >= 37, f"{len(pairs)} of 40 best translations equal"
+    assert_close_logprobs(pairs)
+
+
 def test_nbest_lists_are_ranked_and_headed_by_the_best(exported):
     lines = exported.lines[:10]
     best = CTranslate2Translator.from_dir(exported.ct2_dir, DecodeConfig(beam=4))
@@ -397,3 +405,16 @@ def test_translate_with_the_ctranslate2_engine_matches_mtkit(ending):
     args = ["translate", str(ending.ct2_dir), "--engine", "ctranslate2", "--sample"]
     refused = runner.invoke(app, args, input="A.\n")
     assert refused.exit_code == 1 and "--engine ctranslate2 takes one model and no --sample" in refused.stderr
+
+
+def test_an_output_folder_that_is_a_link_is_replaced_through_it(joint, tmp_path):
+    """`-o LINK` to an earlier export replaces the export in the folder the link names and keeps the link; it once
+    replaced the link itself, left `.LINK.old` behind and ended in "Cannot call rmtree on a symbolic link"."""
+    (tmp_path / "exports").mkdir()
+    (tmp_path / "current").symlink_to(tmp_path / "exports")
+    for _ in range(2):  # the second export replaces the first, through the link
+        result = invoke("export", joint, "-o", tmp_path / "current")
+        assert result.exit_code == 0, result.output
+    assert (tmp_path / "current").is_symlink() and (tmp_path / "exports" / MANIFEST).is_file()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["current", "exports"]
+    assert list(CTranslate2Translator.from_dir(tmp_path / "current").stream([["A dog."]]))

@@ -8,23 +8,28 @@ OPUS-MT's: eos 0, unk 1, the pieces of both languages, pad (the decoder start) l
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import shutil
-from dataclasses import dataclass
+import subprocess
+import sys
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 import safetensors.torch
 import sentencepiece
 import torch
-from helpers import invoke
+from helpers import invoke, one_line_error
 
 from mtkit.config import DecodeConfig, TokenizerConfig
 from mtkit.data.parallel import source_tensor
 from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_spm
 from mtkit.decoding.search import beam_search, greedy_search, max_lengths
-from mtkit.interop.hf_import import PAD_PIECE, START_PIECE, import_marian
+from mtkit.interop.hf_import import PAD_PIECE, START_PIECE, ModelImportError, import_marian
 from mtkit.model import checkpoint, loading
+from mtkit.training.init_from import import_once
 
 with pytest.MonkeyPatch.context() as env:
     env.setenv("HF_HUB_OFFLINE", "1")  # read as transformers loads: nothing may come from the Hub
@@ -139,7 +144,7 @@ class Imported:
 
 def imported(marian: MarianFolder, out: Path, lines: list[str]) -> Imported:
     import_marian(str(marian.path), out)
-    bundle = loading.load_for_inference(out, CPU)
+    bundle = loading.load_for_inference(out, CPU, "fp32")  # parity with transformers holds at fp32, on every CPU
     tok = marian.tokenizer
 
     def mapping(vocab: dict[str, int], mtkit: Tokenizer) -> dict[int, int]:
@@ -265,18 +270,42 @@ def test_beam_best_hypothesis_equals_generate(model):
     assert len(ended) >= 3 and same == len(ended), f"{same} of {len(ended)} best hypotheses equal"
 
 
+@pytest.mark.parametrize("name", ["shared", "separate"])
+def test_beam_at_the_imported_settings_equals_generate_at_its_default_length_penalty(name, request):
+    """The import records transformers' ranking: length ** length_penalty (decode.length_penalty power, lenpen 1.0,
+    transformers' default) and the end of a sentence's search once num_beams hypotheses have ended (early_stop
+    false; generate's early_stopping true). GNMT's ((5 + length) / 6) and mtkit's own early stop agreed on none of
+    these lines, and left most outputs empty. Compared where both best hypotheses ended before the cap (the
+    OPUS-MT-sized model's 8 lines mostly reach it)."""
+    model = request.getfixturevalue(name)
+    decode = dataclasses.replace(model.bundle.cfg.decode, beam=4)
+    got, expected, caps = marian_outputs(model, decode, num_beams=4, early_stopping=True)
+    ended = [i for i in range(len(got)) if max(len(expected[i]), len(got[i])) < caps[i] - 1]
+    same = sum(got[i] == expected[i] for i in ended)
+    assert len(ended) >= 3 and same == len(ended), f"{same} of {len(ended)} best hypotheses equal"
+    assert sum(not ids for ids in expected) <= len(expected) // 10  # few empty outputs
+    assert (decode.length_penalty, decode.lenpen, decode.early_stop) == ("power", 1.0, False)
+
+
 def test_translate_cli_takes_the_imported_model(shared, tmp_path):
     source = tmp_path / "in.en"
     source.write_text("\n".join(shared.lines[:5]) + "\n", encoding="utf-8")
-    result = invoke("translate", shared.model_dir, "-i", source, "-o", tmp_path / "out.de", "--beam", 2)
+    args = ("-i", source, "-o", tmp_path / "out.de", "--beam", 2, "--precision", "fp32")
+    result = invoke("translate", shared.model_dir, *args)
     assert result.exit_code == 0, result.output
     assert len((tmp_path / "out.de").read_text(encoding="utf-8").splitlines()) == 5
 
 
 def hub_cache(cache: Path, repo_id: str, folder: Path, commit: str = "0" * 40) -> None:
-    """``folder`` laid out in huggingface_hub's cache as ``repo_id`` at ``commit``, the main branch pointing at it."""
+    """``folder`` laid out in huggingface_hub's cache as ``repo_id`` at ``commit``, the main branch pointing at it:
+    each file of the snapshot a link to its content in the repository's blobs/."""
     repo = cache / f"models--{repo_id.replace('/', '--')}"
-    shutil.copytree(folder, repo / "snapshots" / commit)
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    for file in folder.iterdir():
+        blob = repo / "blobs" / hashlib.sha256(file.read_bytes()).hexdigest()
+        shutil.copy(file, blob)
+        (repo / "snapshots" / commit / file.name).symlink_to(Path("..", "..", "blobs", blob.name))
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(commit)
 
@@ -328,6 +357,9 @@ def replace_weights(change):
     [
         (edit_json("config.json", model_type="bart"), "model_type must be marian"),
         (edit_json("config.json", normalize_before=True), "normalize_before is set"),
+        (edit_json("config.json", normalize_embedding=True), "normalize_embedding is set"),
+        (edit_json("config.json", add_final_layer_norm=True), "add_final_layer_norm is set"),
+        (edit_json("config.json", static_position_embeddings=False), "static_position_embeddings false asks for"),
         (edit_json("config.json", scale_embedding=False), "scale_embedding false"),
         (edit_json("config.json", activation_function="tanh"), "activation_function 'tanh' is not one of"),
         (edit_json("config.json", decoder_ffn_dim=64), "decoder_ffn_dim 64 differs from encoder_ffn_dim 128"),
@@ -511,3 +543,221 @@ def test_the_fine_tuning_recipe_runs_end_to_end_from_a_marian_folder(shared, mul
     assert report["training"]["updates"] == 6 and [s["name"] for s in report["scores"]] == ["BLEU", "chrF2", "TER"]
     assert report["model"].endswith("best") and report["verdict"] == "not reproduced"  # a random model, 6 updates
     assert (tmp_path / "run" / "imported" / "model.safetensors").is_file()
+
+
+# -- real config.json files, languages, hostile folders ----------------------------------------------------------
+
+REAL_CONFIGS = Path(__file__).with_name("fixtures_marian")
+# config.json's keys that fix the test model's sizes, ids and activation: a real file's values of them are replaced
+SIZED = ("vocab_size", "decoder_vocab_size", "d_model", "encoder_layers", "decoder_layers", "num_hidden_layers")
+SIZED += ("encoder_attention_heads", "decoder_attention_heads", "encoder_ffn_dim", "decoder_ffn_dim")
+SIZED += ("max_position_embeddings", "pad_token_id", "decoder_start_token_id", "eos_token_id", "forced_eos_token_id")
+SIZED += ("bos_token_id", "bad_words_ids", "activation_function")
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in REAL_CONFIGS.glob("*.config.json")))
+def test_real_opus_mt_config_files_import_as_the_model_they_describe(shared, tmp_path, name):
+    """config.json as published with OPUS-MT models (converted by transformers' Marian script, older versions'
+    field sets too: static_position_embeddings true, the BART family's options false), its sizes and ids replaced
+    by the test model's: the import reads it as the config transformers saved for that model."""
+    real = json.loads((REAL_CONFIGS / name).read_text())
+    saved = json.loads((shared.marian.path / "config.json").read_text())
+    real.update({key: saved[key] for key in SIZED if key in saved and key in real})
+    folder = broken_copy(shared.marian.path, tmp_path, lambda f: (f / "config.json").write_text(json.dumps(real)))
+    import_marian(str(folder), tmp_path / "model")
+    bundle = loading.load_for_inference(tmp_path / "model", CPU, "fp32")
+    assert bundle.cfg.model == replace(shared.bundle.cfg.model, dropout=real["dropout"])
+    expected = shared.bundle.model.state_dict()
+    assert all(torch.equal(bundle.model.state_dict()[k], v) for k, v in expected.items())
+
+
+def test_the_import_records_the_languages_given_or_named(shared, hf_offline, tmp_path, monkeypatch):
+    """--src-lang/--tgt-lang, or an OPUS-MT name, give the model its languages: `--tgt-lang de` translates, and the
+    model can teach a student of en->de; a name that states none leaves mtkit's src->tgt."""
+    import huggingface_hub
+
+    from mtkit.config import DataConfig, RunConfig
+    from mtkit.distillation import student_tokenizer
+
+    result = invoke("import", "hf", shared.marian.path, "--src-lang", "en", "--tgt-lang", "de", "-o", tmp_path / "a")
+    assert result.exit_code == 0 and "(en->de)" in result.output, result.output
+    source = tmp_path / "in.en"
+    source.write_text("\n".join(shared.lines[:3]) + "\n", encoding="utf-8")
+    args = ("-i", source, "-o", tmp_path / "out.de", "--tgt-lang", "de", "--precision", "fp32")
+    result = invoke("translate", tmp_path / "a", *args)
+    assert result.exit_code == 0, result.output
+    student = RunConfig(data=DataConfig(src_lang="en", tgt_lang="de"))
+    assert student_tokenizer(student, (tmp_path / "a",)).tgt_model.endswith("spm.tgt.model")  # a teacher of en->de
+
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    hub_cache(cache, "Helsinki-NLP/opus-mt-en-de", shared.marian.path)
+    result = invoke("import", "hf", "Helsinki-NLP/opus-mt-en-de", "-o", tmp_path / "b")
+    assert result.exit_code == 0 and "(en->de)" in result.output, result.output
+    result = invoke("import", "hf", shared.marian.path, "-o", tmp_path / "c")
+    assert result.exit_code == 0 and "(src->tgt)" in result.output, result.output
+    one_line_error(invoke("import", "hf", shared.marian.path, "--tgt-lang", "de", "-o", tmp_path / "d"), "--src-lang")
+    one_line_error(
+        invoke("import", "hf", shared.marian.path, "--src-lang", "e n", "--tgt-lang", "de", "-o", tmp_path / "d"),
+        "--src-lang 'e n' is not a language code",
+    )
+
+
+def import_in_3_gib(folder: Path, out: Path) -> subprocess.CompletedProcess:
+    """`mtkit import hf FOLDER -o OUT` in a process limited to 3 GiB of address space: torch and the test model fit,
+    and a model or tensor of gigabytes could not be allocated."""
+    script = (
+        "import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30)); "
+        "from mtkit.cli import main; sys.argv = ['mtkit', 'import', 'hf', sys.argv[1], '-o', sys.argv[2]]; main()"
+    )
+    return subprocess.run([sys.executable, "-c", script, folder, out], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"encoder_layers": 1000, "decoder_layers": 1000, "d_model": 1024}, "encoder_layers is 1,000, and"),
+        ({"d_model": 65536}, ", config.json makes it ("),
+        ({"encoder_ffn_dim": 2**31 - 1, "decoder_ffn_dim": 2**31 - 1}, "encoder_ffn_dim 2,147,483,647 is beyond"),
+        ({"encoder_ffn_dim": 4096, "decoder_ffn_dim": 4096}, "is (128,), config.json makes it (4096,)"),
+    ],
+)
+def test_a_config_json_of_another_model_is_refused_before_anything_is_allocated(shared, tmp_path, changes, message):
+    """config.json is compared with the weights file's header, never built first: building the model it describes
+    (2,000 layers, 16 GiB or 512 GiB) ran out of memory, or ended in a traceback."""
+    folder = broken_copy(shared.marian.path, tmp_path, edit_json("config.json", **changes))
+    done = import_in_3_gib(folder, tmp_path / "model")
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+    assert "config.json" in done.stderr and message in done.stderr, done.stderr
+    assert not (tmp_path / "model").exists()
+    with pytest.raises(ModelImportError, match="config.json"):  # the same through train.init_from: hf:FOLDER
+        import_once(f"hf:{folder}", tmp_path / "run")
+
+
+def with_sparse_tensor(folder: Path) -> None:
+    """model.safetensors with a 4 GiB tensor "extra" after the model's, its bytes a hole in a sparse file."""
+    path = folder / "model.safetensors"
+    with safetensors.safe_open(path, framework="pt") as f:
+        tensors = {key: f.get_tensor(key).contiguous() for key in f.keys()}
+    header, data, offset = {}, [], 0
+    for key, tensor in tensors.items():
+        raw = tensor.numpy().tobytes()
+        header[key] = {"dtype": "F32", "shape": list(tensor.shape), "data_offsets": [offset, offset + len(raw)]}
+        data.append(raw)
+        offset += len(raw)
+    header["extra"] = {"dtype": "F32", "shape": [1 << 30], "data_offsets": [offset, offset + (4 << 30)]}
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text + b"".join(data))
+        f.truncate(8 + len(text) + offset + (4 << 30))
+
+
+def test_a_weights_file_is_checked_by_its_header_before_a_tensor_is_read(shared, tmp_path):
+    """model.safetensors was read whole before any check: a file holding a tensor of gigabytes ran out of memory."""
+    folder = broken_copy(shared.marian.path, tmp_path, with_sparse_tensor)
+    done = import_in_3_gib(folder, tmp_path / "model")
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+    assert "model.safetensors: holds extra, which no Marian model of config.json has" in done.stderr, done.stderr
+
+
+def nan_weight(weights: dict[str, torch.Tensor]) -> None:
+    weights["model.decoder.layers.1.fc1.weight"][3, 5] = float("nan")
+
+
+def test_non_finite_weights_are_refused_at_import(shared, tmp_path):
+    """One NaN made greedy search write garbage with exit status 0 and beam search end in an IndexError."""
+    folder = broken_copy(shared.marian.path, tmp_path, replace_weights(nan_weight))
+    one_line_error(
+        invoke("import", "hf", folder, "-o", tmp_path / "model"),
+        "model.decoder.layers.1.fc1.weight holds NaN or infinite values",
+    )
+    assert not (tmp_path / "model").exists()
+
+
+def test_non_finite_weights_are_refused_at_load(shared, tmp_path):
+    """A checkpoint whose weights hold an infinity (written by anything but mtkit) is refused by name."""
+    shutil.copytree(shared.model_dir, tmp_path / "loaded")
+    weights_path = tmp_path / "loaded" / "model.safetensors"
+    with safetensors.safe_open(weights_path, framework="pt") as f:
+        header, weights = f.metadata(), {key: f.get_tensor(key) for key in f.keys()}
+    weights["decoder.layers.0.ffn.up.weight"][0, 0] = float("inf")
+    safetensors.torch.save_file(weights, weights_path, metadata=header)
+    source = tmp_path / "in.en"
+    source.write_text(shared.lines[0] + "\n", encoding="utf-8")
+    for beam in (1, 2):
+        result = invoke("translate", tmp_path / "loaded", "-i", source, "--beam", beam, "--precision", "fp32")
+        one_line_error(result, "model.safetensors: weight decoder.layers.0.ffn.up.weight holds NaN or infinite values")
+
+
+def test_a_link_out_of_the_model_folder_is_refused(shared, tmp_path):
+    """A folder's files are read where they are: a link leading elsewhere (a downloaded folder's vocab.json linked to
+    a file of the importing machine) is refused, not followed; links inside the folder are read."""
+    outside = tmp_path / "elsewhere.json"
+    shutil.copy(shared.marian.path / "vocab.json", outside)
+
+    def link_out(folder: Path) -> None:
+        (folder / "vocab.json").unlink()
+        (folder / "vocab.json").symlink_to(outside)
+
+    folder = broken_copy(shared.marian.path, tmp_path, link_out)
+    one_line_error(invoke("import", "hf", folder, "-o", tmp_path / "model"), "vocab.json: a link to", "outside")
+    (folder / "vocab.json").unlink()
+    shutil.copy(outside, folder / "kept.json")
+    (folder / "vocab.json").symlink_to("kept.json")
+    result = invoke("import", "hf", folder, "-o", tmp_path / "model")
+    assert result.exit_code == 0, result.output
+
+
+def rename_piece(piece: str, name: str):
+    def edit(folder: Path) -> None:
+        vocab = json.loads((folder / "vocab.json").read_text(encoding="utf-8"))
+        vocab[name] = vocab.pop(piece)
+        (folder / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+
+    return edit
+
+
+def swap_spm(folder: Path) -> None:
+    (folder / "source.spm").rename(folder / "swap")
+    (folder / "target.spm").rename(folder / "source.spm")
+    (folder / "swap").rename(folder / "target.spm")
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (swap_spm, "pieces are not in vocab.json"),
+        (lambda f: shutil.copy(f / "source.spm", f / "target.spm"), "pieces are not in target_vocab.json"),
+        (edit_json("tokenizer_config.json", unk_token="</s>"), "must be three pieces"),
+        (rename_piece("▁filler3", ""), "not a usable SentencePiece model (INTERNAL: piece must not be empty.)"),
+    ],
+)
+def test_tokenizer_files_that_do_not_fit_the_vocabulary_are_refused(separate, tmp_path, edit, message):
+    """A SentencePiece model of another vocabulary (swapped sides, another model's) encoded most text as unk, and
+    special pieces named twice made a tokenizer that no command could load: the import reported success."""
+    folder = broken_copy(separate.marian.path, tmp_path, edit)
+    one_line_error(invoke("import", "hf", folder, "-o", tmp_path / "model"), message)
+    assert not (tmp_path / "model").exists()
+
+
+def test_vocab_json_is_bounded_by_the_size_config_json_gives_it(shared, tmp_path):
+    """700 pieces take 14 kB: a vocab.json grown with blanks to 1 MB is refused before it is parsed."""
+
+    def pad(folder: Path) -> None:
+        text = (folder / "vocab.json").read_text(encoding="utf-8")
+        (folder / "vocab.json").write_text(text[:-1] + " " * (1 << 20) + "}", encoding="utf-8")
+
+    folder = broken_copy(shared.marian.path, tmp_path, pad)
+    one_line_error(invoke("import", "hf", folder, "-o", tmp_path / "model"), "more than the 180,224 config.json's 700")
+
+
+def test_an_output_folder_that_is_a_link_is_written_through(shared, tmp_path):
+    """`-o LINK` to an empty folder writes the model into the folder the link names, and the link stays."""
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    result = invoke("import", "hf", shared.marian.path, "-o", tmp_path / "link")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "target" / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "target"]
+    assert loading.load_for_inference(tmp_path / "link", CPU).step == 0

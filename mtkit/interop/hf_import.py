@@ -23,8 +23,17 @@ through huggingface_hub at a revision and kept in its cache. The output is an mt
 - fp16 and bf16 weights are widened to float32, which keeps every value.
 
 A config mtkit cannot express is refused in one line naming the field. Every file is untrusted:
-sizes are bounded before reading, ids and shapes checked against the config, no path is taken from a
-file, and pytorch_model.bin loads with ``weights_only=True``.
+sizes are bounded before reading, and vocab.json by the size config.json gives its vocabulary; the
+weights file's tensor names and shapes (safetensors' header) are compared with config.json before a
+tensor is read or the model is built, so a config.json describing a huge model allocates nothing;
+weights must be finite; no path is taken from a file, a file may not be a link out of the model's
+folder, and pytorch_model.bin loads with ``weights_only=True``. The rewritten SentencePiece models are
+loaded once to check that they give mtkit's special ids, and one whose pieces vocab.json mostly lacks
+(another model's, or source and target swapped) is refused.
+
+The languages a model translates are recorded as ``data.src_lang``/``data.tgt_lang``, as a trained
+model's are: given to the import, or read from an OPUS-MT name (``opus-mt-en-de``,
+``opus-mt-tc-big-en-pt``); otherwise mtkit's ``src`` and ``tgt``.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,20 +50,35 @@ import torch
 from torch import Tensor
 
 from mtkit import untrusted
-from mtkit.config import MAX_LAYERS, MAX_POSITIONS, ConfigError, DecodeConfig, ModelConfig, RunConfig, TokenizerConfig
+from mtkit.config import (
+    LANGUAGE_CODE,
+    MAX_LAYERS,
+    MAX_POSITIONS,
+    ConfigError,
+    DataConfig,
+    DecodeConfig,
+    ModelConfig,
+    RunConfig,
+    TokenizerConfig,
+)
 from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from mtkit.errors import MtkitError
 from mtkit.files import file_sha256
 from mtkit.interop.marian import ACTIVATIONS, NOT_A_TOKEN, from_marian, layer_weights, residual_order, to_marian
 from mtkit.model import checkpoint
-from mtkit.model.checkpoint import TOKENIZER_NAMES, CheckpointError
+from mtkit.model.checkpoint import TOKENIZER_NAMES, CheckpointError, check_finite
+from mtkit.model.loading import skeleton_device
 from mtkit.model.transformer import Transformer, build_model, sinusoidal_table
 
 MAX_JSON_BYTES = 1 << 20  # config.json, generation_config.json, tokenizer_config.json: a few KiB each
 MAX_VOCAB_BYTES = 64 << 20  # vocab.json: OPUS-MT's 58,101 pieces take 1.2 MB
+# bytes one vocab.json entry may take: a 16-character piece written as \uXXXX escapes, its id, quotes and indent
+MAX_VOCAB_ENTRY_BYTES = 256
+MAX_SAFETENSORS_HEADER = 100 << 20  # safetensors' own bound on a file's header
 MAX_SPM_BYTES = 64 << 20  # a SentencePiece model: 32k pieces take 0.8 MB
 MAX_VOCABULARY = 1 << 20  # pieces in one vocabulary
 MAX_D_MODEL = 1 << 16
+MAX_FFN = 1 << 18  # a feed-forward width: OPUS-MT's largest (tc-big) is 4,096
 PAD_PIECE = "<mtkit:pad>"  # mtkit's padding id, which Marian has no piece for
 START_PIECE = "<s>"  # what the piece at mtkit's bos id is called: Marian's pad, its decoder start
 CONFIG_FILES = ("config.json", "generation_config.json", "tokenizer_config.json")
@@ -62,8 +86,11 @@ TOKENIZER_FILES = ("source.spm", "target.spm", "vocab.json", "target_vocab.json"
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # the first found is read
 _LANGUAGE_TAG = re.compile(r">>[^<>\s]+<<")
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}")
-# Settings of transformers' BART family that change the architecture; Marian's config has none of them.
-_NOT_MARIAN = ("normalize_before", "add_final_layer_norm", "normalize_embedding", "static_position_embeddings")
+# An OPUS-MT model's name states its languages: opus-mt-en-de, opus-mt-tc-big-en-pt (ISO 639 codes, or a group's)
+_OPUS_NAME = re.compile(r"opus-mt-(?:tc-(?:big|base)-)?([a-z]{2,3})-([a-z]{2,3})")
+# Settings of transformers' BART family that change the architecture; Marian models have them false (older
+# transformers wrote them out). static_position_embeddings true is Marian's sinusoids: checked on its own.
+_NOT_MARIAN = ("normalize_before", "add_final_layer_norm", "normalize_embedding")
 
 
 class ModelImportError(MtkitError, ValueError):
@@ -73,18 +100,50 @@ class ModelImportError(MtkitError, ValueError):
 # -- finding the folder ---------------------------------------------------------------------
 
 
-def locate(source: str, revision: str | None = None) -> tuple[Path, dict[str, str]]:
-    """The folder holding ``source``'s files and what the import records of it: a local folder (by name only,
-    never its path), or a Hub repository id downloaded at ``revision`` (its commit is recorded)."""
+def locate(source: str, revision: str | None = None) -> tuple[Path, Path, dict[str, str]]:
+    """The folder holding ``source``'s files, the folder its files' links may lead into, and what the import
+    records of it: a local folder (by name only, never its path; links stay inside it), or a Hub repository id
+    downloaded at ``revision`` (its commit is recorded; links lead into the repository's cache, where
+    huggingface_hub keeps the files a snapshot links to)."""
     path = Path(source)
     if path.is_dir():
         if revision is not None:
             raise ModelImportError(f"{source}: --revision applies to Hub repositories, and this is a local folder")
-        return path, {"source": path.resolve().name}
+        return path, path, {"source": path.resolve().name}
     if not _REPO_ID.fullmatch(source):
         raise ModelImportError(f"{source}: no such folder, nor a Hub repository id (OWNER/NAME)")
     folder = _download(source, revision)
-    return folder, {"source": f"hf:{source}", "revision": folder.name}
+    return folder, folder.parent.parent, {"source": f"hf:{source}", "revision": folder.name}
+
+
+def check_inside(path: Path, root: Path) -> Path:
+    """``path``, refused when it is a link (or lies in a linked folder) leading out of ``root``: the import
+    reads the model's files, never what a link in a downloaded folder points to elsewhere."""
+    real = path.resolve()
+    if not real.is_relative_to(root.resolve()):
+        raise ModelImportError(f"{path}: a link to {real}, outside {root}; the import reads only the model's files")
+    return path
+
+
+def languages(origin: str, src_lang: str | None, tgt_lang: str | None) -> tuple[str, str]:
+    """The languages to record: those given, else those an OPUS-MT name states (``origin`` is the folder's name or
+    the Hub id), else mtkit's defaults ``src`` and ``tgt``. ModelImportError for a code that is none."""
+    named = _OPUS_NAME.fullmatch(origin.rsplit("/", 1)[-1])
+    given = {"--src-lang": src_lang, "--tgt-lang": tgt_lang}
+    if named is None and None in given.values() and any(given.values()):
+        missing = next(flag for flag, value in given.items() if value is None)
+        raise ModelImportError(f"{origin}: its name states no languages; give {missing} too")
+    defaults = named.groups() if named else (DataConfig.src_lang, DataConfig.tgt_lang)
+    src, tgt = src_lang or defaults[0], tgt_lang or defaults[1]
+    for flag, code in (("--src-lang", src), ("--tgt-lang", tgt)):
+        if LANGUAGE_CODE.fullmatch(code) is None:
+            raise ModelImportError(
+                f"{flag} {untrusted.shown(code)} is not a language code (a letter, then up to 15 letters, digits, "
+                "_ or -)"
+            )
+    if src == tgt:
+        raise ModelImportError(f"--src-lang and --tgt-lang are both {src}")
+    return src, tgt
 
 
 def _download(repo_id: str, revision: str | None) -> Path:
@@ -93,7 +152,9 @@ def _download(repo_id: str, revision: str | None) -> Path:
         import huggingface_hub
         from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
     except ImportError:
-        raise ModelImportError("importing from the Hub needs huggingface_hub: pip install 'mtkit[hf]'") from None
+        raise ModelImportError(
+            "importing from the Hub needs huggingface_hub: pip install -e '.[hf]' in mtkit's clone"
+        ) from None
     wanted = [*CONFIG_FILES, *TOKENIZER_FILES]
     try:
         folder = Path(
@@ -118,9 +179,9 @@ def _download(repo_id: str, revision: str | None) -> Path:
 # -- reading --------------------------------------------------------------------------------
 
 
-def _read_json(path: Path, limit: int) -> Any:
+def _read_json(path: Path, limit: int, why: str = "such a file may have") -> Any:
     if path.stat().st_size > limit:
-        raise ModelImportError(f"{path}: {path.stat().st_size:,} bytes, more than the {limit:,} such a file may have")
+        raise ModelImportError(f"{path}: {path.stat().st_size:,} bytes, more than the {limit:,} {why}")
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, RecursionError) as err:  # JSON, UTF-8 or nesting
@@ -171,6 +232,10 @@ def read_config(path: Path) -> MarianConfig:
     for name in _NOT_MARIAN:
         if config.get(name):
             raise ModelImportError(f"{path}: {name} is set, and Marian models have no such option")
+    if not _field(config, "static_position_embeddings", path, bool, True):
+        raise ModelImportError(
+            f"{path}: static_position_embeddings false asks for learned positions; Marian's are sinusoids"
+        )
 
     def same(first: str, second: str) -> int:
         value = _field(config, first, path, int, low=1)
@@ -198,7 +263,9 @@ def read_config(path: Path) -> MarianConfig:
             "embeddings, or the decoder's to the output"
         )
     vocab_size = _field(config, "vocab_size", path, int, low=5)
-    decoder_vocab_size = _field(config, "decoder_vocab_size", path, int, vocab_size, low=5) or vocab_size
+    if config.get("decoder_vocab_size") is None:  # absent, or null as older transformers wrote it
+        config["decoder_vocab_size"] = vocab_size
+    decoder_vocab_size = _field(config, "decoder_vocab_size", path, int, low=5)
     if shared and decoder_vocab_size != vocab_size:
         raise ModelImportError(
             f"{path}: decoder_vocab_size {decoder_vocab_size} is not vocab_size {vocab_size}, and embeddings are shared"
@@ -213,8 +280,16 @@ def read_config(path: Path) -> MarianConfig:
     d_model = _field(config, "d_model", path, int, low=2)
     layers = [_field(config, name, path, int, low=1) for name in ("encoder_layers", "decoder_layers")]
     positions = _field(config, "max_position_embeddings", path, int, low=8)
-    if d_model > MAX_D_MODEL or max(layers) > MAX_LAYERS or positions > MAX_POSITIONS:
-        raise ModelImportError(f"{path}: a model beyond mtkit's bounds (d_model, layers or max_position_embeddings)")
+    bounds = {
+        "d_model": (d_model, MAX_D_MODEL),
+        "encoder_ffn_dim": (ffn, MAX_FFN),
+        "encoder_layers": (layers[0], MAX_LAYERS),
+        "decoder_layers": (layers[1], MAX_LAYERS),
+        "max_position_embeddings": (positions, MAX_POSITIONS),
+    }
+    for name, (value, most) in bounds.items():
+        if value > most:
+            raise ModelImportError(f"{path}: {name} {value:,} is beyond mtkit's bound of {most:,}")
     if d_model % 2:
         raise ModelImportError(f"{path}: d_model {d_model} is odd; Marian's positions need an even one")
     try:
@@ -272,7 +347,8 @@ class Vocabulary:
 
 def read_vocabulary(path: Path, size: int, special: dict[str, str], marian: MarianConfig, target: bool) -> Vocabulary:
     """vocab.json: exactly ``size`` pieces with the ids 0..size-1, holding the special pieces at Marian's ids."""
-    ids = _read_json(path, MAX_VOCAB_BYTES)
+    limit = min(MAX_VOCAB_BYTES, 1024 + size * MAX_VOCAB_ENTRY_BYTES)
+    ids = _read_json(path, limit, f"config.json's {size:,} pieces may take")
     if not isinstance(ids, dict) or len(ids) != size:
         found = f"{len(ids):,} entries" if isinstance(ids, dict) else untrusted.shown(ids)
         raise ModelImportError(f"{path}: must map {size:,} pieces (config.json's vocabulary size) to ids, got {found}")
@@ -305,16 +381,23 @@ def special_pieces(folder: Path) -> dict[str, str]:
         if not isinstance(value, str) or not value or len(value) > 64:
             raise ModelImportError(f"{path}: {role}_token must be a short string, got {untrusted.shown(value)}")
         names[role] = value
+    if len(set(names.values())) < len(names):
+        raise ModelImportError(
+            f"{path}: unk_token, eos_token and pad_token must be three pieces, got "
+            + ", ".join(untrusted.shown(v) for v in names.values())
+        )
     return names
 
 
-def tokenizer_model(spm_path: Path, vocab: Vocabulary, language_tags: bool) -> bytes:
+def tokenizer_model(spm_path: Path, vocab: Vocabulary, vocab_name: str, language_tags: bool) -> bytes:
     """``spm_path`` rewritten with the vocabulary's pieces in mtkit id order (see the module docstring).
 
     Pieces keep their SentencePiece type and score, so text segments as before; vocabulary pieces the
     model lacks are unused (never produced, decoded as written); the model's pieces the vocabulary lacks
     come after ``trainer_spec.vocab_size`` ids. With ``language_tags``, tags such as ``>>fr<<`` are
-    user-defined pieces, which SentencePiece keeps whole.
+    user-defined pieces, which SentencePiece keeps whole. A model whose pieces the vocabulary
+    (``vocab_name``) mostly lacks is refused: it is another model's, or the other side's, and would
+    encode most text as unk.
     """
     from sentencepiece import sentencepiece_model_pb2 as model_pb2
 
@@ -344,6 +427,12 @@ def tokenizer_model(spm_path: Path, vocab: Vocabulary, language_tags: bool) -> b
         else:
             rewritten.append(Piece(piece=name, score=lowest, type=Piece.UNUSED))
     in_vocabulary = set(pieces)
+    lacking = sum(piece not in in_vocabulary for piece in known)
+    if 2 * lacking > len(known):
+        raise ModelImportError(
+            f"{spm_path}: {lacking:,} of its {len(known):,} pieces are not in {vocab_name}: the SentencePiece model "
+            "of another vocabulary (another model's, or source and target swapped?)"
+        )
     rewritten += [
         Piece(piece=p.piece, score=p.score, type=p.type) for p in known.values() if p.piece not in in_vocabulary
     ]
@@ -353,20 +442,51 @@ def tokenizer_model(spm_path: Path, vocab: Vocabulary, language_tags: bool) -> b
     spec.vocab_size = len(pieces)
     spec.pad_id, spec.unk_id, spec.bos_id, spec.eos_id = PAD_ID, UNK_ID, BOS_ID, EOS_ID
     spec.pad_piece, spec.unk_piece, spec.bos_piece, spec.eos_piece = PAD_PIECE, vocab.unk, START_PIECE, vocab.eos
-    return proto.SerializeToString()
+    written = proto.SerializeToString()
+    _check_loads(written, pieces, spm_path, vocab_name)
+    return written
 
 
-def read_weights(folder: Path) -> tuple[Path, dict[str, Tensor]]:
-    """The folder's weights, model.safetensors or else pytorch_model.bin (``weights_only``), as float32."""
+def _check_loads(model: bytes, pieces: list[str], spm_path: Path, vocab_name: str) -> None:
+    """The rewritten model loads in SentencePiece with each vocabulary piece at its id and mtkit's special ids,
+    so an import never reports success for a tokenizer that translate would refuse or misread."""
+    import sentencepiece
+
+    sp = sentencepiece.SentencePieceProcessor()
+    try:
+        sp.LoadFromSerializedProto(model)
+    except (RuntimeError, OSError) as err:
+        reason = str(err).strip().splitlines()[-1][:200] if str(err).strip() else type(err).__name__
+        raise ModelImportError(
+            f"{spm_path}: with {vocab_name}'s pieces, not a usable SentencePiece model ({reason})"
+        ) from None
+    specials = (sp.pad_id(), sp.unk_id(), sp.bos_id(), sp.eos_id())
+    moved = next((i for i, piece in enumerate(pieces) if sp.id_to_piece(i) != piece), None)
+    if specials != (PAD_ID, UNK_ID, BOS_ID, EOS_ID) or moved is not None:
+        at = f"{untrusted.shown(pieces[moved])} is not at id {moved}" if moved is not None else "special ids moved"
+        raise ModelImportError(f"{spm_path}: with {vocab_name}'s pieces, not a usable SentencePiece model ({at})")
+
+
+@dataclass
+class WeightsFile:
+    """The folder's weights file, with each tensor's shape as its header states it (safetensors), or as torch
+    read it (pytorch_model.bin, bounded by the file's size: ``checkpoint.load_torch_file``)."""
+
+    path: Path
+    shapes: dict[str, tuple[int, ...]]
+    loaded: dict[str, Tensor] | None  # pytorch_model.bin's tensors; None for a safetensors file, read later
+
+
+def open_weights(folder: Path) -> WeightsFile:
+    """model.safetensors or else pytorch_model.bin (``weights_only``): names and shapes, only the header read of
+    the first."""
     path = next((folder / name for name in WEIGHT_FILES if (folder / name).is_file()), None)
     if path is None:
         raise ModelImportError(f"{folder}: no model.safetensors or pytorch_model.bin")
+    if path.suffix == ".safetensors":
+        return WeightsFile(path, safetensors_shapes(path), None)
     try:
-        if path.suffix == ".safetensors":
-            with safetensors.safe_open(path, framework="pt") as f:
-                weights = {key: f.get_tensor(key) for key in f.keys()}
-        else:
-            weights = checkpoint.load_torch_file(path)
+        weights = checkpoint.load_torch_file(path)
     except CheckpointError:
         raise
     except Exception as err:  # safetensors raises several types for truncated or foreign files
@@ -375,10 +495,102 @@ def read_weights(folder: Path) -> tuple[Path, dict[str, Tensor]]:
         isinstance(k, str) and isinstance(v, Tensor) for k, v in weights.items()
     ):
         raise ModelImportError(f"{path}: must hold a mapping of names to tensors")
-    for key, tensor in weights.items():
+    return WeightsFile(path, {key: tuple(tensor.shape) for key, tensor in weights.items()}, weights)
+
+
+def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape as a safetensors file's header states it, read alone: the file is neither mapped nor
+    read further, whatever sizes the header claims (safetensors checks them against the file when it reads)."""
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        if not 2 <= length <= min(MAX_SAFETENSORS_HEADER, path.stat().st_size - 8):
+            raise ModelImportError(f"{path}: not readable weights (a safetensors header of {length:,} bytes)")
+        text = f.read(length)
+    try:
+        header = json.loads(text)
+    except (ValueError, RecursionError):
+        raise ModelImportError(f"{path}: not readable weights (its safetensors header is not JSON)") from None
+    shapes = {}
+    for key, entry in (header if isinstance(header, dict) else {"": None}).items():
+        if key == "__metadata__":
+            continue
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) for n in shape):
+            raise ModelImportError(f"{path}: not readable weights (no shape for {untrusted.shown(key)} in its header)")
+        shapes[key] = tuple(shape)
+    return shapes
+
+
+def expected_shapes(marian: MarianConfig, stored: set[str]) -> tuple[dict[str, tuple], dict[str, tuple]]:
+    """The tensors a weights file of ``marian`` must hold and those it may hold (copies of tied ones, position
+    tables), by name, with their shapes; ``stored`` (the file's names) tells which name a shared table has.
+
+    The layers' shapes are the model's own, read from a skeleton of one layer per stack built on the meta device,
+    which costs no memory whatever config.json claims, and repeated for each layer config.json names."""
+    cfg, d = marian.model, marian.model.d_model
+    with skeleton_device():
+        skeleton = build_model(replace(cfg, encoder_layers=1, decoder_layers=1), 8, 8, PAD_ID)
+    required = {}
+    for key, tensor, _ in layer_weights(skeleton):
+        side, rest = re.fullmatch(r"model\.(encoder|decoder)\.layers\.0\.(.+)", key).groups()
+        for i in range(cfg.encoder_layers if side == "encoder" else cfg.decoder_layers):
+            required[f"model.{side}.layers.{i}.{rest}"] = tuple(tensor.shape)
+    source, target = (marian.vocab_size, d), (marian.decoder_vocab_size, d)
+    optional = {
+        "final_logits_bias": (1, marian.decoder_vocab_size),
+        **{f"model.{side}.embed_positions.weight": (cfg.max_positions, d) for side in ("encoder", "decoder")},
+    }
+    if marian.shared:
+        key = "model.shared.weight" if "model.shared.weight" in stored else "model.encoder.embed_tokens.weight"
+        required[key] = source
+        tied = ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight", "lm_head.weight")
+        optional.update({name: source for name in tied if name != key})
+    else:
+        required["model.encoder.embed_tokens.weight"] = source
+        required["model.decoder.embed_tokens.weight"] = target
+        (optional if cfg.tie_output else required)["lm_head.weight"] = target
+    return required, optional
+
+
+def check_shapes(weights: WeightsFile, marian: MarianConfig, config_path: Path) -> None:
+    """The weights file holds exactly the tensors config.json describes, at its shapes: checked on the names and
+    shapes alone, before a tensor is read or a model built, so a config.json of a huge model allocates nothing."""
+    for side in ("encoder", "decoder"):
+        layer = re.compile(rf"model\.{side}\.layers\.(\d{{1,9}})\.")
+        held = {int(m[1]) for key in weights.shapes if (m := layer.match(key))}
+        count = getattr(marian.model, f"{side}_layers")
+        if len(held) != count:  # a gap in the numbering is named by the first tensor missing, below
+            raise ModelImportError(
+                f"{config_path}: {side}_layers is {count:,}, and {weights.path.name} holds {len(held):,} {side} layers"
+            )
+    required, optional = expected_shapes(marian, set(weights.shapes))
+    for key in required:
+        if key not in weights.shapes:
+            raise ModelImportError(f"{weights.path}: no {key}, which {config_path.name} describes")
+    for key, shape in weights.shapes.items():
+        expected = required.get(key, optional.get(key))
+        if expected is None:
+            raise ModelImportError(f"{weights.path}: holds {key}, which no Marian model of {config_path.name} has")
+        if shape != expected:
+            raise ModelImportError(f"{weights.path}: {key} is {shape}, {config_path.name} makes it {expected}")
+
+
+def read_weights(weights: WeightsFile) -> dict[str, Tensor]:
+    """The tensors, as float32 (fp16 and bf16 widen exactly); each must be floating-point and finite."""
+    path = weights.path
+    try:
+        if weights.loaded is not None:
+            tensors = weights.loaded
+        else:
+            with safetensors.safe_open(path, framework="pt") as f:
+                tensors = {key: f.get_tensor(key) for key in f.keys()}
+    except Exception as err:  # safetensors raises several types for truncated or foreign files
+        raise ModelImportError(f"{path}: not readable weights ({type(err).__name__})") from None
+    for key, tensor in tensors.items():
         if not tensor.is_floating_point():
             raise ModelImportError(f"{path}: {key} is {tensor.dtype}, not a floating-point tensor")
-    return path, {key: tensor.float() for key, tensor in weights.items()}
+    check_finite(tensors, path)
+    return {key: tensor.float() for key, tensor in tensors.items()}
 
 
 # -- converting -----------------------------------------------------------------------------
@@ -407,11 +619,12 @@ def _rows(matrix: Tensor, order: list[int], order_dims: Tensor) -> Tensor:
 
 def _check_positions(weights: dict[str, Tensor], model: ModelConfig, path: Path) -> None:
     """Stored position tables (older files have them) must be the sinusoids mtkit computes."""
-    expected = to_marian(sinusoidal_table(model.max_positions, model.d_model), "reads", residual_order(model.d_model))
+    d = model.d_model
     for side in ("encoder", "decoder"):
         key = f"model.{side}.embed_positions.weight"
         if key in weights:
             table = weights.pop(key)
+            expected = to_marian(sinusoidal_table(model.max_positions, model.d_model), "reads", residual_order(d))
             if table.shape != expected.shape or (table - expected).abs().max() > 1e-5:
                 raise ModelImportError(f"{path}: {key} is not Marian's sinusoidal table, the positions mtkit computes")
 
@@ -458,18 +671,31 @@ def convert(
 # -- the import -----------------------------------------------------------------------------
 
 
-def import_marian(source: str, out_dir: Path, revision: str | None = None) -> Path:
-    """Write ``out_dir``, an mtkit checkpoint folder, from a MarianMTModel folder or Hub repository ``source``."""
+def import_marian(
+    source: str,
+    out_dir: Path,
+    revision: str | None = None,
+    src_lang: str | None = None,
+    tgt_lang: str | None = None,
+) -> Path:
+    """Write ``out_dir``, an mtkit checkpoint folder, from a MarianMTModel folder or Hub repository ``source``,
+    recording the languages it translates (``languages``)."""
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise CheckpointError(f"{out_dir}: exists and is not empty; choose another output folder")
-    folder, origin = locate(source, revision)
+    folder, root, origin = locate(source, revision)
+    langs = languages(source if origin["source"].startswith("hf:") else origin["source"], src_lang, tgt_lang)
+    for name in (*CONFIG_FILES, *TOKENIZER_FILES, *WEIGHT_FILES):
+        if (folder / name).exists():
+            check_inside(folder / name, root)
     for name in ("config.json", "source.spm", "target.spm", "vocab.json"):
         if not (folder / name).is_file():
             raise ModelImportError(
                 f"{folder}: no {name}; a MarianMTModel folder has config.json, source.spm, target.spm and vocab.json"
             )
     marian = read_config(folder / "config.json")
+    weights_file = open_weights(folder)
+    check_shapes(weights_file, marian, folder / "config.json")
     special = special_pieces(folder)
     separate = (folder / "target_vocab.json").is_file() and not marian.shared
     src = read_vocabulary(folder / "vocab.json", marian.vocab_size, special, marian, target=not separate)
@@ -478,12 +704,12 @@ def import_marian(source: str, out_dir: Path, revision: str | None = None) -> Pa
         tgt = read_vocabulary(folder / "target_vocab.json", marian.decoder_vocab_size, special, marian, target=True)
     elif marian.decoder_vocab_size != marian.vocab_size:
         raise ModelImportError(f"{folder}: two vocabulary sizes in config.json, and no target_vocab.json")
+    vocab_names = {"src": "vocab.json", "tgt": "target_vocab.json" if separate else "vocab.json"}
     models = {
-        "src": tokenizer_model(folder / "source.spm", src, language_tags=True),
-        "tgt": tokenizer_model(folder / "target.spm", tgt, language_tags=False),
+        "src": tokenizer_model(folder / "source.spm", src, vocab_names["src"], language_tags=True),
+        "tgt": tokenizer_model(folder / "target.spm", tgt, vocab_names["tgt"], language_tags=False),
     }
-    weights_path, weights = read_weights(folder)
-    model = convert(weights, marian, src, tgt, weights_path)
+    model = convert(read_weights(weights_file), marian, src, tgt, weights_file.path)
     joint = models["src"] == models["tgt"]
     names = (
         {"src": TOKENIZER_NAMES[0], "tgt": TOKENIZER_NAMES[0]}
@@ -492,9 +718,10 @@ def import_marian(source: str, out_dir: Path, revision: str | None = None) -> Pa
     )
     files = {names[side]: models[side] for side in ("src", "tgt")}
     cfg = RunConfig(
+        data=DataConfig(src_lang=langs[0], tgt_lang=langs[1]),
         tokenizer=TokenizerConfig(joint=joint, vocab_size=len(tgt.order)),
         model=marian.model,
-        decode=DecodeConfig(beam=read_beam(folder) or DecodeConfig.beam),
+        decode=DecodeConfig(beam=read_beam(folder) or DecodeConfig.beam, length_penalty="power", early_stop=False),
     )
     records = {
         side: {"file": names[side], "sha256": hashlib.sha256(models[side]).hexdigest()} for side in ("src", "tgt")
@@ -503,7 +730,7 @@ def import_marian(source: str, out_dir: Path, revision: str | None = None) -> Pa
         "config": cfg.to_dict(),
         "tokenizer": records,
         "step": 0,
-        "imported": {**origin, "sha256": file_sha256(weights_path)},
+        "imported": {**origin, "sha256": file_sha256(weights_file.path)},
     }
     checkpoint.save(out_dir, model.state_dict(), meta, files=files)
     return out_dir

@@ -225,6 +225,14 @@ def check_weights(
             )
 
 
+def check_finite(weights: dict[str, torch.Tensor], path: Path) -> None:
+    """Every floating-point weight is finite: one NaN or infinity makes every translation garbage, or breaks the
+    search, so such a file is refused by name rather than loaded."""
+    for key, tensor in weights.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(f"{path}: weight {key} holds NaN or infinite values; such a model cannot translate")
+
+
 def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], path: Path) -> None:
     """``model.load_state_dict(weights)``, with a one-line CheckpointError naming the first misfit tensor."""
     check_weights(model.state_dict(), weights, path)
@@ -293,6 +301,7 @@ def _read_weights(path: Path, tensors: bool = True) -> tuple[Any, dict[str, torc
             weights[alias] = weights[key]
     except untrusted.Malformed as err:
         raise CheckpointError(f"{path}: malformed checkpoint header: {err}") from None
+    check_finite(weights, path)
     return meta, weights
 
 
