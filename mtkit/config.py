@@ -213,8 +213,12 @@ MAX_BEAM = 1_000
 # Padded tokens in one batch, and so sentences in it: per side in training, source tokens times the beam in
 # decoding (25 times decoding's default).
 MAX_BATCH_TOKENS = 1 << 20
-# GNMT's alpha is useful from 0.6 to 2; at 10, ((5 + 65,536) / 6) ** alpha still fits a float.
+# A length penalty's alpha is useful from 0.6 to 2; at 10, 65,536 ** alpha still fits a float.
 MAX_LENPEN = 10.0
+# A sampling temperature divides float32 log-probabilities: one below this is 0 in float32 (one above
+# MAX_TEMPERATURE infinity), and the draw's weights would be NaN. At this bound each draw is the greedy token.
+MIN_TEMPERATURE = 1e-45
+MAX_TEMPERATURE = 1e38  # below float32's largest number, 3.4e38; at this bound every allowed token is equally likely
 
 
 @dataclass(frozen=True)
@@ -291,7 +295,7 @@ class TrainConfig:
     log_every: int = 100  # metrics line cadence in updates
     valid_beam: int = 5  # beam size for validation BLEU
     valid_bleu: bool = True  # decode the validation set for BLEU (loss is always computed)
-    best_metric: Literal["bleu", "loss"] = "bleu"  # what best.pt and early stopping follow
+    best_metric: Literal["bleu", "loss"] = "bleu"  # what RUN/best/ and early stopping follow
     patience: int = 0  # stop after this many validations without a new best; 0 never stops early
     max_time: float = 0.0  # wall-clock budget in minutes, summed over resumed runs; 0 is no limit
     keep_last: int = 5  # periodic checkpoints kept in RUN_DIR/checkpoints (for resuming and averaging); 0 keeps all
@@ -341,10 +345,17 @@ class TrainConfig:
         _check(self.clip_norm >= 0 and self.weight_decay >= 0, "train.clip_norm and train.weight_decay must be >= 0")
 
 
+LengthPenalty = Literal["gnmt", "power"]
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
     beam: int = 5  # hypotheses kept per sentence at each step
-    lenpen: float = 1.0  # GNMT length penalty alpha: score / ((5 + len) / 6) ** alpha
+    lenpen: float = 1.0  # length penalty alpha, the exponent of decode.length_penalty's divisor; 0: none
+    # how a finished hypothesis's log-probability is divided by its length L (its tokens and eos): gnmt,
+    # ((5 + L) / 6) ** lenpen (Wu et al., 2016; OpenNMT-py); power, L ** lenpen (transformers, CTranslate2,
+    # fairseq, Marian): choose power for a model imported from them, which the import records
+    length_penalty: LengthPenalty = "gnmt"
     max_len_a: float = 1.5  # hypotheses stop at max_len_a * source_length + max_len_b tokens
     max_len_b: int = 10  # the constant term of that bound
     min_len: int = 0  # no eos before this many output tokens (unless max_len forces one)
@@ -355,6 +366,7 @@ class DecodeConfig:
     batch_tokens: int = 40_960
 
     def __post_init__(self) -> None:
+        _check_choices(self, "decode")
         _check(self.beam >= 1, "decode.beam must be >= 1")
         _check(math.isfinite(self.lenpen + self.max_len_a), "decode.lenpen and decode.max_len_a must be finite")
         _check(self.min_len >= 0, "decode.min_len must be >= 0")
@@ -385,6 +397,10 @@ class InferenceConfig:
     # of the weights: auto is bf16 where the device computes it natively, else fp32; int8: CPU only
     precision: InferencePrecision = "auto"
     engine: Engine = "mtkit"  # or ctranslate2, for a folder `mtkit export` wrote
+    # CPU threads for one process's operations (torch's, or CTranslate2's intra_threads); 0 keeps each library's
+    # default: torch's OMP_NUM_THREADS where set, else one per core; CTranslate2's 4. Give each process its share of
+    # the cores when several translate or serve on one machine: threads that outnumber the cores wait on each other
+    threads: int = 0
 
 
 MAX_PER_SOURCE = 1_000  # shortlist candidates per source token, at most: bounds what a shortlist file may allocate
@@ -454,7 +470,10 @@ class SamplingConfig:
     seed: int = 1  # of the random generator: the same seed draws the same samples
 
     def __post_init__(self) -> None:
-        _check(0 < self.temperature < math.inf, f"--temperature must be a finite number > 0, got {self.temperature}")
+        _check(
+            MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE,
+            f"--temperature must be in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], got {self.temperature:g}",
+        )
         _check(0 < self.top_p <= 1, f"--top-p must be in (0, 1], got {self.top_p}")
         _check(self.top_k >= 0, f"--top-k must be >= 0, got {self.top_k}")
         _check(0 <= self.seed < 2**64, f"--seed must be in [0, 2**64), got {self.seed}")
@@ -508,7 +527,11 @@ class BackTranslationConfig:
         _check(self.reverse_steps >= 0, "backtranslation.reverse_steps must be >= 0")
         _check(1 <= self.beam <= MAX_BEAM, f"backtranslation.beam must be in [1, {MAX_BEAM}]")
         _check(self.weight > 0, f"backtranslation.weight must be > 0, got {self.weight:g}")
-        _check(0 < self.temperature, "backtranslation.temperature must be > 0")
+        _check(
+            MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE,
+            f"backtranslation.temperature must be in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], "
+            f"got {self.temperature:g}",
+        )
         _check(0 < self.top_p <= 1 and self.top_k >= 0, "backtranslation.top_p must be in (0, 1], top_k >= 0")
         _check(0 <= self.seed < 2**63, "backtranslation.seed must be in [0, 2**63)")
 

@@ -120,6 +120,7 @@ def test_settings_with_a_fixed_set_of_values_are_literals():
         "train.nonfinite",
         "train.best_metric",
         "train.schedule",
+        "decode.length_penalty",
         "backtranslation.method",
     }
     assert set(PRESETS) == set(typing.get_args(Preset))

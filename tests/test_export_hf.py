@@ -28,7 +28,7 @@ from mtkit.data.tokenizer import EOS_ID, PAD_ID, Tokenizer, train_spm
 from mtkit.decoding.search import beam_search, greedy_search, max_lengths
 from mtkit.files import file_sha256
 from mtkit.interop.ct2_export import MANIFEST
-from mtkit.interop.hf_export import export_transformers
+from mtkit.interop.hf_export import export_transformers, generation_settings
 from mtkit.model import checkpoint, loading
 from mtkit.model.transformer import build_model
 from mtkit.training import run_directory
@@ -174,6 +174,27 @@ def test_beam_generate_equals_mtkit_beam_search_without_length_penalty(export):
     ended = [i for i in range(len(got)) if len(expected[i]) < caps[i] - 1]
     same = sum(got[i] == expected[i] for i in ended)
     assert len(ended) >= 5 and same == len(ended), f"{same} of {len(ended)} best hypotheses equal"
+
+
+def test_beam_generate_equals_mtkit_beam_search_at_the_power_length_penalty(export):
+    """decode.length_penalty power divides by length ** lenpen as transformers' length_penalty does (eos counted, the
+    start token not), so at transformers' default of 1.0 the two searches agree where both best hypotheses ended
+    before the cap: there transformers' forced eos costs nothing, and a cut hypothesis may win."""
+    decode = DecodeConfig(beam=5, lenpen=1.0, length_penalty="power", early_stop=False)
+    src, src_pad_mask, _ = source_batch(export, export.lines)
+    expected = [hyps[0].tokens for hyps in beam_search(export.bundle.model, src, src_pad_mask, decode)]
+    got = hf_outputs(export, export.lines, decode, num_beams=5, length_penalty=1.0, min_new_tokens=0)
+    caps = max_lengths(src_pad_mask, decode.max_len_a, decode.max_len_b, export.bundle.cfg.model.max_positions)
+    ended = [i for i in range(len(got)) if max(len(expected[i]), len(got[i])) < caps[i] - 1]
+    same = sum(got[i] == expected[i] for i in ended)
+    assert len(ended) >= 5 and same == len(ended), f"{same} of {len(ended)} best hypotheses equal"
+
+
+def test_generation_config_gives_the_power_penalty_as_it_is():
+    """transformers' length_penalty is the power penalty's alpha; a GNMT alpha is converted (module docstring)."""
+    power = generation_settings(DecodeConfig(beam=4, lenpen=1.3, length_penalty="power"), 128, 99)
+    assert power["length_penalty"] == 1.3 and power["early_stopping"] is True
+    assert generation_settings(DecodeConfig(beam=4, lenpen=1.3), 128, 99)["length_penalty"] == 1.04  # 1.3 * 20 / 25
 
 
 def test_generation_config_holds_the_runs_decoding(joint):

@@ -13,14 +13,17 @@ import yaml
 from helpers import invoke, multilingual_raw, one_line_error
 
 import mtkit
-from mtkit.config import ConfigError, CorpusConfig, DataConfig, from_dict, read_config
+from mtkit.config import ConfigError, CorpusConfig, DataConfig, TokenizerConfig, from_dict, read_config
 from mtkit.data import directions
 from mtkit.data.parallel import collate, token_batches
 from mtkit.data.sampling import CorpusMix, corpus_probabilities
-from mtkit.data.tokenizer import Tokenizer
+from mtkit.data.tokenizer import EOS_ID, Tokenizer, train_spm
+from mtkit.decoding.continuous import LineSearch
+from mtkit.decoding.translate import source_ids
 from mtkit.model import checkpoint
 from mtkit.model.loading import load_for_inference
 from mtkit.model.loss import TrainingObjective
+from mtkit.model.transformer import Transformer
 from mtkit.training.tokenizers import balanced_sentences
 from mtkit.training.trainer import Trainer
 
@@ -249,6 +252,52 @@ def test_tgt_lang_in_the_command_line_is_the_apis(multilingual_run, tmp_path):
         assert result.stdout.splitlines() == translator.translate(lines, tgt_lang=lang)
         assert mtkit.load(multilingual_run, device="cpu", tgt_lang=lang).translate(lines) == result.stdout.splitlines()
     assert translator.translate(lines, tgt_lang="de")[1] == ""
+
+
+def test_a_tag_typed_in_the_text_never_chooses_the_language(multilingual_run, trilingual_files, monkeypatch):
+    """`<2fr>` typed in a text was the reserved piece, after the `<2de>` the translator puts first, and could
+    override it. The sources the model reads (the command line's, the API's and the server's) now hold one tag id,
+    the translator's; the typed tag is its characters, and a line without one encodes as before."""
+    tok = Tokenizer(multilingual_run / "spm.model")
+    de, fr = tok.sp.piece_to_id("<2de>"), tok.sp.piece_to_id("<2fr>")
+    sources = trilingual_files["val.en"].read_text().splitlines()[:6]
+    typed = [f"<2fr> {s}" for s in sources[:3]] + [f"{s} <2fr>" for s in sources[3:]]
+    encoded = source_ids(tok, typed + sources, 128, prefix="<2de> ")
+    assert [encoded[len(typed) + i] for i in range(len(sources))] == tok.encode([f"<2de> {s}" for s in sources])
+    read: list[list[int]] = []
+    encode = Transformer.encode
+
+    def reading(model, src, src_pad_mask):
+        read.extend(row[~pad].tolist() for row, pad in zip(src, src_pad_mask))
+        return encode(model, src, src_pad_mask)
+
+    monkeypatch.setattr(Transformer, "encode", reading)
+    result = invoke("translate", multilingual_run, "--tgt-lang", "de", "--device", "cpu", input="\n".join(typed))
+    assert result.exit_code == 0, result.output
+    translator = mtkit.load(multilingual_run, device="cpu")
+    assert translator.translate(typed, tgt_lang="de") == result.stdout.splitlines()
+    search = LineSearch(translator.into("de"))  # what the server steps
+    for key, line in enumerate(typed):
+        search.add(key, line)
+    while len(search):
+        search.step()
+    assert len(read) == 3 * len(typed)
+    assert all(ids.count(de) == 1 and fr not in ids and ids[-1] == EOS_ID for ids in read)
+    assert sorted(map(tuple, read)) == sorted([tuple(encoded[i] + [EOS_ID]) for i in range(len(typed))] * 3)
+
+
+def test_only_mtkits_own_tags_typed_in_a_text_become_text(tmp_path, trilingual_files):
+    """<BT> typed in a text is text too, glued to a word or alone; a reserved symbol of another kind (an imported
+    Marian model's >>fr<<, which its users type to choose the language) stays its piece."""
+    lines = trilingual_files["train.en"].read_text().splitlines()
+    symbols = ["<2de>", "<BT>", ">>fr<<"]
+    tok = Tokenizer(train_spm(lines, tmp_path / "spm", TokenizerConfig(vocab_size=200), symbols=symbols))
+    ids = {s: tok.sp.piece_to_id(s) for s in symbols}
+    assert directions.typed_tags(tok.user_defined) == {"<2de>": ids["<2de>"], "<BT>": ids["<BT>"]}
+    encoded = source_ids(tok, ["<BT> A dog.", "A<BT>dog <2de>", "<BT>", ">>fr<< A dog."], 128)
+    assert all(ids["<BT>"] not in seq and ids["<2de>"] not in seq for seq in encoded.values())
+    assert len(encoded[1]) > 5 and len(encoded[2]) > 1  # the characters, not one piece each
+    assert encoded[3] == tok.encode([">>fr<< A dog."])[0] and ids[">>fr<<"] in encoded[3]
 
 
 def test_a_direction_the_model_lacks_is_one_line_listing_those_it_has(multilingual_run, tmp_path, trained_run):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 
 import pytest
 import torch
@@ -11,9 +12,16 @@ import torch.nn.functional as F
 from helpers import random_sources, tiny_model
 
 from mtkit import runtime
-from mtkit.config import DecodeConfig, SamplingConfig
+from mtkit.config import (
+    MAX_TEMPERATURE,
+    MIN_TEMPERATURE,
+    BackTranslationConfig,
+    ConfigError,
+    DecodeConfig,
+    SamplingConfig,
+)
 from mtkit.data.parallel import source_tensor
-from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from mtkit.decoding.search import (
     Extensions,
     Hypothesis,
@@ -96,6 +104,29 @@ def test_length_penalty_decides_between_short_and_long():
     assert math.isclose(best.score, math.log(0.49 * 0.95) / length_penalty(2, 1.0), rel_tol=1e-4)
     # Early stopping ends the search when the best-ranked candidate ([] at step 0) ends: [A] never finishes.
     assert beam_search(model, src, mask, DecodeConfig(beam=2, lenpen=1.0))[0][0].tokens == []
+
+
+def test_the_power_length_penalty_divides_by_the_length_as_transformers_does():
+    """[] scores log 0.6 = -0.511 under either penalty. [A A A] has log-probability log 0.324 = -1.127 over 4 tokens
+    (eos counted): GNMT divides it by (5 + 4) / 6 = 1.5, to -0.751, and keeps []; power divides it by 4, to -0.282,
+    as transformers, CTranslate2, fairseq and Marian rank it, and takes it. Greedy search scores alike."""
+
+    def script(step, last):
+        return [{EOS_ID: 0.6, A: 0.4}, {A: 0.9, B: 0.1}, {A: 0.9, B: 0.1}, {EOS_ID: 1.0}][min(step, 3)]
+
+    model = ScriptedModel(script)
+    src, mask = one_source()
+    gnmt = DecodeConfig(beam=2, lenpen=1.0, early_stop=False)
+    power = DecodeConfig(beam=2, lenpen=1.0, length_penalty="power", early_stop=False)
+    assert beam_search(model, src, mask, gnmt)[0][0].tokens == []
+    best = beam_search(model, src, mask, power)[0][0]
+    assert best.tokens == [A, A, A]
+    assert math.isclose(best.score, math.log(0.324) / 4, rel_tol=1e-4)
+    assert math.isclose(best.score, best.logprob / length_penalty(4, 1.0, "power"), rel_tol=1e-6)
+    greedy = sample_search(model, src, mask, None, DecodeConfig(lenpen=2.0, length_penalty="power"))[0]
+    assert greedy.tokens == [] and math.isclose(greedy.score, math.log(0.6), rel_tol=1e-4)  # 1 ** 2: unchanged
+    with pytest.raises(ConfigError, match="decode.length_penalty must be one of gnmt, power, got 'avg'"):
+        DecodeConfig(length_penalty="avg")
 
 
 def test_output_length_is_capped_and_nbest_sorted_distinct():
@@ -206,8 +237,8 @@ def close(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=2e-6, abs_tol=1e-5)
 
 
-def normalised(logprob: float, tokens, lenpen: float) -> float:
-    return logprob / length_penalty(len(tokens) + 1, lenpen)
+def normalised(logprob: float, tokens, lenpen: float, form: str = "gnmt") -> float:
+    return logprob / length_penalty(len(tokens) + 1, lenpen, form)
 
 
 EXHAUSTIVE_SOURCES = [[4, 5], [6, 6, 4, 5, 1], [5]]
@@ -241,15 +272,15 @@ def test_exhaustive_cases_are_not_trivial():
     assert misses > 0
 
 
-@pytest.mark.parametrize("lenpen", [0.0, 1.0])
+@pytest.mark.parametrize("lenpen, form", [(0.0, "gnmt"), (1.0, "gnmt"), (1.0, "power")])
 @pytest.mark.parametrize("seed", EXHAUSTIVE_SEEDS)
-def test_beam_search_against_exhaustive_enumeration(seed, lenpen):
+def test_beam_search_against_exhaustive_enumeration(seed, lenpen, form):
     model = sharp_tiny_model(seed)
     src, mask = source_tensor(EXHAUSTIVE_SOURCES)
     space = [exhaustive(model, source) for source in EXHAUSTIVE_SOURCES]
     n_prefixes = sum(len(WORDS) ** m for m in range(CAP))  # one live prefix per hypothesis: 1 + 4 + 16 + 64
     assert all(len(s) == n_prefixes for s in space)
-    bounds = {"lenpen": lenpen, "max_len_a": 0.0, "max_len_b": CAP}
+    bounds = {"lenpen": lenpen, "length_penalty": form, "max_len_a": 0.0, "max_len_b": CAP}
 
     # Narrow beams: what beam search returns is real, scored exactly, sorted, and never beats the optimum.
     for beam in (1, 2, 3):
@@ -263,15 +294,15 @@ def test_beam_search_against_exhaustive_enumeration(seed, lenpen):
             for h in hyps:
                 assert tuple(h.tokens) in logprobs  # under the cap, no pad/bos/eos inside
                 assert close(h.logprob, logprobs[tuple(h.tokens)])
-                assert math.isclose(h.score, normalised(h.logprob, h.tokens, lenpen), rel_tol=1e-6, abs_tol=1e-6)
-            best = max(normalised(lp, t, lenpen) for t, lp in logprobs.items())
+                assert math.isclose(h.score, normalised(h.logprob, h.tokens, lenpen, form), rel_tol=1e-6, abs_tol=1e-6)
+            best = max(normalised(lp, t, lenpen, form) for t, lp in logprobs.items())
             assert hyps[0].score <= best + 1e-5
 
     # A beam as wide as the space of prefixes keeps every prefix alive: beam search becomes exhaustive.
     results = beam_search(model, src, mask, DecodeConfig(beam=n_prefixes, **bounds), nbest=n_prefixes)
     for hyps, logprobs in zip(results, space):
-        ranked = sorted(logprobs, key=lambda t: -normalised(logprobs[t], t, lenpen))
-        top, runner_up = (normalised(logprobs[t], t, lenpen) for t in ranked[:2])
+        ranked = sorted(logprobs, key=lambda t: -normalised(logprobs[t], t, lenpen, form))
+        top, runner_up = (normalised(logprobs[t], t, lenpen, form) for t in ranked[:2])
         assert top - runner_up > 1e-4  # no near tie, so the argmax is well defined
         assert len(hyps) == n_prefixes  # every hypothesis finished
         assert tuple(hyps[0].tokens) == ranked[0]
@@ -381,6 +412,29 @@ def test_sampling_follows_the_model_and_its_filters():
     assert set(first_tokens(SamplingConfig(temperature=0.05))) == {A}
     hyp = sample_search(model, *one_source(), SamplingConfig(top_k=1), generator=g)[0]
     assert hyp.tokens == [A] and math.isclose(hyp.logprob, math.log(0.6), rel_tol=1e-4)  # the model's own
+
+
+def test_sampling_at_the_temperature_bounds_draws_and_beyond_them_is_refused():
+    """The bounds are where float32 still holds the temperature: at the lowest every draw is the greedy token, at
+    the highest the draws spread over the tokens; 1e-300 (0 in float32) and 1e300 (infinity) made NaN weights and
+    an index out of bounds."""
+
+    def script(step, last):
+        return {A: 0.6, B: 0.3, C: 0.1} if step == 0 else {EOS_ID: 1.0}
+
+    src, mask = source_tensor([[A] * 3] * 300)
+    g = torch.Generator().manual_seed(0)
+    cold, hot = (SamplingConfig(temperature=t) for t in (MIN_TEMPERATURE, MAX_TEMPERATURE))
+    assert {h.tokens[0] for h in sample_search(ScriptedModel(script), src, mask, cold, generator=g)} == {A}
+    drawn = {
+        h.tokens[0] if h.tokens else EOS_ID for h in sample_search(ScriptedModel(script), src, mask, hot, generator=g)
+    }
+    assert drawn == {UNK_ID, EOS_ID, A, B, C}  # uniform over all but pad and bos, the script's 1e-9 ones too
+    for value in (1e-300, 1e300):
+        with pytest.raises(ConfigError, match=re.escape(f"--temperature must be in [1e-45, 1e+38], got {value:g}")):
+            SamplingConfig(temperature=value)
+        with pytest.raises(ConfigError, match="backtranslation.temperature must be in"):
+            BackTranslationConfig(temperature=value)
 
 
 @pytest.mark.parametrize("width", [3, 64, 200])

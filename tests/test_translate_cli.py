@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import invoke
+from helpers import invoke, one_line_error
 
 import mtkit.decoding.translate
 
@@ -190,7 +190,9 @@ def test_alignments_pair_source_and_target_words(trained_run, lines):
 
 
 def test_bf16_translation_keeps_every_line(trained_run, lines):
-    fp32 = invoke("translate", trained_run, "--beam", 3, input=stdin_of(lines))
+    """Against an fp32 reference on every CPU (``auto`` would be bf16 itself on one with native bf16)."""
+    fp32 = invoke("translate", trained_run, "--beam", 3, "--precision", "fp32", input=stdin_of(lines))
+    assert fp32.exit_code == 0, fp32.output
     bf16 = invoke("translate", trained_run, "--beam", 3, "--precision", "bf16", input=stdin_of(lines))
     assert bf16.exit_code == 0, bf16.output
     assert [bool(row) for row in bf16.stdout.splitlines()] == [bool(row) for row in fp32.stdout.splitlines()]
@@ -288,3 +290,28 @@ def test_a_signal_during_a_line_write_waits_for_the_line(monkeypatch):
         written.append("never reached")
     assert written == ["the rest of the line"] and stop.value.signum == signal.SIGTERM
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers are restored
+
+
+@pytest.mark.parametrize("temperature", ["1e300", "1e-300"])
+def test_a_temperature_beyond_float32_is_one_error_line(trained_run, temperature):
+    """float32 turns 1e300 into infinity and 1e-300 into 0: the draw's weights were NaN, and the command ended in
+    a traceback ("index 5 is out of bounds for dimension 1 with size 5")."""
+    result = invoke("translate", trained_run, "--sample", "--temperature", temperature, input="A dog runs.\n")
+    one_line_error(result, f"--temperature must be in [1e-45, 1e+38], got {float(temperature):g}")
+
+
+def test_the_length_penalty_option_chooses_what_a_score_is_divided_by(trained_run, lines):
+    """At lenpen 1 a score is the log-probability over length L (tokens and eos) with --length-penalty power, and over
+    (5 + L) / 6 by default (gnmt): LOGPROB / SCORE gives L, a whole number, either way."""
+    lengths = {}
+    for form in ("gnmt", "power"):
+        result = invoke(
+            "translate", trained_run, "--beam", 3, "--nbest", 3, "--lenpen", 1, "--length-penalty", form,
+            input=stdin_of(lines),
+        )  # fmt: skip
+        assert result.exit_code == 0, result.output
+        rows = [row.split(" ||| ") for row in result.stdout.splitlines()]
+        ratios = [float(logprob) / float(score) for _, _, score, logprob in rows if float(score)]
+        lengths[form] = [ratio if form == "power" else 6 * ratio - 5 for ratio in ratios]
+        assert len(ratios) >= 10 and all(abs(n - round(n)) < 0.02 and round(n) >= 1 for n in lengths[form])
+    assert len({round(n) for n in lengths["power"]}) > 1  # hypotheses of several lengths

@@ -44,6 +44,15 @@ EngineChoice = Annotated[
     ),
 ]
 Beam = Annotated[int | None, typer.Option(min=1, help="Beam size; 1 is greedy. [default: the model's]")]
+CpuThreads = Annotated[
+    int,
+    typer.Option(
+        "--threads",
+        min=0,
+        help="CPU threads to translate on; 0: OMP_NUM_THREADS where set, else one per core (CTranslate2: 4). "
+        "Processes sharing a machine each take a share of its cores.",
+    ),
+]
 Overrides = Annotated[list[str], typer.Option("--set", help="Override a config key: --set train.lr=0.001, repeatable.")]
 
 

@@ -9,6 +9,7 @@ import typer
 
 from mtkit.commands.common import (
     Beam,
+    CpuThreads,
     Device,
     EngineChoice,
     ModelPath,
@@ -18,7 +19,14 @@ from mtkit.commands.common import (
     setup_logging,
     user_errors,
 )
-from mtkit.config import MAX_PER_SOURCE, InferenceConfig, RecipeConfig, SamplingConfig, ShortlistConfig
+from mtkit.config import (
+    MAX_PER_SOURCE,
+    InferenceConfig,
+    LengthPenalty,
+    RecipeConfig,
+    SamplingConfig,
+    ShortlistConfig,
+)
 
 commands = typer.Typer()
 import_commands = typer.Typer(help="Bring models trained by other toolkits into mtkit.", no_args_is_help=True)
@@ -47,7 +55,17 @@ def translate_command(
         Path | None, typer.Option("--output", "-o", help="Output file, written atomically (default: stdout).")
     ] = None,
     beam: Beam = None,
-    lenpen: Annotated[float | None, typer.Option(help="GNMT length penalty alpha. [default: the model's]")] = None,
+    lenpen: Annotated[
+        float | None, typer.Option(help="Length penalty alpha; 0 for none. [default: the model's]")
+    ] = None,
+    length_penalty: Annotated[
+        LengthPenalty | None,
+        typer.Option(
+            help="How scores are divided by length L: gnmt, by ((5 + L) / 6)^alpha; power, by L^alpha, as "
+            "transformers, CTranslate2, fairseq and Marian do. [default: the model's]",
+            show_default=False,
+        ),
+    ] = None,
     max_len_a: Annotated[
         float | None, typer.Option(help="Output length cap: a * source length + b. [default: the model's]")
     ] = None,
@@ -131,6 +149,7 @@ def translate_command(
     device: Device = InferenceConfig.device,
     precision: WeightPrecision = InferenceConfig.precision,
     engine: EngineChoice = InferenceConfig.engine,
+    threads: CpuThreads = InferenceConfig.threads,
 ) -> None:
     """Translate one sentence per line, streaming: one output line for every input line, in order.
 
@@ -146,14 +165,15 @@ def translate_command(
     if alignments and nbest > 1:
         raise ConfigError("--alignments goes with the best translation only, not with --nbest")
     decode = given(
-        beam=beam, lenpen=lenpen, max_len_a=max_len_a, max_len_b=max_len_b, min_len=min_len,
-        early_stop=early_stop, batch_size=batch_size, batch_tokens=batch_tokens,
+        beam=beam, lenpen=lenpen, length_penalty=length_penalty, max_len_a=max_len_a, max_len_b=max_len_b,
+        min_len=min_len, early_stop=early_stop, batch_size=batch_size, batch_tokens=batch_tokens,
     )  # fmt: skip
     sampling = SamplingConfig(temperature, top_k, top_p, seed) if sample else None
     try:
         translate_file(
             model, input, output, prefix, nbest=nbest, scores=scores, alignments=alignments, sampling=sampling,
-            device=device, precision=precision, engine=engine, shortlist=shortlist, tgt_lang=tgt_lang, **decode,
+            device=device, precision=precision, engine=engine, shortlist=shortlist, tgt_lang=tgt_lang,
+            threads=threads, **decode,
         )  # fmt: skip
     except Interrupted as stop:
         kept = f": they are in {stop.partial}, and {output} is not written" if stop.partial else ""
@@ -300,8 +320,8 @@ def export_command(
     epilog=examples(
         "mtkit import hf Helsinki-NLP/opus-mt-en-de -o opus-en-de",
         "mtkit import hf Helsinki-NLP/opus-mt-en-de --revision main -o opus-en-de",
-        "mtkit import hf ./my-marian-folder -o my-model",
-        "mtkit translate opus-en-de -i test.en -o test.de",
+        "mtkit import hf ./my-marian-folder --src-lang en --tgt-lang de -o my-model",
+        "mtkit translate opus-en-de --precision fp32 -i test.en -o test.de",
     ),
 )
 @user_errors
@@ -319,13 +339,23 @@ def import_hf_command(
     revision: Annotated[
         str | None, typer.Option(help="The Hub revision (branch, tag or commit) to download; default main.")
     ] = None,
+    src_lang: Annotated[
+        str | None,
+        typer.Option(help="The source language code to record; default: the one an OPUS-MT name states, else src."),
+    ] = None,
+    tgt_lang: Annotated[
+        str | None,
+        typer.Option(help="The target language code to record; default: the one an OPUS-MT name states, else tgt."),
+    ] = None,
 ) -> None:
     """Import a Marian model (OPUS-MT) as an mtkit model, which translate, eval, serve, export and
     train.init_from take; its tokenizers are rewritten to keep Marian's ids exactly."""
     from mtkit.interop.hf_import import import_marian
+    from mtkit.model.checkpoint import read_meta
 
-    written = import_marian(source, output, revision)
-    typer.echo(f"wrote {written}", err=True)
+    written = import_marian(source, output, revision, src_lang, tgt_lang)
+    data = read_meta(written)[1].data
+    typer.echo(f"wrote {written} ({data.src_lang}->{data.tgt_lang})", err=True)
 
 
 @commands.command(

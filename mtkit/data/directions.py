@@ -6,22 +6,34 @@ several target languages reads the target language from a tag before each source
 and ``mtkit translate --tgt-lang de`` puts it there. Sources of a back-translated corpus also get
 ``<BT>`` (Caswell et al., 2019), in training only. Tags are prefixed to the text, with a space, before
 encoding: the same text gives the same pieces in training, validation and translation, whichever
-engine encodes it.
+engine encodes it. In the text to translate, a tag's characters are text like any other: ``<2fr>``
+typed there is encoded as the characters it is made of, never as the tag (``typed_tags``).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from mtkit.config import ConfigError, CorpusConfig, DataConfig
+from mtkit.config import LANGUAGE_CODE, ConfigError, CorpusConfig, DataConfig
 from mtkit.data.parallel import DataError
 
 BT_TAG = "<BT>"
 
 
+TAG = re.compile(rf"<2(?:{LANGUAGE_CODE.pattern})>|{re.escape(BT_TAG)}")  # target_tag's or BT_TAG
+
+
 def target_tag(lang: str) -> str:
     return f"<2{lang}>"
+
+
+def typed_tags(symbols: dict[str, int]) -> dict[str, int]:
+    """Those of a tokenizer's reserved ``symbols`` (piece: id) that are tags mtkit puts before a source: text to
+    translate encodes them as text, so that it cannot choose the target language or mark itself back-translated.
+    Other reserved symbols (an imported Marian model's ``>>fr<<``, which its users type) stay whole."""
+    return {piece: i for piece, i in symbols.items() if TAG.fullmatch(piece)}
 
 
 def directions(data: DataConfig) -> list[tuple[str, str]]:

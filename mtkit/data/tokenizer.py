@@ -11,6 +11,7 @@ import io
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import sentencepiece as spm
 
@@ -19,6 +20,9 @@ from mtkit.data.clean import strip_invisible
 from mtkit.errors import MtkitError
 from mtkit.files import atomic_write, atomic_write_text, file_sha256
 from mtkit.progress import StageProgress
+
+if TYPE_CHECKING:
+    from sentencepiece import sentencepiece_model_pb2
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 CHARS_PER_TOKEN = 32  # twice SentencePiece's longest piece (max_sentencepiece_length 16)
@@ -113,6 +117,15 @@ def is_sentencepiece_model(path: Path) -> bool:
     return True
 
 
+def model_proto(sp: spm.SentencePieceProcessor) -> sentencepiece_model_pb2.ModelProto:
+    """The model ``sp`` was loaded from, as SentencePiece's ModelProto message."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(sp.serialized_model_proto())
+    return proto
+
+
 def vocabulary_size(sp: spm.SentencePieceProcessor) -> int:
     """The ids a model of this tokenizer has: the model's ``trainer_spec.vocab_size`` first pieces.
 
@@ -120,10 +133,7 @@ def vocabulary_size(sp: spm.SentencePieceProcessor) -> int:
     (mtkit/interop/hf_import.py) may keep pieces after them that only segment: Marian splits text with
     its SentencePiece model and maps a piece its vocabulary lacks to unk, as ``Tokenizer.encode`` does.
     """
-    from sentencepiece import sentencepiece_model_pb2
-
-    proto = sentencepiece_model_pb2.ModelProto()
-    proto.ParseFromString(sp.serialized_model_proto())
+    proto = model_proto(sp)
     pieces = sp.get_piece_size()
     return min(proto.trainer_spec.vocab_size, pieces) if proto.trainer_spec.vocab_size > 0 else pieces
 
@@ -147,28 +157,49 @@ class Tokenizer:
             )
         self.sha256 = file_sha256(self.path)
         self.vocab_size = vocabulary_size(self.sp)
+        # the user-defined pieces (reserved symbols such as language tags) and their ids: SentencePiece keeps each
+        # whole, as its own piece, wherever it stands in a text
+        proto = model_proto(self.sp)
+        kind = proto.SentencePiece.USER_DEFINED
+        self.user_defined = {p.piece: i for i, p in enumerate(proto.pieces) if p.type == kind}
+        self._as_text: dict[frozenset[str], spm.SentencePieceProcessor] = {}
+
+    def _processor(self, as_text: frozenset[str]) -> spm.SentencePieceProcessor:
+        """The model, or a copy in which the user-defined pieces ``as_text`` are unused pieces, which SentencePiece
+        never produces: a text holding one is segmented as any other text is (``<``, ``2``, ``fr``, ``>``)."""
+        if not as_text:
+            return self.sp
+        if as_text not in self._as_text:
+            proto = model_proto(self.sp)
+            for piece in proto.pieces:
+                if piece.piece in as_text and piece.type == piece.USER_DEFINED:
+                    piece.type = piece.UNUSED
+            self._as_text[as_text] = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
+        return self._as_text[as_text]
 
     def missing_symbols(self, symbols: Iterable[str]) -> list[str]:
         """Those of ``symbols`` that are not a piece of this model (text holding them would be split)."""
         return [s for s in symbols if self.sp.piece_to_id(s) == UNK_ID or self.sp.piece_to_id(s) >= self.vocab_size]
 
-    def encode(self, lines: list[str]) -> list[list[int]]:
+    def encode(self, lines: list[str], as_text: frozenset[str] = frozenset()) -> list[list[int]]:
         """Ids without bos/eos (the data and search code add them), of the text less the control and format
         characters `mtkit prepare` deletes from training data (a line of U+2060 alone is no text, not an unknown
-        piece). SentencePiece splits a list over all cores, starting threads at every call, which costs more
-        than encoding a short line (docs/benchmarks.md, "Serving under load"), so a few lines are encoded one by
-        one."""
+        piece); the user-defined pieces ``as_text`` are text there, never their own piece (``_processor``).
+        SentencePiece splits a list over all cores, starting threads at every call, which costs more than
+        encoding a short line (docs/benchmarks.md, "Serving under load"), so a few lines are encoded one by one."""
         lines = [strip_invisible(line) for line in lines]
+        sp = self._processor(as_text)
         if len(lines) < PARALLEL_LINES:
-            seqs = [self.sp.encode(line, out_type=int) for line in lines]
+            seqs = [sp.encode(line, out_type=int) for line in lines]
         else:
-            seqs = self.sp.encode(lines, out_type=int, num_threads=len(os.sched_getaffinity(0)))
+            seqs = sp.encode(lines, out_type=int, num_threads=len(os.sched_getaffinity(0)))
         if self.vocab_size < self.sp.get_piece_size():  # pieces that only segment are unknown (``vocabulary_size``)
             return [[i if i < self.vocab_size else UNK_ID for i in seq] for seq in seqs]
         return seqs
 
-    def encode_capped(self, lines: list[str], limit: int) -> list[list[int]]:
-        """Ids of ``lines``, each cut to at most ``limit + 1``: enough to tell a line over ``limit`` tokens.
+    def encode_capped(self, lines: list[str], limit: int, as_text: frozenset[str] = frozenset()) -> list[list[int]]:
+        """Ids of ``lines`` (``as_text`` as in ``encode``), each cut to at most ``limit + 1``: enough to tell a line
+        over ``limit`` tokens.
 
         A line is encoded from its first ``limit * CHARS_PER_TOKEN`` characters: its first ``limit``
         tokens come from there (a piece has at most 16 characters), so a 26 MB line costs no more
@@ -176,10 +207,10 @@ class Tokenizer:
         ``limit`` tokens (runs of whitespace, which encode to nothing) is encoded whole.
         """
         cut = limit * CHARS_PER_TOKEN
-        seqs = self.encode([line[:cut] for line in lines])
+        seqs = self.encode([line[:cut] for line in lines], as_text)
         for i, line in enumerate(lines):
             if len(line) > cut and len(seqs[i]) <= limit:
-                seqs[i] = self.encode([line])[0]
+                seqs[i] = self.encode([line], as_text)[0]
         return [seq[: limit + 1] for seq in seqs]
 
     def decode(self, ids: list[list[int]]) -> list[str]:

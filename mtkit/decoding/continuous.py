@@ -58,7 +58,7 @@ def supports(model: object) -> bool:
 
 class ContinuousBeamSearch:
     """Beam search over the sentences ``add`` gives, ``step`` by ``step``, with ``decode``'s settings
-    (beam, lenpen, max_len_a, max_len_b, min_len, early_stop) and ``nbest`` hypotheses per sentence.
+    (beam, lenpen, length_penalty, max_len_a, max_len_b, min_len, early_stop) and ``nbest`` hypotheses per sentence.
 
     State, for the n live sentences and their beam-sized groups of rows (one group per sentence, in order):
     ``tokens`` (rows, slots + 1) holds each row's inputs by cache slot (pad before its start, bos at it),

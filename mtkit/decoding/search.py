@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mtkit.config import DecodeConfig, SamplingConfig
+from mtkit.config import DecodeConfig, LengthPenalty, SamplingConfig
 from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from mtkit.model.attention import DecoderCache
 from mtkit.model.transformer import Candidates, Transformer
@@ -41,9 +41,19 @@ class Hypothesis:
     logprob: float  # sum of token log-probabilities, eos included
 
 
-def length_penalty(length: int, alpha: float) -> float:
-    """GNMT length penalty (Wu et al., 2016): ((5 + length) / 6) ** alpha."""
+def length_penalty(length: int, alpha: float, form: LengthPenalty = "gnmt") -> float:
+    """What a hypothesis's log-probability is divided by at ``length`` tokens (eos included, bos not): GNMT's
+    ((5 + length) / 6) ** alpha (Wu et al., 2016), or ``power``'s length ** alpha, the form transformers,
+    CTranslate2, fairseq and Marian use, so that a model imported from them ranks its hypotheses as there."""
+    if form == "power":
+        return float(length) ** alpha
     return ((5.0 + length) / 6.0) ** alpha
+
+
+def normalised(logprob: float, tokens: int, decode: DecodeConfig) -> float:
+    """The score a hypothesis of ``tokens`` output tokens (eos not counted) ranks by: its log-probability over
+    ``decode``'s length penalty at tokens + 1."""
+    return logprob / length_penalty(tokens + 1, decode.lenpen, decode.length_penalty)
 
 
 def max_lengths(src_pad_mask: Tensor, a: float, b: int, limit: int) -> Tensor:
@@ -244,7 +254,7 @@ def settle(
     """
     k = decode.beam
     ending = (ext.tokens[:, :k] == EOS_ID) & torch.isfinite(ext.scores[:, :k])  # (n, k)
-    ended = ended_hypotheses(ext, ending, tokens, width, [k - count for count in filed], decode.lenpen, starts)
+    ended = ended_hypotheses(ext, ending, tokens, width, [k - count for count in filed], decode, starts)
     scores, rows, next_tok = survivors(ext, k, width)
     counts = torch.tensor([count + len(new) for count, new in zip(filed, ended)], device=must_end.device)
     top_ended = top_ended | ending[:, 0]
@@ -258,7 +268,7 @@ def ended_hypotheses(
     tokens: Tensor,
     width: int,
     room: list[int],
-    lenpen: float,
+    decode: DecodeConfig,
     starts: Tensor | None = None,
 ) -> list[list[Hypothesis]]:
     """The hypotheses each sentence finishes now: its ``ending`` candidates (n, k: eos among its best k), best
@@ -275,7 +285,7 @@ def ended_hypotheses(
         if len(ended[r]) < room[r]:
             history = tokens[r * width + beam_of[r][c], first[r] :].tolist()
             logprob = score_of[r][c]
-            ended[r].append(Hypothesis(history, logprob / length_penalty(len(history) + 1, lenpen), logprob))
+            ended[r].append(Hypothesis(history, normalised(logprob, len(history), decode), logprob))
     return ended
 
 
@@ -428,7 +438,7 @@ def sample_search(
         rows = ended.nonzero().squeeze(1)
         outputs = tokens[rows, 1:-1].tolist()  # without bos and eos
         for sentence, output, lp in zip(active[rows].tolist(), outputs, logprob[rows].tolist()):
-            results[sentence] = Hypothesis(output, lp / length_penalty(len(output) + 1, decode.lenpen), lp)
+            results[sentence] = Hypothesis(output, normalised(lp, len(output), decode), lp)
         if ended.all():
             break
         keep = (~ended).nonzero().squeeze(1)
@@ -460,8 +470,8 @@ def beam_search(
     candidates: Candidates | None = None,
 ) -> list[list[Hypothesis]]:
     """The ``nbest`` best finished hypotheses per sentence, best first, searched as ``decode`` says (beam,
-    lenpen, max_len_a, max_len_b, min_len, early_stop); with a shortlist's ``candidates``, over those target
-    ids only (they hold the special ids and every prefix token).
+    lenpen, length_penalty, max_len_a, max_len_b, min_len, early_stop); with a shortlist's ``candidates``, over
+    those target ids only (they hold the special ids and every prefix token).
 
     ``early_stop`` also ends a sentence's search once its best-ranked candidate has ended and
     ``nbest`` hypotheses have. That saves steps; without a length penalty it loses nothing (scores

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from mtkit.config import MAX_BEAM, ConfigError, DataConfig, DecodeConfig, SamplingConfig
-from mtkit.data.directions import choose_target, directions, source_prefix
+from mtkit.data.directions import choose_target, directions, source_prefix, typed_tags
 from mtkit.data.parallel import source_tensor
 from mtkit.data.tokenizer import Tokenizer
 from mtkit.decoding.alignment import align_batch
@@ -64,8 +64,15 @@ def source_ids(
     todo = [i for i, line in enumerate(lines) if line.strip()]
     limit = max_positions - 1
     seqs = tok.encode_capped([prefix + lines[i] for i in todo], limit)
+    tag = tok.encode([prefix])[0] if prefix else []
+    tags = typed_tags(tok.user_defined)
+    ids = set(tags.values())
+    if typed := [k for k, seq in enumerate(seqs) if not ids.isdisjoint(seq[len(tag) :])]:
+        # a tag typed in a line is the characters it is made of, never the tag (mtkit.data.directions)
+        as_text = tok.encode_capped([lines[todo[k]] for k in typed], limit, frozenset(tags))
+        for k, seq in zip(typed, as_text):
+            seqs[k] = (tag + seq)[: limit + 1]
     if prefix:  # a line of U+200B alone is still no text: its tag alone is not translated
-        tag = tok.encode([prefix])[0]
         todo, seqs = [i for i, seq in zip(todo, seqs) if seq != tag], [seq for seq in seqs if seq != tag]
     for i, seq in zip(todo, seqs):
         if len(seq) > limit:

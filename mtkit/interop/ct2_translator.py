@@ -13,7 +13,7 @@ from typing import Any
 
 from mtkit.config import ConfigError, DecodeConfig
 from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
-from mtkit.decoding.search import length_penalty, max_length
+from mtkit.decoding.search import max_length, normalised
 from mtkit.decoding.translate import (
     EMPTY,
     LineTranslator,
@@ -34,10 +34,12 @@ MODEL_FILE = "model.bin"  # CTranslate2's weights file in a model folder
 _WEIGHTS_ERRORS = (MODEL_FILE, "Variable '", "binary version")
 
 
-def _load_engine(ct2_dir: Path, device: str, compute_type: str) -> Any:
-    """``ctranslate2.Translator`` over the export, its failure one line naming the file at fault where it can."""
+def _load_engine(ct2_dir: Path, device: str, compute_type: str, threads: int = 0) -> Any:
+    """``ctranslate2.Translator`` over the export on ``threads`` CPU threads (0: CTranslate2's default), its failure
+    one line naming the file at fault where it can."""
     try:
-        return import_ctranslate2().Translator(str(ct2_dir), device=device, compute_type=compute_type)
+        ct2 = import_ctranslate2()
+        return ct2.Translator(str(ct2_dir), device=device, compute_type=compute_type, intra_threads=threads)
     except (RuntimeError, ValueError) as err:  # the C++ library's exceptions, as its bindings raise them
         reason = " ".join(str(err).split())
         where = ct2_dir / MODEL_FILE if any(mark in reason for mark in _WEIGHTS_ERRORS) else ct2_dir
@@ -53,10 +55,12 @@ class CTranslate2Translator(LineTranslator):
     CTranslate2 takes one cap per call: a batch is searched under its largest, and a sentence whose
     search came within a token of its own cap is searched again under it, with the others of that cap.
 
-    For beams, CTranslate2 searches without a length penalty and returns its ``beam`` finished
-    hypotheses, which are then ranked by mtkit's GNMT penalty. Its own penalty, length ** lenpen,
-    would also decide which hypotheses to keep when more than ``beam`` finish, and then drops the
-    short ones mtkit keeps. Where results still differ:
+    For beams, CTranslate2 returns its ``beam`` finished hypotheses, which are then ranked by mtkit's
+    length penalty (decode.length_penalty). Its own penalty, length ** lenpen, also decides which
+    hypotheses to keep when more than ``beam`` finish: it is used for mtkit's ``power``, which it is,
+    and left out for ``gnmt``, where it would drop the short ones mtkit keeps (the search then runs on
+    log-probabilities). With ``power`` the search finds what mtkit's finds with decode.early_stop
+    false. Where results still differ:
 
     - at the cap, CTranslate2 ends the ``beam`` best candidates as they are, where mtkit extends
       the best that do not end with eos; the beams may then differ.
@@ -79,13 +83,14 @@ class CTranslate2Translator(LineTranslator):
         compute_type: str = "default",
         nbest: int = 1,
         use_vmap: bool = False,
+        threads: int = 0,
     ) -> None:
         check_nbest(nbest, decode)
         self.max_positions = read_manifest(ct2_dir)["max_positions"]
         if use_vmap and not (Path(ct2_dir) / VMAP).is_file():
             raise ConfigError(f"{ct2_dir}: the export has no vocabulary map; export it with --shortlist")
         self.use_vmap = use_vmap
-        self.engine = _load_engine(Path(ct2_dir), device, compute_type)
+        self.engine = _load_engine(Path(ct2_dir), device, compute_type, threads)
         self.src_tok, self.tgt_tok = src_tok, tgt_tok
         self.decode, self.nbest = decode, nbest
         self.eos = tgt_tok.sp.id_to_piece(EOS_ID)
@@ -100,13 +105,17 @@ class CTranslate2Translator(LineTranslator):
         compute_type: str = "default",
         nbest: int = 1,
         use_vmap: bool = False,
+        threads: int = 0,
     ) -> CTranslate2Translator:
         """The export in ``ct2_dir`` with its own tokenizers. ``decode``: whole settings (a DecodeConfig), or
-        changes (a dict) to the run's, which None keeps; ``use_vmap``: search over the export's vocabulary map."""
+        changes (a dict) to the run's, which None keeps; ``use_vmap``: search over the export's vocabulary map;
+        ``threads``: CTranslate2's intra_threads (0: its default)."""
         manifest = read_manifest(ct2_dir)
         toks = {side: Tokenizer(Path(ct2_dir) / name) for side, name in manifest["tokenizer"].items()}
         settings = decode if isinstance(decode, DecodeConfig) else with_overrides(manifest["decode"], decode or {})
-        translator = cls(Path(ct2_dir), toks["src"], toks["tgt"], settings, device, compute_type, nbest, use_vmap)
+        translator = cls(
+            Path(ct2_dir), toks["src"], toks["tgt"], settings, device, compute_type, nbest, use_vmap, threads
+        )
         translator.data = manifest.get("data")
         return translator
 
@@ -164,12 +173,13 @@ class CTranslate2Translator(LineTranslator):
         """The ``beam`` finished hypotheses (tokens, logprob) of each of ``seqs``, whose outputs may have up to
         ``cap`` tokens before eos; those the cap cut are scored with the eos mtkit forces there."""
         d = self.decode
+        power = d.lenpen if d.length_penalty == "power" else 0.0  # CTranslate2's own penalty (see the class)
         source = [self.src_tok.sp.id_to_piece(seq) for seq in seqs]
         results = self.engine.translate_batch(
             source,
             beam_size=d.beam,
             num_hypotheses=d.beam,  # every finished hypothesis kept, for mtkit's ranking
-            length_penalty=0.0,  # scores are then log-probabilities (see the class docstring)
+            length_penalty=power,
             max_decoding_length=cap,
             min_decoding_length=min(d.min_len, cap),
             suppress_sequences=self.banned,
@@ -178,7 +188,10 @@ class CTranslate2Translator(LineTranslator):
             max_input_length=0,  # already truncated, by mtkit's rule
             use_vmap=self.use_vmap,
         )
-        hyps = [list(zip(result.hypotheses, result.scores)) for result in results]
+        hyps = [  # a score is the log-probability over length ** power (the end token counted)
+            [(tokens, score * len(tokens) ** power) for tokens, score in zip(result.hypotheses, result.scores)]
+            for result in results
+        ]
         self._add_forced_eos(source, hyps)
         return hyps
 
@@ -200,11 +213,10 @@ class CTranslate2Translator(LineTranslator):
 
     def _translations(self, hyps: list[tuple[list[str], float]]) -> list[Translation]:
         """The ``nbest`` best of one sentence's (tokens, logprob) hypotheses, ranked as mtkit's beam ranks them."""
-        lenpen = self.decode.lenpen
         ids = [self.tgt_tok.sp.piece_to_id(tokens[:-1] if tokens[-1] == self.eos else tokens) for tokens, _ in hyps]
         texts = self.tgt_tok.decode(ids)
         translations = [
-            Translation(text, logprob / length_penalty(len(seq) + 1, lenpen), logprob)
+            Translation(text, normalised(logprob, len(seq), self.decode), logprob)
             for text, seq, (_, logprob) in zip(texts, ids, hyps)
         ]
         return sorted(translations, key=lambda t: -t.score)[: self.nbest]

@@ -26,15 +26,16 @@ The mapping, each choice where a reviewer can check it:
 - special ids: unk 1, bos 2 and eos 3 are mtkit's; the tokenizer appends eos to the source and pads
   with ``<pad>``, and mtkit's pad and bos are never generated (``suppress_tokens``).
 - decoding defaults (generation_config.json): ``num_beams`` is decode.beam. transformers divides a
-  hypothesis' log-probability by length ** a where mtkit divides by ((5 + length) / 6) ** alpha; the
-  two change with length alike, at one length L, when a = alpha * L / (5 + L). ``length_penalty`` is
-  that a at ``PENALTY_LENGTH`` tokens, a typical sentence (at 15 or 30 tokens a would be 6% smaller
-  or 7% larger). transformers stops once ``num_beams`` hypotheses have ended (mtkit's
-  decode.early_stop false); ``min_new_tokens`` is decode.min_len. mtkit caps each sentence
-  at max_len_a * source length + max_len_b tokens (eos included); transformers has one bound per
-  call, so ``max_new_tokens`` is the model's own limit, max_positions, which no sentence's cap
-  exceeds. Pass ``max_new_tokens`` to a call to bound it tighter; ``forced_eos_token_id`` ends a
-  hypothesis cut there with eos, as mtkit's cap does.
+  hypothesis' log-probability by length ** a (eos counted, the start token not), as mtkit's
+  decode.length_penalty ``power`` does: ``length_penalty`` is then decode.lenpen. mtkit's ``gnmt``
+  divides by ((5 + length) / 6) ** alpha; the two change with length alike, at one length L, when
+  a = alpha * L / (5 + L), and ``length_penalty`` is that a at ``PENALTY_LENGTH`` tokens, a typical
+  sentence (at 15 or 30 tokens a would be 6% smaller or 7% larger). transformers stops once
+  ``num_beams`` hypotheses have ended (mtkit's decode.early_stop false); ``min_new_tokens`` is
+  decode.min_len. mtkit caps each sentence at max_len_a * source length + max_len_b tokens (eos
+  included); transformers has one bound per call, so ``max_new_tokens`` is the model's own limit,
+  max_positions, which no sentence's cap exceeds. Pass ``max_new_tokens`` to a call to bound it
+  tighter; ``forced_eos_token_id`` ends a hypothesis cut there with eos, as mtkit's cap does.
 
 Refused, with the reason: pre-norm models (Marian has no final LayerNorm), learned, relative or rotary
 positions and attention windows (Marian has sinusoidal positions and full attention only).
@@ -73,7 +74,9 @@ def _transformers() -> Any:
     try:
         import transformers
     except ImportError:
-        raise CheckpointError("the transformers export needs transformers: pip install 'mtkit[hf]'") from None
+        raise CheckpointError(
+            "the transformers export needs transformers: pip install -e '.[hf]' in mtkit's clone"
+        ) from None
     return transformers
 
 
@@ -161,9 +164,12 @@ def marian_config(cfg: ModelConfig, src_vocab: int, tgt_vocab: int) -> dict[str,
     }
 
 
-def transformers_length_penalty(alpha: float, length: int = PENALTY_LENGTH) -> float:
-    """The a of length ** a that changes with length as mtkit's ((5 + length) / 6) ** alpha does at ``length``."""
-    return round(alpha * length / (5 + length), 4)
+def transformers_length_penalty(decode: DecodeConfig, length: int = PENALTY_LENGTH) -> float:
+    """The a of transformers' length ** a: decode.lenpen itself for the ``power`` penalty; for ``gnmt``, the a that
+    changes with length as ((5 + length) / 6) ** alpha does at ``length``."""
+    if decode.length_penalty == "power":
+        return decode.lenpen
+    return round(decode.lenpen * length / (5 + length), 4)
 
 
 def generation_settings(decode: DecodeConfig, max_positions: int, start: int) -> dict[str, Any]:
@@ -179,7 +185,7 @@ def generation_settings(decode: DecodeConfig, max_positions: int, start: int) ->
         "num_beams": decode.beam,
     }
     if decode.beam > 1:
-        settings.update(length_penalty=transformers_length_penalty(decode.lenpen), early_stopping=True)
+        settings.update(length_penalty=transformers_length_penalty(decode), early_stopping=True)
     if decode.min_len:
         settings["min_new_tokens"] = decode.min_len
     return settings

@@ -47,6 +47,7 @@ def load_translator(
     alignments: bool = False,
     shortlist: str | Path | None = None,
     tgt_lang: str | None = None,
+    threads: int = InferenceConfig.threads,
     **decode: Any,
 ) -> LineTranslator:
     """A translator over ``models``: run directories (their best/), checkpoints or .safetensors files,
@@ -60,9 +61,11 @@ def load_translator(
     from the first model's cross-attention; ``sampling`` draws tokens instead of searching;
     ``shortlist``, a file `mtkit shortlist` wrote, limits each batch's outputs to its candidates;
     ``tgt_lang`` the language to translate into, one the model was trained for (a model of several target
-    languages takes it here or in each ``translate`` call; ConfigError listing its directions otherwise).
+    languages takes it here or in each ``translate`` call; ConfigError listing its directions otherwise);
+    ``threads`` the CPU threads this process translates on (0: OMP_NUM_THREADS where set, else torch's default of
+    one per core; with CTranslate2 its ``intra_threads``), set before the model loads.
     """
-    from mtkit.runtime import pick_device, resolve_precision
+    from mtkit.runtime import pick_device, resolve_precision, set_threads
 
     models = [Path(m) for m in ([models] if isinstance(models, (str, Path)) else models)]
     dev = pick_device(device)
@@ -74,6 +77,9 @@ def load_translator(
     }
     if unsupported := refused_options(engine, asked):
         raise ConfigError(f"the {engine} engine takes one model and no {', '.join(unsupported)}")
+    if threads < 0:
+        raise ConfigError(f"threads must be >= 0 (0: the default), got {threads}")
+    set_threads(threads)
     if engine == "ctranslate2":
         from mtkit.interop.ct2_translator import CTranslate2Translator
 
@@ -82,7 +88,9 @@ def load_translator(
         else:
             compute_type = {"fp32": "default", "bf16": "bfloat16", "fp16": "float16", "int8": "int8"}[precision]
             chosen = resolve_precision(precision, dev).to_dict()
-        engine_translator = CTranslate2Translator.from_dir(models[0], decode, dev.type, compute_type, nbest)
+        engine_translator = CTranslate2Translator.from_dir(
+            models[0], decode, dev.type, compute_type, nbest, threads=threads
+        )
         engine_translator.precision = chosen
         return _choose_target(engine_translator, tgt_lang)
     if engine != "mtkit":

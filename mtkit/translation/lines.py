@@ -237,12 +237,13 @@ def translate_file(
     engine: Engine = InferenceConfig.engine,
     shortlist: Path | None = None,
     tgt_lang: str | None = None,
+    threads: int = InferenceConfig.threads,
     **decode,
 ) -> int:
     """Translate ``input`` (a file, a pipe; None, ``-`` or ``/dev/stdin`` for stdin) into ``output``
     (None for stdout), one output line per input line (``nbest`` lines with ``nbest`` > 1); the count.
     ``shortlist``: a file `mtkit shortlist` wrote, which limits each batch's outputs to its candidates;
-    ``tgt_lang``: the target language, which a model of several needs.
+    ``tgt_lang``: the target language, which a model of several needs; ``threads``: the CPU threads to use.
 
     Everything is checked before the model loads: the input files exist, the output may be written
     (``check_output_file``), stdin and stdout are open. ``decode`` overrides the model's settings.
@@ -277,7 +278,7 @@ def translate_file(
         check_output_file(output, inputs, checkpoints_holding(output))
     with WholeLines() as whole_lines:
         translator = load_translator(
-            models, device, precision, engine, nbest, sampling, alignments, shortlist, tgt_lang, **decode
+            models, device, precision, engine, nbest, sampling, alignments, shortlist, tgt_lang, threads, **decode
         )
         translator.check_target()
         size = translate.CHUNK_LINES
