@@ -3,11 +3,13 @@
 Three stages before the main training, each resumable and recorded like the run's others:
 
 1. ``reverse``: a model of the reverse direction, given (``backtranslation.reverse_model``) or trained into
-   RUN/reverse with the run's settings on its parallel data turned around (resuming from its checkpoints);
+   RUN/reverse with the run's settings on its parallel data turned around (resuming from its checkpoints; one
+   that train.max_time cuts short makes the run's verdict "incomplete");
 2. ``back-translate``: the reverse model translates the target-language monolingual text, by sampling or
    beam search, into RUN/backtranslated.SRC, in parts that a stopped run keeps
-   (mtkit.translation.resumable); RUN/stages.json records the model, text and settings it was made from,
-   so a later run redoes it only when one of them changed;
+   (mtkit.translation.resumable), keyed also with the device and precision they are decoded in, and that
+   SIGINT/SIGTERM stops at once (``StageStopped``); RUN/stages.json records the model, text and settings it
+   was made from, so a later run redoes it only when one of them changed;
 3. the main training then reads the run's parallel corpora and one more, the synthetic pairs
    (backtranslated.SRC, the monolingual text), weighted by ``backtranslation.weight`` and, with
    ``backtranslation.tag``, their sources tagged <BT> (mtkit.data.directions).
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,7 +28,7 @@ from mtkit.config import BackTranslationConfig, ConfigError, CorpusConfig, RunCo
 from mtkit.data.directions import directions
 from mtkit.data.parallel import DataError, check_input_file, count_lines
 from mtkit.model.checkpoint import weights_file
-from mtkit.stages import Stage, StageRecord
+from mtkit.stages import Stage, StageRecord, decoding, train_stage
 
 if TYPE_CHECKING:
     from mtkit.training.reporting import Reporter
@@ -77,11 +80,12 @@ def with_synthetic(cfg: RunConfig, synthetic: Path) -> RunConfig:
 
 
 def back_translate(
-    cfg: RunConfig, out: Path, stages: list[Stage], record: StageRecord, reporter: Reporter | None = None
-) -> RunConfig:
-    """Run the reverse and back-translate stages into ``out``; the config the main model trains with."""
+    cfg: RunConfig, out: Path, stages: list[Stage], record: StageRecord, reporter: Reporter | None = None,
+    restart: Collection[str] = (),
+) -> RunConfig:  # fmt: skip
+    """Run the reverse and back-translate stages into ``out``; the config the main model trains with. The reverse
+    model trains from update 0 when ``restart`` names ``reverse``."""
     from mtkit.model.loading import resolve
-    from mtkit.training.trainer import run_training
 
     bt = cfg.backtranslation
     pairs = directions(cfg.data)
@@ -89,16 +93,19 @@ def back_translate(
         raise ConfigError(f"back-translation is for a model of one direction; these corpora have {len(pairs)}")
     check_monolingual(bt)
     start = time.perf_counter()
+    cut = ""
     if bt.reverse_model:
         reverse, ran, note = Path(bt.reverse_model), False, f"given: {bt.reverse_model}"
     else:
         reverse, ran = out / REVERSE_DIR, True
-        result = run_training(reverse_config(cfg), reverse, reporter)
+        result = train_stage(reverse_config(cfg), reverse, reporter, "reverse", restart)
         bleu = result.get("valid_bleu")  # none when it had trained to the end already
         note = f"{pairs[0][1]}->{pairs[0][0]} trained into {reverse}" + (
             f"; validation BLEU {bleu:.2f}" if bleu is not None else ", up to date"
         )
-    stages.append(Stage("reverse", time.perf_counter() - start, ran, note))
+        if result["stop"]["stopped_by"] == "max_time":  # a model cut short: the run's score says nothing
+            cut = f"the reverse model's training {result['stop']['reason']}"
+    stages.append(Stage("reverse", time.perf_counter() - start, ran, note, cut))
 
     synthetic = out / f"backtranslated.{pairs[0][0]}"
     start = time.perf_counter()
@@ -107,9 +114,11 @@ def back_translate(
     settings = {"backtranslation": _translation_settings(bt), "decode": asdict(cfg.decode)}
     entry = record.current("back-translate", synthetic, inputs, settings)
     if entry is None:
-        lines = _write_back_translation(cfg, reverse, synthetic, {"inputs": inputs, "settings": settings})
+        decoded = decoding(cfg.train.device)
+        made_from = {"inputs": inputs, "settings": settings, "decoded": decoded}  # parts of fp32 and bf16 never mix
+        lines = _write_back_translation(cfg, reverse, synthetic, decoded["precision"], made_from)
         record.write("back-translate", synthetic, inputs, settings)
-        note = f"{lines:,} lines of {bt.monolingual} by {_method(bt)}"
+        note = f"{lines:,} lines of {bt.monolingual} by {_method(bt)}; {decoded['precision']} on {decoded['device']}"
     else:
         note = f"{synthetic.name} is up to date ({_method(bt)})"
     stages.append(Stage("back-translate", time.perf_counter() - start, entry is None, note))
@@ -129,13 +138,15 @@ def _method(bt: BackTranslationConfig) -> str:
     return f"sampling (temperature {bt.temperature:g}, top-k {bt.top_k}, top-p {bt.top_p:g}, seed {bt.seed})"
 
 
-def _write_back_translation(cfg: RunConfig, reverse: Path, synthetic: Path, made_from: dict) -> int:
+def _write_back_translation(cfg: RunConfig, reverse: Path, synthetic: Path, precision: str, made_from: dict) -> int:
+    from mtkit.training.stop_signals import stop_at_once
     from mtkit.translation.engines import load_translator
-    from mtkit.translation.resumable import translate_resumably
+    from mtkit.translation.resumable import parts_folder, translate_resumably
 
     bt = cfg.backtranslation
     sampling = SamplingConfig(bt.temperature, bt.top_k, bt.top_p, bt.seed) if bt.method == "sample" else None
     decode = {"beam": bt.beam} if bt.method == "beam" else {}
     (src, _), = directions(cfg.data)  # fmt: skip
-    translator = load_translator(reverse, cfg.train.device, "auto", sampling=sampling, **decode).into(src)
-    return translate_resumably(translator, Path(bt.monolingual), synthetic, "back-translating", made_from=made_from)
+    translator = load_translator(reverse, cfg.train.device, precision, sampling=sampling, **decode).into(src)
+    with stop_at_once("back-translating", str(parts_folder(synthetic))):
+        return translate_resumably(translator, Path(bt.monolingual), synthetic, "back-translating", made_from=made_from)

@@ -9,7 +9,9 @@ Stages before the student's training, each resumable and recorded in RUN/stages.
    direction and share one tokenizer, which the student takes: a config that names another tokenizer or
    another vocabulary size is refused in one line before the student trains.
 2. ``distil``: the teacher translates the training source by beam search into RUN/distilled.TGT.scored, in
-   parts that a stopped run keeps (mtkit.translation.resumable): per line, the length-normalised
+   parts that a stopped run keeps (mtkit.translation.resumable), keyed with the device and precision they are
+   decoded in (``auto`` resolved), so that a run resumed where ``auto`` means another precision never joins
+   parts of both; SIGINT/SIGTERM stops it at once (``StageStopped``). Per line: the length-normalised
    log-probability of the translation kept, a tab, and that translation. With ``nbest`` > 1 the one kept is
    the closest of the teacher's n best to the line's reference, by sentence chrF.
 3. ``filter``: RUN/distilled/ receives the pairs kept, train.SRC and train.TGT, line-aligned, and
@@ -18,7 +20,8 @@ Stages before the student's training, each resumable and recorded in RUN/stages.
    fraction of the rest that the teacher scored lowest.
 4. ``shortlist``: RUN/shortlist.safetensors from the distilled pairs, for the student's decoding.
 
-The student then trains on RUN/distilled/ and validates on the run's real validation set. After its test set
+The student then trains on RUN/distilled/ and validates on the run's real validation set. A teacher whose
+training train.max_time cut short makes the run's verdict "incomplete" (its Stage says why). After its test set
 is scored, ``compare`` translates that test set with the teacher and with the student at each precision the
 machine runs (fp32; bf16 where the device computes it natively; int8 on a CPU), with and without the shortlist,
 the student greedily too, and the report sets BLEU, chrF, sentences/s, parameters and file sizes side by side.
@@ -43,7 +46,7 @@ from mtkit.data.parallel import DataError, count_lines, is_tsv, iter_lines, read
 from mtkit.decoding.translate import Translation
 from mtkit.files import atomic_write_directory, atomic_write_text
 from mtkit.model.checkpoint import weights_file
-from mtkit.stages import Stage, StageRecord
+from mtkit.stages import Stage, StageRecord, decoding
 
 log = logging.getLogger("mtkit")
 
@@ -126,7 +129,8 @@ def _teachers(cfg: RunConfig, out: Path, stages: list[Stage], run_teacher: RunTe
         bleu = next(s["value"] for s in report["scores"] if s["name"] == "BLEU")
         ran = any(s["ran"] for s in report["stages"] if s["name"] not in ("train", "eval"))  # those always run
         note = f"seed {seed}: {report['model']}, test BLEU {bleu:.2f}"
-        stages.append(Stage(f"teacher {seed}", time.perf_counter() - start, ran, note))
+        cut = "; ".join(f"teacher {seed}'s {why}" for why in report["incomplete"])  # its training stopped early
+        stages.append(Stage(f"teacher {seed}", time.perf_counter() - start, ran, note, cut))
         models.append(Path(report["model"]))
     return tuple(models)
 
@@ -178,16 +182,20 @@ def _distil(
     entry = record.current("distil", scored, inputs, settings)
     what = f"beam {d.beam}" + (f", of the {d.nbest} best the closest to the reference by chrF" if d.nbest > 1 else "")
     if entry is None:
+        from mtkit.training.stop_signals import stop_at_once
         from mtkit.translation.engines import load_translator
-        from mtkit.translation.resumable import translate_resumably
+        from mtkit.translation.resumable import parts_folder, translate_resumably
 
-        translator = load_translator(list(teachers), cfg.train.device, "auto", nbest=d.nbest, beam=d.beam).into(tgt)
-        with reading(reference):
-            render = _closest(_LinesAt(reference)) if d.nbest > 1 else _best
-            made_from = {"inputs": inputs, "settings": settings}
+        decoded = decoding(cfg.train.device)
+        translator = load_translator(
+            list(teachers), cfg.train.device, decoded["precision"], nbest=d.nbest, beam=d.beam
+        ).into(tgt)
+        render = _closest(_LinesAt(reference)) if d.nbest > 1 else _best
+        made_from = {"inputs": inputs, "settings": settings, "decoded": decoded}  # parts of fp32 and bf16 never mix
+        with stop_at_once("distilling", str(parts_folder(scored))):
             lines = translate_resumably(translator, source, scored, "distilling", render=render, made_from=made_from)
         record.write("distil", scored, inputs, settings)
-        note = f"{lines:,} lines of {source} by the teacher ({what})"
+        note = f"{lines:,} lines of {source} by the teacher ({what}; {decoded['precision']} on {decoded['device']})"
     else:
         note = f"{scored.name} is up to date ({what})"
     stages.append(Stage("distil", time.perf_counter() - start, entry is None, note))
@@ -226,7 +234,8 @@ class _LinesAt:
     def __getitem__(self, index: int) -> str:
         if index < self._next:
             raise IndexError(f"{self.path}: line {index + 1} was read already")
-        line = next(itertools.islice(self._lines, index - self._next, None), None)
+        with reading(self.path):
+            line = next(itertools.islice(self._lines, index - self._next, None), None)
         if line is None:
             raise DataError(f"{self.path}: has no line {index + 1}")
         self._next = index + 1
@@ -247,6 +256,8 @@ def _filter(
     start = time.perf_counter()
     entry = record.current("filter", output, inputs, settings)
     if entry is None or not (folder / f"train.{src}").is_file() or not (folder / FILTERS_FILE).is_file():
+        from mtkit.translation.resumable import writing
+
         keep, filters = kept_pairs(cfg, tokenizer, source, scored)
 
         def fill(tmp: Path) -> None:
@@ -255,8 +266,9 @@ def _filter(
                     pairs = zip(iter_lines(source, allow_nul=True), _scored_lines(scored))
                     for kept, (line, (_, translation)) in zip(keep, pairs):
                         if kept:
-                            s.write((line + "\n").encode("utf-8"))
-                            t.write((translation + "\n").encode("utf-8"))
+                            with writing(folder):  # a full disk is not an error of reading the inputs
+                                s.write((line + "\n").encode("utf-8"))
+                                t.write((translation + "\n").encode("utf-8"))
             (tmp / FILTERS_FILE).write_text(json.dumps(filters, indent=1) + "\n")
 
         atomic_write_directory(folder, fill)

@@ -11,9 +11,13 @@ value, a new recipe.average_last, training that added checkpoints, or an edited 
 depends on it. A missing, damaged or hand-edited RUN/stages.json redoes both stages, never stops the
 run.
 
+A training that cannot resume because its data changed (a chain's earlier stage made new data) is refused in one
+line naming ``--restart NAME``, which starts that training over (``RESTARTABLE``).
+
 The report (RUN/report.md and RUN/report.json, with RUN/curves.png when matplotlib is installed)
 gives the test scores with their signatures, says whether they fall in the recipe's expected range
-("incomplete" instead when train.max_time stopped training before train.max_steps), the hardware and
+("incomplete" instead when train.max_time stopped a training before its max_steps: the run's own, a
+reverse model's or a teacher's, each named in report.json's ``incomplete``), the hardware and
 precision training ran in, and each stage's wall clock. It describes the hypothesis it scores from the
 record made with that hypothesis: the decode settings (the translate note, report.json's test.decode) and the SHA-256
 of the model that wrote it (report.json's test.model_sha256; its first 12 digits in the eval note).
@@ -25,6 +29,7 @@ import importlib.util
 import json
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,7 +42,7 @@ from mtkit.model.checkpoint import WEIGHTS_FILE, weights_file
 if TYPE_CHECKING:
     from mtkit.training.reporting import Reporter
 from mtkit.files import atomic_write_text
-from mtkit.stages import Digests, Stage, StageRecord
+from mtkit.stages import Digests, Stage, StageRecord, train_stage
 
 log = logging.getLogger("mtkit")
 
@@ -46,14 +51,19 @@ REPORT_MD = "report.md"
 CURVES = "curves.png"
 
 
-def run_recipe(cfg: RunConfig, recipe: Path, out: Path, mirror: str | None, reporter: Reporter | None = None) -> dict:
+def run_recipe(
+    cfg: RunConfig, recipe: Path, out: Path, mirror: str | None, reporter: Reporter | None = None,
+    restart: Collection[str] = (), stage: str = "train",
+) -> dict:  # fmt: skip
     """Run every stage of ``cfg``'s recipe into ``out``; returns the report. ``reporter`` shows training's
-    progress; a signal stops training with ``TrainingStopped``, after its checkpoint."""
-    from mtkit.training.trainer import run_training
-
+    progress; a signal stops training with ``TrainingStopped``, after its checkpoint, and a chain's translation
+    with ``StageStopped``, keeping its finished parts. ``restart`` names the trainings to start over from update 0
+    (``RESTARTABLE``); ``stage`` is what the command line calls this run's training (a teacher's run is the
+    chain's ``teacher``)."""
+    check_restart(cfg, restart)
     stages: list[Stage] = []
     if importlib.util.find_spec("matplotlib") is None:  # said now, not after an hour of training
-        log.warning("no training curves: pip install matplotlib (or mtkit[plot]) to draw them")
+        log.warning("no training curves: pip install matplotlib to draw them")
     corpus = cfg.recipe.corpus
     if cfg.data.corpora:
         corpus = ", ".join(c.corpus or c.prepared or c.train_src for c in cfg.data.corpora)
@@ -68,17 +78,19 @@ def run_recipe(cfg: RunConfig, recipe: Path, out: Path, mirror: str | None, repo
         from mtkit.distillation import distil
 
         def run_teacher(teacher: RunConfig, folder: Path) -> dict:
-            return run_recipe(teacher, Path(cfg.distillation.teacher_recipe), folder, mirror, reporter)
+            again = ("train",) if "teacher" in restart else ()
+            teacher_recipe = Path(cfg.distillation.teacher_recipe)
+            return run_recipe(teacher, teacher_recipe, folder, mirror, reporter, again, "teacher")
 
         distillation = distil(cfg, out, stages, record, run_teacher)
         cfg = distillation.cfg
     if cfg.backtranslation.monolingual:
         from mtkit.backtranslation import back_translate
 
-        cfg = back_translate(cfg, out, stages, record, reporter)
+        cfg = back_translate(cfg, out, stages, record, reporter, restart)
 
     start = time.perf_counter()
-    run_training(cfg, out, reporter)
+    train_stage(cfg, out, reporter, stage, restart)
     stages.append(Stage("train", time.perf_counter() - start, True))
 
     model = _average(cfg, out, stages, record)
@@ -92,6 +104,21 @@ def run_recipe(cfg: RunConfig, recipe: Path, out: Path, mirror: str | None, repo
     report = _report(cfg, recipe, out, model, corpus, source, results, stages, distilled)
     _write_report(out, report)
     return report
+
+
+RESTARTABLE = ("train", "reverse", "teacher")  # what `mtkit run --restart` starts over: the run's own training, the
+# back-translation chain's reverse model, the distillation chain's teachers
+
+
+def check_restart(cfg: RunConfig, restart: Collection[str]) -> None:
+    """ConfigError, in one line, for a training to start over that this run does not have."""
+    bt, d = cfg.backtranslation, cfg.distillation
+    trains = {"train": True, "reverse": bool(bt.monolingual and not bt.reverse_model),
+              "teacher": bool(d.enabled and d.teacher_recipe)}  # fmt: skip
+    has = [name for name in RESTARTABLE if trains[name]]
+    for name in restart:
+        if name not in has:
+            raise ConfigError(f"--restart {name}: this run has no such training; it trains {', '.join(has)}")
 
 
 @dataclass(frozen=True)
@@ -283,7 +310,8 @@ def _write_translation(cfg: RunConfig, model: Path, test: TestSet, hyp_path: Pat
 def _decode_note(decode: dict[str, Any]) -> str:
     """The decode settings that shape a translation, in a few words (batching does not)."""
     max_len = f"{decode['max_len_a']:g} * source + {decode['max_len_b']}"
-    note = f"beam {decode['beam']}, lenpen {decode['lenpen']:g}, max_len {max_len}"
+    power = " (power)" if decode["length_penalty"] == "power" else ""
+    note = f"beam {decode['beam']}, lenpen {decode['lenpen']:g}{power}, max_len {max_len}"
     if decode["min_len"]:
         note += f", min_len {decode['min_len']}"
     return note if decode["early_stop"] else note + ", early_stop false"
@@ -343,9 +371,12 @@ def _report(
     scores = results[0]["scores"] if len(results) == 1 else _mean_scores(results)
     bleu = next(s for s in scores if s["name"] == "BLEU")
     done = events["done"][-1] if events["done"] else None
-    incomplete = done is not None and done["stopped_by"] == "max_time"
+    cut = [s.incomplete for s in stages if s.incomplete]  # a reverse model or a teacher cut short
+    if done is not None and done["stopped_by"] == "max_time":
+        cut.append(f"training {done['reason']}")
+    incomplete = bool(cut)
     if incomplete:
-        verdict = "incomplete"  # the score of a model cut short says nothing of the recipe
+        verdict = "incomplete"  # the score of a model cut short, or made with one, says nothing of the recipe
     else:
         verdict = "reproduced" if r.bleu_min <= bleu["value"] <= r.bleu_max else "not reproduced"
     best = max(valid, key=lambda v: v.get("valid_bleu", float("-inf")), default=None)
@@ -363,6 +394,7 @@ def _report(
         "expected": {"bleu_min": r.bleu_min, "bleu_max": r.bleu_max, "source": r.expected, "hardware": r.hardware},
         "verdict": verdict,
         "reproduced": None if incomplete else verdict == "reproduced",
+        "incomplete": cut,
         "training": {
             "updates": max((r["step"] for r in train + valid), default=0),
             "stop": {key: done[key] for key in ("stopped_by", "reason", "max_steps")} if done else None,
@@ -446,7 +478,7 @@ def render_report(report: dict) -> str:
     bleu = next(s for s in report["scores"] if s["name"] == "BLEU")
     verdict = {"reproduced": "**reproduced**", "not reproduced": "**NOT reproduced**"}.get(report["verdict"])
     if verdict is None:
-        verdict = f"**incomplete**: training {t['stop']['reason']}, so the score says nothing of the recipe"
+        verdict = f"**incomplete**: {'; '.join(report['incomplete'])}, so the score says nothing of the recipe"
     lines = [
         f"# {Path(report['recipe']).stem}",
         "",

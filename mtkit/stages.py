@@ -1,15 +1,22 @@
 """What `mtkit run` records of its stages: each one's wall clock, and how each output was made (RUN/stages.json),
-so that a re-run can tell what is up to date."""
+so that a re-run can tell what is up to date; and what its chains share: training as one of the run's stages, and
+the device and precision a long translation is decoded in."""
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from mtkit.errors import MtkitError
 from mtkit.files import atomic_write_text, file_sha256
+
+if TYPE_CHECKING:
+    from mtkit.config import RunConfig
+    from mtkit.training.reporting import Reporter
 
 log = logging.getLogger("mtkit")
 
@@ -24,6 +31,35 @@ class Stage:
     seconds: float
     ran: bool  # False: its output was already up to date
     note: str = ""
+    incomplete: str = ""  # why the model this stage trained was cut short (train.max_time): the run is incomplete
+
+
+def train_stage(cfg: RunConfig, out: Path, reporter: Reporter | None, name: str, restart: Collection[str]) -> dict:
+    """Train ``cfg`` into ``out`` as the run's training ``name`` (train, reverse, teacher), from update 0 when
+    ``restart`` names it, else resuming; the result of training, with its "stop".
+
+    A run directory that cannot go on training (its data, tokenizer or model settings changed, as they do when
+    an earlier stage of a chain made new data) is refused in one line whose advice is what `mtkit run` takes:
+    ``--restart NAME``."""
+    from mtkit.training.trainer import run_training
+
+    try:
+        return run_training(cfg, out, reporter, restart=name in restart)
+    except MtkitError as err:
+        problem, _, advice = str(err).rpartition("; ")
+        if "--restart" not in advice:
+            raise
+        raise type(err)(f"{problem}; to train it again from the start, run `mtkit run` with --restart {name}") from None
+
+
+def decoding(device: str) -> dict[str, str]:
+    """Where a chain's long translation is decoded and in what number format, ``auto`` resolved on this machine: the
+    translation's parts are keyed with it, since bf16 and fp32 (or a GPU and a CPU) translate a line differently,
+    and a run resumed on another machine must not join the parts of both."""
+    from mtkit.runtime import pick_device, resolve_precision
+
+    chosen = pick_device(device)
+    return {"device": chosen.type, "precision": resolve_precision("auto", chosen).precision}
 
 
 class Digests:

@@ -293,3 +293,28 @@ def finished_run(recipe: Path, out: Path) -> Path:
     done = run_recipe_with_plan(recipe, out)
     assert done.returncode == 0, done.stderr[-3000:]
     return out
+
+
+# mtkit's command line, sending itself SIGTERM as soon as the first part of a resumable translation is written
+_SIGTERM_AFTER_THE_FIRST_PART = """
+import os, signal, sys
+from mtkit import cli
+from mtkit.translation import resumable
+
+write = resumable.atomic_write
+
+def write_then_stop(path, *args, **kwargs):
+    write(path, *args, **kwargs)
+    if path.name.endswith(".txt"):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+resumable.atomic_write = write_then_stop
+sys.argv = ["mtkit", *sys.argv[1:]]
+cli.main()
+"""
+
+
+def run_recipe_sigterm_after_first_part(recipe: Path, out: Path) -> subprocess.CompletedProcess:
+    """``mtkit run RECIPE --out OUT`` in a subprocess that gets SIGTERM once a chain's translation wrote a part."""
+    command = [sys.executable, "-c", _SIGTERM_AFTER_THE_FIRST_PART, "run", str(recipe), "--out", str(out)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=900)

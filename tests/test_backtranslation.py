@@ -3,19 +3,34 @@ the uninterrupted run's result; the resumable translation of a file; the config 
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
+import os
+import shutil
+import signal
 from pathlib import Path
 
 import captions
 import pytest
 import yaml
-from helpers import CHAIN_TRAIN, TINY_MODEL, finished_run, invoke, one_line_error, run_recipe_with_plan
+from helpers import (
+    CHAIN_TRAIN,
+    TINY_MODEL,
+    finished_run,
+    invoke,
+    one_line_error,
+    run_recipe_sigterm_after_first_part,
+    run_recipe_with_plan,
+)
 
 import mtkit
 from mtkit.backtranslation import reverse_config, with_synthetic
 from mtkit.config import ConfigError, SamplingConfig, from_dict, read_config
 from mtkit.data.tokenizer import Tokenizer
+from mtkit.files import OutputError
 from mtkit.model import checkpoint, loading
+from mtkit.translation import resumable
 from mtkit.translation.resumable import translate_resumably
 
 MONO_LINES = 4_500  # three parts of resumable.PART_LINES
@@ -182,3 +197,86 @@ def test_bad_back_translation_settings_and_files_are_one_line_before_any_trainin
     result = invoke("train", recipe, "--out", tmp_path / "train")
     assert result.exit_code == 1
     one_line_error(result, "`mtkit run`")
+
+
+def _copy_run(uninterrupted: Path, tmp_path: Path) -> Path:
+    """A copy of the finished chain, for a test to change without touching the others'."""
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out)
+    return out
+
+
+def test_a_reverse_model_cut_short_by_max_time_makes_the_run_incomplete(uninterrupted, bt_data, tmp_path):
+    """The main training is whole (8 of 8 updates), but its synthetic sources come from a reverse model that
+    train.max_time stopped at update 8 of 16: the score says nothing of the recipe."""
+    out = _copy_run(uninterrupted, tmp_path)
+    limits = ["--set", "backtranslation.reverse_steps=16", "--set", "train.max_time=1e-6"]
+    result = invoke("run", _recipe(tmp_path, bt_data), "--out", out, *limits)
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "report.json").read_text())
+    assert report["training"]["stop"]["stopped_by"] == "max_steps"
+    assert report["verdict"] == "incomplete" and report["reproduced"] is None  # though 0 <= BLEU <= 100
+    reason = "the reverse model's training stopped by train.max_time (1e-06 min) at update 8 of 16"
+    assert report["incomplete"] == [reason]
+    assert f"**incomplete**: {reason}, so the score says nothing" in (out / "report.md").read_text()
+
+
+def test_after_the_monolingual_text_changes_restart_train_trains_the_main_model_again(bt_data, tmp_path):
+    """New monolingual text is back-translated again, so the main training's data changed: it refuses to resume
+    with advice that names the option `mtkit run` has, and that option trains it again from update 0."""
+    mono = tmp_path / "mono.de"
+    mono.write_text("\n".join(captions.parallel(300, seed=8)["de"]) + "\n")
+    recipe = _recipe(tmp_path, bt_data, monolingual=str(mono), reverse_steps=2)
+    out = tmp_path / "run"
+    assert invoke("run", recipe, "--out", out).exit_code == 0
+    mono.write_text("\n".join(captions.parallel(300, seed=9)["de"]) + "\n")
+    result = invoke("run", recipe, "--out", out)
+    assert result.exit_code == 1 and "Traceback" not in result.output  # after the log of the stages before it:
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: {out / 'checkpoints'}") and "trained on another data.corpora[1]" in line
+    assert line.endswith("; to train it again from the start, run `mtkit run` with --restart train")
+    stages = json.loads((out / "stages.json").read_text())["stages"]
+    assert stages["back-translate"]["inputs"]["monolingual"] == hashlib.sha256(mono.read_bytes()).hexdigest()
+    result = invoke("run", recipe, "--out", out, "--restart", "train")
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "report.json").read_text())
+    ran = {s["name"]: s["ran"] for s in report["stages"]}
+    assert not ran["back-translate"] and ran["train"] and ran["average"] and ran["translate"]
+    starts = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in starts if r["event"] == "start"] == [0]  # trained again from the start
+    assert report["training"]["updates"] == 8
+    result = invoke("run", recipe, "--out", out, "--restart", "teacher")
+    one_line_error(result, "--restart teacher: this run has no such training; it trains train, reverse")
+
+
+def test_sigterm_while_back_translating_ends_with_one_message_and_the_run_resumes(bt_data, tmp_path):
+    recipe = _recipe(tmp_path, bt_data, reverse_model=str(_reverse_model(bt_data, tmp_path)))
+    out = tmp_path / "run"
+    stopped = run_recipe_sigterm_after_first_part(recipe, out)
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+    parts = out / ".backtranslated.en.parts"
+    assert stopped.stderr.strip().splitlines()[-1] == (
+        f"stopped by SIGTERM while back-translating: the parts done are kept in {parts}; run the same command to resume"
+    )
+    assert "Traceback" not in stopped.stderr and (parts / "000000000000.txt").is_file()
+    done = run_recipe_with_plan(recipe, out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "back-translating: 2000 of 4500 lines already translated" in done.stderr
+
+
+def test_a_full_disk_while_writing_a_part_names_the_part_not_the_source(bt_data, tmp_path, monkeypatch):
+    translator = mtkit.load(_reverse_model(bt_data, tmp_path), device="cpu", beam=1)
+    source = bt_data / "mono.de"
+    write = resumable.atomic_write
+
+    def full_disk(path, _write, *args):
+        def fail(f):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        write(path, fail, *args)
+
+    monkeypatch.setattr(resumable, "atomic_write", full_disk)
+    with pytest.raises(OutputError) as raised:
+        translate_resumably(translator, source, tmp_path / "out.en", part_lines=1_000)
+    part = tmp_path / ".out.en.parts" / "000000000000.txt"
+    assert str(raised.value) == f"{part}: cannot write (No space left on device)"

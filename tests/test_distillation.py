@@ -5,21 +5,33 @@ report; the filters; refusals of teachers whose tokenizer or direction the stude
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 import captions
 import pytest
 import yaml
-from helpers import CHAIN_TRAIN, TINY_MODEL, finished_run, invoke, one_line_error, run_recipe_with_plan
+from helpers import (
+    CHAIN_TRAIN,
+    TINY_MODEL,
+    finished_run,
+    invoke,
+    one_line_error,
+    run_recipe_sigterm_after_first_part,
+    run_recipe_with_plan,
+)
 
 import mtkit
+from mtkit import runtime
 from mtkit.config import PRESETS, ConfigError, TokenizerConfig, from_dict, read_config
 from mtkit.data.parallel import read_lines
 from mtkit.data.tokenizer import PAD_ID, train_spm
-from mtkit.distillation import kept_pairs
+from mtkit.distillation import distil, kept_pairs
 from mtkit.model import checkpoint, loading
 from mtkit.model.transformer import build_model, count_parameters
 from mtkit.scoring.metrics import sentence_scores
+from mtkit.stages import Digests, StageRecord
+from mtkit.translation import resumable
 
 TRAIN_LINES = 4_500  # three parts of resumable.PART_LINES
 
@@ -252,3 +264,94 @@ def test_the_student_presets_are_deep_encoders_with_shallow_decoders_smaller_tha
     for student, teacher in (("student-tiny", "transformer-base"), ("student-micro", "transformer-small")):
         assert (PRESETS[student]["encoder_layers"], PRESETS[student]["decoder_layers"]) == (6, 2)
         assert parameters(student) < parameters(teacher) / 2
+
+
+@pytest.fixture(scope="module")
+def quick_teacher(corpus, tmp_path_factory) -> Path:
+    """A teacher of two updates on the chain's corpus, writing 2 or 3 tokens: fast to distil from."""
+    root = tmp_path_factory.mktemp("quick")
+    raw = yaml.safe_load(_teacher_recipe(root, corpus).read_text())
+    del raw["recipe"]
+    raw["train"] = {**CHAIN_TRAIN, "max_steps": 2, "valid_every": 0, "device": "cpu"}
+    raw["decode"] = {"beam": 1, "max_len_a": 0.0, "max_len_b": 3, "min_len": 2}
+    (root / "quick.yaml").write_text(yaml.safe_dump(raw))
+    assert invoke("train", root / "quick.yaml", "--out", root / "quick").exit_code == 0
+    return root / "quick"
+
+
+def test_a_distillation_resumed_where_auto_means_another_precision_translates_every_part_again(
+    corpus, quick_teacher, tmp_path, monkeypatch
+):
+    """Parts decoded in fp32 (a CPU without native bf16) are never joined with parts decoded in bf16 (one with it):
+    the resumed stage translates the whole corpus again."""
+    teacher = [str(quick_teacher)]
+    recipe = _student_recipe(tmp_path, corpus, teacher=teacher, beam=1, nbest=1, max_ratio=100.0, shortlist=False)
+    raw = yaml.safe_load(recipe.read_text())
+    raw["train"]["device"] = "cpu"
+    recipe.write_text(yaml.safe_dump(raw))
+    cfg, out = read_config(recipe), tmp_path / "run"
+    written: list[str] = []
+    write = resumable.atomic_write
+
+    class Stop(Exception):
+        pass
+
+    def counted(path: Path, *args) -> None:
+        write(path, *args)
+        if path.parent.name == ".distilled.de.scored.parts":
+            written.append(path.name)
+            if stop_after_one:
+                raise Stop
+
+    monkeypatch.setattr(resumable, "atomic_write", counted)
+    stop_after_one = True
+    monkeypatch.setattr(runtime, "cpu_features", lambda: frozenset())  # auto: fp32
+    with pytest.raises(Stop):
+        distil(cfg, out, [], StageRecord(out, Digests()), None)
+    assert written == ["000000000000.txt"]
+    stop_after_one, stages = False, []
+    written.clear()
+    monkeypatch.setattr(runtime, "cpu_features", lambda: frozenset({"avx512_bf16"}))  # auto: bf16
+    distil(cfg, out, stages, StageRecord(out, Digests()), None)
+    assert written == ["000000000000.txt", "000000002000.txt", "000000004000.txt"]
+    assert next(s.note for s in stages if s.name == "distil").endswith("; bf16 on cpu)")
+    assert len(read_lines(out / "distilled.de.scored")) == TRAIN_LINES
+
+
+def test_a_teacher_cut_short_by_max_time_makes_the_run_incomplete(tmp_path):
+    """The student trains to its end, but from a teacher that train.max_time stopped at update 1 of 300."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    pairs = captions.parallel(380, seed=12)
+    for split, lines in {"train": slice(0, 300), "valid": slice(300, 340), "test": slice(340, 380)}.items():
+        for lang in ("en", "de"):
+            (folder / f"{split}.{lang}").write_text("\n".join(pairs[lang][lines]) + "\n")
+    recipe = _student_recipe(tmp_path, folder, beam=1, nbest=1, shortlist=False, teacher_seeds=[1])
+    raw = yaml.safe_load(recipe.read_text())
+    raw["recipe"].update(bleu_min=0.0, bleu_max=100.0)
+    recipe.write_text(yaml.safe_dump(raw))
+    teacher = yaml.safe_load(Path(raw["distillation"]["teacher_recipe"]).read_text())
+    teacher["train"]["max_time"] = 1e-6
+    Path(raw["distillation"]["teacher_recipe"]).write_text(yaml.safe_dump(teacher))
+    out = tmp_path / "run"
+    result = invoke("run", recipe, "--out", out)
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "report.json").read_text())
+    assert report["training"]["stop"]["stopped_by"] == "max_steps"  # the student's training is whole
+    assert report["verdict"] == "incomplete" and report["reproduced"] is None  # though 0 <= BLEU <= 100
+    reason = "teacher 1's training stopped by train.max_time (1e-06 min) at update 1 of 300"
+    assert report["incomplete"] == [reason]
+    assert f"**incomplete**: {reason}, so the score says nothing" in (out / "report.md").read_text()
+
+
+def test_sigterm_while_distilling_ends_with_one_message_and_keeps_the_parts_done(corpus, quick_teacher, tmp_path):
+    recipe = _student_recipe(tmp_path, corpus, teacher=[str(quick_teacher)], beam=1, nbest=1, max_ratio=100.0)
+    out = tmp_path / "run"
+    stopped = run_recipe_sigterm_after_first_part(recipe, out)
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+    parts = out / ".distilled.de.scored.parts"
+    assert stopped.stderr.strip().splitlines()[-1] == (
+        f"stopped by SIGTERM while distilling: the parts done are kept in {parts}; run the same command to resume"
+    )
+    assert "Traceback" not in stopped.stderr
+    assert [p.name for p in parts.glob("*.txt")] == ["000000000000.txt"] and not (out / "distilled").exists()

@@ -15,7 +15,8 @@ from helpers import TINY_MODEL, invoke
 
 @pytest.fixture(scope="module")
 def tiny_recipe(tmp_path_factory):
-    """Multi30k En-De with a 1+1-layer model, 6 updates, greedy 4-token outputs: about a minute."""
+    """Multi30k En-De with a 1+1-layer model, 6 updates, greedy 4-token outputs: about a minute. On the CPU, also on a
+    machine with CUDA (where device auto would train on the GPU), so that what the tests see is the same everywhere."""
     path = tmp_path_factory.mktemp("recipe") / "tiny_m30k.yaml"
     raw = {
         "data": {"src_lang": "en", "tgt_lang": "de"},
@@ -29,6 +30,7 @@ def tiny_recipe(tmp_path_factory):
             "valid_every": 3,
             "save_every": 3,
             "log_every": 3,
+            "device": "cpu",
         },
         "decode": {"beam": 1, "max_len_a": 0.0, "max_len_b": 4},
         "recipe": {"corpus": "multi30k_en_de", "average_last": 2, "bleu_max": 5.0, "expected": "a tiny test model"},
@@ -64,7 +66,8 @@ def test_a_recipe_runs_end_to_end_and_reports(first_run):
 
 
 def test_the_report_says_where_training_ran_in_what_precision_and_what_stopped_it(first_run):
-    """The tiny recipe sets no precision: training runs in auto, which the report resolves and explains."""
+    """The tiny recipe sets no precision: training runs in auto, which the report resolves and explains (for the CPU
+    the recipe pins)."""
     import torch
 
     from mtkit.runtime import choose_precision, cpu_features, hardware

@@ -186,6 +186,7 @@ def _hand_over_to_torchrun(nproc_per_node: int, command: list[str]) -> None:
     epilog=examples(
         "mtkit run recipes/multi30k_en_de.yaml -o runs/m30k --mirror ../shared/data/multi30k",
         "mtkit run recipes/multi30k_en_de.yaml -o runs/m30k --set decode.beam=4",
+        "mtkit run recipes/multi30k_en_de_student.yaml -o runs/student --restart train",
     ),
 )
 @user_errors
@@ -200,6 +201,15 @@ def run_command(
         str | None, typer.Option(help="Fetch the corpus from here (a folder, file:// or http(s):// base).")
     ] = None,
     overrides: Overrides = [],
+    restart: Annotated[
+        list[str],
+        typer.Option(
+            "--restart",
+            metavar="STAGE",
+            help="Start this training over from update 0, repeatable: train (the run's model), reverse (the "
+            "back-translation model), teacher (the distillation teachers). For a training whose data changed.",
+        ),
+    ] = [],
 ) -> None:
     """Run a recipe end to end: prepare the corpus, train, average checkpoints, translate the test set,
     score it, and write RUN/report.md and RUN/report.json (and RUN/curves.png with matplotlib).
@@ -211,14 +221,17 @@ def run_command(
     from mtkit.run import render_report
     from mtkit.run import run_recipe as run_all
     from mtkit.training.reporting import TrainingProgress
-    from mtkit.training.stop_signals import TrainingStopped
+    from mtkit.training.stop_signals import StageStopped, TrainingStopped
 
     setup_logging()
     cfg = read_config(recipe, overrides)
     out = out or Path("runs") / recipe.stem
     try:
-        report = run_all(cfg, recipe, out, mirror, TrainingProgress(cfg.train.log_every))
+        report = run_all(cfg, recipe, out, mirror, TrainingProgress(cfg.train.log_every), restart)
     except TrainingStopped as stop:
         raise _stopped(stop, out) from None
+    except StageStopped as stop:
+        typer.echo(f"{stop}; run the same command to resume", err=True)
+        raise typer.Exit(128 + stop.signum) from None
     typer.echo(render_report(report))
     typer.echo(f"report: {out / 'report.md'}", err=True)

@@ -1,11 +1,14 @@
-"""Stopping training on SIGINT or SIGTERM between two updates, so that the checkpoint written on the way out
-holds a whole number of updates and the same command resumes the run."""
+"""Stopping on SIGINT or SIGTERM so that the same command resumes the run: training between two updates, so that
+the checkpoint written on the way out holds a whole number of updates; work kept in whole parts (a chain's
+translations) at once, since a part is written whole or not at all."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
+from collections.abc import Iterator
 
 log = logging.getLogger("mtkit")
 
@@ -49,4 +52,33 @@ class StopSignals:
 
     def __exit__(self, *exc) -> None:
         for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
+class StageStopped(BaseException):
+    """A stage that keeps its work in whole parts ended on SIGINT/SIGTERM; the parts it finished are kept.
+
+    A BaseException, as KeyboardInterrupt is: it is raised wherever the program is, and no handler of
+    errors may take it for one."""
+
+    def __init__(self, signum: int, what: str, kept: str) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name} while {what}: the parts done are kept in {kept}")
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stop_at_once(what: str, kept: str) -> Iterator[None]:
+    """SIGINT and SIGTERM raise StageStopped at once, saying what was going on and where its parts are kept."""
+
+    def handle(signum: int, frame) -> None:
+        raise StageStopped(signum, what, kept)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, handle) for s in StopSignals.SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
             signal.signal(s, handler)

@@ -9,21 +9,23 @@ is trusted only if it has the lines its source range has, and only if the work f
 for the same translation: its ``made_from.json`` holds what the caller says the output is made from
 (models, text, settings), and parts made from anything else are deleted. The work folder is removed
 once the output is written. Sampling draws each part's samples from the seed plus the part's first line, so a part
-translated after a stop is the part an uninterrupted run writes.
+translated after a stop is the part an uninterrupted run writes. A part that cannot be written (a full disk) is
+an OutputError naming the part and the cause, never taken for an error of reading the source.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from mtkit.data.parallel import DataError, count_lines, iter_lines, reading
 from mtkit.decoding.translate import LineTranslator, Translation, Translator
-from mtkit.files import atomic_write, atomic_write_text
+from mtkit.files import OutputError, atomic_write, atomic_write_text
 from mtkit.progress import StageProgress
 
 log = logging.getLogger("mtkit")
@@ -54,7 +56,7 @@ def translate_resumably(
     total = count_lines(source)
     if total is None:
         raise DataError(f"{source}: a file to translate in resumable parts must be a plain text file")
-    work = output.with_name(f".{output.name}.parts")
+    work = parts_folder(output)
     made = json.dumps(made_from or {}, sort_keys=True)
     if work.is_dir() and _read_made_from(work) != made:
         log.info("%s: %s holds parts of another translation; translating afresh", what, work)
@@ -75,7 +77,8 @@ def translate_resumably(
             part = translator.reseeded(first) if isinstance(translator, Translator) else translator
             rendered = (render(first + i, hyps) for i, hyps in enumerate(part.hypotheses(chunk)))
             text = "".join(line.replace("\n", " ") + "\n" for line in rendered).encode("utf-8")
-            atomic_write(_part(work, first), lambda f, text=text: f.write(text))
+            with writing(_part(work, first)):
+                atomic_write(_part(work, first), lambda f, text=text: f.write(text))
             bar.advance(len(chunk))
             if on_part is not None:
                 on_part(first)
@@ -91,6 +94,21 @@ def translate_resumably(
         raise DataError(f"{output}: {written} lines written for the {total} of {source}")
     shutil.rmtree(work)
     return total
+
+
+def parts_folder(output: Path) -> Path:
+    """The work folder that keeps the finished parts of ``output``'s translation."""
+    return output.with_name(f".{output.name}.parts")
+
+
+@contextlib.contextmanager
+def writing(path: Path) -> Iterator[None]:
+    """Errors of writing ``path`` (a full disk, a denied permission) as one OutputError naming it and the cause: not
+    an OSError, so that an enclosing ``reading`` of an input does not blame the input."""
+    try:
+        yield
+    except OSError as err:
+        raise OutputError(f"{err.filename or path}: cannot write ({err.strerror or err})") from None
 
 
 def _best_text(index: int, hypotheses: list[Translation]) -> str:
