@@ -6,7 +6,16 @@ from typing import Annotated, Literal
 
 import typer
 
-from mtkit.commands.common import Device, EngineChoice, ModelPath, WeightPrecision, examples, setup_logging, user_errors
+from mtkit.commands.common import (
+    CpuThreads,
+    Device,
+    EngineChoice,
+    ModelPath,
+    WeightPrecision,
+    examples,
+    setup_logging,
+    user_errors,
+)
 from mtkit.config import InferenceConfig, ServeConfig
 
 commands = typer.Typer()
@@ -30,6 +39,7 @@ def serve_command(
     device: Device = InferenceConfig.device,
     precision: WeightPrecision = InferenceConfig.precision,
     engine: EngineChoice = InferenceConfig.engine,
+    threads: CpuThreads = InferenceConfig.threads,
     max_batch_size: Annotated[
         int, typer.Option(help="Sentences of concurrent requests searched together.")
     ] = ServeConfig.max_batch_size,
@@ -87,7 +97,7 @@ def serve_command(
 
     setup_logging(json_lines=log_format == "json")
     for module in ("fastapi", "uvicorn"):
-        require(module, "mtkit serve", "'mtkit[serve]'")
+        require(module, "mtkit serve", "-e '.[serve]' in mtkit's clone")
     cfg = ServeConfig(
         host=host, port=port, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, continuous=continuous,
         max_queue=max_queue,
@@ -97,7 +107,7 @@ def serve_command(
     from mtkit.serving.server import serve
 
     try:
-        status = serve(model, cfg, device=device, precision=precision, engine=engine)
+        status = serve(model, cfg, device=device, precision=precision, engine=engine, threads=threads)
     except KeyboardInterrupt:  # Ctrl-C before the server listens (while the model loads): stop quietly
         raise typer.Exit(130) from None
     raise typer.Exit(status)

@@ -10,12 +10,14 @@
 The sentences of concurrent requests are searched together (``mtkit.serving.batcher``). Every answer is
 bounded: too much text is 413 (up front when Content-Length says so), a full queue 503 with
 Retry-After, a request that waits past the timeout 504 and leaves its search, a body slower than the
-receive timeout 408, a malformed request 422; a request that breaks the search is 500, and only that
-request. A client that goes away withdraws its request. Connections are bounded in number and in the
-time their headers may take. The client learns no server path and no exception text: a 500 names the
-request's number (X-Request-ID), under which the log holds the details. SIGINT or SIGTERM stops taking
-connections, finishes the requests in flight, and exits 0; a second one stops at once and, if that
-cut requests off, exits 1.
+receive timeout 408, a malformed request 422 (which repeats no more than the start of a long value); a
+request that breaks the search is 500, and only that request. A client that goes away withdraws its
+request. Connections are bounded in number and in the time their headers may take; a request's headers
+are bounded in size and in number (431), before the API key is checked. The log escapes what a client
+sent that would not print (a path's ``%0A`` is ``\\n`` there), so a request cannot forge log lines. The
+client learns no server path and no exception text: a 500 names the request's number (X-Request-ID),
+under which the log holds the details. SIGINT or SIGTERM stops taking connections, finishes the
+requests in flight, and exits 0; a second one stops at once and, if that cut requests off, exits 1.
 
 Needs the ``serve`` extra (fastapi, uvicorn); only `mtkit serve` imports this module.
 """
@@ -28,6 +30,7 @@ import copy
 import functools
 import hmac
 import itertools
+import json
 import logging
 import math
 import resource
@@ -46,7 +49,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from uvicorn.protocols.http.auto import AutoHTTPProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from mtkit.config import ServeConfig
 from mtkit.data.directions import directions
@@ -63,6 +66,11 @@ log = logging.getLogger("mtkit")
 RETRY_AFTER_S = 1  # what a 503 asks the client to wait: a full queue drains in about a batch's time
 CLIENT_GONE = 499  # the status logged for a request whose client went away (nginx's; nothing is sent)
 FILES_KEPT = 64  # descriptors left to the process (model files, logs, sockets) beside its connections
+# A request's line and header fields are held in memory until the last has arrived; more is 431. h11's bound on
+# them (uvicorn's too, with h11), and http.client's on the fields' number: an API client's head is far smaller.
+MAX_HEAD_BYTES = 16 * 1024
+MAX_HEADER_FIELDS = 100
+ECHO_CHARS = 40  # of a request's value that an error message repeats; of a longer one, the start and its length
 
 
 class TranslateRequest(BaseModel):
@@ -105,7 +113,7 @@ class TranslateRequest(BaseModel):
             raise ValueError(f"this model translates into {', '.join(targets)}: say which with tgt_lang")
         if self.tgt_lang is not None and self.tgt_lang not in targets:
             raise ValueError(
-                f"this model does not translate into {self.tgt_lang!r}; tgt_lang is one of {', '.join(targets)}"
+                f"this model does not translate into {echoed(self.tgt_lang)}; tgt_lang is one of {', '.join(targets)}"
             )
         return self
 
@@ -352,13 +360,14 @@ class Gatekeeper:
                 await failed(scope, receive, send_numbered)
         finally:
             elapsed = (time.perf_counter() - start) * 1000
+            method, path = printable(scope["method"]), printable(scope["path"])
             fields = {
-                "request": number, "method": scope["method"], "path": scope["path"],
+                "request": number, "method": method, "path": path,
                 "sentences": state["sentences"], "ms": round(elapsed, 1), "status": status,
             }  # fmt: skip
             log.info(
                 "request %d %s %s: %d sentences, %.1f ms, status %d",
-                number, scope["method"], scope["path"], state["sentences"], elapsed, status, extra={"fields": fields},
+                number, method, path, state["sentences"], elapsed, status, extra={"fields": fields},
             )  # fmt: skip
 
     def _authorized(self, scope: Scope) -> bool:
@@ -388,8 +397,31 @@ async def _client_gone(request: Request) -> None:
 
 
 def _problems(err: ValidationError) -> str:
-    """A validation error in one line: where and what, for each problem."""
-    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in err.errors(include_url=False))
+    """A validation error in one line: where and what, for each problem; a field's name as long as a body may
+    be is repeated only in part."""
+    return "; ".join(
+        f"{'.'.join(clipped(str(part)) for part in e['loc']) or 'body'}: {e['msg']}"
+        for e in err.errors(include_url=False)
+    )
+
+
+def clipped(text: str) -> str:
+    """``text``, or of a longer one its first ``ECHO_CHARS`` characters and its length: what an answer repeats of
+    a request stays short whatever the request holds."""
+    if len(text) <= ECHO_CHARS:
+        return text
+    return f"{text[:ECHO_CHARS]}... ({len(text):,} characters)"
+
+
+def echoed(value: str) -> str:
+    """``value`` quoted as an error message repeats it: in full when short, else its start and its length."""
+    return repr(value) if len(value) <= ECHO_CHARS else f"{value[:ECHO_CHARS]!r}... ({len(value):,} characters)"
+
+
+def printable(text: str) -> str:
+    """``text`` as a log line may hold it: what would not print (a line break, a terminal's escape, a direction
+    mark) and the backslash as Python escapes them, so that a client's bytes cannot forge or hide log lines."""
+    return "".join(c if c.isprintable() and c != "\\" else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -406,13 +438,20 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def guarded_protocol(max_connections: int, receive_timeout: float) -> type[asyncio.Protocol]:
-    """uvicorn's HTTP protocol with two bounds it lacks: a connection beyond ``max_connections`` is answered 503
-    and closed, and one whose request headers have not all arrived ``receive_timeout`` seconds after it opened
-    (or after its last response) is closed, so that clients trickling bytes cannot hold descriptors."""
+def guarded_protocol(max_connections: int, receive_timeout: float, max_body: int) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol (over httptools) with the bounds it lacks: a connection beyond ``max_connections``
+    is answered 503 and closed; one whose request headers have not all arrived ``receive_timeout`` seconds after
+    it opened (or after its last response) is closed, so that clients trickling bytes cannot hold descriptors;
+    and, since httptools holds a header line of any length, a request head over ``MAX_HEAD_BYTES`` or
+    ``MAX_HEADER_FIELDS`` is answered 431, and a request whose body and trailer fields (after a chunked body)
+    run past ``max_body`` and a head's bytes ends its connection, each having grown the process by no more."""
 
-    class Guarded(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+    class Guarded(HttpToolsProtocol):  # type: ignore[misc]
         header_timer: asyncio.TimerHandle | None = None
+        in_head = True  # the parser is reading a request's head (else its body and trailer fields)
+        room = MAX_HEAD_BYTES  # bytes that part of the request may still take
+        fields = 0  # header (and trailer) fields of the request now arriving
+        refused = False  # a request over its bounds was answered or cut off: what the client sends after is dropped
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -425,6 +464,44 @@ def guarded_protocol(max_connections: int, receive_timeout: float) -> type[async
                 return
             self._await_headers()
 
+        def data_received(self, data: bytes) -> None:
+            """Give the parser no more of a request's head, or of what follows it, than its room."""
+            while data and not self.refused and not self.transport.is_closing():
+                if self.room == 0 and self.in_head:
+                    self._refuse_head(f"is over {MAX_HEAD_BYTES:,} bytes")
+                    return
+                if self.room == 0:
+                    self._refuse_body()
+                    return
+                part, data = data[: self.room], data[self.room :]
+                self.room -= len(part)  # before the parser runs: the end of the head or of the request sets it anew
+                super().data_received(part)
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self.fields = 0
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self.fields += 1
+            if self.fields <= MAX_HEADER_FIELDS:
+                super().on_header(name, value)
+
+        def on_headers_complete(self) -> None:
+            self.in_head, self.room = False, max_body + MAX_HEAD_BYTES  # a body the application takes, and trailers
+            if self.fields > MAX_HEADER_FIELDS:
+                self._refuse_head(f"has over {MAX_HEADER_FIELDS} fields")
+            else:
+                super().on_headers_complete()
+
+        def on_body(self, body: bytes) -> None:
+            if not self.refused:
+                super().on_body(body)
+
+        def on_message_complete(self) -> None:
+            if not self.refused:
+                self.in_head, self.room = True, MAX_HEAD_BYTES  # what follows is the next request's head
+                super().on_message_complete()
+
         def on_response_complete(self) -> None:
             super().on_response_complete()
             self._await_headers()
@@ -433,6 +510,32 @@ def guarded_protocol(max_connections: int, receive_timeout: float) -> type[async
             if self.header_timer is not None:
                 self.header_timer.cancel()
             super().connection_lost(exc)
+
+        def _refuse_head(self, why: str) -> None:
+            """Answer 431 and end the connection's sending side; what the client still sends is read and dropped
+            until it closes or the header timeout closes the connection, so that no reset loses the answer.
+            Behind a request still being answered, the connection just closes."""
+            self.refused = True
+            log.warning("a request refused (431): its head %s", why)
+            if self.cycle is not None and not self.cycle.response_complete:
+                self.transport.close()
+                return
+            body = json.dumps({"detail": f"the request's head (its line and header fields) {why}"}).encode()
+            self.transport.write(
+                b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
+            )
+            self.transport.write_eof()
+
+        def _refuse_body(self) -> None:
+            """End a request whose body and trailer fields run on past what the application takes: its connection
+            closes, or, where it has had its answer (413 for a body too large), the rest is read and dropped."""
+            self.refused, limit = True, max_body + MAX_HEAD_BYTES
+            if self.cycle is not None and not self.cycle.response_complete:
+                log.warning("a connection closed: its request's body and trailer fields are over %d bytes", limit)
+                self.transport.close()
+            else:
+                self.transport.write_eof()
 
         def _await_headers(self) -> None:
             """Close the connection unless a new request's headers are complete (a new cycle) in time."""
@@ -455,7 +558,7 @@ def uvicorn_config(app: FastAPI, cfg: ServeConfig) -> uvicorn.Config:
     connections = connection_limit(cfg.max_connections)
     return uvicorn.Config(
         app, log_level="warning", access_log=False, lifespan="on",
-        http=guarded_protocol(connections, cfg.receive_timeout),
+        http=guarded_protocol(connections, cfg.receive_timeout, body_limit(cfg)),
         # in flight at a signal: a body still arriving, then its translation; past that, cut off
         timeout_graceful_shutdown=math.ceil(cfg.receive_timeout + cfg.timeout) + 1,
     )  # fmt: skip
@@ -489,7 +592,7 @@ def _signals_stop(server: uvicorn.Server) -> Iterator[None]:
 
 
 def serve(model: str | Path, cfg: ServeConfig, **load: Any) -> int:
-    """Serve ``model`` (what `mtkit.load` takes, with its ``load`` options: device, precision, engine) until
+    """Serve ``model`` (what `mtkit.load` takes, with its ``load`` options: device, precision, engine, threads) until
     SIGINT or SIGTERM; the port is taken before the model loads. The exit status: 0, or 1 when the shutdown
     cut requests off (a second signal, or requests still running past the shutdown's bound).
 
