@@ -16,3 +16,8 @@ def __getattr__(name: str):
 
         return getattr(api, name)
     raise AttributeError(f"module 'mtkit' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The API functions too, which ``__getattr__`` imports on first use: ``dir(mtkit)`` and completion show them."""
+    return sorted({*globals(), *__all__})

@@ -3,11 +3,12 @@
     import mtkit
 
     translator = mtkit.load("runs/m30k", device="cpu")   # precision auto; the run's decode settings
+    translator = mtkit.load("runs/m30k", device="cpu", threads=4)  # 4 CPU threads (0: OMP_NUM_THREADS or 1 a core)
     translator.translate(["A dog runs on the beach."], beam=5)             # -> ["Ein Hund läuft ..."]
     for best, *others in translator.hypotheses(open("test.en"), nbest=3): ...  # streamed, with scores
-    mtkit.train("m30k.yaml", "runs/m30k", overrides=["train.max_steps=200"])
+    mtkit.train("recipes/multi30k_en_de.yaml", "runs/m30k", overrides=["data.train_src=train.en", ...])
     mtkit.evaluate(hypotheses, [references], metrics=("bleu", "chrf"))   # scores with signatures
-    mtkit.prepare("multi30k_en_de", "data/m30k", mirror="../shared/data/multi30k")
+    mtkit.prepare("multi30k_en_de", "data/m30k")  # downloaded; mirror="DIR" reads a local copy
     mtkit.prepare("hf:wmt/wmt16", "data/ro", config="ro-en", src_lang="en", tgt_lang="ro")  # any datasets corpus
 
 Errors about the input (a file, a setting, a checkpoint) are ``mtkit.MtkitError``.

@@ -106,3 +106,32 @@ def test_loading_a_model_imports_no_compiler_machinery(run_with_decode_settings)
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]", done.stderr
+
+
+def test_load_computes_on_the_threads_it_is_given(run_with_decode_settings, monkeypatch):
+    """``mtkit.load(..., threads=N)`` sets torch's thread count before the model loads, as CTranslate2's
+    ``intra_threads`` does; a negative count is refused."""
+    import torch
+
+    before, seen = torch.get_num_threads(), []
+
+    def recording(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return beam_search(*args, **kwargs)
+
+    monkeypatch.setattr(mtkit.decoding.translate, "beam_search", recording)
+    try:
+        mtkit.load(run_with_decode_settings, device="cpu", threads=before + 1).translate(["A dog runs."])
+        assert seen == [before + 1]
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(mtkit.MtkitError, match="threads must be >= 0"):
+        mtkit.load(run_with_decode_settings, device="cpu", threads=-1)
+
+
+def test_dir_lists_the_api_imported_on_first_use():
+    """The API functions are imported lazily (``__getattr__``), and ``dir(mtkit)``, which completion and
+    ``help()`` read, lists them all the same."""
+    listed = dir(mtkit)
+    assert set(mtkit.__all__) <= set(listed) and "__version__" in listed
+    assert listed == sorted(listed)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from helpers import invoke, one_line_error, write_config
+from helpers import invoke, joint_run, one_line_error, write_config
 
 from mtkit import runtime
 from mtkit.model import checkpoint, loading
@@ -276,3 +276,78 @@ def test_the_command_line_starts_without_torch():
     probe = "import sys, mtkit.cli; print(sorted({'torch', 'numpy', 'sacrebleu', 'fastapi'} & set(sys.modules)))"
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "[]"
+
+
+@pytest.fixture
+def torch_threads():
+    """The number of torch threads a test will set, one more than now; the count is restored after the test."""
+    before = torch.get_num_threads()
+    yield before + 1
+    torch.set_num_threads(before)
+
+
+def threads_during_search(monkeypatch) -> list[int]:
+    """torch's thread count at each beam search the translator runs."""
+    import mtkit.decoding.translate
+    from mtkit.decoding.search import beam_search
+
+    seen = []
+
+    def recording(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return beam_search(*args, **kwargs)
+
+    monkeypatch.setattr(mtkit.decoding.translate, "beam_search", recording)
+    return seen
+
+
+def test_translate_computes_on_the_threads_it_is_given(tmp_path, spm_model, monkeypatch, torch_threads):
+    """Several translating processes on one machine each take every core unless told their share."""
+    run = joint_run(tmp_path, spm_model, seed=1)
+    seen = threads_during_search(monkeypatch)
+    result = invoke("translate", run, "--threads", torch_threads, "--precision", "fp32", input="A dog runs.\n")
+    assert result.exit_code == 0, result.output
+    assert seen and set(seen) == {torch_threads}
+    assert invoke("translate", run, "--threads", -1, input="A dog.\n").exit_code == 2  # a usage error
+
+
+def test_serve_loads_its_model_on_the_threads_it_is_given(tmp_path, spm_model, monkeypatch, torch_threads):
+    """The model is loaded, and every search run, after --threads is applied (the searches run in the loading
+    thread)."""
+    from mtkit.config import ConfigError
+    from mtkit.serving import server
+
+    run = joint_run(tmp_path, spm_model, seed=1)
+    loaded = []
+
+    def loading_then_stopping(model, **load):
+        server_translator = real_load(model, **load)
+        loaded.append((torch.get_num_threads(), server_translator.precision["precision"]))
+        raise ConfigError("stopped once the model was loaded")
+
+    real_load = server.load_translator
+    monkeypatch.setattr(server, "load_translator", loading_then_stopping)
+    result = invoke("serve", run, "--port", 0, "--threads", torch_threads, "--precision", "fp32")
+    one_line_error(result, "stopped once the model was loaded")
+    assert loaded == [(torch_threads, "fp32")]
+
+
+def test_the_ctranslate2_engine_takes_the_thread_count_as_its_intra_threads(
+    tmp_path, spm_model, monkeypatch, torch_threads
+):
+    import ctranslate2
+
+    run = joint_run(tmp_path, spm_model, seed=1)
+    assert invoke("export", run, "-o", tmp_path / "ct2").exit_code == 0
+    made, real = [], ctranslate2.Translator
+
+    def recording(*args, **kwargs):
+        made.append(kwargs.get("intra_threads"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ctranslate2, "Translator", recording)
+    result = invoke(
+        "translate", tmp_path / "ct2", "--engine", "ctranslate2", "--threads", torch_threads, input="A dog.\n"
+    )
+    assert result.exit_code == 0, result.output
+    assert made == [torch_threads]

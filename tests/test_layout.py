@@ -10,7 +10,10 @@ from __future__ import annotations
 import ast
 import importlib.util
 import re
+import shutil
+import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -220,3 +223,19 @@ def test_each_benchmark_script_imports(script, monkeypatch):
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, script.stem, module)
     spec.loader.exec_module(module)
+
+
+def test_the_built_package_marks_itself_typed(tmp_path: Path) -> None:
+    """PEP 561: type checkers read an installed package's annotations only when it ships ``py.typed``. The wheel
+    (what pip installs) is built from a copy, so that the build writes nothing into the repository."""
+    source = tmp_path / "source"
+    shutil.copytree(PACKAGE, source / "mtkit", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, source / name)
+    script = "import sys, setuptools.build_meta as build; print(build.build_wheel(sys.argv[1]))"
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "dist")], cwd=source, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    with zipfile.ZipFile(tmp_path / "dist" / done.stdout.split()[-1]) as wheel:
+        assert "mtkit/py.typed" in wheel.namelist()
