@@ -749,7 +749,7 @@ def test_vocab_json_is_bounded_by_the_size_config_json_gives_it(shared, tmp_path
         (folder / "vocab.json").write_text(text[:-1] + " " * (1 << 20) + "}", encoding="utf-8")
 
     folder = broken_copy(shared.marian.path, tmp_path, pad)
-    one_line_error(invoke("import", "hf", folder, "-o", tmp_path / "model"), "more than the 180,224 config.json's 700")
+    one_line_error(invoke("import", "hf", folder, "-o", tmp_path / "model"), "more than the 68,224 config.json's 700")
 
 
 def test_an_output_folder_that_is_a_link_is_written_through(shared, tmp_path):
@@ -761,3 +761,246 @@ def test_an_output_folder_that_is_a_link_is_written_through(shared, tmp_path):
     assert (tmp_path / "link").is_symlink() and (tmp_path / "target" / "model.safetensors").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "target"]
     assert loading.load_for_inference(tmp_path / "link", CPU).step == 0
+
+
+def real_config(shared: Imported, name: str) -> dict:
+    """A real config.json of ``tests/fixtures_marian``, its sizes and ids the test model's."""
+    real = json.loads((REAL_CONFIGS / name).read_text())
+    saved = json.loads((shared.marian.path / "config.json").read_text())
+    real.update({key: saved[key] for key in SIZED if key in saved and key in real})
+    return real
+
+
+@pytest.mark.parametrize(
+    ("config", "generation", "expected"),
+    [
+        ("opus-mt-en-de.config.json", None, (4, 1.0)),  # num_beams in config.json, as older transformers saved it
+        ("opus-mt-en-de.transformers-3.config.json", None, (6, 1.0)),
+        ("opus-mt-en-de.config.json", {"num_beams": 3, "length_penalty": 0.6}, (3, 0.6)),
+        ("opus-mt-tc-big-en-pt.config.json", {"length_penalty": 1.5}, (4, 1.5)),
+        ({"num_beams": 2, "length_penalty": 0.8}, None, (2, 0.8)),
+        ({"num_beams": None}, {"num_beams": None}, (DecodeConfig.beam, 1.0)),
+    ],
+)
+def test_beam_and_length_penalty_are_read_from_generation_config_json_else_config_json(
+    shared, tmp_path, config, generation, expected
+):
+    """num_beams and length_penalty, generate's defaults, become decode.beam and decode.lenpen (length ** lenpen):
+    a folder saved by older transformers holds them in config.json, newer ones in generation_config.json. Read
+    from generation_config.json alone, OPUS-MT's num_beams 4 in config.json imported as beam 5, and a
+    length_penalty anywhere as 1.0."""
+
+    def edit(folder: Path) -> None:
+        values = real_config(shared, config) if isinstance(config, str) else {**shared.marian.hf.config.to_dict()}
+        if not isinstance(config, str):
+            values.update(config)
+        (folder / "config.json").write_text(json.dumps(values))
+        (folder / "generation_config.json").unlink()
+        if generation is not None:
+            (folder / "generation_config.json").write_text(json.dumps(generation))
+
+    folder = broken_copy(shared.marian.path, tmp_path, edit)
+    result = invoke("import", "hf", folder, "-o", tmp_path / "model")
+    assert result.exit_code == 0, result.output
+    decode = checkpoint.read_meta(tmp_path / "model")[1].decode
+    assert (decode.beam, decode.lenpen, decode.length_penalty, decode.early_stop) == (*expected, "power", False)
+
+
+@pytest.mark.parametrize(
+    ("name", "values", "message"),
+    [
+        ("generation_config.json", {"length_penalty": 11.0}, "generation_config.json: length_penalty 11.0 is not"),
+        ("generation_config.json", {"length_penalty": -1}, "length_penalty -1 is not a number from 0 to 10.0"),
+        ("config.json", {"length_penalty": "long"}, "config.json: length_penalty 'long' is not a number"),
+        ("generation_config.json", {"num_beams": 0}, "generation_config.json: num_beams 0 is not a whole number"),
+        ("config.json", {"num_beams": 65}, "config.json: num_beams 65 is not a whole number from 1 to 64"),
+    ],
+)
+def test_a_beam_or_length_penalty_mtkit_cannot_hold_is_refused(shared, tmp_path, name, values, message):
+    def edit(folder: Path) -> None:
+        if name == "config.json":
+            (folder / "generation_config.json").unlink()
+        edit_json(name, **values)(folder)
+
+    folder = broken_copy(shared.marian.path, tmp_path, edit)
+    one_line_error(invoke("import", "hf", folder, "-o", tmp_path / "model"), message)
+    assert not (tmp_path / "model").exists()
+
+
+def pad_vocab(size: int):
+    """vocab.json grown with blanks to ``size`` bytes, still the same JSON."""
+
+    def edit(folder: Path) -> None:
+        text = (folder / "vocab.json").read_text(encoding="utf-8")
+        grown = text[:-1] + " " * (size - len(text.encode())) + "}"
+        (folder / "vocab.json").write_text(grown, encoding="utf-8")
+        assert (folder / "vocab.json").stat().st_size == size
+
+    return edit
+
+
+def test_vocab_json_may_take_96_bytes_a_piece(shared, tmp_path):
+    """700 pieces may take 1,024 + 700 * 96 bytes: a 14-character piece written as \\uXXXX escapes, its id and
+    indentation (OPUS-MT's take 21 on average). 256 a piece let a vocabulary of 2 ** 20 pieces parse 64 MiB."""
+    bound = 1024 + 700 * 96
+    folder = broken_copy(shared.marian.path, tmp_path, pad_vocab(bound))
+    assert invoke("import", "hf", folder, "-o", tmp_path / "model").exit_code == 0
+    pad_vocab(bound + 1)(folder)
+    one_line_error(
+        invoke("import", "hf", folder, "-o", tmp_path / "other"),
+        f"vocab.json: {bound + 1:,} bytes, more than the {bound:,} config.json's 700 pieces may take",
+    )
+
+
+def test_a_d_model_below_16_is_refused(shared, tmp_path):
+    """A 2-wide embedding let a vocabulary of a million pieces (and its vocab.json) come with a weights file of 8 MB."""
+    folder = broken_copy(shared.marian.path, tmp_path, edit_json("config.json", d_model=8))
+    one_line_error(invoke("import", "hf", folder, "-o", tmp_path / "model"), "config.json: d_model must be int >= 16")
+
+
+def rewrite_safetensors(folder: Path, header_bytes: int = 0, drop_data: int = 0) -> None:
+    """model.safetensors rewritten with its header padded with blanks to ``header_bytes`` (as safetensors allows),
+    or its last ``drop_data`` bytes of tensor data cut off."""
+    path = folder / "model.safetensors"
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header, data = raw[8 : 8 + length], raw[8 + length :]
+    header += b" " * max(0, header_bytes - len(header))
+    path.write_bytes(len(header).to_bytes(8, "little") + header + data[: len(data) - drop_data])
+
+
+def test_a_safetensors_header_longer_than_its_tensors_need_is_refused_before_it_is_read(shared, tmp_path):
+    """The header may take 512 bytes for each tensor config.json describes (and 64 KiB): safetensors' own bound,
+    100 MiB, let a small folder make the import parse 100 MiB of JSON (a gigabyte of objects)."""
+    folder = broken_copy(shared.marian.path, tmp_path, lambda f: rewrite_safetensors(f, header_bytes=1 << 20))
+    parsed = []
+    real_loads = json.loads
+
+    def loads(text, *args, **kwargs):
+        parsed.append(len(text))
+        return real_loads(text, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(json, "loads", loads)
+        result = invoke("import", "hf", folder, "-o", tmp_path / "model")
+    one_line_error(result, "model.safetensors: not readable weights (a safetensors header of 1,048,576 bytes, more")
+    assert max(parsed, default=0) < 1 << 20  # refused by its length field, not parsed
+
+
+def with_dtype(dtype):
+    """model.safetensors whose header gives final_logits_bias ``dtype``."""
+
+    def edit(folder: Path) -> None:
+        path = folder / "model.safetensors"
+        raw = path.read_bytes()
+        length = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8 : 8 + length])
+        header["final_logits_bias"]["dtype"] = dtype
+        text = json.dumps(header).encode()
+        path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + length :])
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [lambda f: rewrite_safetensors(f, drop_data=4), with_dtype("F64"), with_dtype(["F32"])],
+    ids=["cut", "wider-dtype", "dtype-list"],
+)
+def test_a_safetensors_file_shorter_than_its_header_states_is_refused_before_a_tensor_is_read(shared, tmp_path, edit):
+    """Tensors the header states but the file does not hold are refused by the header's sizes, before vocab.json is
+    read: a header alone could otherwise claim any vocabulary, and so any vocab.json size."""
+    folder = broken_copy(shared.marian.path, tmp_path, edit)
+    one_line_error(
+        invoke("import", "hf", folder, "-o", tmp_path / "model"),
+        "model.safetensors: not readable weights (its header states",
+    )
+
+
+def named_copy(source: Path, tmp_path: Path, name: str, edit=None) -> Path:
+    folder = tmp_path / name
+    shutil.copytree(source, folder)
+    if edit is not None:
+        edit(folder)
+    return folder
+
+
+def with_tags(*tags: str):
+    """vocab.json with filler pieces renamed to the target tags of a model into several languages."""
+
+    def edit(folder: Path) -> None:
+        for i, tag in enumerate(tags):
+            rename_piece(f"▁filler{i}", tag)(folder)
+
+    return edit
+
+
+def recorded(model: Path) -> tuple[str, str]:
+    data = checkpoint.read_meta(model)[1].data
+    return data.src_lang, data.tgt_lang
+
+
+def test_a_group_code_or_mul_in_an_opus_mt_name_is_no_language(shared, tmp_path):
+    """opus-mt-en-mul and opus-mt-tc-big-en-zle translate into many languages (mul, or zle: East Slavic, an ISO
+    639-5 group) chosen by a >>xxx<< tag: recorded as en->mul or en->zle, they passed as teachers of en->zle."""
+    for name in ("opus-mt-en-mul", "opus-mt-tc-big-en-zle", "opus-mt-gem-en", "opus-mt-mul-en"):
+        folder = named_copy(shared.marian.path, tmp_path, name)
+        result = invoke("import", "hf", folder, "-o", tmp_path / f"{name}.model")
+        assert result.exit_code == 0 and "(src->tgt)" in result.output, result.output
+    result = invoke("import", "hf", tmp_path / "opus-mt-en-mul", "--tgt-lang", "deu", "-o", tmp_path / "given")
+    assert result.exit_code == 0 and recorded(tmp_path / "given") == ("en", "deu"), result.output
+    result = invoke("import", "hf", tmp_path / "opus-mt-gem-en", "--src-lang", "de", "-o", tmp_path / "given-src")
+    assert result.exit_code == 0 and recorded(tmp_path / "given-src") == ("de", "en"), result.output
+    one_line_error(
+        invoke("import", "hf", tmp_path / "opus-mt-tc-big-en-zle", "--src-lang", "en", "-o", tmp_path / "no"),
+        "opus-mt-tc-big-en-zle: its name states no single target language; give --tgt-lang too",
+    )
+
+
+def test_a_vocabulary_of_target_tags_is_a_model_into_several_languages(shared, tmp_path):
+    """A vocabulary holding >>xxx<< tags (opus-mt-tc-big-en-pt's >>por<< and >>pob<<) needs a tag at the start
+    of each line: its name's target is not recorded, and the import says which tags it has."""
+    folder = named_copy(shared.marian.path, tmp_path, "opus-mt-tc-big-en-pt", with_tags(">>por<<", ">>pob<<"))
+    result = invoke("import", "hf", folder, "-o", tmp_path / "model")
+    assert result.exit_code == 0 and "(src->tgt)" in result.output, result.output
+    assert "begin each line with one of its 2 target tags (>>pob<<, >>por<<)" in result.output, result.output
+    assert checkpoint.read_meta(tmp_path / "model")[0]["imported"]["language_tags"] == ">>pob<< >>por<<"
+    result = invoke("import", "hf", folder, "--tgt-lang", "pt", "-o", tmp_path / "given")
+    assert result.exit_code == 0 and recorded(tmp_path / "given") == ("en", "pt"), result.output
+    assert "target tags" in result.output
+    result = invoke("import", "hf", shared.marian.path, "-o", tmp_path / "plain")
+    assert result.exit_code == 0 and "target tags" not in result.output, result.output
+
+
+def test_a_hub_cache_snapshot_folder_imports_by_its_path(shared, tmp_path):
+    """huggingface_hub's cache holds a snapshot as links into the repository's blobs/: such a folder given by its
+    path imports as the Hub id would (its name and revision recorded), and was refused as links out of it."""
+    cache = tmp_path / "hub"
+    hub_cache(cache, "Helsinki-NLP/opus-mt-en-de", shared.marian.path, commit="a" * 40)
+    snapshot = cache / "models--Helsinki-NLP--opus-mt-en-de" / "snapshots" / ("a" * 40)
+    result = invoke("import", "hf", snapshot, "-o", tmp_path / "model")
+    assert result.exit_code == 0 and "(en->de)" in result.output, result.output
+    imported = checkpoint.read_meta(tmp_path / "model")[0]["imported"]
+    assert (imported["source"], imported["revision"]) == ("hf:Helsinki-NLP/opus-mt-en-de", "a" * 40)
+    elsewhere = tmp_path / "secret.json"
+    shutil.copy(shared.marian.path / "vocab.json", elsewhere)
+    (snapshot / "vocab.json").unlink()
+    (snapshot / "vocab.json").symlink_to(elsewhere)  # a snapshot's link may lead into its repository's blobs/ only
+    one_line_error(invoke("import", "hf", snapshot, "-o", tmp_path / "other"), "vocab.json: a link to", "outside")
+
+
+def test_a_folder_of_links_into_a_cache_is_refused_with_the_way_to_copy_it(shared, tmp_path):
+    """`huggingface-cli download --local-dir` (older huggingface_hub) left links into the cache's blobs/: the
+    refusal says how to import such a folder."""
+    cache = tmp_path / "hub"
+    hub_cache(cache, "Helsinki-NLP/opus-mt-en-de", shared.marian.path)
+    blobs = cache / "models--Helsinki-NLP--opus-mt-en-de" / "blobs"
+    folder = tmp_path / "opus-mt-en-de"
+    folder.mkdir()
+    for file in shared.marian.path.iterdir():
+        (folder / file.name).symlink_to(blobs / hashlib.sha256(file.read_bytes()).hexdigest())
+    error = one_line_error(invoke("import", "hf", folder, "-o", tmp_path / "model"), "a link to", "outside")
+    assert f"copy the folder with the files its links name (cp -rL {folder} COPY) and import the copy" in error
+    shutil.copytree(folder, tmp_path / "copy", symlinks=False)  # what cp -rL does
+    result = invoke("import", "hf", tmp_path / "copy", "-o", tmp_path / "model")
+    assert result.exit_code == 0, result.output

@@ -350,12 +350,14 @@ def import_hf_command(
 ) -> None:
     """Import a Marian model (OPUS-MT) as an mtkit model, which translate, eval, serve, export and
     train.init_from take; its tokenizers are rewritten to keep Marian's ids exactly."""
-    from mtkit.interop.hf_import import import_marian
+    from mtkit.interop.hf_import import import_marian, tags_note
     from mtkit.model.checkpoint import read_meta
 
     written = import_marian(source, output, revision, src_lang, tgt_lang)
-    data = read_meta(written)[1].data
-    typer.echo(f"wrote {written} ({data.src_lang}->{data.tgt_lang})", err=True)
+    meta, cfg = read_meta(written)
+    typer.echo(f"wrote {written} ({cfg.data.src_lang}->{cfg.data.tgt_lang})", err=True)
+    if "language_tags" in meta["imported"]:
+        typer.echo(tags_note(meta["imported"]["language_tags"]), err=True)
 
 
 @commands.command(

@@ -23,23 +23,34 @@ through huggingface_hub at a revision and kept in its cache. The output is an mt
 - fp16 and bf16 weights are widened to float32, which keeps every value.
 
 A config mtkit cannot express is refused in one line naming the field. Every file is untrusted:
-sizes are bounded before reading, and vocab.json by the size config.json gives its vocabulary; the
-weights file's tensor names and shapes (safetensors' header) are compared with config.json before a
-tensor is read or the model is built, so a config.json describing a huge model allocates nothing;
-weights must be finite; no path is taken from a file, a file may not be a link out of the model's
-folder, and pytorch_model.bin loads with ``weights_only=True``. The rewritten SentencePiece models are
-loaded once to check that they give mtkit's special ids, and one whose pieces vocab.json mostly lacks
-(another model's, or source and target swapped) is refused.
+sizes are bounded before reading: vocab.json by the number of pieces config.json gives it (96 bytes
+a piece), the safetensors header by the number of tensors config.json describes; the header's tensors
+must fit in the file, and their names and shapes are compared with config.json before a tensor is read
+or the model is built, so a config.json describing a huge model allocates nothing, and a vocabulary
+(with its vocab.json) is as large as the embeddings the file holds (d_model is at least 16); weights
+must be finite; no path is taken from a file, a file may not be a link out of the model's folder (a
+snapshot of huggingface_hub's cache links into its repository's blobs/), and pytorch_model.bin loads
+with ``weights_only=True``. The rewritten SentencePiece models are loaded once to check that they
+give mtkit's special ids, and one whose pieces vocab.json mostly lacks (another model's, or source and
+target swapped) is refused.
+
+generate's ``num_beams`` and ``length_penalty`` (generation_config.json's, else config.json's, where
+older transformers saved them) become ``decode.beam`` and ``decode.lenpen``, with
+``decode.length_penalty`` power, as transformers ranks hypotheses.
 
 The languages a model translates are recorded as ``data.src_lang``/``data.tgt_lang``, as a trained
-model's are: given to the import, or read from an OPUS-MT name (``opus-mt-en-de``,
-``opus-mt-tc-big-en-pt``); otherwise mtkit's ``src`` and ``tgt``.
+model's are: given to the import, or read from an OPUS-MT name (``opus-mt-en-de``); otherwise mtkit's
+``src`` and ``tgt``. A name's ``mul`` or language-group code (``opus-mt-en-mul``,
+``opus-mt-tc-big-en-zle``) states no language, nor does the name of a model whose vocabulary holds
+target tags (``>>por<<``) state its target: such a model translates into the language a tag at the
+start of the input names, and its tags are recorded (``imported.language_tags``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -53,6 +64,7 @@ from mtkit import untrusted
 from mtkit.config import (
     LANGUAGE_CODE,
     MAX_LAYERS,
+    MAX_LENPEN,
     MAX_POSITIONS,
     ConfigError,
     DataConfig,
@@ -72,12 +84,25 @@ from mtkit.model.transformer import Transformer, build_model, sinusoidal_table
 
 MAX_JSON_BYTES = 1 << 20  # config.json, generation_config.json, tokenizer_config.json: a few KiB each
 MAX_VOCAB_BYTES = 64 << 20  # vocab.json: OPUS-MT's 58,101 pieces take 1.2 MB
-# bytes one vocab.json entry may take: a 16-character piece written as \uXXXX escapes, its id, quotes and indent
-MAX_VOCAB_ENTRY_BYTES = 256
+# bytes a vocab.json entry may take on average: a 14-character piece written as \uXXXX escapes (as MarianTokenizer
+# writes every non-ASCII character), its id, quotes and indent; OPUS-MT's take 21
+MAX_VOCAB_ENTRY_BYTES = 96
 MAX_SAFETENSORS_HEADER = 100 << 20  # safetensors' own bound on a file's header
+# a safetensors header's bytes: 512 for each tensor config.json describes (a name, dtype, shape and offsets take
+# about 120), and this much besides (__metadata__)
+HEADER_ENTRY_BYTES = 512
+HEADER_BYTES = 64 << 10
+# safetensors' dtypes and their sizes in bytes: a header's tensors must fit in the file's data
+DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2}
+DTYPE_BYTES |= {"I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 MAX_SPM_BYTES = 64 << 20  # a SentencePiece model: 32k pieces take 0.8 MB
 MAX_VOCABULARY = 1 << 20  # pieces in one vocabulary
 MAX_D_MODEL = 1 << 16
+# the narrowest model dimension imported (OPUS-MT's narrowest is 256): embeddings this wide make the weights file
+# grow with the vocabulary, and vocab.json with it
+MIN_D_MODEL = 16
+MAX_IMPORTED_BEAM = 64  # the largest num_beams recorded as decode.beam: generate's are 4 to 12
+GENERATE_LENGTH_PENALTY = 1.0  # transformers' length_penalty where a model's files give none
 MAX_FFN = 1 << 18  # a feed-forward width: OPUS-MT's largest (tc-big) is 4,096
 PAD_PIECE = "<mtkit:pad>"  # mtkit's padding id, which Marian has no piece for
 START_PIECE = "<s>"  # what the piece at mtkit's bos id is called: Marian's pad, its decoder start
@@ -88,6 +113,15 @@ _LANGUAGE_TAG = re.compile(r">>[^<>\s]+<<")
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}")
 # An OPUS-MT model's name states its languages: opus-mt-en-de, opus-mt-tc-big-en-pt (ISO 639 codes, or a group's)
 _OPUS_NAME = re.compile(r"opus-mt-(?:tc-(?:big|base)-)?([a-z]{2,3})-([a-z]{2,3})")
+# Codes of OPUS-MT names that are no language: mul (many) and the ISO 639-5 codes of language groups (zle, East
+# Slavic; gem, Germanic; ...). A model into one of them chooses its target by a >>xxx<< tag.
+GROUP_CODES = frozenset(
+    "mul aav afa alg alv apa aqa aql art ath auf aus awd azc bad bai bat ber bih bnt btk cai cau cba ccn ccs cdc "
+    "cdd cel cmc cpe cpf cpp crp csu cus day dmn dra egx esx euq fiu fox gem gme gmq gmw grk hmx hok hyx iir ijo inc "
+    "ine ira iro itc jpx kar kdo khi kro map mkh mno mun myn nah nai ngf nic nub omq omv oto paa phi plf poz pqe pqw "
+    "pra qwe roa sai sal sdv sem sgn sio sit sla smi son sqj ssa syd tai tbq trk tup tut tuw urj wak wen wns ypk zhx "
+    "zle zls zlw znd".split()
+)
 # Settings of transformers' BART family that change the architecture; Marian models have them false (older
 # transformers wrote them out). static_position_embeddings true is Marian's sinusoids: checked on its own.
 _NOT_MARIAN = ("normalize_before", "add_final_layer_norm", "normalize_embedding")
@@ -100,41 +134,67 @@ class ModelImportError(MtkitError, ValueError):
 # -- finding the folder ---------------------------------------------------------------------
 
 
-def locate(source: str, revision: str | None = None) -> tuple[Path, Path, dict[str, str]]:
-    """The folder holding ``source``'s files, the folder its files' links may lead into, and what the import
-    records of it: a local folder (by name only, never its path; links stay inside it), or a Hub repository id
-    downloaded at ``revision`` (its commit is recorded; links lead into the repository's cache, where
-    huggingface_hub keeps the files a snapshot links to)."""
+def locate(source: str, revision: str | None = None) -> tuple[Path, tuple[Path, ...], dict[str, str]]:
+    """The folder holding ``source``'s files, the folders its files' links may lead into, and what the import
+    records of it: a local folder (by name only, never its path; links stay inside it), a snapshot in
+    huggingface_hub's cache given by its path, or a Hub repository id downloaded at ``revision`` (for these two the
+    id and commit are recorded, and links may lead into the repository's blobs/, where the cache keeps the files a
+    snapshot links to)."""
     path = Path(source)
     if path.is_dir():
         if revision is not None:
             raise ModelImportError(f"{source}: --revision applies to Hub repositories, and this is a local folder")
-        return path, path, {"source": path.resolve().name}
+        cached = cache_snapshot(path)
+        if cached is None:
+            return path, (path,), {"source": path.resolve().name}
+        repo_id, blobs = cached
+        return path, (path, blobs), {"source": f"hf:{repo_id}", "revision": path.resolve().name}
     if not _REPO_ID.fullmatch(source):
         raise ModelImportError(f"{source}: no such folder, nor a Hub repository id (OWNER/NAME)")
     folder = _download(source, revision)
-    return folder, folder.parent.parent, {"source": f"hf:{source}", "revision": folder.name}
+    return folder, (folder, folder.parent.parent / "blobs"), {"source": f"hf:{source}", "revision": folder.name}
 
 
-def check_inside(path: Path, root: Path) -> Path:
-    """``path``, refused when it is a link (or lies in a linked folder) leading out of ``root``: the import
-    reads the model's files, never what a link in a downloaded folder points to elsewhere."""
+def cache_snapshot(folder: Path) -> tuple[str, Path] | None:
+    """The Hub id and blobs/ folder of ``folder`` when it is a snapshot in huggingface_hub's cache
+    (``models--OWNER--NAME/snapshots/REVISION``, whose files are links into ``models--OWNER--NAME/blobs/``);
+    None for any other folder."""
+    real = folder.resolve()
+    repo = real.parent.parent
+    name = re.fullmatch(r"models--([\w.-]+?)--([\w.-]+)", repo.name)
+    if real.parent.name != "snapshots" or name is None or not (repo / "blobs").is_dir():
+        return None
+    repo_id = f"{name[1]}/{name[2]}"
+    return (repo_id, repo / "blobs") if _REPO_ID.fullmatch(repo_id) else None
+
+
+def check_inside(path: Path, roots: tuple[Path, ...], hint: str = "") -> Path:
+    """``path``, refused when it is a link (or lies in a linked folder) leading out of ``roots``: the import reads
+    the model's files, never what a link in a downloaded folder points to elsewhere. ``hint`` ends the error."""
     real = path.resolve()
-    if not real.is_relative_to(root.resolve()):
-        raise ModelImportError(f"{path}: a link to {real}, outside {root}; the import reads only the model's files")
+    if not any(real.is_relative_to(root.resolve()) for root in roots):
+        raise ModelImportError(
+            f"{path}: a link to {real}, outside {roots[0]}; the import reads only the model's files{hint}"
+        )
     return path
 
 
-def languages(origin: str, src_lang: str | None, tgt_lang: str | None) -> tuple[str, str]:
+def languages(origin: str, src_lang: str | None, tgt_lang: str | None, tags: list[str]) -> tuple[str, str]:
     """The languages to record: those given, else those an OPUS-MT name states (``origin`` is the folder's name or
-    the Hub id), else mtkit's defaults ``src`` and ``tgt``. ModelImportError for a code that is none."""
+    the Hub id), else mtkit's defaults ``src`` and ``tgt``, for both sides when neither is given. A name's code
+    that is mul or a group's (``GROUP_CODES``) states no language, nor does its target when the vocabulary holds
+    target ``tags`` (opus-mt-en-zh's >>cmn_Hans<<...): such a model translates into the language a tag names.
+    ModelImportError for a code that is none, or one side given and the other not stated."""
     named = _OPUS_NAME.fullmatch(origin.rsplit("/", 1)[-1])
-    given = {"--src-lang": src_lang, "--tgt-lang": tgt_lang}
-    if named is None and None in given.values() and any(given.values()):
-        missing = next(flag for flag, value in given.items() if value is None)
-        raise ModelImportError(f"{origin}: its name states no languages; give {missing} too")
-    defaults = named.groups() if named else (DataConfig.src_lang, DataConfig.tgt_lang)
-    src, tgt = src_lang or defaults[0], tgt_lang or defaults[1]
+    stated = [code if code not in GROUP_CODES else None for code in (named.groups() if named else (None, None))]
+    if tags:
+        stated[1] = None
+    src, tgt = src_lang or stated[0], tgt_lang or stated[1]
+    if src_lang is None and tgt_lang is None and None in (src, tgt):
+        src, tgt = DataConfig.src_lang, DataConfig.tgt_lang
+    elif src is None or tgt is None:
+        side, flag = ("source", "--src-lang") if src is None else ("target", "--tgt-lang")
+        raise ModelImportError(f"{origin}: its name states no single {side} language; give {flag} too")
     for flag, code in (("--src-lang", src), ("--tgt-lang", tgt)):
         if LANGUAGE_CODE.fullmatch(code) is None:
             raise ModelImportError(
@@ -277,7 +337,7 @@ def read_config(path: Path) -> MarianConfig:
     if start != pad_id:
         raise ModelImportError(f"{path}: decoder_start_token_id {start} is not pad_token_id {pad_id}, as Marian's is")
     eos_id = _field(config, "eos_token_id", path, int, 0)
-    d_model = _field(config, "d_model", path, int, low=2)
+    d_model = _field(config, "d_model", path, int, low=MIN_D_MODEL)
     layers = [_field(config, name, path, int, low=1) for name in ("encoder_layers", "decoder_layers")]
     positions = _field(config, "max_position_embeddings", path, int, low=8)
     bounds = {
@@ -315,13 +375,28 @@ def read_config(path: Path) -> MarianConfig:
     return MarianConfig(model, vocab_size, decoder_vocab_size, shared, pad_id, eos_id)
 
 
-def read_beam(folder: Path) -> int | None:
-    """generation_config.json's num_beams, if the folder has one."""
-    path = folder / "generation_config.json"
-    if not path.is_file():
-        return None
-    beam = _read_mapping(path).get("num_beams")
-    return beam if isinstance(beam, int) and not isinstance(beam, bool) and 1 <= beam <= 64 else None
+def read_decoding(folder: Path) -> tuple[int, float]:
+    """generate's num_beams and length_penalty, as decode.beam and decode.lenpen: generation_config.json's, else
+    config.json's (where transformers before 4.26 saved them), else mtkit's beam and transformers' length
+    penalty. ModelImportError naming the file for a value mtkit cannot hold."""
+    files = (folder / "generation_config.json", folder / "config.json")
+    configs = [(path, _read_mapping(path)) for path in files if path.is_file()]
+
+    def setting(name: str, default: Any) -> tuple[Path | None, Any]:
+        return next(((path, c[name]) for path, c in configs if c.get(name) is not None), (None, default))
+
+    path, beam = setting("num_beams", DecodeConfig.beam)
+    if isinstance(beam, bool) or not isinstance(beam, int) or not 1 <= beam <= MAX_IMPORTED_BEAM:
+        raise ModelImportError(
+            f"{path}: num_beams {untrusted.shown(beam)} is not a whole number from 1 to {MAX_IMPORTED_BEAM}"
+        )
+    path, lenpen = setting("length_penalty", GENERATE_LENGTH_PENALTY)
+    if isinstance(lenpen, bool) or not isinstance(lenpen, (int, float)) or not 0 <= lenpen <= MAX_LENPEN:
+        raise ModelImportError(
+            f"{path}: length_penalty {untrusted.shown(lenpen)} is not a number from 0 to {MAX_LENPEN} "
+            "(mtkit's decode.lenpen)"
+        )
+    return beam, float(lenpen)
 
 
 @dataclass
@@ -477,14 +552,16 @@ class WeightsFile:
     loaded: dict[str, Tensor] | None  # pytorch_model.bin's tensors; None for a safetensors file, read later
 
 
-def open_weights(folder: Path) -> WeightsFile:
+def open_weights(folder: Path, marian: MarianConfig) -> WeightsFile:
     """model.safetensors or else pytorch_model.bin (``weights_only``): names and shapes, only the header read of
-    the first."""
+    the first, bounded by the number of tensors ``marian`` has."""
     path = next((folder / name for name in WEIGHT_FILES if (folder / name).is_file()), None)
     if path is None:
         raise ModelImportError(f"{folder}: no model.safetensors or pytorch_model.bin")
     if path.suffix == ".safetensors":
-        return WeightsFile(path, safetensors_shapes(path), None)
+        required, optional = expected_shapes(marian, set())
+        tensors = len(required) + len(optional) + 1  # and model.shared.weight, the name of a shared table
+        return WeightsFile(path, safetensors_shapes(path, HEADER_BYTES + tensors * HEADER_ENTRY_BYTES), None)
     try:
         weights = checkpoint.load_torch_file(path)
     except CheckpointError:
@@ -498,12 +575,20 @@ def open_weights(folder: Path) -> WeightsFile:
     return WeightsFile(path, {key: tuple(tensor.shape) for key, tensor in weights.items()}, weights)
 
 
-def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Each tensor's shape as a safetensors file's header states it, read alone: the file is neither mapped nor
-    read further, whatever sizes the header claims (safetensors checks them against the file when it reads)."""
+def safetensors_shapes(path: Path, limit: int) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape as a safetensors file's header states it, read alone, its length checked against
+    ``limit`` before it is read: the file is neither mapped nor read further. Each tensor's dtype, shape and
+    offsets must agree, and the tensors fit in the file's data, so that the sizes config.json is checked against
+    are those of the tensors the file holds."""
+    size = path.stat().st_size
     with open(path, "rb") as f:
         length = int.from_bytes(f.read(8), "little")
-        if not 2 <= length <= min(MAX_SAFETENSORS_HEADER, path.stat().st_size - 8):
+        if length > min(limit, MAX_SAFETENSORS_HEADER):
+            raise ModelImportError(
+                f"{path}: not readable weights (a safetensors header of {length:,} bytes, more than the "
+                f"{min(limit, MAX_SAFETENSORS_HEADER):,} its model's tensors may take)"
+            )
+        if not 2 <= length <= size - 8:
             raise ModelImportError(f"{path}: not readable weights (a safetensors header of {length:,} bytes)")
         text = f.read(length)
     try:
@@ -517,8 +602,31 @@ def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
         shape = entry.get("shape") if isinstance(entry, dict) else None
         if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) for n in shape):
             raise ModelImportError(f"{path}: not readable weights (no shape for {untrusted.shown(key)} in its header)")
+        _check_extent(path, key, entry, shape, size - 8 - length)
         shapes[key] = tuple(shape)
     return shapes
+
+
+def _check_extent(path: Path, key: str, entry: dict[str, Any], shape: list[int], data_bytes: int) -> None:
+    """A safetensors header's tensor ``key`` takes the bytes its dtype and shape give, inside the file's data."""
+    dtype = entry.get("dtype")
+    itemsize = DTYPE_BYTES.get(dtype) if isinstance(dtype, str) else None
+    offsets = entry.get("data_offsets")
+    fits = (
+        itemsize is not None
+        and isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(isinstance(n, int) and not isinstance(n, bool) for n in offsets)
+        and all(n >= 0 for n in shape)
+        and 0 <= offsets[0] <= offsets[1] <= data_bytes
+        and offsets[1] - offsets[0] == itemsize * math.prod(shape)
+    )
+    if not fits:
+        raise ModelImportError(
+            f"{path}: not readable weights (its header states {untrusted.shown(key)} as "
+            f"{untrusted.shown(entry.get('dtype'))} {tuple(shape)} at bytes {untrusted.shown(offsets)}, and the file "
+            f"holds {data_bytes:,} bytes of tensors)"
+        )
 
 
 def expected_shapes(marian: MarianConfig, stored: set[str]) -> tuple[dict[str, tuple], dict[str, tuple]]:
@@ -683,19 +791,23 @@ def import_marian(
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise CheckpointError(f"{out_dir}: exists and is not empty; choose another output folder")
-    folder, root, origin = locate(source, revision)
-    langs = languages(source if origin["source"].startswith("hf:") else origin["source"], src_lang, tgt_lang)
+    folder, roots, origin = locate(source, revision)
+    local = Path(source).is_dir()
+    hint = (
+        f": copy the folder with the files its links name (cp -rL {folder} COPY) and import the copy" if local else ""
+    )
     for name in (*CONFIG_FILES, *TOKENIZER_FILES, *WEIGHT_FILES):
-        if (folder / name).exists():
-            check_inside(folder / name, root)
+        if (folder / name).exists() or (folder / name).is_symlink():
+            check_inside(folder / name, roots, hint)
     for name in ("config.json", "source.spm", "target.spm", "vocab.json"):
         if not (folder / name).is_file():
             raise ModelImportError(
                 f"{folder}: no {name}; a MarianMTModel folder has config.json, source.spm, target.spm and vocab.json"
             )
     marian = read_config(folder / "config.json")
-    weights_file = open_weights(folder)
+    weights_file = open_weights(folder, marian)
     check_shapes(weights_file, marian, folder / "config.json")
+    beam, lenpen = read_decoding(folder)
     special = special_pieces(folder)
     separate = (folder / "target_vocab.json").is_file() and not marian.shared
     src = read_vocabulary(folder / "vocab.json", marian.vocab_size, special, marian, target=not separate)
@@ -704,6 +816,8 @@ def import_marian(
         tgt = read_vocabulary(folder / "target_vocab.json", marian.decoder_vocab_size, special, marian, target=True)
     elif marian.decoder_vocab_size != marian.vocab_size:
         raise ModelImportError(f"{folder}: two vocabulary sizes in config.json, and no target_vocab.json")
+    tags = sorted({piece for vocab in (src, tgt) for piece in vocab.ids if _LANGUAGE_TAG.fullmatch(piece)})
+    langs = languages(origin["source"].removeprefix("hf:"), src_lang, tgt_lang, tags)
     vocab_names = {"src": "vocab.json", "tgt": "target_vocab.json" if separate else "vocab.json"}
     models = {
         "src": tokenizer_model(folder / "source.spm", src, vocab_names["src"], language_tags=True),
@@ -721,7 +835,7 @@ def import_marian(
         data=DataConfig(src_lang=langs[0], tgt_lang=langs[1]),
         tokenizer=TokenizerConfig(joint=joint, vocab_size=len(tgt.order)),
         model=marian.model,
-        decode=DecodeConfig(beam=read_beam(folder) or DecodeConfig.beam, length_penalty="power", early_stop=False),
+        decode=DecodeConfig(beam=beam, lenpen=lenpen, length_penalty="power", early_stop=False),
     )
     records = {
         side: {"file": names[side], "sha256": hashlib.sha256(models[side]).hexdigest()} for side in ("src", "tgt")
@@ -730,7 +844,21 @@ def import_marian(
         "config": cfg.to_dict(),
         "tokenizer": records,
         "step": 0,
-        "imported": {**origin, "sha256": file_sha256(weights_file.path)},
+        "imported": {
+            **origin,
+            "sha256": file_sha256(weights_file.path),
+            **({"language_tags": " ".join(tags)} if tags else {}),
+        },
     }
     checkpoint.save(out_dir, model.state_dict(), meta, files=files)
     return out_dir
+
+
+def tags_note(language_tags: str) -> str:
+    """What the import says of a model into several languages, from its record's ``language_tags``."""
+    tags = language_tags.split()
+    shown = ", ".join(tags[:5]) + (", ..." if len(tags) > 5 else "")
+    return (
+        "the model translates into the language a tag at the start of its input names: begin each line with one "
+        f"of its {len(tags):,} target tags ({shown})"
+    )
