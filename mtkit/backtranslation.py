@@ -98,7 +98,7 @@ def back_translate(
         reverse, ran, note = Path(bt.reverse_model), False, f"given: {bt.reverse_model}"
     else:
         reverse, ran = out / REVERSE_DIR, True
-        result = train_stage(reverse_config(cfg), reverse, reporter, "reverse", restart)
+        result = train_stage(reverse_config(cfg), reverse, reporter, "reverse", "reverse" in restart)
         bleu = result.get("valid_bleu")  # none when it had trained to the end already
         note = f"{pairs[0][1]}->{pairs[0][0]} trained into {reverse}" + (
             f"; validation BLEU {bleu:.2f}" if bleu is not None else ", up to date"

@@ -57,9 +57,9 @@ def run_recipe(
 ) -> dict:  # fmt: skip
     """Run every stage of ``cfg``'s recipe into ``out``; returns the report. ``reporter`` shows training's
     progress; a signal stops training with ``TrainingStopped``, after its checkpoint, and a chain's translation
-    with ``StageStopped``, keeping its finished parts. ``restart`` names the trainings to start over from update 0
-    (``RESTARTABLE``); ``stage`` is what the command line calls this run's training (a teacher's run is the
-    chain's ``teacher``)."""
+    with ``StageStopped``, keeping its finished parts. ``restart`` names this run's trainings to start over from
+    update 0 (``RESTARTABLE``); ``stage`` is what a refusal to resume this run's own training calls it for
+    `mtkit run --restart`: ``train``, or ``teacher`` in a teacher's run."""
     check_restart(cfg, restart)
     stages: list[Stage] = []
     if importlib.util.find_spec("matplotlib") is None:  # said now, not after an hour of training
@@ -90,7 +90,7 @@ def run_recipe(
         cfg = back_translate(cfg, out, stages, record, reporter, restart)
 
     start = time.perf_counter()
-    train_stage(cfg, out, reporter, stage, restart)
+    train_stage(cfg, out, reporter, stage, "train" in restart)
     stages.append(Stage("train", time.perf_counter() - start, True))
 
     model = _average(cfg, out, stages, record)

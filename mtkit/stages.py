@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mtkit.errors import MtkitError
 from mtkit.files import atomic_write_text, file_sha256
 
 if TYPE_CHECKING:
@@ -34,22 +32,21 @@ class Stage:
     incomplete: str = ""  # why the model this stage trained was cut short (train.max_time): the run is incomplete
 
 
-def train_stage(cfg: RunConfig, out: Path, reporter: Reporter | None, name: str, restart: Collection[str]) -> dict:
-    """Train ``cfg`` into ``out`` as the run's training ``name`` (train, reverse, teacher), from update 0 when
-    ``restart`` names it, else resuming; the result of training, with its "stop".
+def train_stage(cfg: RunConfig, out: Path, reporter: Reporter | None, label: str, restart: bool) -> dict:
+    """Train ``cfg`` into ``out`` as the run's training ``label`` (train, reverse, teacher), from update 0 when
+    ``restart``, else resuming; the result of training, with its "stop".
 
     A run directory that cannot go on training (its data, tokenizer or model settings changed, as they do when
     an earlier stage of a chain made new data) is refused in one line whose advice is what `mtkit run` takes:
-    ``--restart NAME``."""
+    ``--restart LABEL``."""
+    from mtkit.training.resume import ResumeRefused
     from mtkit.training.trainer import run_training
 
     try:
-        return run_training(cfg, out, reporter, restart=name in restart)
-    except MtkitError as err:
-        problem, _, advice = str(err).rpartition("; ")
-        if "--restart" not in advice:
-            raise
-        raise type(err)(f"{problem}; to train it again from the start, run `mtkit run` with --restart {name}") from None
+        return run_training(cfg, out, reporter, restart=restart)
+    except ResumeRefused as refused:
+        advice = f"to train it again from the start, run `mtkit run` with --restart {label}"
+        raise ResumeRefused(refused.problem, advice) from None
 
 
 def decoding(device: str) -> dict[str, str]:

@@ -314,7 +314,8 @@ cli.main()
 """
 
 
-def run_recipe_sigterm_after_first_part(recipe: Path, out: Path) -> subprocess.CompletedProcess:
-    """``mtkit run RECIPE --out OUT`` in a subprocess that gets SIGTERM once a chain's translation wrote a part."""
-    command = [sys.executable, "-c", _SIGTERM_AFTER_THE_FIRST_PART, "run", str(recipe), "--out", str(out)]
+def run_recipe_sigterm_after_first_part(recipe: Path, out: Path, *options: str) -> subprocess.CompletedProcess:
+    """``mtkit run RECIPE --out OUT [OPTIONS]`` in a subprocess that gets SIGTERM once a chain's translation wrote a
+    part."""
+    command = [sys.executable, "-c", _SIGTERM_AFTER_THE_FIRST_PART, "run", str(recipe), "--out", str(out), *options]
     return subprocess.run(command, capture_output=True, text=True, timeout=900)

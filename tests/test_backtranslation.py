@@ -30,6 +30,10 @@ from mtkit.config import ConfigError, SamplingConfig, from_dict, read_config
 from mtkit.data.tokenizer import Tokenizer
 from mtkit.files import OutputError
 from mtkit.model import checkpoint, loading
+from mtkit.stages import train_stage
+from mtkit.training import trainer
+from mtkit.training.distributed import DistributedError
+from mtkit.training.resume import ResumeRefused
 from mtkit.translation import resumable
 from mtkit.translation.resumable import translate_resumably
 
@@ -280,3 +284,58 @@ def test_a_full_disk_while_writing_a_part_names_the_part_not_the_source(bt_data,
         translate_resumably(translator, source, tmp_path / "out.en", part_lines=1_000)
     part = tmp_path / ".out.en.parts" / "000000000000.txt"
     assert str(raised.value) == f"{part}: cannot write (No space left on device)"
+
+
+def _starts(run: Path) -> list[int]:
+    """The update each training start in ``run`` began at (RUN/metrics.jsonl's start records)."""
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in records if r["event"] == "start"]
+
+
+def test_after_the_parallel_data_changes_restart_reverse_trains_the_reverse_model_again(bt_data, tmp_path):
+    """The reverse model, the chain's first training, refuses to resume on changed parallel data, naming
+    --restart reverse; with it (and --restart train for the main model, whose data changed too) both train from
+    update 0."""
+    shutil.copytree(bt_data / "half", tmp_path / "half")
+    mono = tmp_path / "mono.de"
+    mono.write_text("\n".join(captions.parallel(300, seed=8)["de"]) + "\n")
+    recipe = _recipe(tmp_path, tmp_path, monolingual=str(mono), reverse_steps=2)
+    out = tmp_path / "run"
+    result = invoke("run", recipe, "--out", out)
+    assert result.exit_code == 0, result.output
+    train = tmp_path / "half" / "train.en"
+    train.write_text("".join(train.read_text().splitlines(keepends=True)[:-20]) + "One more line.\n" * 20)
+    result = invoke("run", recipe, "--out", out)
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: {out / 'reverse' / 'checkpoints'}") and "trained on another data." in line
+    assert line.endswith("; to train it again from the start, run `mtkit run` with --restart reverse")
+    weights = out / "reverse" / "checkpoints" / "update-00000002" / checkpoint.WEIGHTS_FILE
+    before = weights.read_bytes()
+    result = invoke("run", recipe, "--out", out, "--restart", "reverse", "--restart", "train")
+    assert result.exit_code == 0, result.output
+    assert weights.read_bytes() != before and _starts(out / "reverse") == [0] and _starts(out) == [0]
+    ran = {s["name"]: s["ran"] for s in json.loads((out / "report.json").read_text())["stages"]}
+    assert ran["reverse"] and ran["back-translate"] and ran["train"]
+
+
+def test_only_a_refusal_to_resume_gets_the_chains_advice(monkeypatch):
+    """A refusal to resume gets the advice `mtkit run` takes; other errors of a chain's training pass through as
+    raised, even one whose advice names --restart."""
+    raised: list[Exception] = []
+
+    def fails(*args, **kwargs):
+        raise raised[-1]
+
+    monkeypatch.setattr(trainer, "run_training", fails)
+    raised.append(DistributedError("rank 1 stopped answering; run it again, with --restart if it recurs", True))
+    with pytest.raises(DistributedError) as error:
+        train_stage(from_dict({}), Path("unused"), None, "reverse", False)
+    assert error.value is raised[-1]
+    raised.append(ResumeRefused("RUN/checkpoints/update-00000008: trained on another data.train_src", "--restart"))
+    with pytest.raises(ResumeRefused) as error:
+        train_stage(from_dict({}), Path("unused"), None, "reverse", False)
+    assert str(error.value) == (
+        "RUN/checkpoints/update-00000008: trained on another data.train_src; "
+        "to train it again from the start, run `mtkit run` with --restart reverse"
+    )

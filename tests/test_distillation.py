@@ -22,6 +22,7 @@ from helpers import (
 )
 
 import mtkit
+import mtkit.run
 from mtkit import runtime
 from mtkit.config import PRESETS, ConfigError, TokenizerConfig, from_dict, read_config
 from mtkit.data.parallel import read_lines
@@ -31,6 +32,8 @@ from mtkit.model import checkpoint, loading
 from mtkit.model.transformer import build_model, count_parameters
 from mtkit.scoring.metrics import sentence_scores
 from mtkit.stages import Digests, StageRecord
+from mtkit.training import trainer
+from mtkit.training.stop_signals import TrainingStopped
 from mtkit.translation import resumable
 
 TRAIN_LINES = 4_500  # three parts of resumable.PART_LINES
@@ -355,3 +358,80 @@ def test_sigterm_while_distilling_ends_with_one_message_and_keeps_the_parts_done
     )
     assert "Traceback" not in stopped.stderr
     assert [p.name for p in parts.glob("*.txt")] == ["000000000000.txt"] and not (out / "distilled").exists()
+
+
+def _starts(run: Path) -> list[int]:
+    """The update each training start in ``run`` began at (RUN/metrics.jsonl's start records)."""
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in records if r["event"] == "start"]
+
+
+def test_after_the_teachers_data_changes_restart_teacher_trains_it_again_from_update_0(tmp_path):
+    """A teacher whose training data changed refuses to resume, naming --restart teacher; with it the teacher trains
+    from update 0, which makes new distilled data, so the student is refused next, naming --restart train."""
+    student, teacher = tmp_path / "student-corpus", tmp_path / "teacher-corpus"
+    pairs = captions.parallel(380, seed=13)
+    for folder in (student, teacher):
+        folder.mkdir()
+        for split, lines in {"train": slice(0, 300), "valid": slice(300, 340), "test": slice(340, 380)}.items():
+            for lang in ("en", "de"):
+                (folder / f"{split}.{lang}").write_text("\n".join(pairs[lang][lines]) + "\n")
+    recipe = _student_recipe(tmp_path, student, beam=1, nbest=1, max_ratio=100.0, shortlist=False, teacher_seeds=[1])
+    raw = yaml.safe_load(recipe.read_text())
+    raw["train"].update(max_steps=4, device="cpu")
+    recipe.write_text(yaml.safe_dump(raw))
+    teacher_recipe = Path(raw["distillation"]["teacher_recipe"])
+    teacher_raw = yaml.safe_load(_teacher_recipe(tmp_path, teacher).read_text())
+    teacher_raw["train"].update(max_steps=2, valid_every=0, save_every=1, device="cpu")  # 2 updates: not yet EOS
+    teacher_recipe.write_text(yaml.safe_dump(teacher_raw))
+    out = tmp_path / "run"
+    result = invoke("run", recipe, "--out", out)
+    assert result.exit_code == 0, result.output
+    (teacher / "train.de").write_text("\n".join(pairs["de"][:290]) + "\n" + "\n".join(pairs["de"][:10]) + "\n")
+
+    result = invoke("run", recipe, "--out", out)
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: {out / 'teacher-1' / 'checkpoints'}") and "trained on another data." in line
+    assert line.endswith("; to train it again from the start, run `mtkit run` with --restart teacher")
+
+    weights = out / "teacher-1" / "checkpoints" / "update-00000002" / checkpoint.WEIGHTS_FILE
+    before = weights.read_bytes()
+    result = invoke("run", recipe, "--out", out, "--restart", "teacher")
+    assert result.stderr.strip().splitlines()[-1].endswith("run `mtkit run` with --restart train")
+    assert result.exit_code == 1 and "Traceback" not in result.output  # its new translations are the student's data
+    assert weights.read_bytes() != before and _starts(out / "teacher-1") == [0]  # trained again from update 0
+
+    result = invoke("run", recipe, "--out", out, "--restart", "train")
+    assert result.exit_code == 0, result.output
+    ran = {s["name"]: s["ran"] for s in json.loads((out / "report.json").read_text())["stages"]}
+    assert not ran["teacher 1"] and not ran["distil"] and ran["train"]
+    assert _starts(out) == [0] and _starts(out / "teacher-1") == [0, 2]  # the teacher only found itself done
+
+
+def test_sigterm_in_a_run_with_restart_says_to_resume_without_it(corpus, quick_teacher, tmp_path):
+    """The same command would start the training over again: the way to resume is the command less --restart."""
+    recipe = _student_recipe(tmp_path, corpus, teacher=[str(quick_teacher)], beam=1, nbest=1, max_ratio=100.0)
+    stopped = run_recipe_sigterm_after_first_part(recipe, tmp_path / "run", "--restart", "train")
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+    last = stopped.stderr.strip().splitlines()[-1]
+    assert last.startswith("stopped by SIGTERM while distilling: the parts done are kept in ")
+    assert last.endswith("; run the command again without --restart to resume")
+
+
+def test_a_training_stopped_in_a_command_with_restart_says_to_resume_without_it(
+    corpus, quick_teacher, tmp_path, monkeypatch
+):
+    def stopped(*args, **kwargs):
+        raise TrainingStopped(signal.SIGTERM, 3)
+
+    monkeypatch.setattr(mtkit.run, "run_recipe", stopped)
+    monkeypatch.setattr(trainer, "run_training", stopped)
+    recipe = _student_recipe(tmp_path, corpus, teacher=[str(quick_teacher)])
+    for command in (["run", recipe, "--restart", "train"], ["train", quick_teacher.parent / "quick.yaml", "--restart"]):
+        result = invoke(*command, "--out", tmp_path / "out")
+        assert result.exit_code == 128 + signal.SIGTERM, result.output
+        assert result.stderr.strip().splitlines()[-1] == (
+            f"stopped by SIGTERM at update 3: last checkpoint saved in {tmp_path / 'out'}; "
+            "run the command again without --restart to resume"
+        )

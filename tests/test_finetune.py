@@ -329,6 +329,7 @@ def test_a_run_resumed_with_another_init_from_is_refused_in_one_line(tmp_path, c
         "to start from that, use another --out or start over (--restart)",
     )
     assert yaml.safe_load((tmp_path / "ft" / "config.yaml").read_text())["train"]["init_from"] == str(base_run)
+    Trainer(finetune_config(corpus_files, spm_model, f"{base_run}/./", max_steps=3), tmp_path / "ft").run()  # the same
     Trainer(small_config(corpus_files, spm_model, max_steps=1), tmp_path / "plain").run()
     with pytest.raises(checkpoint.CheckpointError, match="this run started from random weights .no train.init_from."):
         Trainer(finetune_config(corpus_files, spm_model, base_run), tmp_path / "plain")

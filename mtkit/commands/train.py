@@ -121,10 +121,15 @@ def _plan(cfg, out: Path, processes: int) -> str:
     )
 
 
-def _stopped(stop, out: Path) -> typer.Exit:
+def _stopped(stop, out: Path, restart: bool) -> typer.Exit:
     """What a training stopped by a signal says, and the exit status it ends with."""
-    typer.echo(f"{stop}: last checkpoint saved in {out}; run the same command to resume", err=True)
+    typer.echo(f"{stop}: last checkpoint saved in {out}; {_to_resume(restart)}", err=True)
     return typer.Exit(128 + stop.signum)
+
+
+def _to_resume(restart: bool) -> str:
+    """How to resume a command a signal stopped: the same command, less a --restart that would start over again."""
+    return "run the command again without --restart to resume" if restart else "run the same command to resume"
 
 
 def _run_training(cfg, out: Path, restart: bool) -> None:
@@ -138,7 +143,7 @@ def _run_training(cfg, out: Path, restart: bool) -> None:
         result = run_training(cfg, out, TrainingProgress(cfg.train.log_every), restart=restart, dist=dist)
     except TrainingStopped as stop:
         if dist.is_main:
-            raise _stopped(stop, out) from None
+            raise _stopped(stop, out, restart) from None
         raise typer.Exit(128 + stop.signum) from None
     except DistributedError as err:
         if not dist.is_main:  # rank 0 says what failed; a peer that lost it only notes it
@@ -229,9 +234,9 @@ def run_command(
     try:
         report = run_all(cfg, recipe, out, mirror, TrainingProgress(cfg.train.log_every), restart)
     except TrainingStopped as stop:
-        raise _stopped(stop, out) from None
+        raise _stopped(stop, out, bool(restart)) from None
     except StageStopped as stop:
-        typer.echo(f"{stop}; run the same command to resume", err=True)
+        typer.echo(f"{stop}; {_to_resume(bool(restart))}", err=True)
         raise typer.Exit(128 + stop.signum) from None
     typer.echo(render_report(report))
     typer.echo(f"report: {out / 'report.md'}", err=True)

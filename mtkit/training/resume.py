@@ -8,6 +8,7 @@ is a CheckpointError that names the file, never a failure some updates later.
 from __future__ import annotations
 
 import logging
+import os
 import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -110,6 +111,16 @@ class TrainingState:
         return cls(state["optimizer"], state["scaler"], state["rng"], progress)
 
 
+class ResumeRefused(checkpoint.CheckpointError):
+    """A run directory whose training cannot go on with this config, since what it trained on or with differs:
+    ``problem`` says what; the message adds ``advice``, the way on (a caller that offers another way, as a chain's
+    stage does, says its own from ``problem``)."""
+
+    def __init__(self, problem: str, advice: str) -> None:
+        super().__init__(f"{problem}; {advice}")
+        self.problem = problem
+
+
 def check_resumable(
     path: Path,
     saved: checkpoint.Checkpoint,
@@ -123,35 +134,43 @@ def check_resumable(
 
     A checkpoint saved before data digests were recorded is resumed without comparing them.
     """
-    if saved.cfg.train.init_from != cfg.train.init_from:
-        raise checkpoint.CheckpointError(
+    if not _same_start(saved.cfg.train.init_from, cfg.train.init_from):
+        raise ResumeRefused(
             f"{path}: this run started from {_started_from(saved.cfg.train.init_from)}, this config from "
-            f"{_started_from(cfg.train.init_from)}; to start from that, use another --out or start over (--restart)"
+            f"{_started_from(cfg.train.init_from)}",
+            "to start from that, use another --out or start over (--restart)",
         )
     if saved.cfg.model != cfg.model:
-        raise checkpoint.CheckpointError(
-            f"{path}: model settings differ from this config; use a new --out or --restart"
-        )
+        raise ResumeRefused(f"{path}: model settings differ from this config", "use a new --out or --restart")
     if saved.state is None:
         raise checkpoint.CheckpointError(f"{path}: holds weights only, not the training state to resume from")
     if saved.cfg.train.freeze != cfg.train.freeze:
-        raise checkpoint.CheckpointError(
-            f"{path}: trained with train.freeze {list(saved.cfg.train.freeze)}, not {list(cfg.train.freeze)}; "
-            f"to change it, {_new_run(run_dir)}"
+        raise ResumeRefused(
+            f"{path}: trained with train.freeze {list(saved.cfg.train.freeze)}, not {list(cfg.train.freeze)}",
+            f"to change it, {_new_run(run_dir)}",
         )
     for side, tok in zip(("src", "tgt"), tokenizers):
         if saved.meta["tokenizer"][side]["sha256"] != tok.sha256:
-            raise checkpoint.CheckpointError(
-                f"{path}: trained with another tokenizer than {tok.path}; use a new --out or --restart"
+            raise ResumeRefused(
+                f"{path}: trained with another tokenizer than {tok.path}", "use a new --out or --restart"
             )
     recorded = saved.meta.get("data_sha256")
     for name in sorted(set(recorded) | set(data_sha256)) if recorded is not None else ():
         if recorded.get(name) != data_sha256.get(name):
-            now = getattr(cfg.data, name, None) if "." not in name else (name if name in data_sha256 else None)
-            what = f"another data.{name} than {now}" if now else f"a data.{name}, which this config leaves out"
-            raise checkpoint.CheckpointError(
-                f"{path}: trained on {what}; to go on with the data as it is, {_new_run(run_dir)}"
+            now = (
+                getattr(cfg.data, name, None) if "." not in name else ("this config's" if name in data_sha256 else None)
             )
+            what = f"another data.{name} than {now}" if now else f"a data.{name}, which this config leaves out"
+            raise ResumeRefused(f"{path}: trained on {what}", f"to go on with the data as it is, {_new_run(run_dir)}")
+
+
+def _same_start(saved: str, given: str) -> bool:
+    """Whether two train.init_from values name the same model: the same string, or the same path written another
+    way (``runs/base/``, ``./runs/base``)."""
+    if saved == given:
+        return True
+    paths = saved and given and not saved.startswith("hf:") and not given.startswith("hf:")
+    return bool(paths) and os.path.normpath(saved) == os.path.normpath(given)
 
 
 def _started_from(init_from: str) -> str:

@@ -21,6 +21,7 @@ from mtkit.data.parallel import DataError, iter_parallel
 from mtkit.data.tokenizer import Tokenizer, train_spm
 from mtkit.files import file_sha256
 from mtkit.model import checkpoint
+from mtkit.training.resume import ResumeRefused
 
 log = logging.getLogger("mtkit")
 
@@ -135,10 +136,12 @@ def _check_run_tokenizer(path: Path, given: str, vocab_size: int) -> None:
     """A tokenizer already in the run directory is reused, so it must be the one the config asks for."""
     if given:
         if Path(given).is_file() and file_sha256(Path(given)) != file_sha256(path):
-            raise ConfigError(f"{path} differs from the config's tokenizer model {given}; use a new --out or --restart")
+            raise ResumeRefused(
+                f"{path} differs from the config's tokenizer model {given}", "use a new --out or --restart"
+            )
         return
     found = Tokenizer(path).vocab_size
     if found != vocab_size:
-        raise ConfigError(
-            f"{path} has {found} pieces but tokenizer.vocab_size is {vocab_size}; use a new --out or --restart"
+        raise ResumeRefused(
+            f"{path} has {found} pieces but tokenizer.vocab_size is {vocab_size}", "use a new --out or --restart"
         )
