@@ -215,10 +215,11 @@ MAX_BEAM = 1_000
 MAX_BATCH_TOKENS = 1 << 20
 # A length penalty's alpha is useful from 0.6 to 2; at 10, 65,536 ** alpha still fits a float.
 MAX_LENPEN = 10.0
-# A sampling temperature divides float32 log-probabilities: one below this is 0 in float32 (one above
-# MAX_TEMPERATURE infinity), and the draw's weights would be NaN. At this bound each draw is the greedy token.
-MIN_TEMPERATURE = 1e-45
-MAX_TEMPERATURE = 1e38  # below float32's largest number, 3.4e38; at this bound every allowed token is equally likely
+# A sampling temperature T divides float32 log-probabilities, which CUDA computes as a product with 1 / T: both T
+# and 1 / T must be float32 numbers (3.4e38 at most), or the draw's weights are NaN. At MIN_TEMPERATURE each draw
+# is the greedy token, at MAX_TEMPERATURE every allowed token is equally likely.
+MIN_TEMPERATURE = 1e-30
+MAX_TEMPERATURE = 1e30
 
 
 @dataclass(frozen=True)

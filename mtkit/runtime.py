@@ -52,13 +52,10 @@ def pick_device(name: str) -> torch.device:
 
 def set_threads(threads: int) -> None:
     """Run torch's operations on ``threads`` CPU threads (0 keeps torch's default: OMP_NUM_THREADS where set, else
-    one per core), so that processes sharing a machine do not each take every core. The inter-op pool, which only
-    ``torch.jit.fork`` uses, is sized alike while torch still allows it: before its first parallel work."""
-    if threads <= 0:
-        return
-    torch.set_num_threads(threads)
-    with contextlib.suppress(RuntimeError):  # the inter-op pool is fixed once started, and is not mtkit's to need
-        torch.set_num_interop_threads(threads)
+    one per core), so that processes sharing a machine do not each take every core. torch's inter-op pool, which
+    mtkit does not use, is left alone: it can be sized only once in a process, which is the caller's to choose."""
+    if threads > 0:
+        torch.set_num_threads(threads)
 
 
 # The CPU features (as /proc/cpuinfo names them) with which oneDNN computes bf16 matrix products in bf16, by CPU

@@ -424,6 +424,9 @@ def test_sampling_at_the_temperature_bounds_draws_and_beyond_them_is_refused():
 
     src, mask = source_tensor([[A] * 3] * 300)
     g = torch.Generator().manual_seed(0)
+    for bound in (MIN_TEMPERATURE, MAX_TEMPERATURE):  # CUDA divides by multiplying with the inverse, in float32
+        assert torch.isfinite(torch.tensor([bound, 1 / bound], dtype=torch.float32)).all()
+        assert torch.tensor(1 / bound, dtype=torch.float32) > 0
     cold, hot = (SamplingConfig(temperature=t) for t in (MIN_TEMPERATURE, MAX_TEMPERATURE))
     assert {h.tokens[0] for h in sample_search(ScriptedModel(script), src, mask, cold, generator=g)} == {A}
     drawn = {
@@ -431,7 +434,7 @@ def test_sampling_at_the_temperature_bounds_draws_and_beyond_them_is_refused():
     }
     assert drawn == {UNK_ID, EOS_ID, A, B, C}  # uniform over all but pad and bos, the script's 1e-9 ones too
     for value in (1e-300, 1e300):
-        with pytest.raises(ConfigError, match=re.escape(f"--temperature must be in [1e-45, 1e+38], got {value:g}")):
+        with pytest.raises(ConfigError, match=re.escape(f"--temperature must be in [1e-30, 1e+30], got {value:g}")):
             SamplingConfig(temperature=value)
         with pytest.raises(ConfigError, match="backtranslation.temperature must be in"):
             BackTranslationConfig(temperature=value)

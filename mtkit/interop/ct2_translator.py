@@ -11,7 +11,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from mtkit.config import ConfigError, DecodeConfig
+from mtkit.config import ConfigError, DecodeConfig, InferenceConfig
 from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 from mtkit.decoding.search import max_length, normalised
 from mtkit.decoding.translate import (
@@ -34,7 +34,7 @@ MODEL_FILE = "model.bin"  # CTranslate2's weights file in a model folder
 _WEIGHTS_ERRORS = (MODEL_FILE, "Variable '", "binary version")
 
 
-def _load_engine(ct2_dir: Path, device: str, compute_type: str, threads: int = 0) -> Any:
+def _load_engine(ct2_dir: Path, device: str, compute_type: str, threads: int = InferenceConfig.threads) -> Any:
     """``ctranslate2.Translator`` over the export on ``threads`` CPU threads (0: CTranslate2's default), its failure
     one line naming the file at fault where it can."""
     try:
@@ -83,7 +83,7 @@ class CTranslate2Translator(LineTranslator):
         compute_type: str = "default",
         nbest: int = 1,
         use_vmap: bool = False,
-        threads: int = 0,
+        threads: int = InferenceConfig.threads,
     ) -> None:
         check_nbest(nbest, decode)
         self.max_positions = read_manifest(ct2_dir)["max_positions"]
@@ -105,7 +105,7 @@ class CTranslate2Translator(LineTranslator):
         compute_type: str = "default",
         nbest: int = 1,
         use_vmap: bool = False,
-        threads: int = 0,
+        threads: int = InferenceConfig.threads,
     ) -> CTranslate2Translator:
         """The export in ``ct2_dir`` with its own tokenizers. ``decode``: whole settings (a DecodeConfig), or
         changes (a dict) to the run's, which None keeps; ``use_vmap``: search over the export's vocabulary map;
