@@ -360,19 +360,20 @@ def test_clients_sending_long_header_lines_do_not_grow_the_server(server):
     assert server.post({"text": "A dog."}, headers=AUTH).status_code == 200
 
 
-def test_a_full_queue_is_503_and_a_long_wait_504(trained_run, tmp_path):
-    """Batches wait 60 s for batch-mates, a request 3 s for its answer: a request that fills the 4-sentence
-    queue waits (504), one that comes while it is queued is refused (503)."""
-    slow = Server(trained_run, tmp_path / "stderr", "--max-wait-ms", "60000", "--timeout", "3", "--max-queue", "4")
+def test_a_full_queue_is_503_until_its_batch_runs(trained_run, tmp_path):
+    """Batches of five wait 60 s for batch-mates, a request 120 s for its answer: a request of four sentences
+    waits in a queue of five, one of two more is refused (503), and one of one more fills the batch, which runs."""
+    options = ["--max-wait-ms", "60000", "--timeout", "120", "--max-queue", "5", "--max-batch-size", "5"]
+    slow = Server(trained_run, tmp_path / "stderr", *options)
     try:
         with ThreadPoolExecutor(1) as pool:
             waiting = pool.submit(slow.post, {"text": ["A dog."] * 4})
             slow.wait_for_log(r"queued 4 sentences", 1)
-            refused = slow.post({"text": "A cat."})
-            waited = waiting.result()
-        assert (refused.status_code, waited.status_code) == (503, 504)
-        assert refused.headers["Retry-After"] == "1"
-        assert "no translation within 3 s" in waited.json()["detail"]
+            refused = slow.post({"text": ["A cat.", "A cat."]})
+            assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+            assert refused.json()["detail"] == "4 sentences are waiting already (at most 5)"
+            filling = slow.post({"text": "A cat."})
+            assert (filling.status_code, waiting.result().status_code) == (200, 200)
     finally:
         assert slow.stop(signal.SIGINT) == 0  # Ctrl-C stops it as SIGTERM does
 
@@ -542,6 +543,16 @@ def test_without_fastapi_it_says_what_to_install(trained_run, monkeypatch):
     assert (
         result.stderr.strip()
         == "error: mtkit serve needs the fastapi package: pip install -e '.[serve]' in mtkit's clone"
+    )
+
+
+def test_without_httptools_it_says_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "httptools", None)  # the parser the server's HTTP protocol is built on
+    result = invoke("serve", tmp_path / "no-such-run")
+    assert result.exit_code == 1
+    assert (
+        result.stderr.strip()
+        == "error: mtkit serve needs the httptools package: pip install -e '.[serve]' in mtkit's clone"
     )
 
 
@@ -758,10 +769,11 @@ def head(length: int) -> bytes:
     ).encode()
 
 
-def test_a_request_that_times_out_leaves_its_search():
+def test_a_request_that_times_out_is_504_and_leaves_its_search():
     with stepwise_server(ServeConfig(timeout=0.3, max_wait_ms=0)) as (served, searches):
         response = httpx.post(served.url + "/v1/translate", json={"text": ["x" * 3000]}, timeout=10)
         assert response.status_code == 504
+        assert response.json()["detail"] == "no translation within 0.3 s; the server is busy"
         wait_until(lambda: len(searches[0]) == 0)  # long before its 30 s of steps
 
 
@@ -805,7 +817,8 @@ def test_slow_headers_close_the_connection_and_a_slow_body_is_408():
 
 def test_a_request_head_over_its_bounds_is_431_before_the_api_key_and_the_server_goes_on(mtkit_log):
     """A head of over 16 KiB or 100 fields is answered 431, whatever the client sends after it; an 8 MB header
-    line too. The connection's next request and the server's next connection are served."""
+    line too, and an oversized head sent right behind a request, which is answered first. The connection's next
+    request and the server's next connection are served."""
     request_line = b"POST /v1/translate HTTP/1.1\r\nHost: 127.0.0.1\r\n"
     body = b'{"text": "a"}'
     fields = b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
@@ -823,10 +836,16 @@ def test_a_request_head_over_its_bounds_is_431_before_the_api_key_and_the_server
         twice = request_line + within + fields + request_line + within + b"Connection: close\r\n" + fields
         with raw_request(served.port, twice) as sock:  # 100 fields each, on one connection
             assert answer_to(sock).count(b"HTTP/1.1 200 OK") == 2
+        auth = b"Authorization: Bearer %s\r\n" % KEY.encode()
+        behind = request_line + auth + fields + request_line + auth + oversized[0][0] + fields
+        with raw_request(served.port, behind) as sock:  # in one send: the request before it is no cover
+            answer = answer_to(sock)
+        assert answer.startswith(b"HTTP/1.1 200 OK") and answer.count(b"HTTP/1.1 ") == 2, answer[:600]
+        assert b"HTTP/1.1 431 " in answer and b"is over 16,384 bytes" in answer, answer[:600]
         assert httpx.post(served.url + "/v1/translate", json={"text": "b"}, headers=AUTH).json() == {
             "translations": ["B"]
         }
-    assert mtkit_log.text.count("a request refused (431)") == 3
+    assert mtkit_log.text.count("a request refused (431)") == 4
 
 
 def test_a_trailer_field_that_runs_on_ends_its_connection(mtkit_log):

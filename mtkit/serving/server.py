@@ -38,7 +38,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Hashable, Iterator
+from collections.abc import AsyncIterator, Callable, Hashable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -70,6 +70,9 @@ FILES_KEPT = 64  # descriptors left to the process (model files, logs, sockets) 
 # them (uvicorn's too, with h11), and http.client's on the fields' number: an API client's head is far smaller.
 MAX_HEAD_BYTES = 16 * 1024
 MAX_HEADER_FIELDS = 100
+# The most bytes the HTTP parser is given at once. It tells no offset, so of a slice in which a request's head or the
+# request ends, all counts against what follows: pipelined requests carry no uncounted bytes into the next head.
+FEED_BYTES = 1024
 ECHO_CHARS = 40  # of a request's value that an error message repeats; of a longer one, the start and its length
 
 
@@ -405,17 +408,17 @@ def _problems(err: ValidationError) -> str:
     )
 
 
-def clipped(text: str) -> str:
-    """``text``, or of a longer one its first ``ECHO_CHARS`` characters and its length: what an answer repeats of
-    a request stays short whatever the request holds."""
+def clipped(text: str, shown: Callable[[str], str] = str) -> str:
+    """``text`` as ``shown`` writes it, or of a longer one its first ``ECHO_CHARS`` characters so written and its
+    length: what an answer repeats of a request stays short whatever the request holds."""
     if len(text) <= ECHO_CHARS:
-        return text
-    return f"{text[:ECHO_CHARS]}... ({len(text):,} characters)"
+        return shown(text)
+    return f"{shown(text[:ECHO_CHARS])}... ({len(text):,} characters)"
 
 
 def echoed(value: str) -> str:
     """``value`` quoted as an error message repeats it: in full when short, else its start and its length."""
-    return repr(value) if len(value) <= ECHO_CHARS else f"{value[:ECHO_CHARS]!r}... ({len(value):,} characters)"
+    return clipped(value, repr)
 
 
 def printable(text: str) -> str:
@@ -449,9 +452,11 @@ def guarded_protocol(max_connections: int, receive_timeout: float, max_body: int
     class Guarded(HttpToolsProtocol):  # type: ignore[misc]
         header_timer: asyncio.TimerHandle | None = None
         in_head = True  # the parser is reading a request's head (else its body and trailer fields)
-        room = MAX_HEAD_BYTES  # bytes that part of the request may still take
+        room = MAX_HEAD_BYTES  # bytes that part of the request may still take; none left at 0 or below
+        feeding = 0  # bytes in the slice the parser is reading
         fields = 0  # header (and trailer) fields of the request now arriving
         refused = False  # a request over its bounds was answered or cut off: what the client sends after is dropped
+        refusal: bytes | None = None  # a 431 waiting for the answers to the requests before it
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -465,15 +470,19 @@ def guarded_protocol(max_connections: int, receive_timeout: float, max_body: int
             self._await_headers()
 
         def data_received(self, data: bytes) -> None:
-            """Give the parser no more of a request's head, or of what follows it, than its room."""
-            while data and not self.refused and not self.transport.is_closing():
-                if self.room == 0 and self.in_head:
+            """Give the parser no more of a request's head, or of what follows it, than its room, in slices of
+            ``FEED_BYTES``."""
+            view, start = memoryview(data), 0
+            while start < len(view) and not self.refused and not self.transport.is_closing():
+                if self.room <= 0 and self.in_head:
                     self._refuse_head(f"is over {MAX_HEAD_BYTES:,} bytes")
                     return
-                if self.room == 0:
+                if self.room <= 0:
                     self._refuse_body()
                     return
-                part, data = data[: self.room], data[self.room :]
+                part = view[start : start + min(self.room, FEED_BYTES)]
+                start += len(part)
+                self.feeding = len(part)
                 self.room -= len(part)  # before the parser runs: the end of the head or of the request sets it anew
                 super().data_received(part)
 
@@ -487,7 +496,8 @@ def guarded_protocol(max_connections: int, receive_timeout: float, max_body: int
                 super().on_header(name, value)
 
         def on_headers_complete(self) -> None:
-            self.in_head, self.room = False, max_body + MAX_HEAD_BYTES  # a body the application takes, and trailers
+            # a body the application takes, and trailers; the slice being read may be all of them
+            self.in_head, self.room = False, max_body + MAX_HEAD_BYTES - self.feeding
             if self.fields > MAX_HEADER_FIELDS:
                 self._refuse_head(f"has over {MAX_HEADER_FIELDS} fields")
             else:
@@ -498,12 +508,14 @@ def guarded_protocol(max_connections: int, receive_timeout: float, max_body: int
                 super().on_body(body)
 
         def on_message_complete(self) -> None:
-            if not self.refused:
-                self.in_head, self.room = True, MAX_HEAD_BYTES  # what follows is the next request's head
+            if not self.refused:  # what follows is the next request's head, and the slice being read may be all of it
+                self.in_head, self.room = True, MAX_HEAD_BYTES - self.feeding
                 super().on_message_complete()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
+            if self.refusal is not None and self.cycle.response_complete and not self.transport.is_closing():
+                self._answer_431()
             self._await_headers()
 
         def connection_lost(self, exc: Exception | None) -> None:
@@ -512,19 +524,22 @@ def guarded_protocol(max_connections: int, receive_timeout: float, max_body: int
             super().connection_lost(exc)
 
         def _refuse_head(self, why: str) -> None:
-            """Answer 431 and end the connection's sending side; what the client still sends is read and dropped
-            until it closes or the header timeout closes the connection, so that no reset loses the answer.
-            Behind a request still being answered, the connection just closes."""
+            """Answer 431, once the requests before it on the connection have their answers."""
             self.refused = True
             log.warning("a request refused (431): its head %s", why)
-            if self.cycle is not None and not self.cycle.response_complete:
-                self.transport.close()
-                return
             body = json.dumps({"detail": f"the request's head (its line and header fields) {why}"}).encode()
-            self.transport.write(
+            self.refusal = (
                 b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
                 b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
             )
+            if self.cycle is None or self.cycle.response_complete:
+                self._answer_431()
+
+        def _answer_431(self) -> None:
+            """Send the 431 and end the connection's sending side; what the client still sends is read and dropped
+            until it closes or the header timeout closes the connection, so that no reset loses the answer."""
+            self.transport.write(self.refusal)
+            self.refusal = None
             self.transport.write_eof()
 
         def _refuse_body(self) -> None:
