@@ -80,9 +80,13 @@ def with_synthetic(cfg: RunConfig, synthetic: Path) -> RunConfig:
 
 
 def back_translate(
-    cfg: RunConfig, out: Path, stages: list[Stage], record: StageRecord, reporter: Reporter | None = None,
+    cfg: RunConfig,
+    out: Path,
+    stages: list[Stage],
+    record: StageRecord,
+    reporter: Reporter | None = None,
     restart: Collection[str] = (),
-) -> RunConfig:  # fmt: skip
+) -> RunConfig:
     """Run the reverse and back-translate stages into ``out``; the config the main model trains with. The reverse
     model trains from update 0 when ``restart`` names ``reverse``."""
     from mtkit.model.loading import resolve

@@ -52,9 +52,14 @@ CURVES = "curves.png"
 
 
 def run_recipe(
-    cfg: RunConfig, recipe: Path, out: Path, mirror: str | None, reporter: Reporter | None = None,
-    restart: Collection[str] = (), stage: str = "train",
-) -> dict:  # fmt: skip
+    cfg: RunConfig,
+    recipe: Path,
+    out: Path,
+    mirror: str | None,
+    reporter: Reporter | None = None,
+    restart: Collection[str] = (),
+    stage: str = "train",
+) -> dict:
     """Run every stage of ``cfg``'s recipe into ``out``; returns the report. ``reporter`` shows training's
     progress; a signal stops training with ``TrainingStopped``, after its checkpoint, and a chain's translation
     with ``StageStopped``, keeping its finished parts. ``restart`` names this run's trainings to start over from
@@ -112,9 +117,12 @@ RESTARTABLE = ("train", "reverse", "teacher")  # what `mtkit run --restart` star
 
 def check_restart(cfg: RunConfig, restart: Collection[str]) -> None:
     """ConfigError, in one line, for a training to start over that this run does not have."""
-    bt, d = cfg.backtranslation, cfg.distillation
-    trains = {"train": True, "reverse": bool(bt.monolingual and not bt.reverse_model),
-              "teacher": bool(d.enabled and d.teacher_recipe)}  # fmt: skip
+    backtranslation, distillation = cfg.backtranslation, cfg.distillation
+    trains = {
+        "train": True,
+        "reverse": bool(backtranslation.monolingual and not backtranslation.reverse_model),
+        "teacher": bool(distillation.enabled and distillation.teacher_recipe),
+    }
     has = [name for name in RESTARTABLE if trains[name]]
     for name in restart:
         if name not in has:

@@ -84,8 +84,8 @@ from mtkit.model.transformer import Transformer, build_model, sinusoidal_table
 
 MAX_JSON_BYTES = 1 << 20  # config.json, generation_config.json, tokenizer_config.json: a few KiB each
 MAX_VOCAB_BYTES = 64 << 20  # vocab.json: OPUS-MT's 58,101 pieces take 1.2 MB
-# bytes a vocab.json entry may take on average: a 14-character piece written as \uXXXX escapes (as MarianTokenizer
-# writes every non-ASCII character), its id, quotes and indent; OPUS-MT's take 21
+# bytes a vocab.json entry may take on average: a 14-character piece written as six-character escapes (MarianTokenizer
+# writes each non-ASCII character as a backslash, u and four hex digits), its id, quotes and indent; OPUS-MT's take 21
 MAX_VOCAB_ENTRY_BYTES = 96
 MAX_SAFETENSORS_HEADER = 100 << 20  # safetensors' own bound on a file's header
 # a safetensors header's bytes: 512 for each tensor config.json describes (a name, dtype, shape and offsets take
@@ -168,15 +168,14 @@ def cache_snapshot(folder: Path) -> tuple[str, Path] | None:
     return (repo_id, repo / "blobs") if _REPO_ID.fullmatch(repo_id) else None
 
 
-def check_inside(path: Path, roots: tuple[Path, ...], hint: str = "") -> Path:
-    """``path``, refused when it is a link (or lies in a linked folder) leading out of ``roots``: the import reads
+def check_inside(path: Path, roots: tuple[Path, ...], hint: str = "") -> None:
+    """Refuse ``path`` when it is a link (or lies in a linked folder) leading out of ``roots``: the import reads
     the model's files, never what a link in a downloaded folder points to elsewhere. ``hint`` ends the error."""
     real = path.resolve()
     if not any(real.is_relative_to(root.resolve()) for root in roots):
         raise ModelImportError(
             f"{path}: a link to {real}, outside {roots[0]}; the import reads only the model's files{hint}"
         )
-    return path
 
 
 def languages(origin: str, src_lang: str | None, tgt_lang: str | None, tags: list[str]) -> tuple[str, str]:
@@ -727,12 +726,11 @@ def _rows(matrix: Tensor, order: list[int], order_dims: Tensor) -> Tensor:
 
 def _check_positions(weights: dict[str, Tensor], model: ModelConfig, path: Path) -> None:
     """Stored position tables (older files have them) must be the sinusoids mtkit computes."""
-    d = model.d_model
+    expected = to_marian(sinusoidal_table(model.max_positions, model.d_model), "reads", residual_order(model.d_model))
     for side in ("encoder", "decoder"):
         key = f"model.{side}.embed_positions.weight"
         if key in weights:
             table = weights.pop(key)
-            expected = to_marian(sinusoidal_table(model.max_positions, model.d_model), "reads", residual_order(d))
             if table.shape != expected.shape or (table - expected).abs().max() > 1e-5:
                 raise ModelImportError(f"{path}: {key} is not Marian's sinusoidal table, the positions mtkit computes")
 
