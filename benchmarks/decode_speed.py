@@ -45,6 +45,8 @@ x ``--early-stop``, less the combinations that do not exist:
 - a batch size is ``mtkit translate --batch-size``, at most that many sentences per batch (with
   the default ``--batch-tokens``). ``--batch-sizes 1,128`` adds one sentence per batch, which
   shows that batching changes speed and not the translations (same BLEU).
+- ``--lines N`` translates only the first N lines, and scores them against their references: a
+  quick check that every configuration runs, not figures to compare with the whole test set's.
 
 Output: a table, then one ``decode_speed`` line per configuration with its settings and every
 figure as key=value, in a fixed order, to compare runs with grep; progress goes to stderr. For
@@ -73,6 +75,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
+from itertools import islice
 from pathlib import Path
 
 from mtkit.config import DecodeConfig, SamplingConfig
@@ -211,14 +214,15 @@ def sampling_spec(text: str) -> str:
     return text
 
 
-def timed_translation(translator, source: Path) -> tuple[list[str], float]:
-    """Outputs and seconds from opening the input to writing the last output line."""
-    from mtkit.data.parallel import read_lines
+def timed_translation(translator, source: Path, lines: int | None = None) -> tuple[list[str], float]:
+    """Outputs and seconds from opening the input to writing the last output line; the first ``lines`` lines only
+    when given."""
+    from mtkit.data.parallel import iter_lines
     from mtkit.decoding.translate import chunked
 
     with tempfile.TemporaryFile("w+", encoding="utf-8") as out:
         start = time.perf_counter()
-        for translations in translator.stream(chunked(read_lines(source))):
+        for translations in translator.stream(chunked(islice(iter_lines(source), lines))):
             out.write(translations[0].text + "\n")
         out.flush()
         seconds = time.perf_counter() - start
@@ -289,10 +293,11 @@ def child_main(args: argparse.Namespace) -> None:
     runs = [Path(run) for run in args.run.split(",")]
     translator = make_translator(Config.parse(args.config), runs, args.export_dir, args.threads, args.shortlist)
     # The fastest of --repeat passes: other tenants of a shared machine only ever slow a pass down.
-    runs = [timed_translation(translator, args.data_dir / "test_2016_flickr.en.gz") for _ in range(args.repeat)]
+    source = args.data_dir / "test_2016_flickr.en.gz"
+    runs = [timed_translation(translator, source, args.lines) for _ in range(args.repeat)]
     hyps, seconds = min(runs, key=lambda run: run[1])
     tokens = sum(len(ids) for ids in translator.tgt_tok.encode(hyps))  # after the clock: see the docstring
-    refs = read_lines(args.data_dir / "test_2016_flickr.de.gz")
+    refs = read_lines(args.data_dir / "test_2016_flickr.de.gz")[: len(hyps)]
     score = bleu(hyps, refs)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     result = {"lines": len(hyps), "tokens": tokens, "seconds": seconds}
@@ -310,6 +315,7 @@ def run_child(args: argparse.Namespace, config: str, runs: list[Path], export_di
     cmd = [sys.executable, str(Path(__file__).resolve()), "--config", config, "--run", ",".join(map(str, runs))]
     cmd += ["--data-dir", str(args.data_dir), "--threads", str(args.threads), "--export-dir", str(export_dir)]
     cmd += ["--repeat", str(args.repeat)] + (["--shortlist", str(args.shortlist)] if args.shortlist else [])
+    cmd += ["--lines", str(args.lines)] if args.lines else []
     # mtkit's engines run under the allocator the mtkit command would use; CTranslate2 used natively, as a
     # Python program of its users would run: under the system's.
     env = None if Config.parse(config).engine == "ct2native" else preload_environment()
@@ -399,11 +405,14 @@ def main() -> None:
     )
     p.add_argument("--threads", type=int, default=0, help="torch threads; 0 for the default")
     p.add_argument("--repeat", type=int, default=1, help="translate the test set this many times; report the fastest")
+    p.add_argument("--lines", type=int, help="translate only the first N test lines (a quick check of the grid)")
     p.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     # Internal: how the parent starts a child for one configuration.
     p.add_argument("--config", help=argparse.SUPPRESS)
     p.add_argument("--export-dir", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.lines is not None and args.lines < 1:
+        p.error("--lines must be >= 1")
     if args.config:
         child_main(args)
         return

@@ -8,8 +8,13 @@ transformer has them; ``--set model.positions=rotary`` trains the recipe's own):
    torch thread count in effect; 8192 on a GPU, fp32 without TF32), best of a few repeats after a
    warm-up. This is the yardstick for MFU.
 2. Training: real (non-pad) target tokens/s, updates/s and seconds/update over ``--steps`` timed
-   updates of the real ``mtkit.training.trainer.Trainer`` on the corpus's batches, after ``--warmup`` updates.
-   MFU is the analytic training FLOPs (see ``train_flops``) per second over each measured peak.
+   updates of the real training loop (``Trainer.update_groups`` feeding ``Trainer.train_step``, batches made
+   ahead by the feed thread as train.prefetch says) on the corpus's batches, after ``--warmup`` updates.
+   MFU is the analytic training FLOPs (see ``train_flops``) per second over each measured peak. Beside it,
+   what making an update's batches (gathering and padding them) costs when timed alone.
+   With ``--host-overhead`` the model keeps the preset's layers and the batches their size, but its width
+   shrinks to 8 and its vocabulary to 1,000 pieces: the arithmetic is then almost nothing, and an update's
+   time is its host time (Python, operator dispatch, the loop, and any batch making left in it).
 3. Peak memory: each precision trains in its own child process, which reports its peak RSS
    (and on a GPU its peak allocated GPU memory). Children run under the allocator the ``mtkit``
    command would use (mimalloc where installed; ``MTKIT_ALLOCATOR=system`` for glibc's).
@@ -28,6 +33,7 @@ Run from the repository root::
     python benchmarks/train_throughput.py --preset transformer-base --precisions bf16 --steps 10
     python benchmarks/train_throughput.py --device cuda --preset transformer-big --batch-tokens 16384
     python benchmarks/train_throughput.py --precisions bf16 --set model.positions=rotary
+    python benchmarks/train_throughput.py --preset transformer-base --batch-tokens 25000 --host-overhead
     bash benchmarks/peer_env.sh .peer-fairseq
     python benchmarks/train_throughput.py --run runs/multi30k_en_de --fairseq .peer-fairseq/bin/python
 
@@ -48,6 +54,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from itertools import cycle, islice
 from pathlib import Path
 
@@ -64,7 +71,7 @@ RECIPE = REPO / "recipes" / "multi30k_en_de.yaml"
 MATMUL_SIZE = {"cpu": 2048, "cuda": 8192}
 MATMUL_REPEATS = 5
 WARMUP_UPDATES = 2
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "auto")
 MULTI30K = REPO.parent / "shared" / "data" / "multi30k"
 
 
@@ -156,30 +163,46 @@ def bench_config(
 
 
 def measure_training(cfg: RunConfig, work: Path, steps: int, warmup: int, profile: bool = False) -> dict:
-    """Throughput of ``steps`` Trainer updates on the corpus's first batches, after ``warmup`` updates; with
-    ``profile``, the same updates again under torch.profiler, its operators' self time printed to stderr."""
+    """Throughput of ``steps`` updates of the training loop (the Trainer's batches, made as train.prefetch says,
+    and its ``train_step``), after ``warmup`` updates; with ``profile``, the next ``steps`` updates under
+    torch.profiler, its operators' self time printed to stderr. ``collate_s_per_update``: what making an update's
+    batches costs on its own, timed apart on the same batches."""
     from mtkit.training.trainer import Trainer
 
+    cfg = replace(cfg, train=replace(cfg.train, max_steps=warmup + steps * (2 if profile else 1)))
     trainer = Trainer(cfg, work)
-    indices = trainer.corpus.batch_indices(cfg.train.batch_tokens, seed=cfg.train.seed)
-    batches = [trainer.corpus.collate(i) for i in islice(cycle(indices), warmup + steps)]
-    for batch in batches[:warmup]:
-        trainer.train_step([batch], batch.target_tokens)
-    timed = batches[warmup:]
+    groups = trainer.update_groups()
+
+    def train(count: int) -> list:
+        taken = []
+        for _ in range(count):
+            group = next(groups)
+            trainer.train_step(group.batches, group.tokens)
+            trainer.progress.step += 1
+            taken.append(group)
+        return taken
+
+    train(warmup)
     device = cfg.train.device
     synchronize(device)
     start = time.perf_counter()
-    for batch in timed:
-        trainer.train_step([batch], batch.target_tokens)
+    timed = train(steps)
     synchronize(device)
     seconds = time.perf_counter() - start
     if profile:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            for batch in timed:
-                trainer.train_step([batch], batch.target_tokens)
+            train(steps)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20), file=sys.stderr)
-    tokens = sum(b.target_tokens for b in timed)
-    flops = sum(train_flops(b, cfg.model, trainer.tgt_tok.vocab_size) for b in timed)
+    trainer.cleanup()
+    indices = trainer.corpus.batch_indices(cfg.train.batch_tokens, cfg.train.seed, trainer.buckets.multiple)
+    indices = list(islice(cycle(indices), steps * cfg.train.accum))
+    start = time.perf_counter()
+    for batch in indices:
+        trainer.corpus.collate(batch, trainer.buckets)
+    collate_seconds = time.perf_counter() - start
+    batches = [batch for group in timed for batch in group.batches]
+    tokens = sum(group.tokens for group in timed)
+    flops = sum(train_flops(b, cfg.model, trainer.tgt_tok.vocab_size) for b in batches)
     return {
         "updates": steps,
         "seconds": seconds,
@@ -187,6 +210,7 @@ def measure_training(cfg: RunConfig, work: Path, steps: int, warmup: int, profil
         "tokens_per_s": tokens / seconds,
         "updates_per_s": steps / seconds,
         "s_per_update": seconds / steps,
+        "collate_s_per_update": collate_seconds / steps,
         "parameters": sum(p.numel() for p in trainer.model.parameters()),
         "gflop_per_update": flops / steps / 1e9,
         "gflops": flops / seconds / 1e9,
@@ -199,9 +223,16 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+# --host-overhead: the preset's layers, heads and batches with almost no arithmetic in them, so that an update's
+# time is what the host spends on it (Python, operator dispatch, the training loop); a 1,000-piece vocabulary, trained
+# for it, keeps the output projection small too while sentences keep about their length in pieces.
+HOST_OVERHEAD = ["model.d_model=8", "model.heads=2", "model.ffn=8", "tokenizer.vocab_size=1000"]
+
+
 def config_for(args: argparse.Namespace, precision: str, tokenizer: Path | str) -> RunConfig:
+    extra = [*(HOST_OVERHEAD if args.host_overhead else []), *args.set]
     return bench_config(
-        args.src, args.tgt, tokenizer, precision, args.threads, args.preset, args.batch_tokens, args.device, args.set
+        args.src, args.tgt, tokenizer, precision, args.threads, args.preset, args.batch_tokens, args.device, extra
     )
 
 
@@ -224,6 +255,7 @@ def run_child(args: argparse.Namespace, precision: str, tokenizer: Path, work: P
     cmd += ["--src", str(args.src), "--tgt", str(args.tgt), "--tokenizer", str(tokenizer), "--work", str(work)]
     cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads)]
     cmd += ["--profile"] if args.profile else []
+    cmd += ["--host-overhead"] if args.host_overhead else []
     cmd += ["--device", args.device]
     cmd += ["--preset", args.preset] if args.preset else []
     cmd += ["--batch-tokens", str(args.batch_tokens)] if args.batch_tokens else []
@@ -235,10 +267,11 @@ def run_child(args: argparse.Namespace, precision: str, tokenizer: Path, work: P
 
 
 def run_tokenizer(args: argparse.Namespace, work: Path) -> Path:
-    """The given tokenizer, the run's, or one trained now (untimed) on the training data."""
-    if args.tokenizer:
+    """The given tokenizer, the run's, or one trained now (untimed) on the training data (with --host-overhead,
+    always: its own small one)."""
+    if args.tokenizer and not args.host_overhead:
         return args.tokenizer
-    if args.run:
+    if args.run and not args.host_overhead:
         return args.run / "spm.model"
     from mtkit.data.parallel import iter_parallel
     from mtkit.training.tokenizers import prepare_tokenizers
@@ -354,6 +387,11 @@ def render(figures: dict) -> str:
         "",
         f"training: {figures['steps']} timed updates after {figures['warmup']} warm-up,"
         f" batch_tokens {figures['batch_tokens']}",
+        *[
+            f"{name}: {r['s_per_update'] * 1e3:,.1f} ms per update, of which making its batches alone takes "
+            f"{r['collate_s_per_update'] * 1e3:,.1f} ms (done ahead by a thread under train.prefetch > 0)"
+            for name, r in figures["train"].items()
+        ],
         f"{'precision':<10}{'tgt tok/s':>11}{'upd/s':>8}{'GFLOP/upd':>11}{'GFLOP/s':>9}"
         f"{'MFU fp32pk':>12}{'MFU bf16pk':>12}{'peak MiB':>10}" + (f"{'GPU MiB':>10}" if gpu else ""),
     ]
@@ -381,6 +419,7 @@ def render(figures: dict) -> str:
             f"precision={name} batch_tokens={figures['batch_tokens']} "
             + "".join(f"set={o} " for o in figures["overrides"])
             + f"tokens_per_s={r['tokens_per_s']:.0f} updates_per_s={r['updates_per_s']:.3f} "
+            f"ms_per_update={r['s_per_update'] * 1e3:.2f} collate_ms_per_update={r['collate_s_per_update'] * 1e3:.2f} "
             f"gflops={r['gflops']:.1f} mfu_fp32_peak={r['mfu']['fp32']:.3f} mfu_bf16_peak={r['mfu']['bf16']:.3f} "
             f"peak_rss_mib={r['peak_rss_mib']:.0f}" + (f" peak_gpu_mib={r['peak_gpu_mib']:.0f}" if gpu else "")
         )
@@ -410,7 +449,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--profile", action="store_true", help="then profile the timed updates again: operators by self time"
     )
     p.add_argument(
-        "--precisions", type=lambda s: s.split(","), default=list(PRECISIONS), help="comma-separated: fp32,bf16"
+        "--precisions",
+        type=lambda s: s.split(","),
+        default=["fp32", "bf16"],
+        help="comma-separated: fp32,bf16,auto (auto: bf16 where the device computes it natively, else fp32)",
+    )
+    p.add_argument(
+        "--host-overhead",
+        action="store_true",
+        help="shrink the arithmetic to almost nothing (d_model 16, a 1,000-piece vocabulary), keeping the preset's "
+        "layers and batches: the time of an update is then its host time",
     )
     p.add_argument("--threads", type=int, default=0, help="torch threads; 0 keeps torch's default")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to train and measure the peak")
@@ -452,7 +500,7 @@ def main(argv: list[str] | None = None) -> None:
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "corpus": f"{args.src.name} / {args.tgt.name}",
         "preset": cfg.model.preset,
-        "overrides": args.set,
+        "overrides": [*(HOST_OVERHEAD if args.host_overhead else []), *args.set],
         "parameters": next(iter(train.values()))["parameters"],
         "steps": args.steps,
         "warmup": args.warmup,

@@ -213,6 +213,11 @@ MAX_BEAM = 1_000
 # Padded tokens in one batch, and so sentences in it: per side in training, source tokens times the beam in
 # decoding (25 times decoding's default).
 MAX_BATCH_TOKENS = 1 << 20
+# Updates whose batches are held made ahead of training, each up to MAX_BATCH_TOKENS per side.
+MAX_PREFETCH = 16
+# Padded lengths rounded up to a multiple of at most this (a longer one pads short batches to no use).
+MAX_PAD_MULTIPLE = 256
+COMPILED_PAD_MULTIPLE = 8  # train.pad_to_multiple 0 with train.compile: what tensor cores are laid out for
 # A length penalty's alpha is useful from 0.6 to 2; at 10, 65,536 ** alpha still fits a float.
 MAX_LENPEN = 10.0
 # A sampling temperature T divides float32 log-probabilities, which CUDA computes as a product with 1 / T: both T
@@ -306,6 +311,13 @@ class TrainConfig:
     rollback_lr_factor: float = 0.5  # each rollback multiplies the learning rate by this
     ddp_timeout: float = 1800.0  # seconds a collective may wait for the other ranks (incl. rank 0's validation)
     compile: bool = False  # torch.compile the encoder-decoder for training
+    # updates whose batches a background thread makes ahead (in pinned memory for a GPU); 0 makes each batch in the
+    # training loop when its turn comes. The batches and their order are the same either way
+    prefetch: int = 2
+    # padded batch lengths rounded up to a multiple of this and batch rows padded to what train.batch_tokens holds,
+    # so that a compiled step meets few shapes; 1 pads to each batch's longest sentence; 0: 8 with train.compile,
+    # else 1. The extra padding is masked: the loss is the same
+    pad_to_multiple: int = 0
     tensorboard: bool = False  # also write TensorBoard event files to RUN_DIR/tensorboard
     # a trained model to start from (fine-tuning): a run directory (its best/), a checkpoint folder or an averaged
     # .safetensors file with its tokenizer(s) beside it, or hf:SOURCE, a transformers Marian model (a folder or a Hub
@@ -326,7 +338,16 @@ class TrainConfig:
         )
         for name in ("max_steps", "batch_tokens", "accum", "valid_beam", "log_every"):
             _check(getattr(self, name) >= 1, f"train.{name} must be >= 1")
-        for name in ("max_epochs", "warmup", "valid_every", "save_every", "threads", "patience", "keep_last"):
+        for name in (
+            "max_epochs",
+            "warmup",
+            "valid_every",
+            "save_every",
+            "threads",
+            "patience",
+            "keep_last",
+            "prefetch",
+        ):
             _check(getattr(self, name) >= 0, f"train.{name} must be >= 0")
         _check(self.valid_beam <= MAX_BEAM, f"train.valid_beam must be at most {MAX_BEAM:,}, got {self.valid_beam:,}")
         _check(
@@ -334,6 +355,11 @@ class TrainConfig:
             f"train.batch_tokens must be at most {MAX_BATCH_TOKENS:,}, got {self.batch_tokens:,}",
         )
         _check(self.max_rollbacks >= 0, "train.max_rollbacks must be >= 0")
+        _check(self.prefetch <= MAX_PREFETCH, f"train.prefetch must be at most {MAX_PREFETCH}")
+        _check(
+            0 <= self.pad_to_multiple <= MAX_PAD_MULTIPLE,
+            f"train.pad_to_multiple must be between 0 and {MAX_PAD_MULTIPLE}",
+        )
         _check(0.0 < self.rollback_lr_factor <= 1.0, "train.rollback_lr_factor must be in (0, 1]")
         _check(self.ddp_timeout > 0, "train.ddp_timeout must be > 0")
         _check(self.lr > 0, "train.lr must be > 0")
@@ -344,6 +370,11 @@ class TrainConfig:
         )
         _check(0.0 <= self.label_smoothing < 1.0, "train.label_smoothing must be in [0, 1)")
         _check(self.clip_norm >= 0 and self.weight_decay >= 0, "train.clip_norm and train.weight_decay must be >= 0")
+
+    @property
+    def pad_multiple(self) -> int:
+        """train.pad_to_multiple with 0 resolved: static shapes pay off only in a compiled step."""
+        return self.pad_to_multiple or (COMPILED_PAD_MULTIPLE if self.compile else 1)
 
 
 LengthPenalty = Literal["gnmt", "power"]

@@ -94,6 +94,14 @@ def terminal(monkeypatch) -> None:
 
 
 @pytest.fixture
+def no_cuda(monkeypatch) -> None:
+    """Torch sees no CUDA device, as on a machine without one, whether or not this machine has one: for what
+    ``auto`` picks there, and what asking for CUDA there does."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
+@pytest.fixture
 def hf_offline(tmp_path, monkeypatch) -> None:
     """No request of ``datasets`` or the Hub client leaves the machine, and the Arrow cache is this test's."""
     import datasets

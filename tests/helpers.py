@@ -83,7 +83,8 @@ def random_sources(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
 # -- configs --------------------------------------------------------------------------------------------------
 
 TINY_MODEL = {"encoder_layers": 1, "decoder_layers": 1, "d_model": 32, "heads": 2, "ffn": 64}
-# 20 updates of a tiny model in fp32 (not auto), so that what the tests see is the same on every CPU
+# 20 updates of a tiny model on the CPU in fp32 (neither auto), so that what the tests see is the same on every
+# machine, a GPU's too
 TINY_TRAIN = {
     "max_steps": 20,
     "batch_tokens": 1024,
@@ -94,12 +95,13 @@ TINY_TRAIN = {
     "log_every": 5,
     "valid_beam": 2,
     "precision": "fp32",
+    "device": "cpu",
 }
 
 
 def write_config(path, corpus_files, **sections):
-    """A config training a tiny model on ``corpus_files``, in fp32 (not auto) so that what the tests see is the same
-    on every CPU; ``sections`` update it."""
+    """A config training a tiny model on ``corpus_files``, on the CPU in fp32 (``TINY_TRAIN``); ``sections`` update
+    it."""
     raw = {
         "data": {
             "train_src": str(corpus_files["train.en"]),
@@ -121,7 +123,7 @@ def write_config(path, corpus_files, **sections):
 
 def multilingual_raw(files: dict[str, Path], targets=("de", "fr"), **sections) -> dict:
     """A config (as a dict) training a tiny model for en->TARGET on ``files`` ("train.en", "val.fr", ...), one
-    corpus per target, in fp32; ``sections`` update it."""
+    corpus per target, on the CPU in fp32; ``sections`` update it."""
     corpora = [
         {
             "src_lang": "en",
@@ -145,7 +147,8 @@ def multilingual_raw(files: dict[str, Path], targets=("de", "fr"), **sections) -
 
 
 def small_config(corpus_files, spm_model, **train):
-    """A tiny model on ``corpus_files``, in fp32 (not auto) so that what the tests see is the same on every CPU."""
+    """A tiny model on ``corpus_files``, on the CPU in fp32 (neither auto) so that what the tests see is the same on
+    every machine."""
     return from_dict(
         {
             "data": {
@@ -166,6 +169,7 @@ def small_config(corpus_files, spm_model, **train):
                 "best_metric": "loss",
                 "log_every": 1,
                 "precision": "fp32",
+                "device": "cpu",
                 **train,
             },
             "decode": {"beam": 2},
@@ -277,9 +281,10 @@ def one_line_error(result, *fragments: str) -> str:
 # -- chains of `mtkit run` stages (back-translation, distillation) ----------------------------------------------
 
 KILL_RUNNER = Path(__file__).with_name("kill_runner.py")  # mtkit with a fault plan; see its docstring
-# 8 updates of a tiny model, each stage of a chain saving and validating often enough to be killed and resumed
+# 8 updates of a tiny model on the CPU, each stage of a chain saving and validating often enough to be killed and
+# resumed
 CHAIN_TRAIN = {"max_steps": 8, "batch_tokens": 1024, "warmup": 2, "lr": 3e-3, "valid_every": 4, "save_every": 2,
-               "log_every": 2, "valid_beam": 1, "precision": "fp32", "threads": 1}  # fmt: skip
+               "log_every": 2, "valid_beam": 1, "precision": "fp32", "device": "cpu", "threads": 1}  # fmt: skip
 
 
 def run_recipe_with_plan(recipe: Path, out: Path, plan: dict | None = None) -> subprocess.CompletedProcess:

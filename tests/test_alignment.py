@@ -209,19 +209,20 @@ def tiny_run(tmp_path, spm_model):
 
 def test_attention_command_draws_heatmaps_and_prints_translation_and_alignment(tiny_run, tmp_path):
     png = tmp_path / "heat.png"
-    result = invoke("attention", tiny_run, "--src", "A man rides a bike.", "-o", png, "--beam", 2)
+    drawn = ["--src", "A man rides a bike.", "-o", png, "--beam", 2, "--device", "cpu"]
+    result = invoke("attention", tiny_run, *drawn)
     assert result.exit_code == 0, result.output
     translation, line = result.stdout.splitlines()
     assert translation and line and PHARAOH.fullmatch(line)
     cross_only = matplotlib.image.imread(png)
 
-    result = invoke("attention", tiny_run, "--src", "A man rides a bike.", "-o", png, "--encoder", "--beam", 2)
+    result = invoke("attention", tiny_run, *drawn, "--encoder")
     assert result.exit_code == 0, result.output
     assert result.stdout.splitlines() == [translation, line]
     with_encoder = matplotlib.image.imread(png)
     assert with_encoder.shape[0] > cross_only.shape[0]  # two more rows of heatmaps
 
-    one_layer = invoke("attention", tiny_run, "--src", "A man rides a bike.", "-o", png, "--layer", 1, "--beam", 2)
+    one_layer = invoke("attention", tiny_run, *drawn, "--layer", 1)
     assert one_layer.exit_code == 0, one_layer.output
     assert matplotlib.image.imread(png).shape[0] < cross_only.shape[0]
 
@@ -234,7 +235,7 @@ def test_attention_command_draws_heatmaps_and_prints_translation_and_alignment(t
     ],
 )
 def test_attention_command_errors_are_one_line(tiny_run, tmp_path, args, message):
-    result = invoke("attention", tiny_run, "--src", "A dog.", "-o", tmp_path / "x.png", *args)
+    result = invoke("attention", tiny_run, "--src", "A dog.", "-o", tmp_path / "x.png", "--device", "cpu", *args)
     assert result.exit_code == 1
     assert result.stderr.strip() == message
     assert not (tmp_path / "x.png").exists()
@@ -243,7 +244,7 @@ def test_attention_command_errors_are_one_line(tiny_run, tmp_path, args, message
 def test_attention_command_without_matplotlib_says_how_to_get_it(tiny_run, tmp_path, monkeypatch):
     for module in ("matplotlib.backends.backend_agg", "matplotlib.figure"):
         monkeypatch.setitem(sys.modules, module, None)  # makes importing it fail
-    result = invoke("attention", tiny_run, "--src", "A dog.", "-o", tmp_path / "x.png")
+    result = invoke("attention", tiny_run, "--src", "A dog.", "-o", tmp_path / "x.png", "--device", "cpu")
     assert result.exit_code == 1
     assert result.stderr.strip() == "error: drawing attention needs matplotlib: pip install matplotlib"
 

@@ -30,9 +30,10 @@ def searches(monkeypatch) -> list[dict]:
 
 def test_translate_uses_the_decode_settings_saved_with_the_run(run_with_decode_settings, searches):
     """`mtkit translate RUN` once searched with beam 5 and length penalty 1.0 whatever the recipe said."""
-    assert invoke("translate", run_with_decode_settings, input="A dog runs.\n").exit_code == 0
+    assert invoke("translate", run_with_decode_settings, "--device", "cpu", input="A dog runs.\n").exit_code == 0
     assert searches[-1]["beam"] == 2 and searches[-1]["lenpen"] == 0.6
-    assert invoke("translate", run_with_decode_settings, "--beam", 3, input="A dog runs.\n").exit_code == 0
+    result = invoke("translate", run_with_decode_settings, "--beam", 3, "--device", "cpu", input="A dog runs.\n")
+    assert result.exit_code == 0
     assert searches[-1]["beam"] == 3 and searches[-1]["lenpen"] == 0.6  # what is not given stays the run's
     translator = mtkit.load(run_with_decode_settings, device="cpu")
     assert (translator.decode.beam, translator.decode.lenpen) == (2, 0.6)
@@ -43,7 +44,8 @@ def test_translate_uses_the_decode_settings_saved_with_the_run(run_with_decode_s
 def test_the_api_translates_as_the_command_line_does(run_with_decode_settings, corpus_files):
     lines = corpus_files["val.en"].read_text().splitlines()[:8] + ["", "A cat."]
     translator = mtkit.load(run_with_decode_settings, device="cpu")
-    result = invoke("translate", run_with_decode_settings, input="".join(line + "\n" for line in lines))
+    stdin = "".join(line + "\n" for line in lines)
+    result = invoke("translate", run_with_decode_settings, "--device", "cpu", input=stdin)
     assert translator.translate(lines) == result.stdout.split("\n")[:-1]
     assert translator.translate(iter(lines)) == translator.translate(lines)  # any iterable
     assert translator.translate(line + "\n" for line in lines) == translator.translate(lines)  # an open file
@@ -89,7 +91,7 @@ def test_evaluate_and_prepare(tmp_path, corpus_files, multi30k_mirror):
 
 def test_bad_input_raises_the_one_error_type(tmp_path, run_with_decode_settings):
     with pytest.raises(mtkit.MtkitError, match="checkpoint not found"):
-        mtkit.load(tmp_path / "nothing.safetensors")
+        mtkit.load(tmp_path / "nothing.safetensors", device="cpu")
     with pytest.raises(mtkit.MtkitError, match="unknown decode setting bem"):
         mtkit.load(run_with_decode_settings, device="cpu").translate(["A dog."], bem=3)
     with pytest.raises(mtkit.MtkitError, match="decode.beam must be >= 1"):

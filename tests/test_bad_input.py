@@ -42,7 +42,9 @@ def final_weights(run) -> dict[str, torch.Tensor]:
 
 
 def translate_lines(run, lines: list[str], *args) -> list[str]:
-    result = invoke("translate", run, "--beam", 2, *args, input="".join(line + "\n" for line in lines))
+    result = invoke(
+        "translate", run, "--device", "cpu", "--beam", 2, *args, input="".join(line + "\n" for line in lines)
+    )
     assert result.exit_code == 0, result.output
     return result.stdout.split("\n")[:-1]
 
@@ -139,11 +141,11 @@ def test_a_byte_order_mark_is_not_part_of_the_first_sentence(tmp_path, corpus_fi
 def test_missing_or_unreadable_files(tmp_path, corpus_files, spm_model, trained_run, monkeypatch):
     missing = tmp_path / "missing.en"
     one_line_error(train_on(tmp_path, corpus_files, spm_model, "a", train_src=str(missing)), "missing.en: file not")
-    one_line_error(invoke("translate", trained_run, "-i", missing), "missing.en: file not found")
+    one_line_error(invoke("translate", trained_run, "--device", "cpu", "-i", missing), "missing.en: file not found")
     folder = tmp_path / "folder.en"
     folder.mkdir()
     one_line_error(train_on(tmp_path, corpus_files, spm_model, "b", train_src=str(folder)), "folder.en: is a folder")
-    one_line_error(invoke("translate", trained_run, "-i", folder), "folder.en: is a folder")
+    one_line_error(invoke("translate", trained_run, "--device", "cpu", "-i", folder), "folder.en: is a folder")
 
     locked = tmp_path / "locked.en"
     shutil.copyfile(corpus_files["train.en"], locked)
@@ -158,7 +160,9 @@ def test_missing_or_unreadable_files(tmp_path, corpus_files, spm_model, trained_
     monkeypatch.setattr(builtins, "open", open_as_unprivileged)
     result = train_on(tmp_path, corpus_files, spm_model, "c", train_src=str(locked))
     one_line_error(result, "locked.en: cannot read (Permission denied)")
-    one_line_error(invoke("translate", trained_run, "-i", locked), "locked.en: cannot read (Permission denied)")
+    one_line_error(
+        invoke("translate", trained_run, "--device", "cpu", "-i", locked), "locked.en: cannot read (Permission denied)"
+    )
 
 
 # -- translation input and output ------------------------------------------------------------
@@ -169,7 +173,7 @@ def test_invalid_utf8_in_translation_input_is_replaced_and_the_line_kept(tmp_pat
     raw[1] = b"Two dogs \xff\xfe play."
     source = tmp_path / "in.en"
     source.write_bytes(b"\n".join(raw) + b"\n")
-    result = invoke("translate", trained_run, "-i", source, "--beam", 2)
+    result = invoke("translate", trained_run, "--device", "cpu", "-i", source, "--beam", 2)
     assert result.exit_code == 0, result.output
     assert f"{source}:2: invalid UTF-8 replaced" in result.stderr
     hyps = result.stdout.split("\n")[:-1]
@@ -180,7 +184,9 @@ def test_invalid_utf8_in_translation_input_is_replaced_and_the_line_kept(tmp_pat
 def test_nul_bytes_in_translation_input_are_replaced_and_the_line_kept(trained_run, val_lines):
     with_nul = list(val_lines)
     with_nul[3] = with_nul[3].replace(" ", "\0", 1)
-    result = invoke("translate", trained_run, "--beam", 2, input="".join(line + "\n" for line in with_nul))
+    result = invoke(
+        "translate", trained_run, "--device", "cpu", "--beam", 2, input="".join(line + "\n" for line in with_nul)
+    )
     assert result.exit_code == 0, result.output
     assert "<stdin>:4: NUL bytes replaced by spaces" in result.stderr
     assert result.stdout.split("\n")[:-1] == translate_lines(trained_run, val_lines)
@@ -195,30 +201,29 @@ def test_a_one_megabyte_line_gets_one_output_line(trained_run, val_lines):
 def test_crlf_and_bom_translation_input_reads_like_plain_lines(tmp_path, trained_run, val_lines):
     source = tmp_path / "windows.en"
     source.write_bytes(b"\xef\xbb\xbf" + "".join(line + "\r\n" for line in val_lines).encode())
-    result = invoke("translate", trained_run, "-i", source, "--beam", 2)
+    result = invoke("translate", trained_run, "--device", "cpu", "-i", source, "--beam", 2)
     assert result.exit_code == 0, result.output
     assert "\r" not in result.stdout and result.stdout.split("\n")[:-1] == translate_lines(trained_run, val_lines)
 
 
 def test_an_output_path_in_a_missing_folder(tmp_path, trained_run, corpus_files):
     out = tmp_path / "no" / "such" / "out.de"
-    one_line_error(invoke("translate", trained_run, "-i", corpus_files["val.en"], "-o", out), "folder", "not exist")
+    one_line_error(
+        invoke("translate", trained_run, "--device", "cpu", "-i", corpus_files["val.en"], "-o", out),
+        "folder",
+        "not exist",
+    )
     one_line_error(invoke("average", trained_run, "-o", tmp_path / "no" / "avg.safetensors"), "does not exist")
-    one_line_error(invoke("translate", trained_run, "-i", corpus_files["val.en"], "-o", tmp_path), "is a folder")
+    one_line_error(
+        invoke("translate", trained_run, "--device", "cpu", "-i", corpus_files["val.en"], "-o", tmp_path), "is a folder"
+    )
     assert not (tmp_path / "no").exists()
 
 
 def test_beam_0(trained_run):
-    result = invoke("translate", trained_run, "--beam", 0, input="A dog.\n")
+    result = invoke("translate", trained_run, "--device", "cpu", "--beam", 0, input="A dog.\n")
     assert result.exit_code == 2 and result.stderr.count("\n") == 1 and "Traceback" not in result.output
     assert result.stderr.startswith("error: ") and "Invalid value for '--beam'" in result.stderr
-
-
-@pytest.fixture
-def no_cuda(monkeypatch) -> None:
-    """Torch sees no CUDA device, as on a machine without one, whether or not this machine has one."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
 
 
 def test_cuda_asked_for_on_a_machine_without_it(tmp_path, trained_run, corpus_files, no_cuda):
@@ -297,7 +302,8 @@ def test_translating_weights_that_do_not_fit_their_config(tmp_path, trained_run)
     weights["output.weight"] = torch.zeros(299, weights["output.weight"].shape[1])
     model = tmp_path / "model.safetensors"
     checkpoint.write_model_file(model, {k: v.clone() for k, v in weights.items()}, ckpt.meta, trained_run / "best")
-    one_line_error(invoke("translate", model, input="A dog.\n"), "output.weight is (299, 32) there, (300, 32) here")
+    result = invoke("translate", model, "--device", "cpu", input="A dog.\n")
+    one_line_error(result, "output.weight is (299, 32) there, (300, 32) here")
 
 
 def test_truncated_checkpoints(tmp_path, corpus_files, trained_run):
@@ -305,7 +311,8 @@ def test_truncated_checkpoints(tmp_path, corpus_files, trained_run):
     shutil.copytree(trained_run, run)
     best = run / "best" / checkpoint.WEIGHTS_FILE
     best.write_bytes(best.read_bytes()[:3000])
-    one_line_error(invoke("translate", run, input="A dog.\n"), "model.safetensors: not a readable mtkit checkpoint")
+    result = invoke("translate", run, "--device", "cpu", input="A dog.\n")
+    one_line_error(result, "model.safetensors: not a readable mtkit checkpoint")
     state = loading.latest(run) / checkpoint.STATE_FILE
     state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
     newest, older = loading.run_checkpoints(run)[-1], loading.run_checkpoints(run)[-2]
@@ -322,13 +329,13 @@ def test_a_tokenizer_that_does_not_match_the_checkpoint(tmp_path, trained_run, o
     run = tmp_path / "run"
     shutil.copytree(trained_run, run)
     shutil.copyfile(other_vocabulary_run / "spm.model", run / "spm.model")
-    one_line_error(invoke("translate", run, input="A dog.\n"), "spm.model: tokenizer does not match")
+    one_line_error(invoke("translate", run, "--device", "cpu", input="A dog.\n"), "spm.model: tokenizer does not match")
 
 
 def test_weights_saved_by_safetensors_without_mtkit_metadata(tmp_path):
     foreign = tmp_path / "foreign.safetensors"
     safetensors.torch.save_file({"w": torch.zeros(2)}, foreign)
-    one_line_error(invoke("translate", foreign, input="A dog.\n"), "not an mtkit checkpoint")
+    one_line_error(invoke("translate", foreign, "--device", "cpu", input="A dog.\n"), "not an mtkit checkpoint")
 
 
 # -- damaged archives -------------------------------------------------------------------------
@@ -352,7 +359,7 @@ def test_a_damaged_gz_is_one_line_naming_it_in_every_command(tmp_path, corpus_fi
     bad = damaged_gz[kind]
     expected = f"{bad.name}: cannot read (corrupt or truncated gzip data"
     one_line_error(train_on(tmp_path, corpus_files, spm_model, "run", train_src=str(bad)), expected)
-    one_line_error(invoke("translate", trained_run, "-i", bad, "--beam", 1), expected)
+    one_line_error(invoke("translate", trained_run, "--device", "cpu", "-i", bad, "--beam", 1), expected)
     one_line_error(invoke("eval", "--hyp", bad, "--ref", corpus_files["train.de"]), expected)
     one_line_error(invoke("tokenizer", "train", "--src", bad, "-o", tmp_path / "tok", "--vocab-size", 100), expected)
 
@@ -381,14 +388,16 @@ def test_sampling_settings_at_their_limits(trained_run, val_lines):
     text = "".join(line + "\n" for line in val_lines)
     # In fp32: bf16 logits tie often, and sampling may break a tie differently from greedy search.
     greedy = translate_lines(trained_run, val_lines, "--beam", "1", "--precision", "fp32")
-    cold = invoke("translate", trained_run, "--sample", "--temperature", "1e-30", "--precision", "fp32", input=text)
+    options = ["--device", "cpu", "--sample", "--temperature", "1e-30", "--precision", "fp32"]
+    cold = invoke("translate", trained_run, *options, input=text)
     assert cold.exit_code == 0, cold.output
     assert cold.stdout.split("\n")[:-1] == greedy  # a temperature near 0 tends to greedy search, not to NaN
     for value in ("inf", "nan", "0"):
         one_line_error(
-            invoke("translate", trained_run, "--sample", "--temperature", value, input=text), "--temperature"
+            invoke("translate", trained_run, "--device", "cpu", "--sample", "--temperature", value, input=text),
+            "--temperature",
         )
-    too_big = invoke("translate", trained_run, "--sample", "--seed", str(2**70), input=text)
+    too_big = invoke("translate", trained_run, "--device", "cpu", "--sample", "--seed", str(2**70), input=text)
     assert too_big.exit_code == 2 and "Traceback" not in too_big.output
     assert [line for line in too_big.stderr.splitlines() if line] == [too_big.stderr.strip()]
     assert too_big.stderr.startswith("error: ") and "translate: Invalid value for '--seed'" in too_big.stderr
@@ -410,38 +419,44 @@ def test_usage_errors_are_one_line(trained_run):
 @pytest.mark.parametrize("value", ["inf", "nan"])
 def test_an_infinite_length_cap_is_refused(trained_run, value):
     """--max-len-a inf was accepted and emptied every translation."""
-    one_line_error(invoke("translate", trained_run, "--max-len-a", value, input="A dog.\n"), "must be finite")
+    one_line_error(
+        invoke("translate", trained_run, "--device", "cpu", "--max-len-a", value, input="A dog.\n"), "must be finite"
+    )
 
 
 def test_inputs_that_are_not_regular_files(tmp_path, trained_run, val_lines):
     """/dev/null, a FIFO, process substitution, /dev/stdin and - were once refused as 'file not found'."""
-    assert invoke("translate", trained_run, "-i", "/dev/null").stdout == ""
+    assert invoke("translate", trained_run, "--device", "cpu", "-i", "/dev/null").stdout == ""
     text = "".join(line + "\n" for line in val_lines)
     expected = translate_lines(trained_run, val_lines)
     for name in ("-", "/dev/stdin"):
-        result = invoke("translate", trained_run, "-i", name, "--beam", 2, input=text)
+        result = invoke("translate", trained_run, "--device", "cpu", "-i", name, "--beam", 2, input=text)
         assert result.exit_code == 0 and result.stdout.split("\n")[:-1] == expected, result.output
     source = tmp_path / "in.en"
     source.write_text(text)
     command = (
-        f"{sys.executable} -m mtkit translate {trained_run} --beam 2 -i <(cat {source}) --prefix <(yes '' | head -5)"
+        f"{sys.executable} -m mtkit translate {trained_run} --device cpu --beam 2 -i <(cat {source}) "
+        "--prefix <(yes '' | head -5)"
     )
     piped = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120)
     assert piped.returncode == 0 and piped.stdout.split("\n")[:-1] == expected, piped.stderr
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     writer = subprocess.Popen(["bash", "-c", f"cat {source} > {fifo}"])
-    result = invoke("translate", trained_run, "-i", fifo, "--beam", 2)
+    result = invoke("translate", trained_run, "--device", "cpu", "-i", fifo, "--beam", 2)
     writer.wait(timeout=60)
     assert result.exit_code == 0 and result.stdout.split("\n")[:-1] == expected, result.output
-    one_line_error(invoke("translate", trained_run, "-i", "-", "--prefix", "-", input=text), "both be standard input")
+    one_line_error(
+        invoke("translate", trained_run, "--device", "cpu", "-i", "-", "--prefix", "-", input=text),
+        "both be standard input",
+    )
 
 
 @pytest.mark.parametrize("closed", ["stdin", "stdout"])
 def test_closed_standard_streams(trained_run, closed):
     """`<&-` and `>&-` once ended in an AttributeError traceback."""
     redirect = "<&-" if closed == "stdin" else ">&- < /dev/null"
-    command = f"{sys.executable} -m mtkit translate {trained_run} --beam 1 {redirect}"
+    command = f"{sys.executable} -m mtkit translate {trained_run} --device cpu --beam 1 {redirect}"
     result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[
@@ -462,7 +477,7 @@ def test_a_prefix_longer_than_the_length_cap_is_kept_whole(tmp_path, trained_run
     prefix = "Ein Mann mit einem großen Hut und einer roten Jacke steht vor dem Haus"
     (tmp_path / "prefix.de").write_text(prefix + "\n")
     args = ["--prefix", tmp_path / "prefix.de", "--max-len-a", "0", "--max-len-b", "3", "--beam", "2"]
-    result = invoke("translate", trained_run, *args, input="A dog.\n")
+    result = invoke("translate", trained_run, "--device", "cpu", *args, input="A dog.\n")
     assert result.exit_code == 0 and result.stdout.startswith(prefix), result.output
 
 
@@ -476,7 +491,7 @@ def test_output_paths_that_must_not_be_replaced(tmp_path, trained_run):
     target, link = tmp_path / "target.de", tmp_path / "link.de"
     target.write_text("old\n")
     link.symlink_to(target)
-    assert invoke("translate", trained_run, "-i", source, "-o", link, "--beam", 1).exit_code == 0
+    assert invoke("translate", trained_run, "--device", "cpu", "-i", source, "-o", link, "--beam", 1).exit_code == 0
     assert link.is_symlink() and target.read_text() != "old\n"  # the link stays, its file holds the output
 
     locked = tmp_path / "locked.de"
@@ -487,11 +502,15 @@ def test_output_paths_that_must_not_be_replaced(tmp_path, trained_run):
         patch.setattr(
             os, "access", lambda p, mode: not (str(p) == str(locked) and mode & os.W_OK) and real_access(p, mode)
         )
-        one_line_error(invoke("translate", trained_run, "-i", source, "-o", locked), "locked.de: is read-only")
+        one_line_error(
+            invoke("translate", trained_run, "--device", "cpu", "-i", source, "-o", locked), "locked.de: is read-only"
+        )
     assert locked.read_text() == "keep me\n"
 
-    one_line_error(invoke("translate", trained_run, "-i", source, "-o", source), "in.en: is also an input")
-    one_line_error(invoke("translate", trained_run, "-i", link, "-o", target), "is also an input")
+    one_line_error(
+        invoke("translate", trained_run, "--device", "cpu", "-i", source, "-o", source), "in.en: is also an input"
+    )
+    one_line_error(invoke("translate", trained_run, "--device", "cpu", "-i", link, "-o", target), "is also an input")
     newest = loading.latest(trained_run)
     before = (newest / checkpoint.WEIGHTS_FILE).read_bytes()
     one_line_error(invoke("average", trained_run, "-o", newest / checkpoint.WEIGHTS_FILE), "is inside the checkpoint")
@@ -508,7 +527,9 @@ def test_a_failed_output_write_names_the_output_not_its_temporary_file(tmp_path,
         return real_fsync(fd)
 
     monkeypatch.setattr(os, "fsync", full_disk)
-    one_line_error(invoke("translate", trained_run, "-o", out, input="A dog.\n"), f"error: {out}: No space left")
+    one_line_error(
+        invoke("translate", trained_run, "--device", "cpu", "-o", out, input="A dog.\n"), f"error: {out}: No space left"
+    )
     assert list(tmp_path.iterdir()) == []
 
 
@@ -538,11 +559,13 @@ def peak_rss_mib(command: str, stdin: bytes) -> tuple[int, subprocess.CompletedP
 
 def test_a_huge_line_and_a_huge_beam_keep_memory_bounded(trained_run):
     """A 26 MB line once took 1.2 GB; 64 lines at beam 1000 took 2.4 GB (--batch-tokens ignored the beam)."""
-    baseline, _ = peak_rss_mib(f"translate {trained_run} --beam 1", b"A dog.\n")
-    huge, result = peak_rss_mib(f"translate {trained_run} --beam 1", b"A man is walking. " * 1_450_000 + b"\n")
+    baseline, _ = peak_rss_mib(f"translate {trained_run} --device cpu --beam 1", b"A dog.\n")
+    huge, result = peak_rss_mib(
+        f"translate {trained_run} --device cpu --beam 1", b"A man is walking. " * 1_450_000 + b"\n"
+    )
     assert result.returncode == 0 and result.stdout.count(b"\n") == 1
     assert huge - baseline < 400, (baseline, huge)
     lines = b"".join(b"A man in a red jacket is walking his dog.\n" for _ in range(64))
-    wide, result = peak_rss_mib(f"translate {trained_run} --beam 1000 --max-len-a 0 --max-len-b 8", lines)
+    wide, result = peak_rss_mib(f"translate {trained_run} --device cpu --beam 1000 --max-len-a 0 --max-len-b 8", lines)
     assert result.returncode == 0 and result.stdout.count(b"\n") == 64
     assert wide - baseline < 400, (baseline, wide)

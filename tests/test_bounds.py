@@ -25,12 +25,13 @@ HUGE = 10**9
 
 
 def translate(*args) -> subprocess.CompletedProcess:
-    """``python -m mtkit translate ARGS`` on one line, in a child that cannot map more than ``ADDRESS_SPACE``."""
+    """``python -m mtkit translate ARGS`` on one line, on the CPU, in a child that cannot map more than
+    ``ADDRESS_SPACE`` (where CUDA could not start: it reserves more address space than that)."""
 
     def cap() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
 
-    command = [sys.executable, "-m", "mtkit", "translate", *map(str, args)]
+    command = [sys.executable, "-m", "mtkit", "translate", *map(str, args), "--device", "cpu"]
     return subprocess.run(command, input="A dog.\n", capture_output=True, text=True, timeout=120, preexec_fn=cap)
 
 

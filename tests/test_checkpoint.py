@@ -233,7 +233,7 @@ def test_average_command_writes_a_model_translate_can_use(fake_run, tmp_path):
     assert (out.parent / "spm.model").read_bytes() == (fake_run / "spm.model").read_bytes()
 
     for model in (out, fake_run):  # the average; the run's latest checkpoint, with the tokenizer two levels up
-        translated = invoke("translate", model, "--beam", 2, input="A dog runs.\n\nTwo men sit.\n")
+        translated = invoke("translate", model, "--beam", 2, "--device", "cpu", input="A dog runs.\n\nTwo men sit.\n")
         assert translated.exit_code == 0, translated.output
         assert len(translated.stdout.split("\n")) == 4
 

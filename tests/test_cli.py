@@ -86,24 +86,24 @@ def test_translate_keeps_one_line_per_input_line(trained_run, corpus_files, tmp_
     src = tmp_path / "in.en"
     src.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out.de"
-    result = invoke("translate", trained_run, "-i", src, "-o", out, "--beam", 3, "--batch-size", 4)
+    result = invoke("translate", trained_run, "--device", "cpu", "-i", src, "-o", out, "--beam", 3, "--batch-size", 4)
     assert result.exit_code == 0, result.output
     hyps = out.read_text().split("\n")[:-1]
     assert len(hyps) == len(lines)
     assert hyps[3] == "" and hyps[7] == ""
     # Each output belongs to its own input: dropping the blank lines drops just their outputs.
     kept = [line for i, line in enumerate(lines) if i not in (3, 7)]
-    alone = invoke("translate", trained_run, "--beam", 3, input="\n".join(kept) + "\n")
+    alone = invoke("translate", trained_run, "--device", "cpu", "--beam", 3, input="\n".join(kept) + "\n")
     assert alone.stdout.split("\n")[:-1] == [h for i, h in enumerate(hyps) if i not in (3, 7)]
 
-    piped = invoke("translate", trained_run / "best", "--beam", 3, input="\n".join(lines) + "\n")
+    piped = invoke("translate", trained_run / "best", "--device", "cpu", "--beam", 3, input="\n".join(lines) + "\n")
     assert piped.exit_code == 0
     assert piped.stdout.split("\n")[:-1] == hyps  # file and stdin, batch size 4 and 128: same output
 
 
 def test_eval_prints_scores_with_signatures(trained_run, corpus_files, tmp_path):
     hyp = tmp_path / "hyp.de"
-    assert invoke("translate", trained_run, "-i", corpus_files["val.en"], "-o", hyp).exit_code == 0
+    assert invoke("translate", trained_run, "--device", "cpu", "-i", corpus_files["val.en"], "-o", hyp).exit_code == 0
     result = invoke("eval", "--hyp", hyp, "--ref", corpus_files["val.de"], "--metrics", "bleu", "chrf", "ter", "--json")
     assert result.exit_code == 0, result.output
     scores = {s["name"]: s for s in json.loads(result.stdout)}
@@ -119,7 +119,7 @@ def test_eval_prints_scores_with_signatures(trained_run, corpus_files, tmp_path)
 
 
 def test_bad_translate_and_eval_input_is_one_line_and_exit_1(tmp_path, corpus_files):
-    one_line_error(invoke("translate", tmp_path / "no-run"), "checkpoint not found")
+    one_line_error(invoke("translate", tmp_path / "no-run", "--device", "cpu"), "checkpoint not found")
     hyp = tmp_path / "hyp"
     hyp.write_text("a\nb\n")
     one_line_error(invoke("eval", "--hyp", hyp, "--ref", corpus_files["val.de"]), "hyp has 2 lines", "has 40")
@@ -147,7 +147,7 @@ def test_separate_vocabularies_train_and_translate(tmp_path, corpus_files):
     )
     assert invoke("train", config, "--out", tmp_path / "run").exit_code == 0
     assert (tmp_path / "run" / "spm.src.model").is_file() and (tmp_path / "run" / "spm.tgt.model").is_file()
-    result = invoke("translate", tmp_path / "run", "--beam", 2, input="A dog.\n\nTwo cats.\n")
+    result = invoke("translate", tmp_path / "run", "--device", "cpu", "--beam", 2, input="A dog.\n\nTwo cats.\n")
     assert result.exit_code == 0 and len(result.stdout.split("\n")) == 4
 
 
@@ -185,7 +185,7 @@ def test_sigterm_saves_a_whole_update_and_the_same_command_resumes(tmp_path, cor
     assert checkpoint.read_checkpoint(loading.latest(run)).meta["step"] == saved + 2
 
 
-def test_doctor_reports_the_machine(tmp_path):
+def test_doctor_reports_the_machine(tmp_path, no_cuda):
     import torch
 
     result = invoke("doctor", "--json", "--path", tmp_path)
@@ -202,7 +202,7 @@ def test_doctor_reports_the_machine(tmp_path):
     assert "bf16 decoding products" in text.stdout
 
 
-def test_doctor_on_a_path_not_made_yet_says_where_it_measured_the_disk(tmp_path):
+def test_doctor_on_a_path_not_made_yet_says_where_it_measured_the_disk(tmp_path, no_cuda):
     missing = tmp_path / "runs" / "first"
     text = invoke("doctor", "--path", missing)
     assert text.exit_code == 0, text.output
@@ -305,7 +305,9 @@ def test_translate_computes_on_the_threads_it_is_given(tmp_path, spm_model, monk
     """Several translating processes on one machine each take every core unless told their share."""
     run = joint_run(tmp_path, spm_model, seed=1)
     seen = threads_during_search(monkeypatch)
-    result = invoke("translate", run, "--threads", torch_threads, "--precision", "fp32", input="A dog runs.\n")
+    result = invoke(
+        "translate", run, "--threads", torch_threads, "--precision", "fp32", "--device", "cpu", input="A dog runs.\n"
+    )
     assert result.exit_code == 0, result.output
     assert seen and set(seen) == {torch_threads}
     assert invoke("translate", run, "--threads", -1, input="A dog.\n").exit_code == 2  # a usage error
@@ -327,7 +329,7 @@ def test_serve_loads_its_model_on_the_threads_it_is_given(tmp_path, spm_model, m
 
     real_load = server.load_translator
     monkeypatch.setattr(server, "load_translator", loading_then_stopping)
-    result = invoke("serve", run, "--port", 0, "--threads", torch_threads, "--precision", "fp32")
+    result = invoke("serve", run, "--port", 0, "--threads", torch_threads, "--precision", "fp32", "--device", "cpu")
     one_line_error(result, "stopped once the model was loaded")
     assert loaded == [(torch_threads, "fp32")]
 
@@ -346,8 +348,7 @@ def test_the_ctranslate2_engine_takes_the_thread_count_as_its_intra_threads(
         return real(*args, **kwargs)
 
     monkeypatch.setattr(ctranslate2, "Translator", recording)
-    result = invoke(
-        "translate", tmp_path / "ct2", "--engine", "ctranslate2", "--threads", torch_threads, input="A dog.\n"
-    )
+    options = ["--engine", "ctranslate2", "--threads", torch_threads, "--device", "cpu"]
+    result = invoke("translate", tmp_path / "ct2", *options, input="A dog.\n")
     assert result.exit_code == 0, result.output
     assert made == [torch_threads]

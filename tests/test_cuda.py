@@ -6,6 +6,9 @@ Skipped without a GPU (CI has none); benchmarks/gpu_check.sh runs them on a lent
 from __future__ import annotations
 
 import copy
+import json
+import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -100,3 +103,50 @@ def test_mixed_precision_training_on_the_gpu_follows_fp32(tmp_path, corpus_files
     learned = sum(reference[:4]) / 4 - sum(reference[-4:]) / 4
     assert learned > 0.3
     assert abs(sum(mixed[-4:]) / 4 - sum(reference[-4:]) / 4) < 0.1 * learned
+
+
+def test_batches_made_ahead_reach_the_gpu_from_pinned_memory_and_train_as_those_made_in_the_loop(
+    tmp_path, corpus_files, spm_model
+):
+    losses = {}
+    for prefetch in (0, 2):
+        cfg = small_config(corpus_files, spm_model, device="cuda", max_steps=12, prefetch=prefetch)
+        trainer = Trainer(replace(cfg, model=replace(cfg.model, dropout=0.0)), tmp_path / str(prefetch))
+        pinned, real_step = [], trainer.train_step
+
+        def step(batches, tokens, pinned=pinned, real_step=real_step):
+            pinned.extend(t.is_pinned() for batch in batches for t in batch.tensors())
+            return real_step(batches, tokens)
+
+        trainer.train_step = step
+        trainer.run()
+        assert pinned and all(pinned)
+        lines = [json.loads(line) for line in (tmp_path / str(prefetch) / "metrics.jsonl").read_text().splitlines()]
+        losses[prefetch] = [line["loss"] for line in lines if line["event"] == "train"]
+    assert len(losses[2]) == 12
+    assert losses[2] == pytest.approx(losses[0], rel=1e-6)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_a_training_update_on_the_gpu_waits_for_it_once(tmp_path, corpus_files, spm_model, precision):
+    """The update's one read (losses and gradient norm together) is its only synchronisation with the host:
+    batch copies, the loss's target positions, clipping and Adam are queued without waiting."""
+    cfg = small_config(corpus_files, spm_model, device="cuda", precision=precision, accum=2)
+    trainer = Trainer(cfg, tmp_path)
+    groups = trainer.update_groups()
+    for _ in range(2):  # warm-up: lazily made state (loss scale, Adam's moments) is made once
+        group = next(groups)
+        trainer.train_step(group.batches, group.tokens)
+    group = next(groups)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            stats = trainer.train_step(group.batches, group.tokens)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        trainer.cleanup()
+    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    assert stats["skipped"] in (None, "overflow")
+    assert len(syncs) == 1, [str(w.message) for w in syncs]

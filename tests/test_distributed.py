@@ -237,3 +237,20 @@ def test_bad_input_under_nproc_per_node_is_one_error_line(tmp_path, corpus_files
     assert done.returncode == 1 and len(errors) == 1, done.stderr
     expected = "bad.de: file not found" if fault == "missing-file" else "bad.de:101: invalid UTF-8"
     assert errors[0].startswith("error: ") and expected in errors[0] and "hung or dead" not in done.stderr
+
+
+def test_one_rank_under_torchrun_trains_as_one_process_alone(tmp_path, corpus_files):
+    """--nproc-per-node 1 joins a process group of one rank and runs the data-parallel code (the agreement, the
+    gradient all-reduce): the losses are those of the same training in one process alone."""
+    sections = {"train": {"max_steps": 6, "valid_every": 0, "log_every": 1}, "model": {"dropout": 0.0}}
+    config = write_config(tmp_path / "c.yaml", corpus_files, **sections)
+    losses = {}
+    for ranks in ([], ["--nproc-per-node", "1"]):
+        run = tmp_path / f"run{len(ranks)}"
+        command = [sys.executable, "-m", "mtkit", "train", str(config), "--out", str(run), *ranks]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert ("rank 0 of 1 joined (gloo)" in done.stderr) == bool(ranks)
+        lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        losses[bool(ranks)] = [(line["loss"], line["grad_norm"]) for line in lines if line["event"] == "train"]
+    assert len(losses[True]) == 6 and losses[True] == losses[False]

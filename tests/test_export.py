@@ -286,7 +286,7 @@ def test_a_truncated_model_bin_is_one_error_line_naming_it(joint, tmp_path, kept
     out = export_ctranslate2(joint, tmp_path / "ct2")
     model = out / "model.bin"
     os.truncate(model, int(model.stat().st_size * kept))
-    result = runner.invoke(app, ["translate", str(out), "--engine", "ctranslate2"], input="A dog.\n")
+    result = runner.invoke(app, ["translate", str(out), "--engine", "ctranslate2", "--device", "cpu"], input="A dog.\n")
     assert result.exit_code == 1 and result.stderr.count("\n") == 1, result.output
     assert result.stderr.startswith(f"error: {model}: CTranslate2 cannot load it on cpu ("), result.stderr
 
@@ -394,7 +394,8 @@ def test_translate_with_the_ctranslate2_engine_matches_mtkit(ending):
     text = "".join(line + "\n" for line in lines)
 
     def translate(model, *options):
-        result = runner.invoke(app, ["translate", str(model), "--beam", "1", "--scores", *options], input=text)
+        args = ["translate", str(model), "--beam", "1", "--scores", "--device", "cpu", *options]
+        result = runner.invoke(app, args, input=text)
         assert result.exit_code == 0, result.output
         return [row.split("\t") for row in result.stdout.splitlines()]
 

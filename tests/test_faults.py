@@ -51,9 +51,9 @@ class Faults:
         original = TrainingObjective.forward
         faults = self
 
-        def forward(objective, src, src_pad_mask, tgt_in, tgt_out):
+        def forward(objective, *batch):
             if not torch.is_grad_enabled():  # validation
-                return original(objective, src, src_pad_mask, tgt_in, tgt_out)
+                return original(objective, *batch)
             faults.calls += 1
             if faults.on_call is not None:
                 faults.on_call(faults.calls, objective)
@@ -62,7 +62,7 @@ class Faults:
                 faults.failed.append(faults.calls)
                 if faults.kind == "oom":
                     raise torch.OutOfMemoryError(f"injected out of memory at call {faults.calls}")
-            loss, nll = original(objective, src, src_pad_mask, tgt_in, tgt_out)
+            loss, nll = original(objective, *batch)
             return (loss * math.nan, nll) if fail else (loss, nll)
 
         monkeypatch.setattr(TrainingObjective, "forward", forward)
@@ -284,7 +284,7 @@ def test_accumulated_gradients_equal_those_of_one_batch_holding_both(tmp_path, c
         assert not oom
         grads = {name: p.grad.clone() for name, p in trainer.model.named_parameters()}
         trainer.optimizer.zero_grad(set_to_none=True)
-        return loss, nll, grads
+        return float(loss), float(nll), grads
 
     loss_a, nll_a, accumulated = gradients([b1, b2])
     loss_b, nll_b, combined = gradients([both])
@@ -302,7 +302,8 @@ def test_accumulated_gradients_equal_those_of_one_batch_holding_both(tmp_path, c
 def test_an_update_accumulating_two_batches_equals_one_on_both(tmp_path, corpus_files, spm_model):
     cfg = without_dropout(small_config(corpus_files, spm_model, max_steps=2, accum=2))
     split, joined = Trainer(cfg, tmp_path / "a"), Trainer(cfg, tmp_path / "b")
-    batches, group_tokens = next(split._update_groups())  # the first update's group
+    group = next(split.update_groups())  # the first update's group
+    batches, group_tokens = group.batches, group.tokens
     first = split._epoch_batches(1)[:2]
     assert split.progress.batch_in_epoch == 2
     assert len(batches) == 2
@@ -332,26 +333,7 @@ def test_an_update_accumulating_two_batches_equals_one_on_both(tmp_path, corpus_
             torch.testing.assert_close(split.model.state_dict()[name], t, rtol=1e-5, atol=1e-7, msg=name)
 
 
-# -- torch.compile, TensorBoard, keep_last --------------------------------------------------
-
-
-@pytest.mark.slow  # about 50 s with a cold inductor cache on 2 cores, 10 s warm
-@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
-def test_compiled_training_matches_eager_training(tmp_path, corpus_files, spm_model):
-    losses = {}
-    for compiled in (False, True):
-        cfg = without_dropout(small_config(corpus_files, spm_model, max_steps=3, compile=compiled))
-        trainer = Trainer(cfg, tmp_path / str(compiled))
-        assert (trainer.objective._features != trainer.model.features) == compiled
-        # The loop of run() without its final validation, whose no_grad forward would compile a second graph.
-        losses[compiled] = []
-        for batches, group_tokens in trainer._update_groups():
-            stats = trainer.train_step(batches, group_tokens)
-            assert stats["skipped"] is None
-            losses[compiled].append(stats["loss"])
-            trainer.progress.step += 1
-    assert len(losses[True]) == 3
-    assert losses[True] == pytest.approx(losses[False], rel=1e-4)
+# -- TensorBoard, keep_last --------------------------------------------------
 
 
 def test_tensorboard_receives_the_training_loss(tmp_path, corpus_files, spm_model):

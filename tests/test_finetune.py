@@ -121,7 +121,7 @@ def test_an_export_folder_is_refused_in_one_line(tmp_path, corpus_files):
     (export / "model.bin").write_bytes(b"")
     config = tmp_path / "c.yaml"
     data = {"train_src": str(corpus_files["train.en"]), "train_tgt": str(corpus_files["train.de"])}
-    config.write_text(yaml.safe_dump({"data": data}))
+    config.write_text(yaml.safe_dump({"data": data, "train": {"device": "cpu"}}))
     result = invoke("train", config, "--out", tmp_path / "run", "--set", f"train.init_from={export}")
     one_line_error(result, f"{export}: an export", "CTranslate2", "train.init_from")
 

@@ -173,7 +173,8 @@ def test_an_edited_checkpoint_header(model_case, path, new):
     meta = edited(json.loads(header["mtkit"]), path, new)
     header = {**header, "mtkit": json.dumps(meta)}
     (work / "model.safetensors").write_bytes(safetensors.torch.save(tensors, metadata=header))
-    result = run(work, "translate", work / "model.safetensors", "-o", work / "out.txt", "--beam", 1, input="A dog.\n")
+    options = ["-o", work / "out.txt", "--beam", 1, "--device", "cpu"]
+    result = run(work, "translate", work / "model.safetensors", *options, input="A dog.\n")
     assert_clean_outcome(result, work, {"spm.model", "model.safetensors", "out.txt"})
     result = run(
         work, "average", work / "model.safetensors", work / "model.safetensors", "-o", work / "avg.safetensors"
@@ -192,7 +193,8 @@ def test_flipped_bytes_in_a_checkpoint_header(model_case, flips):
     for position, byte in flips:
         data[position % header_end] = byte
     (work / "model.safetensors").write_bytes(bytes(data))
-    result = run(work, "translate", work / "model.safetensors", "-o", work / "out.txt", "--beam", 1, input="A dog.\n")
+    options = ["-o", work / "out.txt", "--beam", 1, "--device", "cpu"]
+    result = run(work, "translate", work / "model.safetensors", *options, input="A dog.\n")
     assert_clean_outcome(result, work, {"spm.model", "model.safetensors", "out.txt"})
 
 
@@ -203,7 +205,7 @@ def test_random_bytes_as_a_model(model_case, content):
     work = fresh(root, tokenizer)
     for name in ("model.pt", "model.safetensors"):
         (work / name).write_bytes(content)
-        result = run(work, "translate", work / name, "-o", work / "out.txt", input="A dog.\n")
+        result = run(work, "translate", work / name, "-o", work / "out.txt", "--device", "cpu", input="A dog.\n")
         assert_clean_outcome(result, work, {"spm.model", "model.pt", "model.safetensors"})
         assert result.exit_code == 1
 
@@ -253,7 +255,7 @@ def test_random_input_to_translate_keeps_one_line_per_line(tmp_path_factory, tra
     work = work_folder(tmp_path_factory, "input")
     source = work / "in.txt"
     source.write_bytes(content)
-    args = ["--beam", 2, "--max-len-a", 0, "--max-len-b", 3]
+    args = ["--beam", 2, "--max-len-a", 0, "--max-len-b", 3, "--device", "cpu"]
     result = run(work, "translate", trained_run, "-i", source, "-o", work / "out.txt", *args)
     assert_clean_outcome(result, work, {"in.txt", "out.txt"})
     if content.startswith(b"\x1f\x8b"):  # read as gzip, which this is not: an error is the right answer
@@ -276,5 +278,7 @@ def test_an_edited_export_manifest(export_case, path, new):
     root, manifest = export_case
     (root / "ct2" / "mtkit.json").write_text(json.dumps(edited(manifest, path, new)))
     before = sorted(root.rglob("*"))
-    result = run(root, "translate", root / "ct2", "--engine", "ctranslate2", "--beam", 1, input="A dog.\n")
+    result = run(
+        root, "translate", root / "ct2", "--engine", "ctranslate2", "--beam", 1, "--device", "cpu", input="A dog.\n"
+    )
     assert_clean_outcome(result, root, {str(p.relative_to(root)) for p in before})

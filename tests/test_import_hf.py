@@ -290,7 +290,7 @@ def test_beam_at_the_imported_settings_equals_generate_at_its_default_length_pen
 def test_translate_cli_takes_the_imported_model(shared, tmp_path):
     source = tmp_path / "in.en"
     source.write_text("\n".join(shared.lines[:5]) + "\n", encoding="utf-8")
-    args = ("-i", source, "-o", tmp_path / "out.de", "--beam", 2, "--precision", "fp32")
+    args = ("-i", source, "-o", tmp_path / "out.de", "--beam", 2, "--precision", "fp32", "--device", "cpu")
     result = invoke("translate", shared.model_dir, *args)
     assert result.exit_code == 0, result.output
     assert len((tmp_path / "out.de").read_text(encoding="utf-8").splitlines()) == 5
@@ -513,7 +513,8 @@ def test_fine_tuning_an_imported_model_lowers_its_validation_loss_and_keeps_it_w
     data |= {"valid_src": str(corpus_files["val.en"]), "valid_tgt": str(corpus_files["val.de"]), "max_tokens": 100}
     train = {"init_from": f"hf:{shared.marian.path}", "schedule": "constant", "lr": 1e-3, "warmup": 10, "max_steps": 60}
     train |= {"batch_tokens": 1024, "valid_every": 60, "save_every": 60, "valid_bleu": False, "best_metric": "loss"}
-    config.write_text(json.dumps({"data": data, "train": {**train, "precision": "fp32"}}))  # JSON is YAML
+    train |= {"precision": "fp32", "device": "cpu"}
+    config.write_text(json.dumps({"data": data, "train": train}))  # JSON is YAML
     result = invoke("train", config, "--out", tmp_path / "run")
     assert result.exit_code == 0, result.output
     assert (tmp_path / "run" / "imported" / "model.safetensors").is_file()
@@ -534,6 +535,7 @@ def test_the_fine_tuning_recipe_runs_end_to_end_from_a_marian_folder(shared, mul
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "multi30k_en_de_finetune.yaml"
     settings = [f"train.init_from=hf:{shared.marian.path}", "train.max_steps=6", "train.valid_every=6"]
     settings += ["train.save_every=6", "train.warmup=2", "train.batch_tokens=1024", "train.precision=fp32"]
+    settings += ["train.device=cpu"]
     settings += ["data.max_tokens=100", "decode.beam=2"]  # the test model's 128 positions; a quick search
     settings += [f"recipe.data_dir={tmp_path / 'prepared'}"]  # not the session's: test_run.py prepares it afresh
     options = [arg for setting in settings for arg in ("--set", setting)]
@@ -583,7 +585,7 @@ def test_the_import_records_the_languages_given_or_named(shared, hf_offline, tmp
     assert result.exit_code == 0 and "(en->de)" in result.output, result.output
     source = tmp_path / "in.en"
     source.write_text("\n".join(shared.lines[:3]) + "\n", encoding="utf-8")
-    args = ("-i", source, "-o", tmp_path / "out.de", "--tgt-lang", "de", "--precision", "fp32")
+    args = ("-i", source, "-o", tmp_path / "out.de", "--tgt-lang", "de", "--precision", "fp32", "--device", "cpu")
     result = invoke("translate", tmp_path / "a", *args)
     assert result.exit_code == 0, result.output
     student = RunConfig(data=DataConfig(src_lang="en", tgt_lang="de"))
@@ -686,7 +688,9 @@ def test_non_finite_weights_are_refused_at_load(shared, tmp_path):
     source = tmp_path / "in.en"
     source.write_text(shared.lines[0] + "\n", encoding="utf-8")
     for beam in (1, 2):
-        result = invoke("translate", tmp_path / "loaded", "-i", source, "--beam", beam, "--precision", "fp32")
+        result = invoke(
+            "translate", tmp_path / "loaded", "-i", source, "--beam", beam, "--precision", "fp32", "--device", "cpu"
+        )
         one_line_error(result, "model.safetensors: weight decoder.layers.0.ffn.up.weight holds NaN or infinite values")
 
 

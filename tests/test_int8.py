@@ -98,7 +98,7 @@ def test_int8_products_run_on_the_kernel_the_cpu_is_fast_at():
     assert int8_kernel({"sse4_2"}) == "dot" and int8_kernel(set()) == "dot"  # exact everywhere, if slow
 
 
-def test_doctor_says_whether_int8_products_have_vnni(monkeypatch):
+def test_doctor_says_whether_int8_products_have_vnni(monkeypatch, no_cuda):
     monkeypatch.setattr(runtime, "cpu_features", lambda: frozenset({"avx2", "avx512f", "avx512_vnni"}))
     assert json.loads(invoke("doctor", "--json").stdout)["int8_decoding"]["precision"] == "int8"
     [line] = [line for line in invoke("doctor").stdout.splitlines() if line.startswith("int8 decoding")]

@@ -104,7 +104,7 @@ class _Store:
     def __init__(self, pairs: int) -> None:
         self.pairs = pairs
 
-    def batch_indices(self, batch_tokens: int, seed: int) -> list[np.ndarray]:
+    def batch_indices(self, batch_tokens: int, seed: int, multiple: int = 1) -> list[np.ndarray]:
         return [np.array([i]) for i in np.random.default_rng(seed).permutation(self.pairs)]
 
 
@@ -178,9 +178,9 @@ def test_a_single_corpus_config_trains_on_the_batches_it_always_has(tmp_path, co
     store = trainer.corpus
     seed = cfg.train.seed * 100_003 + 1  # epoch 1
     expected = token_batches(store.src_lengths, store.tgt_lengths, cfg.train.batch_tokens, seed=seed)
-    groups = trainer._update_groups()
+    groups = trainer.update_groups()
     for indices in expected[:4]:
-        (batch,), _ = next(groups)
+        (batch,) = next(groups).batches
         assert torch.equal(batch.src, store.collate(indices).src)
     trainer.cleanup()
 
@@ -311,8 +311,9 @@ def test_a_direction_the_model_lacks_is_one_line_listing_those_it_has(multilingu
     with pytest.raises(ConfigError, match="say which"):
         mtkit.load(multilingual_run, device="cpu").translate(["A dog."])
     # a model of one pair needs no target language, takes its own, and refuses another
-    assert invoke("translate", trained_run, "-i", tmp_path / "in.en", "--tgt-lang", "de").exit_code == 0
-    result = invoke("translate", trained_run, "-i", tmp_path / "in.en", "--tgt-lang", "fr")
+    source = ["-i", tmp_path / "in.en", "--device", "cpu"]
+    assert invoke("translate", trained_run, *source, "--tgt-lang", "de").exit_code == 0
+    result = invoke("translate", trained_run, *source, "--tgt-lang", "fr")
     assert result.exit_code == 1
     one_line_error(result, "not trained to translate into 'fr'", "en->de")
 

@@ -128,7 +128,9 @@ def test_variants_train_and_translate_through_the_cli(tmp_path, corpus_files, po
     model.update(positions=positions, attention_window=window)
     config = write_config(tmp_path / "c.yaml", corpus_files, model=model, train={"max_steps": 4, "valid_every": 2})
     assert invoke("train", config, "--out", tmp_path / "run").exit_code == 0
-    result = invoke("translate", tmp_path / "run", "--beam", 2, input="A dog runs.\n\nTwo men sit.\n")
+    result = invoke(
+        "translate", tmp_path / "run", "--beam", 2, "--device", "cpu", input="A dog runs.\n\nTwo men sit.\n"
+    )
     assert result.exit_code == 0, result.output
     assert len(result.stdout.split("\n")) == 4
 

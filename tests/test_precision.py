@@ -175,7 +175,7 @@ def test_load_and_translate_default_to_auto(run_with_decode_settings, cpu, featu
 
 
 @pytest.mark.parametrize("features", [AMD_EPYC_ZEN4, INTEL_ICE_LAKE])
-def test_doctor_says_what_auto_picks_and_why(cpu, features):
+def test_doctor_says_what_auto_picks_and_why(cpu, features, no_cuda):
     cpu(features)
     report = json.loads(invoke("doctor", "--json").stdout)
     choice = choose_precision("auto", "cpu", features)

@@ -45,7 +45,7 @@ def test_a_checkpoint_that_runs_code_when_unpickled_is_refused(tmp_path, corpus_
     trap = tmp_path / "model.pt"
     torch.save({"format": 1, "model": RunsCode(marker)}, trap)
     not_read = "model.pt: a zip archive (a PyTorch file?), not a checkpoint"  # never unpickled at all
-    one_line_error(invoke("translate", trap, input="A dog.\n"), not_read)
+    one_line_error(invoke("translate", trap, "--device", "cpu", input="A dog.\n"), not_read)
     one_line_error(invoke("average", trap, trap, "-o", tmp_path / "avg.safetensors"), not_read)
 
     run = tmp_path / "run"  # a run directory whose newest training state was swapped for the trap
@@ -95,7 +95,8 @@ def test_translating_hostile_text_writes_the_output_file_and_nothing_else(tmp_pa
     source = work / "in.txt"
     source.write_bytes("".join(line + "\n" for line in lines).encode())
     before = sorted(tmp_path.rglob("*"))
-    result = invoke("translate", trained_run, "-i", source, "-o", work / "out.txt", "--beam", 2, "--alignments")
+    options = ["-o", work / "out.txt", "--beam", 2, "--alignments", "--device", "cpu"]
+    result = invoke("translate", trained_run, "-i", source, *options)
     assert result.exit_code == 0, result.output
     assert sorted(tmp_path.rglob("*")) == sorted([*before, work / "out.txt"])
     assert (work / "out.txt").read_bytes().count(b"\n") == len(lines)
@@ -103,7 +104,9 @@ def test_translating_hostile_text_writes_the_output_file_and_nothing_else(tmp_pa
 
     # Translating a file onto itself would replace the text it translates: refused, the source kept.
     text = source.read_bytes()
-    one_line_error(invoke("translate", trained_run, "-i", source, "-o", source), "in.txt: is also an input")
+    one_line_error(
+        invoke("translate", trained_run, "-i", source, "-o", source, "--device", "cpu"), "in.txt: is also an input"
+    )
     assert source.read_bytes() == text
 
 
@@ -130,7 +133,9 @@ def test_a_tokenizer_name_in_a_header_cannot_lead_outside_the_checkpoint(tmp_pat
     runs.mkdir()
     result = invoke("average", shipped / "a", shipped / "b", "-o", runs / "avg.safetensors")
     one_line_error(result, "malformed checkpoint header: tokenizer.src.file must be one of", "'../conftest.py'")
-    one_line_error(invoke("translate", shipped / "a", input="A dog.\n"), "tokenizer.src.file must be one of")
+    one_line_error(
+        invoke("translate", shipped / "a", "--device", "cpu", input="A dog.\n"), "tokenizer.src.file must be one of"
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs", "shipped"] and not any(runs.iterdir())
 
 
@@ -168,7 +173,7 @@ def test_a_malformed_header_is_one_line_before_anything_is_built(tmp_path, train
     with_header(trained_run / "best" / checkpoint.WEIGHTS_FILE, model, edit)
     shutil.copyfile(trained_run / "spm.model", tmp_path / "spm.model")
     started = time.perf_counter()
-    one_line_error(invoke("translate", model, input="A dog.\n"), f"{tmp_path}", message)
+    one_line_error(invoke("translate", model, "--device", "cpu", input="A dog.\n"), f"{tmp_path}", message)
     assert time.perf_counter() - started < 30  # refused from the header, not after building a huge model
 
 
@@ -183,7 +188,10 @@ def test_a_tensor_whose_dtype_was_changed_in_the_header_is_refused(tmp_path, tra
     model = tmp_path / "model.safetensors"
     model.write_bytes(data[:8] + text + data[8 + size :])
     shutil.copyfile(trained_run / "spm.model", tmp_path / "spm.model")
-    one_line_error(invoke("translate", model, input="A dog.\n"), f"{key} is torch.int32 there, torch.float32 here")
+    one_line_error(
+        invoke("translate", model, "--device", "cpu", input="A dog.\n"),
+        f"{key} is torch.int32 there, torch.float32 here",
+    )
 
 
 def test_a_zip_bombed_training_state_is_refused_before_it_expands(tmp_path, corpus_files, trained_run):
@@ -214,8 +222,12 @@ def test_a_file_that_is_no_checkpoint_is_named_for_what_it_is(tmp_path, trained_
         "empty": (b"", "an empty file"),
     }[kind]
     path.write_bytes(content)
-    one_line_error(invoke("translate", path, input="A dog.\n"), f"model.pt: {what}, not a checkpoint")
-    one_line_error(invoke("translate", trained_run / "spm.model", input="A dog.\n"), "a SentencePiece model")
+    one_line_error(
+        invoke("translate", path, "--device", "cpu", input="A dog.\n"), f"model.pt: {what}, not a checkpoint"
+    )
+    one_line_error(
+        invoke("translate", trained_run / "spm.model", "--device", "cpu", input="A dog.\n"), "a SentencePiece model"
+    )
 
 
 def test_a_yaml_alias_bomb_is_refused_at_once_with_a_short_error(tmp_path):

@@ -435,7 +435,7 @@ def test_a_ctranslate2_export_is_served_as_the_library_translates_it(trained_run
     pytest.importorskip("ctranslate2")
     export = tmp_path / "ct2"
     assert invoke("export", trained_run, "-o", export).exit_code == 0
-    expected = mtkit.load(export, engine="ctranslate2").translate(distinct, beam=3)
+    expected = mtkit.load(export, device="cpu", engine="ctranslate2").translate(distinct, beam=3)
     served = Server(export, tmp_path / "stderr", "--engine", "ctranslate2")
     try:
         response = served.post({"text": distinct, "beam": 3})

@@ -204,21 +204,22 @@ def test_shortlist_command_builds_what_translate_uses(run, corpus_files, tmp_pat
     source = tmp_path / "in.en"
     source.write_text("\n".join(lines[:10] + ["", lines[10]]) + "\n", encoding="utf-8")
     hyp = tmp_path / "out.de"
-    done = runner.invoke(app, ["translate", str(run), "-i", str(source), "-o", str(hyp), "--shortlist", str(out)])
+    translate = ["translate", str(run), "--device", "cpu", "-i", str(source)]
+    done = runner.invoke(app, [*translate, "-o", str(hyp), "--shortlist", str(out)])
     assert done.exit_code == 0, done.output
     outputs = hyp.read_text(encoding="utf-8").split("\n")[:-1]
     assert len(outputs) == 12 and outputs[10] == ""
 
     missing = ["--src", str(tmp_path / "none.en"), "--tgt", str(corpus_files["train.de"])]
     for args, message in (
-        (["translate", str(run), "-i", str(source), "--shortlist", str(out), "--sample"], "beam search"),
-        (["translate", str(run), "-i", str(source), "--shortlist", str(tmp_path / "none")], "none"),
+        ([*translate, "--shortlist", str(out), "--sample"], "beam search"),
+        ([*translate, "--shortlist", str(tmp_path / "none")], "none"),
         (["shortlist", str(run), "-o", str(out), *missing], "none.en"),
     ):
         done = runner.invoke(app, args)
         assert done.exit_code == 1 and done.output.startswith("error: ") and message in done.output, done.output
     out.write_bytes(b"\0" * 64)
-    done = runner.invoke(app, ["translate", str(run), "-i", str(source), "--shortlist", str(out)])
+    done = runner.invoke(app, [*translate, "--shortlist", str(out)])
     assert done.exit_code == 1 and done.output.startswith(f"error: {out}: "), done.output
 
 

@@ -85,7 +85,9 @@ def test_runs_of_one_recipe_with_other_seeds_share_tokenizer_and_store_so_they_e
         assert result.exit_code == 0, result.output
     assert (tmp_path / "seed1" / "spm.model").read_bytes() == (tmp_path / "seed2" / "spm.model").read_bytes()
     assert len([p for p in cache.iterdir() if p.is_dir()]) == 1
-    result = invoke("translate", tmp_path / "seed1", tmp_path / "seed2", "--beam", 2, input="A dog runs.\n")
+    result = invoke(
+        "translate", tmp_path / "seed1", tmp_path / "seed2", "--beam", 2, "--device", "cpu", input="A dog runs.\n"
+    )
     assert result.exit_code == 0 and result.stdout.count("\n") == 1, result.output
     last = [tmp_path / f"seed{seed}" / "checkpoints" / "update-00000002" for seed in (1, 2)]
     average = invoke("average", *last, "-o", tmp_path / "avg.safetensors")

@@ -26,8 +26,8 @@ def stdin_of(lines: list[str]) -> str:
 
 
 def test_nbest_lists_are_sorted_distinct_and_headed_by_the_best(trained_run, lines):
-    best = invoke("translate", trained_run, "--beam", 4, input=stdin_of(lines)).stdout.splitlines()
-    result = invoke("translate", trained_run, "--beam", 4, "--nbest", 3, input=stdin_of(lines))
+    best = invoke("translate", trained_run, "--device", "cpu", "--beam", 4, input=stdin_of(lines)).stdout.splitlines()
+    result = invoke("translate", trained_run, "--device", "cpu", "--beam", 4, "--nbest", 3, input=stdin_of(lines))
     assert result.exit_code == 0, result.output
     entries: dict[int, list[tuple[str, float, float]]] = {}
     for row in result.stdout.splitlines():
@@ -44,8 +44,8 @@ def test_nbest_lists_are_sorted_distinct_and_headed_by_the_best(trained_run, lin
 
 
 def test_scores_put_the_log_probability_before_each_translation(trained_run, lines):
-    best = invoke("translate", trained_run, "--beam", 3, input=stdin_of(lines)).stdout.splitlines()
-    result = invoke("translate", trained_run, "--beam", 3, "--scores", input=stdin_of(lines))
+    best = invoke("translate", trained_run, "--device", "cpu", "--beam", 3, input=stdin_of(lines)).stdout.splitlines()
+    result = invoke("translate", trained_run, "--device", "cpu", "--beam", 3, "--scores", input=stdin_of(lines))
     assert result.exit_code == 0, result.output
     rows = [row.split("\t") for row in result.stdout.splitlines()]
     assert [text for _, text in rows] == best
@@ -53,14 +53,16 @@ def test_scores_put_the_log_probability_before_each_translation(trained_run, lin
 
 
 def test_nbest_larger_than_the_beam_is_a_one_line_error(trained_run):
-    result = invoke("translate", trained_run, "--beam", 2, "--nbest", 3, input="A dog.\n")
+    result = invoke("translate", trained_run, "--device", "cpu", "--beam", 2, "--nbest", 3, input="A dog.\n")
     assert result.exit_code == 1
     assert result.stderr.strip() == "error: nbest 3 needs a beam of at least 3 (the beam is 2)"
 
 
 def test_small_chunks_give_the_same_output_as_one_chunk(trained_run, lines, monkeypatch):
     def nbest_rows() -> list[tuple[str, str, float, float]]:
-        out = invoke("translate", trained_run, "--beam", 3, "--nbest", 2, input=stdin_of(lines)).stdout
+        out = invoke(
+            "translate", trained_run, "--device", "cpu", "--beam", 3, "--nbest", 2, input=stdin_of(lines)
+        ).stdout
         rows = (row.split(" ||| ") for row in out.splitlines())
         return [(i, text, float(score), float(logprob)) for i, text, score, logprob in rows]
 
@@ -73,7 +75,8 @@ def test_small_chunks_give_the_same_output_as_one_chunk(trained_run, lines, monk
 
 
 def test_a_pipeline_gets_each_translation_before_the_input_ends(trained_run, lines):
-    command = [sys.executable, "-m", "mtkit", "translate", str(trained_run), "--beam", "2", "--scores"]
+    options = ["--device", "cpu", "--beam", "2", "--scores"]
+    command = [sys.executable, "-m", "mtkit", "translate", str(trained_run), *options]
     proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
         for line in (lines[0], "", lines[1]):
@@ -93,21 +96,23 @@ def test_prefixes_come_from_a_line_aligned_file(trained_run, lines, tmp_path):
     prefixes = ["Ein Mann" if i % 2 == 0 else "" for i in range(len(lines))]
     prefix_file = tmp_path / "prefix.de"
     prefix_file.write_text(stdin_of(prefixes))
-    result = invoke("translate", trained_run, "--beam", 2, "--prefix", prefix_file, input=stdin_of(lines))
+    result = invoke(
+        "translate", trained_run, "--device", "cpu", "--beam", 2, "--prefix", prefix_file, input=stdin_of(lines)
+    )
     assert result.exit_code == 0, result.output
     outputs = result.stdout.splitlines()
     assert len(outputs) == len(lines)
     for line, prefix, out in zip(lines, prefixes, outputs):
         assert out.startswith(prefix) if line else out == ""
     prefix_file.write_text(stdin_of(prefixes[:3]))
-    short = invoke("translate", trained_run, "--prefix", prefix_file, input=stdin_of(lines))
+    short = invoke("translate", trained_run, "--device", "cpu", "--prefix", prefix_file, input=stdin_of(lines))
     assert short.exit_code == 1 and short.stderr.strip() == f"error: {prefix_file}: no prefix for input line 4"
 
 
 def test_sampling_is_reproducible_with_a_seed_and_varies_without(trained_run, lines):
     def sampled(seed: int) -> list[str]:
         args = ["--sample", "--temperature", 1.5, "--seed", seed, "--scores"]
-        result = invoke("translate", trained_run, *args, input=stdin_of(lines))
+        result = invoke("translate", trained_run, "--device", "cpu", *args, input=stdin_of(lines))
         assert result.exit_code == 0, result.output
         return result.stdout.splitlines()
 
@@ -116,7 +121,8 @@ def test_sampling_is_reproducible_with_a_seed_and_varies_without(trained_run, li
 
 
 def test_sampling_with_nbest_draws_that_many_per_line_best_first(trained_run, lines):
-    result = invoke("translate", trained_run, "--sample", "--temperature", 1.5, "--nbest", 8, input=stdin_of(lines))
+    args = ["--device", "cpu", "--sample", "--temperature", 1.5, "--nbest", 8]
+    result = invoke("translate", trained_run, *args, input=stdin_of(lines))
     assert result.exit_code == 0, result.output
     entries: dict[int, list[tuple[str, float]]] = {}
     for row in result.stdout.splitlines():
@@ -131,7 +137,7 @@ def test_sampling_with_nbest_draws_that_many_per_line_best_first(trained_run, li
 
 def test_a_model_given_twice_is_an_ensemble_that_decodes_like_it(trained_run, lines):
     """In fp32: bf16 logits tie often, and an ensemble's renormalised mean may break a tie another way."""
-    options = ["--beam", 3, "--scores", "--precision", "fp32"]
+    options = ["--beam", 3, "--scores", "--precision", "fp32", "--device", "cpu"]
     alone = invoke("translate", trained_run, *options, input=stdin_of(lines))
     twice = invoke("translate", trained_run, trained_run / "best", *options, input=stdin_of(lines))
     assert twice.exit_code == 0, twice.output
@@ -175,11 +181,15 @@ def test_on_batch_counts_every_line_once_and_changes_no_output(trained_run, line
 
 
 def test_alignments_pair_source_and_target_words(trained_run, lines):
-    result = invoke("translate", trained_run, "--beam", 2, "--min-len", 3, "--alignments", input=stdin_of(lines))
+    result = invoke(
+        "translate", trained_run, "--device", "cpu", "--beam", 2, "--min-len", 3, "--alignments", input=stdin_of(lines)
+    )
     assert result.exit_code == 0, result.output
     rows = result.stdout.splitlines()
     assert len(rows) == len(lines)
-    plain = invoke("translate", trained_run, "--beam", 2, "--min-len", 3, input=stdin_of(lines)).stdout.splitlines()
+    plain = invoke(
+        "translate", trained_run, "--device", "cpu", "--beam", 2, "--min-len", 3, input=stdin_of(lines)
+    ).stdout.splitlines()
     for line, row, text in zip(lines, rows, plain):
         translation, alignment = row.split(" ||| ")
         assert translation == text
@@ -191,17 +201,22 @@ def test_alignments_pair_source_and_target_words(trained_run, lines):
 
 def test_bf16_translation_keeps_every_line(trained_run, lines):
     """Against an fp32 reference on every CPU (``auto`` would be bf16 itself on one with native bf16)."""
-    fp32 = invoke("translate", trained_run, "--beam", 3, "--precision", "fp32", input=stdin_of(lines))
+    fp32 = invoke(
+        "translate", trained_run, "--device", "cpu", "--beam", 3, "--precision", "fp32", input=stdin_of(lines)
+    )
     assert fp32.exit_code == 0, fp32.output
-    bf16 = invoke("translate", trained_run, "--beam", 3, "--precision", "bf16", input=stdin_of(lines))
+    bf16 = invoke(
+        "translate", trained_run, "--device", "cpu", "--beam", 3, "--precision", "bf16", input=stdin_of(lines)
+    )
     assert bf16.exit_code == 0, bf16.output
     assert [bool(row) for row in bf16.stdout.splitlines()] == [bool(row) for row in fp32.stdout.splitlines()]
     assert len(bf16.stdout.splitlines()) == len(lines)
 
 
 def test_early_stop_changes_no_output_without_a_length_penalty(trained_run, lines):
-    early = invoke("translate", trained_run, "--beam", 4, "--lenpen", 0, input=stdin_of(lines))
-    full = invoke("translate", trained_run, "--beam", 4, "--lenpen", 0, "--no-early-stop", input=stdin_of(lines))
+    options = ["--device", "cpu", "--beam", 4, "--lenpen", 0]
+    early = invoke("translate", trained_run, *options, input=stdin_of(lines))
+    full = invoke("translate", trained_run, *options, "--no-early-stop", input=stdin_of(lines))
     assert full.exit_code == 0, full.output
     assert full.stdout == early.stdout
 
@@ -217,23 +232,24 @@ def test_on_a_terminal_a_file_shows_its_total_and_stdout_stays_the_translations(
     source.write_text(stdin_of(lines))
     with monkeypatch.context() as off_terminal:
         off_terminal.delenv("TTY_COMPATIBLE")
-        expected = invoke("translate", trained_run, "-i", source, "--beam", 2)
+        expected = invoke("translate", trained_run, "--device", "cpu", "-i", source, "--beam", 2)
     assert expected.stderr == "" and len(expected.stdout.splitlines()) == len(lines)
 
     def bar(result, name: str) -> str:
         assert result.exit_code == 0 and result.stdout == expected.stdout, result.output
         return [line for line in result.stderr.splitlines() if f"translating {name}" in line][-1]
 
-    from_file = invoke("translate", trained_run, "-i", source, "--beam", 2)
+    from_file = invoke("translate", trained_run, "--device", "cpu", "-i", source, "--beam", 2)
     assert f"100% {len(lines)}/{len(lines)} lines" in bar(from_file, "in.en")
-    from_pipe = bar(invoke("translate", trained_run, "--beam", 2, input=stdin_of(lines)), "<stdin>")
+    piped = invoke("translate", trained_run, "--device", "cpu", "--beam", 2, input=stdin_of(lines))
+    from_pipe = bar(piped, "<stdin>")
     assert f"{len(lines)} lines" in from_pipe and "%" not in from_pipe  # no total to give
-    quiet = invoke("--quiet", "translate", trained_run, "-i", source, "--beam", 2)
+    quiet = invoke("--quiet", "translate", trained_run, "--device", "cpu", "-i", source, "--beam", 2)
     assert quiet.stdout == expected.stdout and quiet.stderr == ""
 
 
 def test_sigint_on_a_pipeline_leaves_whole_lines_and_says_how_many(trained_run, lines):
-    command = [sys.executable, "-m", "mtkit", "translate", str(trained_run), "--beam", "2"]
+    command = [sys.executable, "-m", "mtkit", "translate", str(trained_run), "--device", "cpu", "--beam", "2"]
     proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         proc.stdin.write(stdin_of(lines[:5]).encode())
@@ -256,7 +272,7 @@ def test_sigint_while_translating_a_file_keeps_the_lines_done_in_a_partial_file(
 ):
     source = tmp_path / "in.en"
     source.write_text(stdin_of(lines * 3))
-    full = invoke("translate", trained_run, "-i", source, "--beam", 2).stdout.splitlines()
+    full = invoke("translate", trained_run, "--device", "cpu", "-i", source, "--beam", 2).stdout.splitlines()
     real_stream = mtkit.decoding.translate.Translator.stream
 
     def stream_then_interrupt(translator, *args):
@@ -268,7 +284,7 @@ def test_sigint_while_translating_a_file_keeps_the_lines_done_in_a_partial_file(
     monkeypatch.setattr(mtkit.decoding.translate, "CHUNK_LINES", 4)
     monkeypatch.setattr(mtkit.decoding.translate.Translator, "stream", stream_then_interrupt)
     out = tmp_path / "out.de"
-    result = invoke("translate", trained_run, "-i", source, "-o", out, "--beam", 2)
+    result = invoke("translate", trained_run, "--device", "cpu", "-i", source, "-o", out, "--beam", 2)
     assert result.exit_code == 128 + signal.SIGINT, result.output
     partial = tmp_path / "out.de.partial"
     assert (
@@ -296,7 +312,9 @@ def test_a_signal_during_a_line_write_waits_for_the_line(monkeypatch):
 def test_a_temperature_beyond_float32_is_one_error_line(trained_run, temperature):
     """float32 turns 1e300 into infinity and 1e-300 into 0: the draw's weights were NaN, and the command ended in
     a traceback ("index 5 is out of bounds for dimension 1 with size 5")."""
-    result = invoke("translate", trained_run, "--sample", "--temperature", temperature, input="A dog runs.\n")
+    result = invoke(
+        "translate", trained_run, "--device", "cpu", "--sample", "--temperature", temperature, input="A dog runs.\n"
+    )
     one_line_error(result, f"--temperature must be in [1e-30, 1e+30], got {float(temperature):g}")
 
 
@@ -306,8 +324,8 @@ def test_the_length_penalty_option_chooses_what_a_score_is_divided_by(trained_ru
     lengths = {}
     for form in ("gnmt", "power"):
         result = invoke(
-            "translate", trained_run, "--beam", 3, "--nbest", 3, "--lenpen", 1, "--length-penalty", form,
-            input=stdin_of(lines),
+            "translate", trained_run, "--device", "cpu", "--beam", 3, "--nbest", 3, "--lenpen", 1,
+            "--length-penalty", form, input=stdin_of(lines),
         )  # fmt: skip
         assert result.exit_code == 0, result.output
         rows = [row.split(" ||| ") for row in result.stdout.splitlines()]

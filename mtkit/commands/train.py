@@ -47,13 +47,14 @@ def train_command(
         bool, typer.Option("--tensorboard", help="Also write TensorBoard events to RUN_DIR/tensorboard.")
     ] = False,
     nproc_per_node: Annotated[
-        int,
+        int | None,
         typer.Option(
             "--nproc-per-node",
             help="Start this many training processes on this machine through torch.distributed.run "
-            "(one per GPU; gloo on CPU). For several machines call torchrun yourself.",
+            "(one per GPU: NCCL, gloo on CPU), 1 included; without it, one process trains alone. For several "
+            "machines call torchrun yourself.",
         ),
-    ] = 1,
+    ] = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the resolved config, batch and LR schedule; do not train.")
     ] = False,
@@ -90,11 +91,11 @@ def train_command(
         )
     out = out or Path("runs") / config.stem
     if dry_run:
-        typer.echo(_plan(cfg, out, nproc_per_node), nl=False)
+        typer.echo(_plan(cfg, out, nproc_per_node or 1), nl=False)
         return
-    if nproc_per_node < 1:
+    if nproc_per_node is not None and nproc_per_node < 1:
         raise ConfigError(f"--nproc-per-node must be >= 1, got {nproc_per_node}")
-    if nproc_per_node > 1 and not launched_by_torchrun():
+    if nproc_per_node is not None and not launched_by_torchrun():
         from mtkit.training.trainer import check_trainable
 
         check_trainable(cfg)  # here, once, rather than in every rank

@@ -228,21 +228,59 @@ def filter_pairs(
 
 @dataclass
 class Batch:
-    """One padded batch. tgt_in = bos + y, tgt_out = y + eos; src_pad_mask is True at padding."""
+    """One padded batch. tgt_in = bos + y, tgt_out = y + eos; src_pad_mask is True at padding.
+
+    ``target_index`` lists the real (non-pad) positions of tgt_out, flattened, known when the batch is made: the
+    loss gathers them by index, where a boolean mask would make an accelerator report their number to the host.
+    """
 
     src: Tensor  # (B, S)
     src_pad_mask: Tensor  # (B, S)
     tgt_in: Tensor  # (B, T)
     tgt_out: Tensor  # (B, T)
+    target_index: Tensor | None = None  # (N,) int64, into tgt_out.flatten()
 
     @property
     def target_tokens(self) -> int:
         return int((self.tgt_out != PAD_ID).sum())
 
+    def tensors(self) -> tuple[Tensor, ...]:
+        """What the training loss takes, in order."""
+        tensors = (self.src, self.src_pad_mask, self.tgt_in, self.tgt_out)
+        return tensors if self.target_index is None else (*tensors, self.target_index)
+
     def to(self, device: torch.device) -> Batch:
-        return Batch(
-            *(t.to(device, non_blocking=True) for t in (self.src, self.src_pad_mask, self.tgt_in, self.tgt_out))
-        )
+        return Batch(*(t.to(device, non_blocking=True) for t in self.tensors()))
+
+    def pin_memory(self) -> Batch:
+        """The batch in page-locked memory, which a GPU copies from while it computes (``to`` does not wait)."""
+        return Batch(*(t.pin_memory() for t in self.tensors()))
+
+
+@dataclass(frozen=True)
+class ShapeBuckets:
+    """Batch shapes from a small set, so that a compiled training step meets few shapes.
+
+    With ``multiple`` above 1 each side's padded length is rounded up to a multiple of it (8 suits tensor
+    cores), and a batch's rows are padded with empty pairs to the most ``batch_tokens`` holds at its longer
+    side's length, which the batcher then cuts by: a side of length L has at most L / multiple + 1 widths, and
+    the rows follow from them. Padding is masked as any padding is, so the loss is unchanged. ``multiple`` 1
+    pads to the longest sentence of each batch, nothing more.
+    """
+
+    multiple: int = 1
+    batch_tokens: int = 0
+
+    def width(self, longest: int) -> int:
+        return -(-longest // self.multiple) * self.multiple
+
+    def rows(self, pairs: int, longer_width: int) -> int:
+        if self.multiple == 1 or not self.batch_tokens:
+            return pairs
+        return max(pairs, self.batch_tokens // longer_width)
+
+
+NO_BUCKETS = ShapeBuckets()
 
 
 def pad(seqs: list[list[int]], prefix: list[int] = (), suffix: list[int] = ()) -> Tensor:
@@ -256,23 +294,38 @@ def _back_to_back(seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     return np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=int(lengths.sum())), lengths
 
 
-def pad_flat(flat: np.ndarray, lengths: np.ndarray, prefix: list[int] = (), suffix: list[int] = ()) -> Tensor:
-    """``pad`` for sequences given back to back in ``flat``, with their ``lengths``.
+def pad_flat(
+    flat: np.ndarray,
+    lengths: np.ndarray,
+    prefix: list[int] = (),
+    suffix: list[int] = (),
+    width: int = 0,
+    rows: int = 0,
+) -> Tensor:
+    """``pad`` for sequences given back to back in ``flat``, with their ``lengths``; at least ``width`` columns
+    and ``rows`` rows (the rows after the sequences' hold the prefix alone).
 
     One scatter into the padded array: a row at a time was slower (docs/benchmarks.md, "What moved the
     training figures").
     """
+    return torch.from_numpy(_padded(flat, lengths, prefix, suffix, width, rows))
+
+
+def _padded(
+    flat: np.ndarray, lengths: np.ndarray, prefix: list[int], suffix: list[int], width: int = 0, rows: int = 0
+) -> np.ndarray:
     lengths = np.asarray(lengths, dtype=np.int64)
-    rows = len(lengths)
-    out = np.full((rows, len(prefix) + int(lengths.max()) + len(suffix)), PAD_ID, dtype=np.int64)
+    count = len(lengths)
+    columns = max(width, len(prefix) + int(lengths.max()) + len(suffix))
+    out = np.full((max(rows, count), columns), PAD_ID, dtype=np.int64)
     starts = np.cumsum(lengths) - lengths
-    row_of = np.repeat(np.arange(rows), lengths)
+    row_of = np.repeat(np.arange(count), lengths)
     out[row_of, np.arange(len(flat)) - starts[row_of] + len(prefix)] = flat
     for column, token in enumerate(prefix):
         out[:, column] = token
     for offset, token in enumerate(suffix):
-        out[np.arange(rows), lengths + len(prefix) + offset] = token
-    return torch.from_numpy(out)
+        out[np.arange(count), lengths + len(prefix) + offset] = token
+    return out
 
 
 def source_tensor(seqs: list[list[int]]) -> tuple[Tensor, Tensor]:
@@ -285,19 +338,38 @@ def collate(src: list[list[int]], tgt: list[list[int]]) -> Batch:
     return collate_flat(*_back_to_back(src), *_back_to_back(tgt))
 
 
-def collate_flat(src: np.ndarray, src_lengths: np.ndarray, tgt: np.ndarray, tgt_lengths: np.ndarray) -> Batch:
-    """``collate`` for sentences given back to back, as a token store holds them."""
-    src_ids = pad_flat(src, src_lengths, suffix=[EOS_ID])
+def collate_flat(
+    src: np.ndarray,
+    src_lengths: np.ndarray,
+    tgt: np.ndarray,
+    tgt_lengths: np.ndarray,
+    buckets: ShapeBuckets = NO_BUCKETS,
+) -> Batch:
+    """``collate`` for sentences given back to back, as a token store holds them, in ``buckets``' shapes.
+
+    A row added to fill a shape is an empty pair: a source of eos alone (a row of padding alone would leave
+    attention nothing to attend to), and a target with nothing to predict.
+    """
+    src_width = buckets.width(int(np.max(src_lengths)) + 1)
+    tgt_width = buckets.width(int(np.max(tgt_lengths)) + 1)
+    rows = buckets.rows(len(src_lengths), max(src_width, tgt_width))
+    src_ids = _padded(src, src_lengths, [], [EOS_ID], src_width, rows)
+    src_ids[len(src_lengths) :, 0] = EOS_ID
+    tgt_out = _padded(tgt, tgt_lengths, [], [EOS_ID], tgt_width, rows)
     return Batch(
-        src_ids,
-        src_ids == PAD_ID,
-        pad_flat(tgt, tgt_lengths, prefix=[BOS_ID]),
-        pad_flat(tgt, tgt_lengths, suffix=[EOS_ID]),
+        torch.from_numpy(src_ids),
+        torch.from_numpy(src_ids == PAD_ID),
+        pad_flat(tgt, tgt_lengths, [BOS_ID], [], tgt_width, rows),
+        torch.from_numpy(tgt_out),
+        torch.from_numpy(np.flatnonzero(tgt_out != PAD_ID)),
     )
 
 
-def token_batches(src_lens: np.ndarray, tgt_lens: np.ndarray, batch_tokens: int, seed: int) -> list[np.ndarray]:
-    """Indices grouped into batches of at most ``batch_tokens`` padded tokens per side, shuffled.
+def token_batches(
+    src_lens: np.ndarray, tgt_lens: np.ndarray, batch_tokens: int, seed: int, multiple: int = 1
+) -> list[np.ndarray]:
+    """Indices grouped into batches of at most ``batch_tokens`` padded tokens per side, shuffled; padded
+    lengths counted rounded up to ``multiple`` (ShapeBuckets).
 
     Examples are ordered by target length and, within one target length, by source length, up
     for even target lengths and down for odd ones: this "snake" order keeps source lengths close
@@ -314,7 +386,8 @@ def token_batches(src_lens: np.ndarray, tgt_lens: np.ndarray, batch_tokens: int,
     src_rank = np.where(tgt_lens[order] % 2 == 0, src_lens[order], longest_src - src_lens[order])
     key = tgt_lens[order] * (longest_src + 1) + src_rank
     order = order[np.argsort(key, kind="stable")]
-    lengths = (np.maximum(src_lens, tgt_lens)[order] + 1).tolist()  # + eos (or bos)
+    lengths = np.maximum(src_lens, tgt_lens)[order] + 1  # + eos (or bos)
+    lengths = (-(-lengths // multiple) * multiple).tolist()
     cuts, start, longest = [], 0, 0
     for position, length in enumerate(lengths):
         if position > start and max(longest, length) * (position - start + 1) > batch_tokens:

@@ -44,8 +44,10 @@ class CorpusMix:
     each corpus the epoch it is in and the batches of that epoch it has given.
     """
 
-    def __init__(self, stores: Sequence[TokenStore], probabilities: np.ndarray, batch_tokens: int, seed: int) -> None:
-        self.stores, self.batch_tokens, self.seed = list(stores), batch_tokens, seed
+    def __init__(
+        self, stores: Sequence[TokenStore], probabilities: np.ndarray, batch_tokens: int, seed: int, multiple: int = 1
+    ) -> None:
+        self.stores, self.batch_tokens, self.seed, self.multiple = list(stores), batch_tokens, seed, multiple
         self.cumulative = np.cumsum(probabilities)
         self._epochs: dict[int, tuple[int, list[np.ndarray]]] = {}
 
@@ -61,7 +63,9 @@ class CorpusMix:
     def epoch_batches(self, corpus: int, epoch: int) -> list[np.ndarray]:
         held = self._epochs.get(corpus)
         if held is None or held[0] != epoch:
-            batches = self.stores[corpus].batch_indices(self.batch_tokens, seed=_seed(self.seed, corpus, epoch))
+            batches = self.stores[corpus].batch_indices(
+                self.batch_tokens, _seed(self.seed, corpus, epoch), self.multiple
+            )
             self._epochs[corpus] = held = (epoch, batches)
         return held[1]
 

@@ -35,9 +35,11 @@ import numpy as np
 
 from mtkit import untrusted
 from mtkit.data.parallel import (
+    NO_BUCKETS,
     Batch,
     DataError,
     FilterReport,
+    ShapeBuckets,
     check_input_file,
     collate_flat,
     count_lines,
@@ -153,11 +155,11 @@ class TokenStore:
         offsets = self.offsets[side]
         return self.ids[side][offsets[index] : offsets[index + 1]].tolist()
 
-    def batch_indices(self, batch_tokens: int, seed: int) -> list[np.ndarray]:
-        return token_batches(self.src_lengths, self.tgt_lengths, batch_tokens, seed)
+    def batch_indices(self, batch_tokens: int, seed: int, multiple: int = 1) -> list[np.ndarray]:
+        return token_batches(self.src_lengths, self.tgt_lengths, batch_tokens, seed, multiple)
 
-    def collate(self, indices: Iterable[int]) -> Batch:
-        return collate_flat(*self._gather("src", indices), *self._gather("tgt", indices))
+    def collate(self, indices: Iterable[int], buckets: ShapeBuckets = NO_BUCKETS) -> Batch:
+        return collate_flat(*self._gather("src", indices), *self._gather("tgt", indices), buckets)
 
     def _gather(self, side: str, indices: Iterable[int]) -> tuple[np.ndarray, np.ndarray]:
         """The ids of sentences ``indices`` back to back, read in one indexing of the memory map, and their lengths."""

@@ -142,7 +142,7 @@ def dropout(x: Tensor, p: float, training: bool) -> Tensor:
     """
     if not training or p == 0.0:
         return x
-    if x.is_cuda:
+    if x.is_cuda or torch.compiler.is_compiling():
         return F.dropout(x, p, training=True)
     drop = round(p * 65536)
     words = torch.empty((x.numel() + 3) // 4, dtype=torch.int64, device=x.device).random_(-(2**63), None)

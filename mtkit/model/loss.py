@@ -56,6 +56,22 @@ def _chunk_losses(
     if bias is not None:
         probs += bias
     gold = probs.gather(1, target)
+    if reads_wait_for(probs.device):
+        nll = _nll_then_softmax_without_reads(probs, gold)
+    else:
+        nll = _nll_then_softmax(h, w, bias, probs, gold, target)
+    mean_logit = (h.to(probs.dtype) @ w_sum)[:, None] / w.size(0) + b_mean
+    return (1.0 - eps) * nll + eps * (gold + nll - mean_logit), nll
+
+
+def reads_wait_for(device: torch.device) -> bool:
+    """Whether the host, reading a value back from ``device``, first waits for all the work queued on it (a GPU)."""
+    return device.type != "cpu"
+
+
+def _nll_then_softmax(h: Tensor, w: Tensor, bias: Tensor | None, probs: Tensor, gold: Tensor, target: Tensor) -> Tensor:
+    """-log softmax(logits)[gold] per row, leaving the softmax in ``probs`` (which holds the logits): one softmax
+    pass, and the exact logsumexp only for the rare rows whose gold probability underflows."""
     torch.softmax(probs, dim=-1, out=probs)
     gold_probability = probs.gather(1, target)
     nll = -gold_probability.log()
@@ -66,8 +82,15 @@ def _chunk_losses(
         if bias is not None:
             exact += bias
         nll[rows] = torch.logsumexp(exact, dim=-1, keepdim=True) - gold[rows]
-    mean_logit = (h.to(probs.dtype) @ w_sum)[:, None] / w.size(0) + b_mean
-    return (1.0 - eps) * nll + eps * (gold + nll - mean_logit), nll
+    return nll
+
+
+def _nll_then_softmax_without_reads(probs: Tensor, gold: Tensor) -> Tensor:
+    """``_nll_then_softmax`` where asking whether any row underflowed would stall the device until it knows
+    (a GPU): the logsumexp of every row first, then the softmax from it, a pass more over the logits."""
+    logsumexp = torch.logsumexp(probs, dim=-1, keepdim=True)
+    probs.sub_(logsumexp).exp_()
+    return logsumexp - gold
 
 
 class _LinearSmoothedCrossEntropy(torch.autograd.Function):
@@ -158,17 +181,32 @@ class TrainingObjective(nn.Module):
         self.dtype = dtype
         self._features: Callable[..., Tensor] = model.features
 
-    def compile_features(self) -> None:
-        self._features = torch.compile(self.model.features, dynamic=True)
+    def compile_features(self, shapes: int | None = None) -> None:
+        """Compile the encoder-decoder: for each of at most ``shapes`` batch shapes (ShapeBuckets), or once for
+        any shape when None (kernels for symbolic sizes, slower than specialised ones)."""
+        if shapes is None:
+            self._features = torch.compile(self.model.features, dynamic=True)
+            return
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, shapes)
+        torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, shapes)
+        self._features = torch.compile(self.model.features, dynamic=False)
 
-    def forward(self, src: Tensor, src_pad_mask: Tensor, tgt_in: Tensor, tgt_out: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, src: Tensor, src_pad_mask: Tensor, tgt_in: Tensor, tgt_out: Tensor, target_index: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         """Summed smoothed loss and summed NLL over the real (non-pad) target tokens, of the logits decoding
-        scores with (the output projection and its bias)."""
+        scores with (the output projection and its bias); ``target_index``: their flat positions, when known."""
         features_of = self._features if torch.is_grad_enabled() else self.model.features  # validation: eager
         with autocast(src.device, self.dtype):
             features = features_of(src, src_pad_mask, tgt_in)
-        keep = tgt_out != PAD_ID
+        if target_index is None:
+            target_index = (tgt_out != PAD_ID).flatten().nonzero().squeeze(1)
         output = self.model.output
         return linear_cross_entropy(
-            features[keep], output.weight, tgt_out[keep], self.label_smoothing, self.dtype, output.bias
+            features.flatten(0, 1).index_select(0, target_index),
+            output.weight,
+            tgt_out.flatten().index_select(0, target_index),
+            self.label_smoothing,
+            self.dtype,
+            output.bias,
         )

@@ -2,8 +2,8 @@
 
 torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; ``from_environment`` joins the process group (NCCL
 for GPUs, gloo for CPU). Besides the gradient all-reduce that DistributedDataParallel does, ranks
-talk through one small gloo "agreement" collective per update (losses, out-of-memory and stop
-flags), so every rank takes the same decision. Collectives run with a timeout; when one expires a
+talk through one small gloo "agreement" collective per update (losses, out-of-memory, stop and
+non-finite-gradient flags), so every rank takes the same decision. Collectives run with a timeout; when one expires a
 second gloo group, kept only for diagnosis, finds out which rank stopped answering.
 """
 
@@ -57,7 +57,8 @@ class Distributed:
 
     @property
     def enabled(self) -> bool:
-        return self.world_size > 1
+        """Whether this process joined a job (under torchrun, even one of a single rank)."""
+        return self.agreement is not None
 
     @property
     def is_main(self) -> bool:
@@ -132,8 +133,9 @@ def launched_by_torchrun() -> bool:
 
 
 def from_environment(device: str, timeout_s: float) -> Distributed:
-    """Join the job torchrun started (NCCL when this rank drives a GPU, else gloo); rank 0 of 1 otherwise."""
-    if not launched_by_torchrun() or int(os.environ["WORLD_SIZE"]) == 1:
+    """Join the job torchrun started (NCCL when this rank drives a GPU, else gloo), of one rank too, so that
+    ``torchrun --nproc-per-node 1`` runs the code a larger job runs; alone as rank 0 of 1 otherwise."""
+    if not launched_by_torchrun():
         return Distributed(timeout_s=timeout_s)
     rank, world, local = (int(os.environ[name]) for name in LAUNCH_VARIABLES)
     _stop_with_launcher()

@@ -150,7 +150,7 @@ class TrainingReport:
             "lr": stats["lr"],
             "loss": loss,
             "nll": p.log_nll / p.log_updates,
-            "grad_norm": stats["grad_norm"],
+            "grad_norm": float(stats["grad_norm"]),  # under torchrun, read from the device only now
             "tgt_tokens_per_s": tok_s,
             **p.counters(),
         }

@@ -11,9 +11,10 @@ of memory, a stop signal, a non-finite loss).
 ``Trainer`` has a recipe's shape: ``__init__`` is a list of named ``_setup_*`` steps, ``run()`` trains
 to the budget and ends with ``cleanup()``. Beside it: the learning-rate schedule (schedule.py), the
 model a run starts from (init_from.py), the parts it holds still (freezing.py), the tokenizers rank 0
-prepares (tokenizers.py), the validation set (validation_set.py), what a checkpoint
-must hold to resume from (resume.py), what a skipped update leads to (skip_policy.py), what the run
-writes to RUN/ (run_directory.py) and what it reports (reporting.py).
+prepares (tokenizers.py), the batches made ahead of the loop (feeding.py), the validation set
+(validation_set.py), what a checkpoint must hold to resume from (resume.py), what a skipped update
+leads to (skip_policy.py), what the run writes to RUN/ (run_directory.py) and what it reports
+(reporting.py).
 """
 
 from __future__ import annotations
@@ -25,16 +26,17 @@ import logging
 import math
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from mtkit.config import ConfigError, RunConfig
 from mtkit.data.directions import CorpusFiles, corpus_files
-from mtkit.data.parallel import Batch, DataError, check_input_file, file_digest, iter_parallel
+from mtkit.data.parallel import Batch, DataError, ShapeBuckets, check_input_file, file_digest, iter_parallel
 from mtkit.data.sampling import CorpusMix, corpus_probabilities
 from mtkit.data.token_store import TokenStore, default_cache_dir, open_or_build, store_key
 from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
@@ -46,6 +48,7 @@ from mtkit.progress import StageProgress
 from mtkit.runtime import autocast, hardware, pick_device, require, resolve_precision, seed_everything, set_threads
 from mtkit.scoring.metrics import bleu
 from mtkit.training.distributed import Distributed
+from mtkit.training.feeding import Feed, Group
 from mtkit.training.freezing import freeze
 from mtkit.training.init_from import InitialModel, import_once, read_initial_model, settle_config
 from mtkit.training.reporting import Reporter, TrainingReport, epoch_text
@@ -142,6 +145,7 @@ class Trainer:
         if cfg.train.tensorboard and self.is_main:
             self.run_dir.open_tensorboard()
         self._signals: StopSignals | None = None
+        self._feed: Feed | None = None
         self._clock = time.perf_counter()
         self._saved = self.progress.step if resumed else -1  # the update of the newest checkpoint
 
@@ -199,6 +203,7 @@ class Trainer:
             self.src_tok, self.tgt_tok = open_tokenizers(cfg, out_dir)
             self.stores = self._open_stores()
         self.corpus = self.stores[0]
+        self.buckets = ShapeBuckets(cfg.train.pad_multiple, cfg.train.batch_tokens)
         self.data_sha256 = data_sha256(cfg, self.stores, self.corpora)
         self.mix: CorpusMix | None = None
         if self.corpora:
@@ -209,7 +214,7 @@ class Trainer:
                 "batches drawn from %s",
                 ", ".join(f"{c.name} {len(st):,} pairs {p:.1%}" for c, st, p in zip(self.corpora, self.stores, shares)),
             )
-            self.mix = CorpusMix(self.stores, shares, cfg.train.batch_tokens, cfg.train.seed)
+            self.mix = CorpusMix(self.stores, shares, cfg.train.batch_tokens, cfg.train.seed, self.buckets.multiple)
         if self.is_main:
             self.valid_batches = loss_batches(cfg, self.src_tok, self.tgt_tok, self.valid_sets)
         else:
@@ -271,7 +276,16 @@ class Trainer:
         """What a training step calls: the loss, wrapped for data parallelism under torchrun, compiled if asked."""
         self.forward = self._data_parallel() if self.dist.enabled else self.objective
         if self.cfg.train.compile:
-            self.objective.compile_features()
+            self.objective.compile_features(self._shape_count())
+
+    def _shape_count(self) -> int | None:
+        """How many batch shapes training can meet, from the longest pair the data allows; None when every batch
+        has its own (train.pad_to_multiple 1), which the compiler then covers with symbolic sizes."""
+        multiple = self.buckets.multiple
+        if multiple == 1:
+            return None
+        widths = self.buckets.width(self.cfg.data.max_tokens + 1) // multiple
+        return widths * widths
 
     def _data_parallel(self) -> torch.nn.Module:
         from torch.nn.parallel import DistributedDataParallel
@@ -303,6 +317,7 @@ class Trainer:
     def cleanup(self) -> None:
         """Give up the run directory and the progress display; ``run`` ends with this, however it ends."""
         self._signals = None
+        self._close_feed()
         self.run_dir.close()
         self.report.finish()
 
@@ -314,8 +329,8 @@ class Trainer:
         self._clock = time.perf_counter()
         if self.progress.step and self._validation_due():
             last_result = self._validate_and_log()
-        for batches, group_tokens in self._update_groups():
-            stats = self.train_step(batches, group_tokens)
+        for group in self.update_groups():
+            stats = self.train_step(group.batches, group.tokens)
             if stats["skipped"]:
                 if self.skips.skipped(stats, self.progress):
                     self._roll_back()
@@ -340,44 +355,67 @@ class Trainer:
         self.report.write({"event": "done", "step": self.progress.step, **stop})
         return {**last_result, "stop": stop}
 
-    def _update_groups(self) -> Iterator[tuple[list[Batch], int]]:
-        """This rank's batches of each remaining update and the target tokens of the whole group.
+    def update_groups(self) -> Iterator[Group]:
+        """This rank's batches of each remaining update, from the feed, with the run's data position moved past
+        each group as it is taken. A rollback closes the feed: the next group comes from a new one, which walks
+        from the position the rollback restored."""
+        while self.stop_condition() is None:
+            if self._feed is None:
+                self._feed = self._open_feed()
+            group, p = self._feed.next(), self.progress
+            if self.mix is not None:
+                p.mix = group.mix
+            elif not group.batches:  # the epoch has run out: a budget of epochs may end training here
+                p.epoch, p.batch_in_epoch = group.epoch, 0
+                continue
+            else:
+                p.epoch, p.batch_in_epoch = group.epoch, group.batch_in_epoch
+            yield group
 
-        An update takes ``accum`` batches per rank; rank r gets every N-th batch of the group. A
-        tail of an epoch too short to give every rank a batch is left out. The position is re-read
-        each time, since a rollback may have moved it.
+    def _open_feed(self) -> Feed:
+        p = self.progress
+        walk = self._mixed_walk(p.mix) if self.mix is not None else self._walk(p.epoch, p.batch_in_epoch)
+        return Feed(walk, self.cfg.train.prefetch, pin=self.device.type == "cuda")
+
+    def _close_feed(self) -> None:
+        if self._feed is not None:
+            self._feed.close()
+            self._feed = None
+
+    def _walk(self, epoch: int, batch_in_epoch: int) -> Generator[Group, None, None]:
+        """The groups of batches from a position on, endlessly; an empty group marks the start of each next epoch.
+
+        An update takes ``accum`` batches per rank; rank r gets every N-th batch of the group. A tail of an
+        epoch too short to give every rank a batch is left out.
         """
         tc, world = self.cfg.train, self.dist.world_size
-        if self.mix is not None:
-            yield from self._mixed_update_groups()
-            return
-        while self.stop_condition() is None:
-            p = self.progress
-            batches = self._epoch_batches(p.epoch)
-            if len(batches) - p.batch_in_epoch < world:
-                p.epoch, p.batch_in_epoch = p.epoch + 1, 0
+        while True:
+            batches = self._epoch_batches(epoch)
+            if len(batches) - batch_in_epoch < world:
+                epoch, batch_in_epoch = epoch + 1, 0
+                yield Group([], 0, epoch, 0)
                 continue
-            group = batches[p.batch_in_epoch : p.batch_in_epoch + tc.accum * world]
-            p.batch_in_epoch += len(group)
-            mine = [self.corpus.collate(indices) for indices in group[self.dist.rank :: world]]
-            yield mine, sum(map(self.corpus.target_tokens, group))
+            group = batches[batch_in_epoch : batch_in_epoch + tc.accum * world]
+            batch_in_epoch += len(group)
+            mine = [self.corpus.collate(indices, self.buckets) for indices in group[self.dist.rank :: world]]
+            yield Group(mine, sum(map(self.corpus.target_tokens, group)), epoch, batch_in_epoch)
 
-    def _mixed_update_groups(self) -> Iterator[tuple[list[Batch], int]]:
-        """``_update_groups`` over several corpora: each batch of a group drawn from one of them (CorpusMix)."""
+    def _mixed_walk(self, position: list[int]) -> Generator[Group, None, None]:
+        """``_walk`` over several corpora: each batch of a group drawn from one of them (CorpusMix)."""
         tc, world = self.cfg.train, self.dist.world_size
-        while self.stop_condition() is None:
-            p = self.progress
-            if not p.mix:
-                p.mix = self.mix.start()
-            group = [self.mix.next(p.mix) for _ in range(tc.accum * world)]
-            mine = [self.stores[corpus].collate(indices) for corpus, indices in group[self.dist.rank :: world]]
-            yield mine, sum(self.stores[corpus].target_tokens(indices) for corpus, indices in group)
+        position = list(position) or self.mix.start()
+        while True:
+            group = [self.mix.next(position) for _ in range(tc.accum * world)]
+            mine = [self.stores[c].collate(indices, self.buckets) for c, indices in group[self.dist.rank :: world]]
+            tokens = sum(self.stores[corpus].target_tokens(indices) for corpus, indices in group)
+            yield Group(mine, tokens, mix=list(position))
 
     def _epoch_batches(self, epoch: int) -> list[np.ndarray]:
         """The epoch's batches as corpus indices, identical on every rank (the shuffle is seeded by epoch)."""
         if self._epoch_indices[0] != epoch:
             tc = self.cfg.train
-            self._epoch_indices = (epoch, self.corpus.batch_indices(tc.batch_tokens, seed=tc.seed * 100_003 + epoch))
+            seed = tc.seed * 100_003 + epoch
+            self._epoch_indices = (epoch, self.corpus.batch_indices(tc.batch_tokens, seed, self.buckets.multiple))
         return self._epoch_indices[1]
 
     def stop_condition(self) -> tuple[str, str] | None:
@@ -395,6 +433,7 @@ class Trainer:
 
     def _roll_back(self) -> None:
         """Return to the newest checkpoint with a lower learning rate, if the skip policy allows it."""
+        self._close_feed()
         before = self.progress
         self._load(self.skips.rollback_target(before, self.run_dir.latest()))
         self.progress = self.skips.rolled_back(before, self.progress)
@@ -409,6 +448,10 @@ class Trainer:
         same update as one process accumulating the N batches. ``stats["skipped"]`` says why an
         update was not applied (oom, overflow, nonfinite); ``stats["stop"]`` that some rank got a
         stop signal. Both are agreed by all ranks.
+
+        The host reads the device once per update: the losses with what the skip decision needs (the
+        gradient norm in one process; under torchrun, whether this rank's gradients are finite, before the
+        ranks agree). Until then the update's work is queued on a GPU without waiting for it.
         """
         tc, p = self.cfg.train, self.progress
         self.model.train()
@@ -416,32 +459,21 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         loss_sum, nll_sum, oom = self._accumulate_gradients(batches, group_tokens)
-        now = time.perf_counter()
-        stop = self._signals is not None and self._signals.received is not None
-        loss_sum, nll_sum, ooms, stops, seconds = self.dist.sum(
-            [loss_sum, nll_sum, float(oom), float(stop), now - self._clock]
-        )
-        self._clock = now
-        p.seconds += seconds / self.dist.world_size
-        stats = {"loss": loss_sum / group_tokens, "nll": nll_sum / group_tokens, "lr": lr, "tokens": group_tokens}
-        stats.update(grad_norm=math.nan, stop=stops > 0, skipped=None)
-        if ooms:
-            self.optimizer.zero_grad(set_to_none=True)
-            return {**stats, "skipped": "oom", "oom_ranks": int(ooms)}
         if self.dist.enabled:
-            self._synchronise_gradients()
+            return self._finish_distributed(loss_sum, nll_sum, oom, lr, group_tokens)
+        stats = {"lr": lr, "tokens": group_tokens, "stop": self._stop_received(), "skipped": None}
+        p.seconds += self._lap()
+        if oom:
+            self.optimizer.zero_grad(set_to_none=True)
+            return {**stats, "loss": 0.0, "nll": 0.0, "grad_norm": math.nan, "skipped": "oom", "oom_ranks": 1}
         self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
-        parameters = [p for p in self.model.parameters() if p.grad is not None]
-        if tc.clip_norm > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, tc.clip_norm))
-        else:
-            grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in parameters]))
-        stats["grad_norm"] = grad_norm
+        norm = self._clip_gradients()
+        loss_sum, nll_sum, grad_norm = torch.stack([loss_sum, nll_sum, norm.double()]).tolist()  # the one read
+        stats.update(loss=loss_sum / group_tokens, nll=nll_sum / group_tokens, grad_norm=grad_norm)
         if self.scaler.is_enabled():
-            scale = self.scaler.get_scale()
             self.scaler.step(self.optimizer)  # skipped by the scaler when fp16 gradients overflowed
             self.scaler.update()
-            if self.scaler.get_scale() < scale:
+            if not math.isfinite(grad_norm):
                 stats["skipped"] = "overflow"
         elif math.isfinite(loss_sum) and math.isfinite(grad_norm):
             self.optimizer.step()
@@ -450,24 +482,89 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return stats
 
-    def _accumulate_gradients(self, batches: list[Batch], group_tokens: int) -> tuple[float, float, bool]:
-        """Forward and backward over this rank's batches with gradients kept local: (loss, nll, out of memory)."""
+    def _finish_distributed(self, loss_sum: Tensor, nll_sum: Tensor, oom: bool, lr: float, group_tokens: int) -> dict:
+        """``train_step`` under torchrun, once this rank's gradients are accumulated: the ranks agree in one
+        collective on the losses, out of memory, stop signals and non-finite gradients, then all-reduce the
+        gradients and step alike. A rank's gradients are finite if and only if their sum over ranks is, so
+        the decision is taken before the all-reduce, and the clipped norm stays on the device until logged."""
+        checked = [loss_sum, nll_sum, torch.zeros((), dtype=torch.float64, device=self.device)]
+        if not oom:
+            local = self._parameters_with_gradients()
+            checked[2] = torch.nn.utils.get_total_norm([q.grad for q in local]).double()
+            if not self.scaler.is_enabled():  # with loss scaling, only the gradients decide (overflow)
+                checked[2] = checked[2] + loss_sum * 0.0
+        loss_sum, nll_sum, local_norm = torch.stack(checked).tolist()  # the one read
+        agreed = self.dist.sum(
+            [
+                loss_sum,
+                nll_sum,
+                float(oom),
+                float(self._stop_received()),
+                self._lap(),
+                float(not math.isfinite(local_norm)),
+            ]
+        )
+        loss_sum, nll_sum, ooms, stops, seconds, nonfinite = agreed
+        self.progress.seconds += seconds / self.dist.world_size
+        stats = {"loss": loss_sum / group_tokens, "nll": nll_sum / group_tokens, "lr": lr, "tokens": group_tokens}
+        stats.update(grad_norm=math.nan, stop=stops > 0, skipped=None)
+        if ooms:
+            self.optimizer.zero_grad(set_to_none=True)
+            return {**stats, "skipped": "oom", "oom_ranks": int(ooms)}
+        self._synchronise_gradients()
+        self.scaler.unscale_(self.optimizer)
+        stats["grad_norm"] = self._clip_gradients()  # read when a metrics line shows it
+        if self.scaler.is_enabled():
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            if nonfinite:
+                stats["skipped"] = "overflow"
+        elif not nonfinite:
+            self.optimizer.step()
+        else:
+            stats["skipped"] = "nonfinite"
+        self.optimizer.zero_grad(set_to_none=True)
+        return stats
+
+    def _parameters_with_gradients(self) -> list[torch.nn.Parameter]:
+        return [q for q in self.model.parameters() if q.grad is not None]
+
+    def _clip_gradients(self) -> Tensor:
+        """The gradients' global norm (a device tensor), after clipping them to train.clip_norm if it is set."""
+        parameters, clip = self._parameters_with_gradients(), self.cfg.train.clip_norm
+        if clip > 0:
+            return torch.nn.utils.clip_grad_norm_(parameters, clip)
+        return torch.nn.utils.get_total_norm([q.grad for q in parameters])
+
+    def _stop_received(self) -> bool:
+        return self._signals is not None and self._signals.received is not None
+
+    def _lap(self) -> float:
+        """Seconds since the last lap (or since training resumed)."""
+        now = time.perf_counter()
+        lap, self._clock = now - self._clock, now
+        return lap
+
+    def _accumulate_gradients(self, batches: list[Batch], group_tokens: int) -> tuple[Tensor, Tensor, bool]:
+        """Forward and backward over this rank's batches with gradients kept local: the summed loss and NLL
+        (float64 scalars on the device, not read here) and whether the device ran out of memory."""
         scale = self.dist.world_size  # DDP averages over ranks; this makes the update a sum over the group
-        loss_sum = nll_sum = 0.0
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        nll_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         local = self.forward.no_sync() if self.dist.enabled else contextlib.nullcontext()
         try:
             with local:
                 for batch in batches:
-                    b = batch.to(self.device)
-                    loss, nll = self.forward(b.src, b.src_pad_mask, b.tgt_in, b.tgt_out)
+                    loss, nll = self.forward(*batch.to(self.device).tensors())
                     self.scaler.scale(loss * scale / group_tokens).backward()
-                    loss_sum += loss.item()
-                    nll_sum += nll.item()
+                    loss_sum += loss.detach().double()
+                    nll_sum += nll.double()
         except torch.OutOfMemoryError:
             self.optimizer.zero_grad(set_to_none=True)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            return 0.0, 0.0, True
+            zero = torch.zeros((), dtype=torch.float64, device=self.device)
+            return zero, zero, True
         return loss_sum, nll_sum, False
 
     def _synchronise_gradients(self) -> None:
@@ -479,7 +576,8 @@ class Trainer:
         The price is that communication no longer overlaps the last backward pass.
         """
         one = torch.ones(1, 1, dtype=torch.long, device=self.device)
-        loss, _ = self.forward(one * EOS_ID, one == PAD_ID, one * BOS_ID, one * EOS_ID)
+        first = torch.zeros(1, dtype=torch.long, device=self.device)
+        loss, _ = self.forward(one * EOS_ID, one == PAD_ID, one * BOS_ID, one * EOS_ID, first)
         (loss * 0.0).backward()
 
     # -- validation ---------------------------------------------------------------------------
@@ -557,11 +655,11 @@ class Trainer:
         return result
 
     def _valid_loss(self) -> dict:
-        loss_sum = nll_sum = tokens = 0.0
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
         for batch in self.valid_batches:
-            b = batch.to(self.device)
-            loss, nll = self.objective(b.src, b.src_pad_mask, b.tgt_in, b.tgt_out)
-            loss_sum, nll_sum, tokens = loss_sum + loss.item(), nll_sum + nll.item(), tokens + batch.target_tokens
+            sums += torch.stack(self.objective(*batch.to(self.device).tensors())).double()
+        loss_sum, nll_sum = sums.tolist()
+        tokens = sum(batch.target_tokens for batch in self.valid_batches)
         return {
             "valid_loss": loss_sum / tokens,
             "valid_nll": nll_sum / tokens,
