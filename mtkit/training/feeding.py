@@ -63,9 +63,12 @@ class Feed:
             try:
                 item = self._queue.get(timeout=POLL_S)
             except queue.Empty:
-                if not self._thread.is_alive():  # a walk is endless, and errors are queued: not expected
+                if self._thread.is_alive():
+                    continue
+                try:  # it may have queued its last item (an error) just before it ended
+                    item = self._queue.get_nowait()
+                except queue.Empty:  # a walk is endless, and errors are queued: not expected
                     raise RuntimeError("the batch feed thread ended without a batch or an error") from None
-                continue
             if isinstance(item, _Failed):
                 raise item.error
             return item

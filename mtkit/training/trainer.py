@@ -203,7 +203,7 @@ class Trainer:
             self.src_tok, self.tgt_tok = open_tokenizers(cfg, out_dir)
             self.stores = self._open_stores()
         self.corpus = self.stores[0]
-        self.buckets = ShapeBuckets(cfg.train.pad_multiple, cfg.train.batch_tokens)
+        self.buckets = ShapeBuckets(cfg.train.pad_to_multiple, cfg.train.batch_tokens, cfg.model.max_positions)
         self.data_sha256 = data_sha256(cfg, self.stores, self.corpora)
         self.mix: CorpusMix | None = None
         if self.corpora:
@@ -279,13 +279,18 @@ class Trainer:
             self.objective.compile_features(self._shape_count())
 
     def _shape_count(self) -> int | None:
-        """How many batch shapes training can meet, from the longest pair the data allows; None when every batch
-        has its own (train.pad_to_multiple 1), which the compiler then covers with symbolic sizes."""
+        """How many batch shapes training can meet, from the longest pair the data allows (and the one-token batch
+        of a data-parallel update); None when every batch has its own (train.pad_to_multiple 1), which the
+        compiler then covers with symbolic sizes."""
         multiple = self.buckets.multiple
         if multiple == 1:
             return None
-        widths = self.buckets.width(self.cfg.data.max_tokens + 1) // multiple
-        return widths * widths
+        widths = -(-self.buckets.width(self.cfg.data.max_tokens + 1) // multiple)
+        shapes = widths * widths + 1
+        log.info(
+            "train.compile: at most %d batch shapes (train.pad_to_multiple %d), each compiled once", shapes, multiple
+        )
+        return shapes
 
     def _data_parallel(self) -> torch.nn.Module:
         from torch.nn.parallel import DistributedDataParallel
@@ -359,18 +364,21 @@ class Trainer:
         """This rank's batches of each remaining update, from the feed, with the run's data position moved past
         each group as it is taken. A rollback closes the feed: the next group comes from a new one, which walks
         from the position the rollback restored."""
-        while self.stop_condition() is None:
-            if self._feed is None:
-                self._feed = self._open_feed()
-            group, p = self._feed.next(), self.progress
-            if self.mix is not None:
-                p.mix = group.mix
-            elif not group.batches:  # the epoch has run out: a budget of epochs may end training here
-                p.epoch, p.batch_in_epoch = group.epoch, 0
-                continue
-            else:
-                p.epoch, p.batch_in_epoch = group.epoch, group.batch_in_epoch
-            yield group
+        try:
+            while self.stop_condition() is None:
+                if self._feed is None:
+                    self._feed = self._open_feed()
+                group, p = self._feed.next(), self.progress
+                if self.mix is not None:
+                    p.mix = group.mix
+                elif not group.batches:  # the epoch has run out: a budget of epochs may end training here
+                    p.epoch, p.batch_in_epoch = group.epoch, 0
+                    continue
+                else:
+                    p.epoch, p.batch_in_epoch = group.epoch, group.batch_in_epoch
+                yield group
+        finally:  # also when the caller stops taking groups: no thread walks on for nobody
+            self._close_feed()
 
     def _open_feed(self) -> Feed:
         p = self.progress
@@ -412,11 +420,15 @@ class Trainer:
 
     def _epoch_batches(self, epoch: int) -> list[np.ndarray]:
         """The epoch's batches as corpus indices, identical on every rank (the shuffle is seeded by epoch)."""
-        if self._epoch_indices[0] != epoch:
+        held = self._epoch_indices
+        if held[0] != epoch:
             tc = self.cfg.train
             seed = tc.seed * 100_003 + epoch
-            self._epoch_indices = (epoch, self.corpus.batch_indices(tc.batch_tokens, seed, self.buckets.multiple))
-        return self._epoch_indices[1]
+            held = self._epoch_indices = (
+                epoch,
+                self.corpus.batch_indices(tc.batch_tokens, seed, self.buckets.multiple),
+            )
+        return held[1]
 
     def stop_condition(self) -> tuple[str, str] | None:
         """The setting that ends training and why, in words; None while every budget has some left."""
@@ -485,8 +497,9 @@ class Trainer:
     def _finish_distributed(self, loss_sum: Tensor, nll_sum: Tensor, oom: bool, lr: float, group_tokens: int) -> dict:
         """``train_step`` under torchrun, once this rank's gradients are accumulated: the ranks agree in one
         collective on the losses, out of memory, stop signals and non-finite gradients, then all-reduce the
-        gradients and step alike. A rank's gradients are finite if and only if their sum over ranks is, so
-        the decision is taken before the all-reduce, and the clipped norm stays on the device until logged."""
+        gradients and step alike. The sum over ranks of finite fp32 gradients is finite short of overflowing
+        fp32, and a non-finite one makes it non-finite, so the decision is taken before the all-reduce, and the
+        clipped norm stays on the device until a metrics line shows it."""
         checked = [loss_sum, nll_sum, torch.zeros((), dtype=torch.float64, device=self.device)]
         if not oom:
             local = self._parameters_with_gradients()
