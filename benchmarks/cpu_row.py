@@ -144,7 +144,7 @@ def run_json(command: list[str], json_path: Path) -> dict | None:
 
 
 def training_run(args: argparse.Namespace, cpu: dict, run: Path, fairseq: Path | None, work: Path) -> dict:
-    """A: target tokens/s of mtkit fp32 and auto, and of fairseq fp32."""
+    """A: target tokens/s of mtkit fp32 and auto, and of fairseq fp32; mtkit fp32's share of the fp32 matmul peak."""
     precisions = ["fp32"] if cpu["auto"] == "fp32" else ["fp32", cpu["auto"]]
     command = [sys.executable, str(REPO / "benchmarks" / "train_throughput.py"), "--run", str(run)]
     command += ["--src", str(args.data_dir / "train.en.gz"), "--tgt", str(args.data_dir / "train.de.gz")]
@@ -155,6 +155,7 @@ def training_run(args: argparse.Namespace, cpu: dict, run: Path, fairseq: Path |
         return {}
     train = figures["train"]
     found = {"train_fp32": train["fp32"]["tokens_per_s"], "train_auto": train[cpu["auto"]]["tokens_per_s"]}
+    found["train_fp32_mfu_percent"] = 100 * train["fp32"]["mfu"]["fp32"]  # against the fp32 matmul peak
     if "peer" in figures:
         found["train_fairseq_fp32"] = figures["peer"]["tokens_per_s"]
         found["train_auto_over_fairseq"] = found["train_auto"] / found["train_fairseq_fp32"]
@@ -222,6 +223,7 @@ def markdown(cpu: dict, figures: dict[str, str]) -> list[str]:
         "CPUs, torch",
         "`auto`",
         "training, target tokens/s: fp32 / auto / fairseq fp32",
+        "fp32 training, % of the fp32 matmul peak",
         "auto / fairseq",
         "beam 5, sentences/s: fp32 / bf16 / int8",
         "with the shortlist: fp32 / bf16 / int8",
@@ -234,6 +236,7 @@ def markdown(cpu: dict, figures: dict[str, str]) -> list[str]:
         f"{cpu['cpus']}, torch {cpu['torch']}",
         auto,
         f"{f('train_fp32')} / {f('train_auto')} / {f('train_fairseq_fp32')}",
+        f("train_fp32_mfu_percent"),
         f("train_auto_over_fairseq"),
         mtkit_decoding,
         shortlisted,
