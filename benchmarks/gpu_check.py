@@ -1,6 +1,6 @@
 """Correctness and speed of training and translation on one CUDA GPU, as one short run.
 
-For a lent GPU machine with a time limit: every phase appends its figures to ``OUT/gpu_check.json``,
+For a GPU machine held for a limited time: every phase appends its figures to ``OUT/gpu_check.json``,
 and its results as lines of ``OUT/summary.txt``, as soon as it ends, so a run cut short still
 reports what it measured. Phases (``--phases``, in the order given):
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# mtkit on a lent CUDA GPU, as one run within a time budget (7 minutes on an H100 or H200):
+# mtkit on a CUDA GPU, as one run within a time budget (7 minutes on an H100 or H200):
 #   1. the tests that need CUDA, tests/test_cuda.py: bf16 and fp16 (loss scaling) training steps
 #      against fp32, beam search and the fused loss on the GPU against the CPU, dropout and top-k;
 #   2. training throughput and MFU of transformer-base and transformer-big in bf16 (autocast; the
