@@ -287,6 +287,15 @@ CHAIN_TRAIN = {"max_steps": 8, "batch_tokens": 1024, "warmup": 2, "lr": 3e-3, "v
                "log_every": 2, "valid_beam": 1, "precision": "fp32", "device": "cpu", "threads": 1}  # fmt: skip
 
 
+def refused_as_trained_on_other_data(result, checkpoints: Path, stage: str) -> None:
+    """``mtkit run`` ended in one error line: the checkpoints of ``stage`` were trained on other data, and
+    ``--restart STAGE`` is the way to train it again."""
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: {checkpoints}") and "trained on another data." in line
+    assert line.endswith(f"; to train it again from the start, run `mtkit run` with --restart {stage}")
+
+
 def run_recipe_with_plan(recipe: Path, out: Path, plan: dict | None = None) -> subprocess.CompletedProcess:
     """``mtkit run RECIPE --out OUT`` in a subprocess that carries out the kill ``plan`` (kill_runner.py)."""
     command = [sys.executable, str(KILL_RUNNER), json.dumps(plan or {}), "run", str(recipe), "--out", str(out)]

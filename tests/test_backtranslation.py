@@ -20,6 +20,7 @@ from helpers import (
     finished_run,
     invoke,
     one_line_error,
+    refused_as_trained_on_other_data,
     run_recipe_sigterm_after_first_part,
     run_recipe_with_plan,
 )
@@ -306,10 +307,7 @@ def test_after_the_parallel_data_changes_restart_reverse_trains_the_reverse_mode
     train = tmp_path / "half" / "train.en"
     train.write_text("".join(train.read_text().splitlines(keepends=True)[:-20]) + "One more line.\n" * 20)
     result = invoke("run", recipe, "--out", out)
-    assert result.exit_code == 1 and "Traceback" not in result.output
-    line = result.stderr.strip().splitlines()[-1]
-    assert line.startswith(f"error: {out / 'reverse' / 'checkpoints'}") and "trained on another data." in line
-    assert line.endswith("; to train it again from the start, run `mtkit run` with --restart reverse")
+    refused_as_trained_on_other_data(result, out / "reverse" / "checkpoints", "reverse")
     weights = out / "reverse" / "checkpoints" / "update-00000002" / checkpoint.WEIGHTS_FILE
     before = weights.read_bytes()
     result = invoke("run", recipe, "--out", out, "--restart", "reverse", "--restart", "train")

@@ -482,17 +482,9 @@ class Trainer:
         norm = self._clip_gradients()
         loss_sum, nll_sum, grad_norm = torch.stack([loss_sum, nll_sum, norm.double()]).tolist()  # the one read
         stats.update(loss=loss_sum / group_tokens, nll=nll_sum / group_tokens, grad_norm=grad_norm)
-        if self.scaler.is_enabled():
-            self.scaler.step(self.optimizer)  # skipped by the scaler when fp16 gradients overflowed
-            self.scaler.update()
-            if not math.isfinite(grad_norm):
-                stats["skipped"] = "overflow"
-        elif math.isfinite(loss_sum) and math.isfinite(grad_norm):
-            self.optimizer.step()
-        else:
-            stats["skipped"] = "nonfinite"
-        self.optimizer.zero_grad(set_to_none=True)
-        return stats
+        # with loss scaling only the gradients decide (overflow); without it, a non-finite loss skips too
+        finite = math.isfinite(grad_norm) and (self.scaler.is_enabled() or math.isfinite(loss_sum))
+        return self._step(stats, finite)
 
     def _finish_distributed(self, loss_sum: Tensor, nll_sum: Tensor, oom: bool, lr: float, group_tokens: int) -> dict:
         """``train_step`` under torchrun, once this rank's gradients are accumulated: the ranks agree in one
@@ -527,15 +519,19 @@ class Trainer:
         self._synchronise_gradients()
         self.scaler.unscale_(self.optimizer)
         stats["grad_norm"] = self._clip_gradients()  # read when a metrics line shows it
+        return self._step(stats, finite=not nonfinite)
+
+    def _step(self, stats: dict, finite: bool) -> dict:
+        """Apply the update if its gradients (and, without loss scaling, its loss) are ``finite``, which all ranks
+        agree on; ``stats`` with why it was skipped otherwise: fp16 "overflow", which the scaler skips and backs
+        off from itself, or "nonfinite"."""
         if self.scaler.is_enabled():
             self.scaler.step(self.optimizer)
             self.scaler.update()
-            if nonfinite:
-                stats["skipped"] = "overflow"
-        elif not nonfinite:
+        elif finite:
             self.optimizer.step()
-        else:
-            stats["skipped"] = "nonfinite"
+        if not finite:
+            stats["skipped"] = "overflow" if self.scaler.is_enabled() else "nonfinite"
         self.optimizer.zero_grad(set_to_none=True)
         return stats
 
