@@ -32,8 +32,8 @@ import torch
 from mtkit.config import PRESETS, DecodeConfig
 from mtkit.data.parallel import read_lines, source_tensor
 from mtkit.data.tokenizer import BOS_ID, PAD_ID
+from mtkit.decoding.line_translator import Translator
 from mtkit.decoding.shortlist import load_shortlist
-from mtkit.decoding.translate import Translator
 from mtkit.model.attention import DecoderCache
 from mtkit.model.loading import load_for_inference
 from mtkit.model.quantization import quantize_int8

@@ -15,7 +15,7 @@ under the memory allocator the ``mtkit`` command uses (mimalloc where installed,
 The grid is every combination of ``--engines`` x ``--precisions`` x ``--beams`` x ``--batch-sizes``
 x ``--early-stop``, less the combinations that do not exist:
 
-- engine ``mtkit``: mtkit's own batched search (``mtkit.decoding.translate.Translator``), weights in fp32
+- engine ``mtkit``: mtkit's own batched search (``mtkit.decoding.line_translator.Translator``), weights in fp32
   or bf16, or its linear layers in int8 (``mtkit translate --precision``).
 - engine ``ct2``: the model exported with ``mtkit export --format ctranslate2`` and decoded by
   CTranslate2 (``mtkit translate --engine ctranslate2``), skipped when the ctranslate2 package is
@@ -218,7 +218,7 @@ def timed_translation(translator, source: Path, lines: int | None = None) -> tup
     """Outputs and seconds from opening the input to writing the last output line; the first ``lines`` lines only
     when given."""
     from mtkit.data.parallel import iter_lines
-    from mtkit.decoding.translate import chunked
+    from mtkit.decoding.line_translator import chunked
 
     with tempfile.TemporaryFile("w+", encoding="utf-8") as out:
         start = time.perf_counter()
@@ -252,7 +252,7 @@ class NativeCTranslate2:
             self.sampling = {"sampling_topk": top_k, "sampling_topp": top_p}  # top-k 0: the whole distribution
 
     def stream(self, chunks):
-        from mtkit.decoding.translate import Translation
+        from mtkit.decoding.line_translator import Translation
 
         pieces = [self.src_tok.sp.encode(line, out_type=str) for chunk in chunks for line in chunk]
         results = self.engine.translate_batch(

@@ -30,8 +30,8 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from mtkit.data.parallel import source_tensor  # noqa: E402
+from mtkit.decoding.line_translator import Translator  # noqa: E402
 from mtkit.decoding.search import greedy_search, max_lengths  # noqa: E402
-from mtkit.decoding.translate import Translator  # noqa: E402
 from mtkit.interop.hf_export import export_transformers, transformers_length_penalty  # noqa: E402
 from mtkit.model.loading import load_for_inference  # noqa: E402
 from mtkit.scoring.metrics import corpus_scores  # noqa: E402

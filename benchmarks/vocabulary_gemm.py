@@ -4,7 +4,7 @@
 For each number of rows (a decoding step: one sentence's 1 or 5 beams, a greedy batch, 128 sentences' beams)
 and each model width and vocabulary, the median microseconds of ``F.linear`` (ATen: MKL on x86) with the
 weights as a model stores them (V, D), ATen with a copy stored by columns (D, V), and oneDNN over a copy packed
-once (``mtkit.model.derived.onednn_linear``, what decoding runs on x86 CPUs not made by Intel). ``same_rows``
+once (``mtkit.model.linear.onednn_linear``, what decoding runs on x86 CPUs not made by Intel). ``same_rows``
 says whether each library gives a row the same bits alone as among 640 rows.
 
     python benchmarks/vocabulary_gemm.py
@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from mtkit.model.derived import onednn_linear
+from mtkit.model.linear import onednn_linear
 from mtkit.runtime import (
     DTYPES,
     bf16_decoding_gemm,

@@ -15,7 +15,7 @@ from typing import Annotated
 import typer
 from typer.core import TyperGroup
 
-from mtkit.commands import data, doctor, evaluate, serve, train, translate
+from mtkit.commands import data, doctor, evaluate, models, serve, train, translate
 from mtkit.commands.common import LogLevel, set_log_level
 from mtkit.version import __version__
 
@@ -56,8 +56,8 @@ app = typer.Typer(
     add_completion=True,
 )
 app.add_typer(data.tokenizer_commands, name="tokenizer")
-app.add_typer(translate.import_commands, name="import")
-for module in (data, train, translate, evaluate, serve, doctor):
+app.add_typer(models.import_commands, name="import")
+for module in (data, train, translate, models, evaluate, serve, doctor):
     app.add_typer(module.commands)  # unnamed: its commands join mtkit's own
 
 

@@ -10,7 +10,7 @@ import pytest
 from helpers import invoke
 
 import mtkit
-import mtkit.decoding.translate
+import mtkit.decoding.line_translator
 from mtkit.config import SamplingConfig
 from mtkit.decoding.search import beam_search
 
@@ -24,7 +24,7 @@ def searches(monkeypatch) -> list[dict]:
         seen.append({k: getattr(decode, k) for k in ("beam", "lenpen", "max_len_a", "max_len_b")})
         return beam_search(model, src, src_pad_mask, decode, *args, **kwargs)
 
-    monkeypatch.setattr(mtkit.decoding.translate, "beam_search", recording)
+    monkeypatch.setattr(mtkit.decoding.line_translator, "beam_search", recording)
     return seen
 
 
@@ -121,7 +121,7 @@ def test_load_computes_on_the_threads_it_is_given(run_with_decode_settings, monk
         seen.append(torch.get_num_threads())
         return beam_search(*args, **kwargs)
 
-    monkeypatch.setattr(mtkit.decoding.translate, "beam_search", recording)
+    monkeypatch.setattr(mtkit.decoding.line_translator, "beam_search", recording)
     try:
         mtkit.load(run_with_decode_settings, device="cpu", threads=before + 1).translate(["A dog runs."])
         assert seen == [before + 1]

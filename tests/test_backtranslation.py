@@ -26,17 +26,17 @@ from helpers import (
 )
 
 import mtkit
-from mtkit.backtranslation import reverse_config, with_synthetic
 from mtkit.config import ConfigError, SamplingConfig, from_dict, read_config
 from mtkit.data.tokenizer import Tokenizer
 from mtkit.files import OutputError
-from mtkit.model import checkpoint, loading
-from mtkit.stages import train_stage
+from mtkit.model import checkpoint, loading, run_folder
 from mtkit.training import trainer
 from mtkit.training.distributed import DistributedError
 from mtkit.training.resume import ResumeRefused
 from mtkit.translation import resumable
 from mtkit.translation.resumable import translate_resumably
+from mtkit.workflows.backtranslation import reverse_config, with_synthetic
+from mtkit.workflows.stages import train_stage
 
 MONO_LINES = 4_500  # three parts of resumable.PART_LINES
 
@@ -88,7 +88,7 @@ def test_the_chain_trains_a_reverse_model_back_translates_and_trains_on_both(uni
     assert len(synthetic) == MONO_LINES  # line-aligned with the monolingual text
     reverse = checkpoint.read_checkpoint(loading.resolve(uninterrupted / "reverse"), with_state=False)
     assert (reverse.cfg.data.corpora[0].src_lang, reverse.cfg.data.corpora[0].tgt_lang) == ("de", "en")
-    main = checkpoint.read_checkpoint(loading.latest(uninterrupted), with_state=False)
+    main = checkpoint.read_checkpoint(run_folder.latest(uninterrupted), with_state=False)
     real, extra = main.cfg.data.corpora
     assert (extra.train_src, extra.train_tgt) == (str(uninterrupted / "backtranslated.en"), str(bt_data / "mono.de"))
     assert extra.back_translated and not real.back_translated
@@ -109,7 +109,7 @@ def test_killed_in_each_stage_and_resumed_the_chain_ends_as_the_uninterrupted_on
         killed = run_recipe_with_plan(recipe, out, plan)
         assert killed.returncode == -9, f"{stage}: {killed.returncode}\n{killed.stderr[-3000:]}"
         if stage == "reverse":
-            assert loading.latest(out / "reverse") is not None and not parts.exists()
+            assert run_folder.latest(out / "reverse") is not None and not parts.exists()
         if stage == "back-translate":  # the first part is kept, the synthetic corpus not yet written
             assert [p.name for p in parts.glob("*.txt")] == ["000000000000.txt"]
             assert not (out / "backtranslated.en").exists()
@@ -118,8 +118,8 @@ def test_killed_in_each_stage_and_resumed_the_chain_ends_as_the_uninterrupted_on
     for name in ("backtranslated.en", "test.hyp.de"):
         assert (out / name).read_bytes() == (uninterrupted / name).read_bytes(), name
     assert not (out / ".backtranslated.en.parts").exists()
-    ours = checkpoint.read_checkpoint(loading.latest(out), with_state=False).weights
-    theirs = checkpoint.read_checkpoint(loading.latest(uninterrupted), with_state=False).weights
+    ours = checkpoint.read_checkpoint(run_folder.latest(out), with_state=False).weights
+    theirs = checkpoint.read_checkpoint(run_folder.latest(uninterrupted), with_state=False).weights
     assert all((ours[name] == theirs[name]).all() for name in theirs)
 
 

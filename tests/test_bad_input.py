@@ -22,7 +22,7 @@ import torch
 from helpers import invoke, one_line_error, write_config
 
 from mtkit.launch import preload_environment
-from mtkit.model import checkpoint, loading
+from mtkit.model import checkpoint, run_folder
 
 
 def train_on(tmp_path, corpus_files, spm_model, name: str, **data) -> object:
@@ -38,7 +38,7 @@ def train_on(tmp_path, corpus_files, spm_model, name: str, **data) -> object:
 
 
 def final_weights(run) -> dict[str, torch.Tensor]:
-    return checkpoint.read_checkpoint(loading.latest(run), with_state=False).weights
+    return checkpoint.read_checkpoint(run_folder.latest(run), with_state=False).weights
 
 
 def translate_lines(run, lines: list[str], *args) -> list[str]:
@@ -286,10 +286,10 @@ def test_resuming_from_a_checkpoint_of_another_vocabulary_or_architecture(
 ):
     run = tmp_path / "run"
     shutil.copytree(trained_run, run)
-    last = checkpoint.read_checkpoint(loading.latest(run)).meta["step"]
+    last = checkpoint.read_checkpoint(run_folder.latest(run)).meta["step"]
     config = write_config(tmp_path / "c.yaml", corpus_files, train={"max_steps": last + 20})
     newer = f"update-{last + 10:08d}"  # the newest, so the one a resume reads
-    shutil.copytree(loading.latest(other_vocabulary_run), run / "checkpoints" / newer)
+    shutil.copytree(run_folder.latest(other_vocabulary_run), run / "checkpoints" / newer)
     one_line_error(invoke("train", config, "--out", run), f"{newer}: trained with another tokenizer")
     shutil.rmtree(run / "checkpoints" / newer)
     one_line_error(invoke("train", config, "--out", run, "--set", "model.d_model=64"), "model settings differ")
@@ -313,16 +313,16 @@ def test_truncated_checkpoints(tmp_path, corpus_files, trained_run):
     best.write_bytes(best.read_bytes()[:3000])
     result = invoke("translate", run, "--device", "cpu", input="A dog.\n")
     one_line_error(result, "model.safetensors: not a readable mtkit checkpoint")
-    state = loading.latest(run) / checkpoint.STATE_FILE
+    state = run_folder.latest(run) / checkpoint.STATE_FILE
     state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
-    newest, older = loading.run_checkpoints(run)[-1], loading.run_checkpoints(run)[-2]
+    newest, older = run_folder.run_checkpoints(run)[-1], run_folder.run_checkpoints(run)[-2]
     target = checkpoint.read_checkpoint(newest, with_state=False).meta["step"] + 2
     config = write_config(tmp_path / "c.yaml", corpus_files, train={"max_steps": target})
     error = one_line_error(invoke("train", config, "--out", run), "state.pt: not a readable mtkit checkpoint")
     assert error.endswith(f"; delete {newest} to resume from {older}")
     shutil.rmtree(newest)  # as the message says
     assert invoke("train", config, "--out", run).exit_code == 0
-    assert checkpoint.read_checkpoint(loading.latest(run)).meta["step"] == target
+    assert checkpoint.read_checkpoint(run_folder.latest(run)).meta["step"] == target
 
 
 def test_a_tokenizer_that_does_not_match_the_checkpoint(tmp_path, trained_run, other_vocabulary_run):
@@ -511,7 +511,7 @@ def test_output_paths_that_must_not_be_replaced(tmp_path, trained_run):
         invoke("translate", trained_run, "--device", "cpu", "-i", source, "-o", source), "in.en: is also an input"
     )
     one_line_error(invoke("translate", trained_run, "--device", "cpu", "-i", link, "-o", target), "is also an input")
-    newest = loading.latest(trained_run)
+    newest = run_folder.latest(trained_run)
     before = (newest / checkpoint.WEIGHTS_FILE).read_bytes()
     one_line_error(invoke("average", trained_run, "-o", newest / checkpoint.WEIGHTS_FILE), "is inside the checkpoint")
     assert (newest / checkpoint.WEIGHTS_FILE).read_bytes() == before

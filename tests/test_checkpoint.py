@@ -13,7 +13,7 @@ import torch
 from helpers import invoke, meta_for, run_dir_with, tiny_model
 
 from mtkit import files
-from mtkit.model import checkpoint, loading
+from mtkit.model import checkpoint, loading, run_folder
 from mtkit.model.checkpoint import CheckpointError
 from mtkit.training import averaging, run_directory
 from mtkit.training.run_directory import recover
@@ -83,8 +83,8 @@ def test_failed_save_keeps_the_previous_checkpoint_and_leaves_nothing_behind(tmp
     with pytest.raises(OSError, match="disk full"):
         run_directory.save_in_run(run, 20, weights_of(1), meta_for(), {"progress": {"step": 20}}, keep_last=0)
 
-    assert [p.name for p in (run / loading.CHECKPOINTS_DIR).iterdir()] == [first.name]
-    assert loading.latest(run) == first
+    assert [p.name for p in (run / run_folder.CHECKPOINTS_DIR).iterdir()] == [first.name]
+    assert run_folder.latest(run) == first
     assert_same_weights(checkpoint.read_checkpoint(first).weights, weights_of(0))
 
 
@@ -110,10 +110,10 @@ def test_directories_left_by_a_killed_save_are_ignored_then_cleaned(tmp_path):
     done = run_directory.save_in_run(run, 10, weights_of(0), meta_for(step=10), None, keep_last=0)
     stray = done.with_name(".update-00000020.abc.tmp")  # what SIGKILL mid-save leaves: complete weights, odd name
     shutil.copytree(done, stray)
-    (run / loading.CHECKPOINTS_DIR / "update-00000030").mkdir()  # partial: no weights file yet
+    (run / run_folder.CHECKPOINTS_DIR / "update-00000030").mkdir()  # partial: no weights file yet
 
-    assert loading.run_checkpoints(run) == [done]
-    assert loading.latest(run) == done
+    assert run_folder.run_checkpoints(run) == [done]
+    assert run_folder.latest(run) == done
     run_directory.save_in_run(run, 20, weights_of(1), meta_for(step=20), None, keep_last=0)
     assert not stray.exists()
 
@@ -144,7 +144,7 @@ def test_keep_last_keeps_exactly_the_newest(tmp_path, keep_last, kept):
     weights = weights_of()
     for step in range(1, 6):
         run_directory.save_in_run(tmp_path, step, weights, meta_for(), {"progress": {"step": step}}, keep_last)
-    found = loading.run_checkpoints(tmp_path)
+    found = run_folder.run_checkpoints(tmp_path)
     assert [checkpoint.read_checkpoint(p).meta["step"] for p in found] == kept
 
 
@@ -152,13 +152,13 @@ def test_pruning_never_deletes_the_checkpoint_just_written(tmp_path):
     # e.g. before a restart
     stale = run_directory.save_in_run(tmp_path, 30, weights_of(), meta_for(), None, keep_last=0)
     fresh = run_directory.save_in_run(tmp_path, 10, weights_of(), meta_for(), None, keep_last=1)
-    assert loading.run_checkpoints(tmp_path) == [fresh, stale]
+    assert run_folder.run_checkpoints(tmp_path) == [fresh, stale]
 
 
 def test_steps_are_ordered_by_number_not_name(tmp_path):
     for step in (99_999_999, 100_000_000, 5):
         run_directory.save_in_run(tmp_path, step, weights_of(), meta_for(), None, keep_last=0)
-    assert [checkpoint.read_checkpoint(p).meta["step"] for p in loading.run_checkpoints(tmp_path)] == [
+    assert [checkpoint.read_checkpoint(p).meta["step"] for p in run_folder.run_checkpoints(tmp_path)] == [
         5,
         99_999_999,
         100_000_000,
@@ -293,7 +293,7 @@ def test_a_checkpoint_killed_while_being_pruned_is_never_taken_for_a_whole_one(t
     with pytest.raises(KeyboardInterrupt):
         run_directory.save_in_run(run, 3, weights_of(0), meta_for(step=3), {"progress": {}}, keep_last=2)
     monkeypatch.undo()
-    assert [p.name for p in loading.run_checkpoints(run)] == ["update-00000002", "update-00000003"]
-    assert all(checkpoint.read_checkpoint(p).state is not None for p in loading.run_checkpoints(run))
+    assert [p.name for p in run_folder.run_checkpoints(run)] == ["update-00000002", "update-00000003"]
+    assert all(checkpoint.read_checkpoint(p).state is not None for p in run_folder.run_checkpoints(run))
     recover(run)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["update-00000002", "update-00000003"]

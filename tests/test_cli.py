@@ -13,7 +13,7 @@ import torch
 from helpers import invoke, joint_run, one_line_error, write_config
 
 from mtkit import runtime
-from mtkit.model import checkpoint, loading
+from mtkit.model import checkpoint, run_folder
 
 
 @pytest.mark.parametrize(
@@ -58,7 +58,7 @@ def test_tokenizer_train_joint_and_separate(tmp_path, corpus_files):
 def test_train_writes_a_complete_run_directory(trained_run):
     for name in ("config.yaml", "spm.model", "spm.vocab", "metrics.jsonl", "best/model.safetensors"):
         assert (trained_run / name).is_file(), name
-    assert [path.name for path in loading.run_checkpoints(trained_run)] == ["update-00000150", "update-00000300"]
+    assert [path.name for path in run_folder.run_checkpoints(trained_run)] == ["update-00000150", "update-00000300"]
     events = [json.loads(line) for line in (trained_run / "metrics.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e["event"] == "valid"] == [150, 300]
     assert all("bleu_signature" in e for e in events if e["event"] == "valid")
@@ -176,13 +176,13 @@ def test_sigterm_saves_a_whole_update_and_the_same_command_resumes(tmp_path, cor
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "stopped by SIGTERM" in err and "Traceback" not in err
 
-    saved = checkpoint.read_checkpoint(loading.latest(run)).meta["step"]
+    saved = checkpoint.read_checkpoint(run_folder.latest(run)).meta["step"]
     logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert saved == logged[-1]  # the checkpoint holds exactly the updates that were logged
     resumed = subprocess.run(command + ["--set", f"train.max_steps={saved + 2}"], capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
-    assert f"resuming from {loading.run_checkpoints(run)[-2]} at update {saved}" in resumed.stderr
-    assert checkpoint.read_checkpoint(loading.latest(run)).meta["step"] == saved + 2
+    assert f"resuming from {run_folder.run_checkpoints(run)[-2]} at update {saved}" in resumed.stderr
+    assert checkpoint.read_checkpoint(run_folder.latest(run)).meta["step"] == saved + 2
 
 
 def test_doctor_reports_the_machine(tmp_path, no_cuda):
@@ -230,15 +230,15 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tmp_path, corpus_f
     wait_for_logged_updates(proc, killed / "metrics.jsonl", 5)
     proc.kill()
     proc.wait()
-    saved = checkpoint.read_checkpoint(loading.latest(killed)).meta["step"]
+    saved = checkpoint.read_checkpoint(run_folder.latest(killed)).meta["step"]
     assert saved >= 2 and saved % 2 == 0
     target = f"train.max_steps={saved + 4}"
     for out in (killed, tmp_path / "straight"):
         done = subprocess.run(command + ["--out", str(out), "--set", target], capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
     assert per_step_losses(killed / "metrics.jsonl") == per_step_losses(tmp_path / "straight" / "metrics.jsonl")
-    a = checkpoint.read_checkpoint(loading.latest(killed)).weights
-    b = checkpoint.read_checkpoint(loading.latest(tmp_path / "straight")).weights
+    a = checkpoint.read_checkpoint(run_folder.latest(killed)).weights
+    b = checkpoint.read_checkpoint(run_folder.latest(tmp_path / "straight")).weights
     assert all(torch.equal(a[name], b[name]) for name in a)
 
 
@@ -261,7 +261,7 @@ def test_output_spellings_and_quiet_logging(tmp_path, corpus_files):
     assert loud.exit_code == quiet.exit_code == 0
     assert " INFO " in loud.stderr and " INFO " not in quiet.stderr
     assert invoke("--log-level", "warning", "train", config, "--out", tmp_path / "c").exit_code == 0
-    assert all(loading.latest(tmp_path / name) is not None for name in "abc")
+    assert all(run_folder.latest(tmp_path / name) is not None for name in "abc")
     s, t = corpus_files["train.en"], corpus_files["train.de"]
     for spelling in ("-o", "--output", "--out-dir"):
         folder = tmp_path / spelling.strip("-")
@@ -288,7 +288,7 @@ def torch_threads():
 
 def threads_during_search(monkeypatch) -> list[int]:
     """torch's thread count at each beam search the translator runs."""
-    import mtkit.decoding.translate
+    import mtkit.decoding.line_translator
     from mtkit.decoding.search import beam_search
 
     seen = []
@@ -297,7 +297,7 @@ def threads_during_search(monkeypatch) -> list[int]:
         seen.append(torch.get_num_threads())
         return beam_search(*args, **kwargs)
 
-    monkeypatch.setattr(mtkit.decoding.translate, "beam_search", recording)
+    monkeypatch.setattr(mtkit.decoding.line_translator, "beam_search", recording)
     return seen
 
 

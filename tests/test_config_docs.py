@@ -1,4 +1,4 @@
-"""docs/config.md: generated from mtkit/config.py, current, and complete (every setting with its default and why)."""
+"""docs/config.md: generated from mtkit/config/, current, and complete (every setting with its default and why)."""
 
 import dataclasses
 import inspect
@@ -10,11 +10,23 @@ from typing import Literal
 import pytest
 import yaml
 
-from mtkit import config
-from mtkit.config_docs import COMMAND, explanations, render
+from mtkit.config import SECTIONS, ConfigError, bounds, data, decoding, model, training, workflows
+from mtkit.config.docs import COMMAND, render
+from mtkit.config.model import PRESET_REASONS, PRESETS
+from mtkit.config.schema import RunConfig
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "config.md"
-FIELDS = [(name, cls, f) for name, cls in config.SECTIONS.items() for f in dataclasses.fields(cls)]
+FIELDS = [(name, cls, f) for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+# Every dataclass of settings (RunConfig holds the sections, not settings).
+SETTINGS_CLASSES = [
+    cls
+    for module in (data, decoding, model, training, workflows)
+    for _, cls in inspect.getmembers(module, dataclasses.is_dataclass)
+    if cls.__module__ == module.__name__ and cls is not RunConfig
+]
+BOUNDED = [
+    (cls, bound, key) for cls in SETTINGS_CLASSES for bound, keys in getattr(cls, "bounds", {}).items() for key in keys
+]
 
 
 def rows(text: str) -> dict[str, list[str]]:
@@ -41,10 +53,10 @@ def test_every_setting_is_listed_with_its_default(section, cls, f):
 
 
 def test_every_setting_and_preset_says_why():
-    why = explanations(inspect.getsource(config))
-    names = [f"{cls.__name__}.{f.name}" for _, cls, f in FIELDS] + [f"PRESETS.{name}" for name in config.PRESETS]
-    missing = [name for name in names if not why[name]]
-    assert not missing, f"add a comment saying why to these in mtkit/config.py: {', '.join(missing)}"
+    settings = [(cls, f) for cls in SETTINGS_CLASSES for f in dataclasses.fields(cls)]
+    missing = [f"{cls.__name__}.{f.name}" for cls, f in settings if not f.metadata.get("help")]
+    assert not missing, f"give these a help text, setting(default, help), in mtkit/config/: {', '.join(missing)}"
+    assert list(PRESET_REASONS) == list(PRESETS) and all(PRESET_REASONS.values())
 
 
 def test_the_choices_of_literal_settings_are_listed():
@@ -56,23 +68,25 @@ def test_the_choices_of_literal_settings_are_listed():
 
 
 def test_presets_and_bounds_are_listed_in_the_model_section():
-    model = render().split("## `model`")[1].split("\n## ")[0]
-    for name, values in config.PRESETS.items():
-        assert f"| `{name}` | " + " | ".join(map(str, values.values())) + " | " in model
-    assert "| `MAX_LAYERS` | 1,000 | `encoder_layers`, `decoder_layers` | per stack |" in model
-    assert "| `MAX_POSITIONS` | 65,536 | `max_positions` | Bounds on what a config" in model
+    model_section = render().split("## `model`")[1].split("\n## ")[0]
+    for name, values in PRESETS.items():
+        assert f"| `{name}` | " + " | ".join(map(str, values.values())) + " | " in model_section
+    assert "| `MAX_LAYERS` | 1,000 | `encoder_layers`, `decoder_layers` | per stack |" in model_section
+    assert "| `MAX_POSITIONS` | 65,536 | `max_positions` | Bounds on what a config" in model_section
 
 
-def test_comments_are_the_one_ending_the_line_and_the_full_lines_right_above():
-    source = """
-class C:
-    a: int = 1  # ends a's line
-    # not b's: a blank line follows
+def test_every_bound_with_a_reason_is_a_bound():
+    constants = {name for name, value in vars(bounds).items() if name.isupper() and isinstance(value, (int, float))}
+    assert set(bounds.REASONS) <= constants
+    assert {bound for _, bound, _ in BOUNDED} <= constants
 
-    # first line
-    # second line
-    b: str = "#not a comment"  # and the end
-    c: int = 3
-"""
-    why = explanations(source)
-    assert why == {"C.a": "ends a's line", "C.b": "first line second line and the end", "C.c": ""}
+
+@pytest.mark.parametrize("cls, bound, key", BOUNDED, ids=[f"{c.__name__}.{k}-{b}" for c, b, k in BOUNDED])
+def test_a_key_is_refused_past_the_bound_its_section_lists(cls, bound, key):
+    """The bounds docs/config.md lists beside a key are the ones its section's checks compare it with."""
+    limit = getattr(bounds, bound)
+    past = limit / 2 if bound.startswith("MIN_") else limit * 2
+    if typing.get_origin(typing.get_type_hints(cls)[key]) is tuple:  # a list: its length is bounded
+        past = tuple(range(past))
+    with pytest.raises(ConfigError):
+        cls(**{key: past})

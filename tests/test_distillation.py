@@ -23,19 +23,19 @@ from helpers import (
 )
 
 import mtkit
-import mtkit.run
+import mtkit.workflows.recipe
 from mtkit import runtime
 from mtkit.config import PRESETS, ConfigError, TokenizerConfig, from_dict, read_config
 from mtkit.data.parallel import read_lines
 from mtkit.data.tokenizer import PAD_ID, train_spm
-from mtkit.distillation import distil, kept_pairs
-from mtkit.model import checkpoint, loading
+from mtkit.model import checkpoint, run_folder
 from mtkit.model.transformer import build_model, count_parameters
 from mtkit.scoring.metrics import sentence_scores
-from mtkit.stages import Digests, StageRecord
 from mtkit.training import trainer
 from mtkit.training.stop_signals import TrainingStopped
 from mtkit.translation import resumable
+from mtkit.workflows.distillation import distil, kept_pairs
+from mtkit.workflows.stages import Digests, StageRecord
 
 TRAIN_LINES = 4_500  # three parts of resumable.PART_LINES
 
@@ -99,7 +99,7 @@ def test_the_chain_trains_two_teachers_distils_and_trains_a_student_on_their_tok
     for teacher in teachers:  # each teacher is a whole run, scored on its test set
         assert json.loads((teacher.parent / "report.json").read_text())["scores"][0]["name"] == "BLEU"
     digests = [checkpoint.read_checkpoint(t, with_state=False).meta["tokenizer"]["src"]["sha256"] for t in teachers]
-    student = checkpoint.read_checkpoint(loading.latest(uninterrupted), with_state=False)
+    student = checkpoint.read_checkpoint(run_folder.latest(uninterrupted), with_state=False)
     assert digests[0] == digests[1] == student.meta["tokenizer"]["src"]["sha256"]
     assert (student.cfg.model.encoder_layers, student.cfg.model.d_model) == (2, 32)
     (corpus,) = student.cfg.data.corpora
@@ -423,7 +423,7 @@ def test_a_training_stopped_in_a_command_with_restart_says_to_resume_without_it(
     def stopped(*args, **kwargs):
         raise TrainingStopped(signal.SIGTERM, 3)
 
-    monkeypatch.setattr(mtkit.run, "run_recipe", stopped)
+    monkeypatch.setattr(mtkit.workflows.recipe, "run_recipe", stopped)
     monkeypatch.setattr(trainer, "run_training", stopped)
     recipe = _student_recipe(tmp_path, corpus, teacher=[str(quick_teacher)])
     for command in (["run", recipe, "--restart", "train"], ["train", quick_teacher.parent / "quick.yaml", "--restart"]):

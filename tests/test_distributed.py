@@ -17,7 +17,7 @@ import torch
 from helpers import small_config, write_config
 
 from mtkit.config import from_dict
-from mtkit.model import checkpoint, loading
+from mtkit.model import checkpoint, run_folder
 from mtkit.model.loss import TrainingObjective
 from mtkit.training.distributed import DistributedError, from_environment
 from mtkit.training.trainer import Trainer
@@ -125,8 +125,8 @@ def test_two_ranks_make_the_updates_of_one_process_with_the_same_global_batch(tm
     assert ranks[0]["result"]["valid_bleu"] == ranks[1]["result"]["valid_bleu"] == single_result["valid_bleu"]
     assert ranks[0]["result"]["valid_loss"] == pytest.approx(single_result["valid_loss"], rel=1e-5)
     assert ranks[0]["progress"] == ranks[1]["progress"]
-    assert [p.name for p in loading.run_checkpoints(tmp_path / "two")] == ["update-00000003", "update-00000006"]
-    saved = checkpoint.read_checkpoint(loading.latest(tmp_path / "two"))
+    assert [p.name for p in run_folder.run_checkpoints(tmp_path / "two")] == ["update-00000003", "update-00000006"]
+    saved = checkpoint.read_checkpoint(run_folder.latest(tmp_path / "two"))
     assert len(saved.state["rng"]) == 2  # each rank's dropout stream, for an exact resume
 
 
@@ -161,7 +161,7 @@ def test_nproc_per_node_trains_validates_and_resumes_through_torchrun(tmp_path, 
     )
     assert more.returncode == 0, more.stderr
     assert "at update 4" in more.stderr
-    assert checkpoint.read_checkpoint(loading.latest(run)).meta["step"] == 6
+    assert checkpoint.read_checkpoint(run_folder.latest(run)).meta["step"] == 6
 
 
 def processes_mentioning(text: str) -> list[int]:
@@ -202,8 +202,8 @@ def test_stopping_the_launcher_makes_the_ranks_save_and_exit(tmp_path, corpus_fi
         assert time.monotonic() < deadline, "ranks kept running after their launcher was killed"
         time.sleep(0.1)
     logged = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert loading.latest(run) is not None, err
-    assert checkpoint.read_checkpoint(loading.latest(run)).meta["step"] == logged[-1]
+    assert run_folder.latest(run) is not None, err
+    assert checkpoint.read_checkpoint(run_folder.latest(run)).meta["step"] == logged[-1]
 
 
 @pytest.mark.parametrize("fault", ["missing-file", "bad-line"])

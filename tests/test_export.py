@@ -27,11 +27,12 @@ from mtkit.config import ConfigError, DecodeConfig, ModelConfig, RunConfig, Toke
 from mtkit.data.parallel import source_tensor
 from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_spm
 from mtkit.decoding import shortlist as lexical
+from mtkit.decoding.line_translator import EMPTY, Translation, Translator
 from mtkit.decoding.search import greedy_search, max_lengths
-from mtkit.decoding.translate import EMPTY, Translation, Translator
 from mtkit.files import file_sha256
-from mtkit.interop.ct2_export import MANIFEST, VMAP, export_ctranslate2
+from mtkit.interop.ct2_export import VMAP, export_ctranslate2
 from mtkit.interop.ct2_translator import CTranslate2Translator
+from mtkit.interop.export_folder import MANIFEST
 from mtkit.model import checkpoint, loading
 from mtkit.model.transformer import build_model
 

@@ -27,7 +27,7 @@ from mtkit.data.parallel import source_tensor
 from mtkit.data.tokenizer import EOS_ID, PAD_ID, Tokenizer, train_spm
 from mtkit.decoding.search import beam_search, greedy_search, max_lengths
 from mtkit.files import file_sha256
-from mtkit.interop.ct2_export import MANIFEST
+from mtkit.interop.export_folder import MANIFEST
 from mtkit.interop.hf_export import export_transformers, generation_settings
 from mtkit.model import checkpoint, loading
 from mtkit.model.transformer import build_model

@@ -28,11 +28,12 @@ from mtkit import files
 from mtkit.cli import app
 from mtkit.config import from_dict
 from mtkit.errors import TrainingFailed
-from mtkit.model import checkpoint, loading
+from mtkit.model import checkpoint, run_folder
 from mtkit.model.loss import TrainingObjective
 from mtkit.training import run_directory
 from mtkit.training.schedule import lr_at
 from mtkit.training.skip_policy import MAX_CONSECUTIVE_OOMS
+from mtkit.training.step import accumulate_gradients
 from mtkit.training.trainer import Trainer
 
 
@@ -95,7 +96,9 @@ def assert_same_weights(a: dict, b: dict) -> None:
 
 
 def checkpoint_bytes(run_dir) -> dict[str, bytes]:
-    return {f"{d.name}/{f.name}": f.read_bytes() for d in loading.run_checkpoints(run_dir) for f in sorted(d.iterdir())}
+    return {
+        f"{d.name}/{f.name}": f.read_bytes() for d in run_folder.run_checkpoints(run_dir) for f in sorted(d.iterdir())
+    }
 
 
 # -- non-finite loss ------------------------------------------------------------------------
@@ -131,7 +134,7 @@ def test_nonfinite_loss_rolls_back_to_the_checkpoint_with_a_lower_learning_rate(
     assert again["loss"] == pytest.approx(first["loss"], rel=1e-6)
     assert (first["rollbacks"], again["rollbacks"], train[-1]["rollbacks"]) == (0, 1, 1)
 
-    saved = checkpoint.read_checkpoint(loading.latest(tmp_path))
+    saved = checkpoint.read_checkpoint(run_folder.latest(tmp_path))
     assert saved.meta["step"] == 6
     assert saved.state["progress"]["lr_scale"] == 0.25 and saved.state["progress"]["rollbacks"] == 1
     resumed = Trainer(small_config(corpus_files, spm_model, max_steps=8), tmp_path)
@@ -151,9 +154,9 @@ def test_no_rollbacks_left_fails_and_keeps_the_checkpoint(tmp_path, corpus_files
     with pytest.raises(TrainingFailed, match=r"update 4\b.*train\.max_rollbacks") as failure:
         trainer.run()
     assert "update-00000002" in str(failure.value)  # names the last good checkpoint
-    assert [d.name for d in loading.run_checkpoints(tmp_path)] == ["update-00000002"]
+    assert [d.name for d in run_folder.run_checkpoints(tmp_path)] == ["update-00000002"]
     assert checkpoint_bytes(tmp_path) == on_disk
-    saved = checkpoint.read_checkpoint(loading.latest(tmp_path))
+    saved = checkpoint.read_checkpoint(run_folder.latest(tmp_path))
     assert saved.meta["step"] == 2 and saved.state["progress"]["step"] == 2
     assert not events(tmp_path, "rollback")
 
@@ -166,8 +169,8 @@ def test_nan_on_every_update_uses_up_the_rollbacks_then_fails(tmp_path, corpus_f
         trainer.run()
     assert (trainer.progress.step, trainer.progress.rollbacks, trainer.progress.lr_scale) == (2, 2, 0.25)
     assert [r["lr_scale"] for r in events(tmp_path, "rollback")] == [0.5, 0.25]
-    assert [d.name for d in loading.run_checkpoints(tmp_path)] == ["update-00000002"]
-    saved = checkpoint.read_checkpoint(loading.latest(tmp_path))
+    assert [d.name for d in run_folder.run_checkpoints(tmp_path)] == ["update-00000002"]
+    saved = checkpoint.read_checkpoint(run_folder.latest(tmp_path))
     assert saved.meta["step"] == 2 and saved.state["progress"]["rollbacks"] == 0
 
 
@@ -175,7 +178,7 @@ def test_nan_before_any_checkpoint_fails_without_writing_one(tmp_path, corpus_fi
     Faults(monkeypatch, at(1))
     with pytest.raises(TrainingFailed, match="update 1.*no checkpoint to roll back to yet"):
         Trainer(small_config(corpus_files, spm_model, max_steps=4), tmp_path).run()
-    assert loading.latest(tmp_path) is None
+    assert run_folder.latest(tmp_path) is None
 
 
 def test_nonfinite_skip_drops_the_update_and_counts_it(tmp_path, corpus_files, spm_model, monkeypatch):
@@ -194,7 +197,7 @@ def test_nonfinite_skip_drops_the_update_and_counts_it(tmp_path, corpus_files, s
     assert [r["step"] for r in train] == [1, 2, 3, 4]
     assert all(math.isfinite(r["loss"]) for r in train)
     assert [r["nonfinite_skips"] for r in train] == [0, 0, 1, 1]
-    assert checkpoint.read_checkpoint(loading.latest(tmp_path)).state["progress"]["nonfinite_skips"] == 1
+    assert checkpoint.read_checkpoint(run_folder.latest(tmp_path)).state["progress"]["nonfinite_skips"] == 1
 
 
 def test_nonfinite_stop_fails_at_once(tmp_path, corpus_files, spm_model, monkeypatch):
@@ -280,7 +283,9 @@ def test_accumulated_gradients_equal_those_of_one_batch_holding_both(tmp_path, c
 
     def gradients(batches):
         trainer.optimizer.zero_grad(set_to_none=True)
-        loss, nll, oom = trainer._accumulate_gradients(batches, tokens)
+        loss, nll, oom = accumulate_gradients(
+            trainer.forward, trainer.scaler, trainer.optimizer, batches, tokens, trainer.dist, trainer.device
+        )
         assert not oom
         grads = {name: p.grad.clone() for name, p in trainer.model.named_parameters()}
         trainer.optimizer.zero_grad(set_to_none=True)
@@ -304,7 +309,7 @@ def test_an_update_accumulating_two_batches_equals_one_on_both(tmp_path, corpus_
     split, joined = Trainer(cfg, tmp_path / "a"), Trainer(cfg, tmp_path / "b")
     group = next(split.update_groups())  # the first update's group
     batches, group_tokens = group.batches, group.tokens
-    first = split._epoch_batches(1)[:2]
+    first = split.walk.epoch_batches(1)[:2]
     assert split.progress.batch_in_epoch == 2
     assert len(batches) == 2
     assert all(torch.equal(b.tgt_out, split.corpus.collate(i).tgt_out) for b, i in zip(batches, first))
@@ -353,12 +358,12 @@ def test_tensorboard_receives_the_training_loss(tmp_path, corpus_files, spm_mode
 
 def test_keep_last_keeps_the_newest_checkpoints_and_the_newest_resumes(tmp_path, corpus_files, spm_model):
     Trainer(small_config(corpus_files, spm_model, max_steps=5, save_every=1, keep_last=2), tmp_path).run()
-    assert [d.name for d in loading.run_checkpoints(tmp_path)] == ["update-00000004", "update-00000005"]
-    assert [p.name for p in (tmp_path / loading.CHECKPOINTS_DIR).iterdir() if p.name.startswith(".")] == []
+    assert [d.name for d in run_folder.run_checkpoints(tmp_path)] == ["update-00000004", "update-00000005"]
+    assert [p.name for p in (tmp_path / run_folder.CHECKPOINTS_DIR).iterdir() if p.name.startswith(".")] == []
     resumed = Trainer(small_config(corpus_files, spm_model, max_steps=6, save_every=1, keep_last=2), tmp_path)
     assert resumed.progress.step == 5
     resumed.run()
-    assert [d.name for d in loading.run_checkpoints(tmp_path)] == ["update-00000005", "update-00000006"]
+    assert [d.name for d in run_folder.run_checkpoints(tmp_path)] == ["update-00000005", "update-00000006"]
 
 
 # -- command line ---------------------------------------------------------------------------
@@ -380,7 +385,7 @@ def test_fp16_overflow_steps_are_skipped_and_counted(tmp_path, corpus_files, spm
     assert trainer.progress.nonfinite_skips == 0 and trainer.progress.rollbacks == 0  # not treated as divergence
     assert trainer.scaler.get_scale() == 2.0**15  # halved once by the overflow
     assert events(tmp_path, "train")[-1]["overflow_skips"] == 1
-    after_skip = checkpoint.read_checkpoint(loading.latest(tmp_path)).state["optimizer"]["state"][0]["step"]
+    after_skip = checkpoint.read_checkpoint(run_folder.latest(tmp_path)).state["optimizer"]["state"][0]["step"]
     assert int(after_skip) == 4  # Adam stepped 4 times in 5 micro-batches
 
 
@@ -441,8 +446,8 @@ def test_a_failing_disk_write_keeps_the_last_checkpoint_and_stops_with_the_reaso
     assert error.startswith(f"error: cannot write {what} in {run}") and "No space left on device" in error, error
     saved = [2] if target == "checkpoints" else [2, 4]  # update 4 is saved before its validation writes best/
     assert f"{run / 'checkpoints' / f'update-{saved[-1]:08d}'} is intact" in error and "Traceback" not in result.output
-    assert [p.name for p in loading.run_checkpoints(run)] == [f"update-{step:08d}" for step in saved]
-    assert checkpoint.read_checkpoint(loading.latest(run)).state["progress"]["step"] == saved[-1]
+    assert [p.name for p in run_folder.run_checkpoints(run)] == [f"update-{step:08d}" for step in saved]
+    assert checkpoint.read_checkpoint(run_folder.latest(run)).state["progress"]["step"] == saved[-1]
     assert checkpoint.read_checkpoint(run / "best", with_state=False).meta["step"] == 2
     leftovers = [p for folder in (run, run / "checkpoints") for p in folder.iterdir() if p.is_dir()]
     assert not [p for p in leftovers if p.name.startswith(".")]
@@ -451,8 +456,8 @@ def test_a_failing_disk_write_keeps_the_last_checkpoint_and_stops_with_the_reaso
     assert CliRunner().invoke(app, ["train", str(config), "--out", str(run)]).exit_code == 0
     straight = tmp_path / "straight"
     assert CliRunner().invoke(app, ["train", str(config), "--out", str(straight)]).exit_code == 0
-    resumed = checkpoint.read_checkpoint(loading.latest(run))
-    reference = checkpoint.read_checkpoint(loading.latest(straight))
+    resumed = checkpoint.read_checkpoint(run_folder.latest(run))
+    reference = checkpoint.read_checkpoint(run_folder.latest(straight))
     assert resumed.meta["step"] == 6 and all(
         torch.equal(resumed.weights[k], reference.weights[k]) for k in reference.weights
     )
@@ -493,7 +498,7 @@ def test_a_validation_set_with_an_empty_side_is_refused_before_any_update(tmp_pa
     result = cli_train(write_config(tmp_path / "c.yaml", from_dict(raw)), tmp_path / "run")
     assert result.exit_code == 1 and result.stderr.strip().splitlines()[-1].startswith("error: "), result.output
     assert "blank.de: no validation pair to compute a loss on (40 with an empty side" in result.stderr
-    assert loading.latest(tmp_path / "run") is None
+    assert run_folder.latest(tmp_path / "run") is None
 
 
 def test_the_checkpoint_of_an_update_is_saved_before_its_validation(tmp_path, corpus_files, spm_model, monkeypatch):
@@ -511,7 +516,7 @@ def test_the_checkpoint_of_an_update_is_saved_before_its_validation(tmp_path, co
     monkeypatch.setattr(Trainer, "validate", fails_at_update_4)
     with pytest.raises(KeyboardInterrupt):
         Trainer(from_dict(yaml.safe_load(config.read_text())), tmp_path / "run").run()
-    assert checkpoint.read_checkpoint(loading.latest(tmp_path / "run")).meta["step"] == 4  # saved before validating
+    assert checkpoint.read_checkpoint(run_folder.latest(tmp_path / "run")).meta["step"] == 4  # saved before validating
     monkeypatch.setattr(Trainer, "validate", original)
     assert cli_train(config, tmp_path / "run").exit_code == 0
     assert cli_train(config, tmp_path / "straight").exit_code == 0
@@ -522,7 +527,7 @@ def test_the_checkpoint_of_an_update_is_saved_before_its_validation(tmp_path, co
         {**e, **{k: r[k] for k in ("tgt_tokens_per_s", "valid_seconds") if k in e}} for e, r in zip(straight, resumed)
     ]
     assert checkpoint_bytes(tmp_path / "run").keys() == checkpoint_bytes(tmp_path / "straight").keys()
-    for name in ("best", loading.latest(tmp_path / "run").relative_to(tmp_path / "run")):
+    for name in ("best", run_folder.latest(tmp_path / "run").relative_to(tmp_path / "run")):
         a = checkpoint.read_checkpoint(tmp_path / "run" / name, with_state=False).weights
         assert_same_weights(a, checkpoint.read_checkpoint(tmp_path / "straight" / name, with_state=False).weights)
     again = cli_train(config, tmp_path / "run")  # a finished run has nothing left to validate
@@ -566,7 +571,7 @@ def test_a_disk_that_fills_up_inside_torch_save_stops_training_with_the_reason(t
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     error = result.stderr.strip().splitlines()[-1]
     assert error.startswith(f"error: cannot write the checkpoint of update 2 in {run}") and "File too large" in error
-    assert loading.latest(run) is None and not list((run / "checkpoints").iterdir())
+    assert run_folder.latest(run) is None and not list((run / "checkpoints").iterdir())
 
 
 def build_model_of(cfg):

@@ -24,7 +24,7 @@ from mtkit.data.parallel import collate
 from mtkit.data.tokenizer import PAD_ID, train_spm
 from mtkit.files import file_sha256
 from mtkit.interop.marian import NOT_A_TOKEN
-from mtkit.model import checkpoint, loading
+from mtkit.model import checkpoint, loading, run_folder
 from mtkit.training import init_from
 from mtkit.training.averaging import write_average
 from mtkit.training.freezing import freeze, parts
@@ -76,16 +76,16 @@ def test_a_run_starts_from_the_weights_architecture_and_tokenizer_of_a_run(tmp_p
         "path": str((base_run / "best" / "model.safetensors").resolve()),
         "sha256": file_sha256(base.path / "model.safetensors"),
     }
-    assert checkpoint.read_checkpoint(loading.latest(tmp_path / "ft")).meta["init"] == record
+    assert checkpoint.read_checkpoint(run_folder.latest(tmp_path / "ft")).meta["init"] == record
     assert yaml.safe_load((tmp_path / "ft" / "config.yaml").read_text())["train"]["init_from"] == str(base_run)
     start = json.loads((tmp_path / "ft" / "metrics.jsonl").read_text().splitlines()[0])
     assert start["event"] == "start" and start["init"] == record
 
 
 def test_a_checkpoint_folder_or_an_averaged_file_can_be_started_from(tmp_path, corpus_files, spm_model, base_run):
-    first = loading.run_checkpoints(base_run)[0]
+    first = run_folder.run_checkpoints(base_run)[0]
     averaged = tmp_path / "avg" / "model.safetensors"
-    write_average(loading.run_checkpoints(base_run), averaged)
+    write_average(run_folder.run_checkpoints(base_run), averaged)
     for source in (first, averaged):
         trainer = Trainer(finetune_config(corpus_files, spm_model, source), tmp_path / source.name)
         assert_same(trainer.model.state_dict(), weights(source))
@@ -189,7 +189,7 @@ def test_a_finetune_trains_the_output_bias_and_lowers_the_decoded_models_loss(
     cfg = finetune_config(corpus_files, spm_model, start, schedule="constant", warmup=1, max_steps=10, lr=3e-3)
     trainer = Trainer(cfg, tmp_path / "ft")
     trainer.run()
-    before, after = decoded_nll(start, corpus_files), decoded_nll(loading.latest(tmp_path / "ft"), corpus_files)
+    before, after = decoded_nll(start, corpus_files), decoded_nll(run_folder.latest(tmp_path / "ft"), corpus_files)
     assert after < before - 2.0  # about 10 -> 7; only to 8.4-8.8 when the loss leaves the bias out
     assert not torch.equal(trainer.model.output.bias, weights(start)["output.bias"])
     records = [json.loads(line) for line in (tmp_path / "ft" / "metrics.jsonl").read_text().splitlines()]
@@ -278,7 +278,7 @@ def test_a_resumed_finetune_equals_an_uninterrupted_one_without_reading_its_mode
     assert resumed.progress.step == 3
     resumed.run()
     assert_same(straight.model.state_dict(), resumed.model.state_dict())
-    assert checkpoint.read_checkpoint(loading.latest(tmp_path / "b")).meta["init"]["path"].startswith(str(source))
+    assert checkpoint.read_checkpoint(run_folder.latest(tmp_path / "b")).meta["init"]["path"].startswith(str(source))
 
 
 def test_patience_stops_a_finetune(tmp_path, corpus_files, spm_model, base_run, monkeypatch):
@@ -308,7 +308,7 @@ def test_resuming_on_changed_data_is_refused_naming_the_file_and_what_to_do(tmp_
 
 def test_a_checkpoint_without_data_digests_still_resumes(tmp_path, corpus_files, spm_model):
     Trainer(small_config(corpus_files, spm_model, max_steps=2), tmp_path).run()
-    latest = loading.latest(tmp_path) / "model.safetensors"
+    latest = run_folder.latest(tmp_path) / "model.safetensors"
     with_header(latest, latest, lambda meta: meta.pop("data_sha256"))
     assert Trainer(small_config(corpus_files, spm_model, max_steps=4), tmp_path).progress.step == 2
 
@@ -321,7 +321,7 @@ def test_a_run_resumed_with_another_init_from_is_refused_in_one_line(tmp_path, c
     Trainer(finetune_config(corpus_files, spm_model, base_run, max_steps=2), tmp_path / "ft").run()
     config = tmp_path / "ft.yaml"
     config.write_text(config_yaml(finetune_config(corpus_files, spm_model, base_run, max_steps=4)))
-    other = loading.run_checkpoints(base_run)[0]
+    other = run_folder.run_checkpoints(base_run)[0]
     result = invoke("train", config, "--out", tmp_path / "ft", "--set", f"train.init_from={other}")
     one_line_error(
         result,
@@ -339,7 +339,7 @@ def test_an_hf_init_from_is_imported_anew_until_the_first_checkpoint_and_restart
     tmp_path, corpus_files, spm_model, base_run, monkeypatch
 ):
     """Two Marian models stand in for each other: an import is the mtkit model the name stands for, copied."""
-    models = {"first": base_run / "best", "second": loading.run_checkpoints(base_run)[0]}
+    models = {"first": base_run / "best", "second": run_folder.run_checkpoints(base_run)[0]}
 
     def import_marian(source: str, target: Path, **_languages) -> Path:
         shutil.copytree(models[source], target)

@@ -27,7 +27,9 @@ from mtkit.config import DecodeConfig, TokenizerConfig
 from mtkit.data.parallel import source_tensor
 from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_spm
 from mtkit.decoding.search import beam_search, greedy_search, max_lengths
-from mtkit.interop.hf_import import PAD_PIECE, START_PIECE, ModelImportError, import_marian
+from mtkit.interop.hf_import import import_marian
+from mtkit.interop.hf_source import ModelImportError
+from mtkit.interop.marian_vocabulary import PAD_PIECE, START_PIECE
 from mtkit.model import checkpoint, loading
 from mtkit.training.init_from import import_once
 
@@ -579,7 +581,7 @@ def test_the_import_records_the_languages_given_or_named(shared, hf_offline, tmp
     import huggingface_hub
 
     from mtkit.config import DataConfig, RunConfig
-    from mtkit.distillation import student_tokenizer
+    from mtkit.workflows.distillation import student_tokenizer
 
     result = invoke("import", "hf", shared.marian.path, "--src-lang", "en", "--tgt-lang", "de", "-o", tmp_path / "a")
     assert result.exit_code == 0 and "(en->de)" in result.output, result.output

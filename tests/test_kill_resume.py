@@ -30,7 +30,7 @@ import pytest
 import torch
 from helpers import write_config
 
-from mtkit.model import checkpoint, loading
+from mtkit.model import checkpoint, loading, run_folder
 
 SEED = int(os.environ.get("MTKIT_KILL_SEED", "20260301"))
 KILLS = 20
@@ -52,7 +52,7 @@ PHASES = {
     "checkpoint": "mtkit.training.trainer:Trainer.save_last",  # the state, its rename into place, pruning
     "spm": "mtkit.training.tokenizers:train_spm",
     "config": "mtkit.files:atomic_write_text",  # first called for RUN/config.yaml
-    "encode": "mtkit.training.trainer:open_training_data",
+    "encode": "mtkit.training.training_data:open_training_data",
 }
 LOOP_PHASES = ("step", "validation", "checkpoint")
 KINDS = ("any", "file")  # which events a kill counts: all calls and returns, or the C calls that change files
@@ -148,11 +148,11 @@ def pick_call(phase: str, resumed: int, rng: random.Random) -> int:
 
 def check_run_directory(run: Path, previous_step: int, where: str) -> int:
     """What a kill must leave: loadable checkpoints, the step not gone back, a best model, parseable metrics."""
-    latest = loading.latest(run)
+    latest = run_folder.latest(run)
     assert latest is not None, f"{where}: no checkpoint left in {run}"
     step = checkpoint.read_checkpoint(latest).meta["step"]
     assert step >= previous_step, f"{where}: the newest checkpoint went back from update {previous_step} to {step}"
-    for path in loading.run_checkpoints(run):
+    for path in run_folder.run_checkpoints(run):
         assert checkpoint.read_checkpoint(path).state is not None, f"{where}: {path} has no training state"
     if (run / "best").exists() or (run / ".best.old").exists():
         best = loading.resolve(run)
@@ -203,9 +203,9 @@ def test_sigkill_at_random_moments_then_resume_reproduces_the_uninterrupted_run(
 
     done = mtkit_train(kill_setup.config, run)
     assert done.returncode == 0, tail(done)
-    last = loading.latest(run)
+    last = run_folder.latest(run)
     assert checkpoint.read_checkpoint(last).meta["step"] == TRAIN["max_steps"]
-    assert_same_weights(last, loading.latest(kill_setup.reference))
+    assert_same_weights(last, run_folder.latest(kill_setup.reference))
     assert_same_weights(loading.resolve(run), loading.resolve(kill_setup.reference))
     assert logged(run) == logged(kill_setup.reference)
     left, expected = files(run), files(kill_setup.reference)  # no temporary, set-aside or half-deleted leftovers
@@ -225,6 +225,6 @@ def test_sigkill_while_a_run_starts_then_resume(kill_setup, tmp_path):
         assert proc.returncode == -9, f"{where}: exit status {proc.returncode}, not SIGKILL\n{tail(proc)}"
     done = mtkit_train(kill_setup.bare_config, run, None, fresh_cache, "train.max_steps=2")
     assert done.returncode == 0, tail(done)
-    assert checkpoint.read_checkpoint(loading.latest(run)).meta["step"] == 2
+    assert checkpoint.read_checkpoint(run_folder.latest(run)).meta["step"] == 2
     left = [path for path in [*run.glob(".*"), *(tmp_path / "encoded").glob(".*")] if not path.name.endswith(".lock")]
     assert not left, f"leftovers of the killed runs: {left}"

@@ -32,22 +32,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("translation", ("translation",)),
     ("training", ("training",)),
     ("serving", ("serving",)),
-    (
-        "entry points",
-        (
-            "",
-            "__main__",
-            "api",
-            "backtranslation",
-            "cli",
-            "commands",
-            "config_docs",
-            "distillation",
-            "launch",
-            "run",
-            "stages",
-        ),
-    ),
+    ("workflows", ("workflows",)),
+    ("entry points", ("", "__main__", "api", "cli", "commands", "launch")),
 ]
 
 
@@ -163,7 +149,7 @@ def test_no_import_cycles() -> None:
 # Edges that once tied the package into one cycle or pointed up, each put back into the real graph.
 REMOVED_EDGES = [
     ("runtime", "launch"),  # allocator_in_use lives beside the environment report
-    ("decoding.translate", "interop.ct2_translator"),  # the engine switch sits above both engines (translation)
+    ("decoding.line_translator", "interop.ct2_translator"),  # the engine switch sits above both engines (translation)
     ("model.transformer", "decoding.shortlist"),  # the model owns the type of its output candidates
     ("data.download", ""),  # __version__ comes from the leaf version module, not the package's face
 ]
@@ -192,6 +178,51 @@ def test_lazy_and_type_only_imports_count(tmp_path: Path) -> None:
     )
     modules = module_names()
     assert imported("model.lazy", source, modules) == {"decoding.shortlist", "serving.server", "training.trainer"}
+
+
+def folders() -> list[str]:
+    """The package's folders (each a layer of its own, or a part of the entry points)."""
+    return sorted(path.parent.name for path in PACKAGE.glob("*/__init__.py"))
+
+
+def declared_imports(folder: str) -> set[str]:
+    """The layers a folder's ``__init__`` docstring says its modules import: its ``Imports:`` paragraph names
+    "the leaves" and each folder as ``mtkit.FOLDER``."""
+    docstring = ast.get_docstring(ast.parse((PACKAGE / folder / "__init__.py").read_text())) or ""
+    paragraph = docstring.split("Imports:", 1)[1].split("\n\n")[0] if "Imports:" in docstring else ""
+    named = {"leaves"} if "leaves" in paragraph else set()
+    for rank, (layer, members) in enumerate(LAYERS):
+        for top in filter(None, members):
+            if re.search(rf"\bmtkit\.{top}\b", paragraph):
+                named.add("leaves" if rank == 0 else top if layer == "entry points" else layer)
+    return named
+
+
+def imported_layers(folder: str, graph: dict[str, set[str]]) -> set[str]:
+    """The layers (and, in the entry points, the modules) that the folder's modules import, its own excluded."""
+    found = set()
+    for module, targets in graph.items():
+        if module.split(".")[0] != folder:
+            continue
+        for target in targets:
+            top = target.split(".")[0]
+            rank = layer_of(target)
+            if top != folder:
+                found.add("leaves" if rank == 0 else top if LAYERS[rank][0] == "entry points" else LAYERS[rank][0])
+    return found
+
+
+@pytest.mark.parametrize("folder", folders())
+def test_each_folder_states_what_it_imports(folder: str) -> None:
+    """A folder's ``__init__`` says what it holds and, in an ``Imports:`` paragraph, exactly which layers it
+    imports: a new import of another layer, or one that is gone, makes the statement false and fails here."""
+    assert declared_imports(folder) == imported_layers(folder, import_graph())
+
+
+def test_a_false_imports_statement_is_found() -> None:
+    graph = import_graph()
+    graph["data.parallel"].add("model.transformer")
+    assert imported_layers("data", graph) - declared_imports("data") == {"model"}
 
 
 LAYOUT = ROOT / "docs" / "layout.md"

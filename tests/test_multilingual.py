@@ -19,7 +19,7 @@ from mtkit.data.parallel import collate, token_batches
 from mtkit.data.sampling import CorpusMix, corpus_probabilities
 from mtkit.data.tokenizer import EOS_ID, Tokenizer, train_spm
 from mtkit.decoding.continuous import LineSearch
-from mtkit.decoding.translate import source_ids
+from mtkit.decoding.line_translator import source_ids
 from mtkit.model import checkpoint
 from mtkit.model.loading import load_for_inference
 from mtkit.model.loss import TrainingObjective

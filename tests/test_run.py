@@ -287,7 +287,7 @@ def test_a_config_without_a_corpus_is_a_one_line_error(tmp_path):
 
 
 def test_the_report_says_which_commit_of_a_hub_corpus_it_used():
-    from mtkit.run import _origin
+    from mtkit.workflows.report import _origin
 
     source = {"dataset": "wmt/wmt14", "config": "de-en", "revision": "b199e406369ec1b7634206d3ded5ba45de2fe696"}
     assert _origin(source) == " (hf:wmt/wmt14 de-en at commit b199e406369ec1b7634206d3ded5ba45de2fe696)"

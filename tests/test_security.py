@@ -18,7 +18,7 @@ import pytest
 import torch
 from helpers import invoke, one_line_error, with_header, write_config
 
-from mtkit.model import checkpoint, loading
+from mtkit.model import checkpoint, run_folder
 
 
 class RunsCode:
@@ -50,7 +50,7 @@ def test_a_checkpoint_that_runs_code_when_unpickled_is_refused(tmp_path, corpus_
 
     run = tmp_path / "run"  # a run directory whose newest training state was swapped for the trap
     shutil.copytree(trained_run, run)
-    shutil.copyfile(trap, loading.latest(run) / checkpoint.STATE_FILE)
+    shutil.copyfile(trap, run_folder.latest(run) / checkpoint.STATE_FILE)
     config = write_config(tmp_path / "c.yaml", corpus_files, train={"max_steps": 40})
     one_line_error(invoke("train", config, "--out", run), f"state.pt: {REFUSED}")
 
@@ -125,7 +125,7 @@ def test_a_tokenizer_name_in_a_header_cannot_lead_outside_the_checkpoint(tmp_pat
 
     for name in ("a", "b"):
         with_header(
-            loading.latest(trained_run) / checkpoint.WEIGHTS_FILE,
+            run_folder.latest(trained_run) / checkpoint.WEIGHTS_FILE,
             shipped / name / "model.safetensors",
             point_outside,
         )
@@ -198,7 +198,7 @@ def test_a_zip_bombed_training_state_is_refused_before_it_expands(tmp_path, corp
     """A 1 MB state.pt whose compressed entry expands to 800 MB, as torch.load would expand it."""
     run = tmp_path / "run"
     shutil.copytree(trained_run, run)
-    state = loading.latest(run) / checkpoint.STATE_FILE
+    state = run_folder.latest(run) / checkpoint.STATE_FILE
     with zipfile.ZipFile(state) as original:
         entries = [(info, original.read(info)) for info in original.infolist()]
     bombed = next(info.filename for info, _ in entries if "/data/" in info.filename)

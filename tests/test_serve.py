@@ -31,8 +31,9 @@ import mtkit
 from mtkit.config import DecodeConfig, ServeConfig
 from mtkit.data.tokenizer import Tokenizer
 from mtkit.decoding.ensemble import Ensemble
-from mtkit.decoding.translate import LineTranslator, Translation, Translator
+from mtkit.decoding.line_translator import LineTranslator, Translation, Translator
 from mtkit.runtime import choose_precision, cpu_features
+from mtkit.serving import connections, searches
 from mtkit.serving import server as serve
 from mtkit.serving.batcher import Batcher, Refused, Withdrawn
 
@@ -264,10 +265,10 @@ def test_a_model_of_any_positions_is_searched_continuously(positions, spm_model)
     kind = {"positions": positions} if positions != "windowed" else {"attention_window": 4}
     model = tiny_model(spm_model.vocab_size, **kind)
     translator = Translator(model, spm_model, spm_model, DecodeConfig(beam=2), torch.device("cpu"))
-    assert serve.batching(translator, continuous=True) == "continuous"
-    assert serve.batching(translator, continuous=False) == "whole batches (--no-continuous)"
+    assert searches.batching(translator, continuous=True) == "continuous"
+    assert searches.batching(translator, continuous=False) == "whole batches (--no-continuous)"
     ensemble = Translator(Ensemble([model, model]), spm_model, spm_model, DecodeConfig(beam=2), torch.device("cpu"))
-    assert serve.batching(ensemble, continuous=True) == "whole batches (an ensemble)"
+    assert searches.batching(ensemble, continuous=True) == "whole batches (an ensemble)"
 
 
 def test_alignments_and_json_log_lines(trained_run, tmp_path, lines):
@@ -466,9 +467,9 @@ class Scripted(LineTranslator):
 def serving_in_this_process(translator: LineTranslator, cfg: ServeConfig, batcher: Batcher | None = None):
     """``create_app`` under uvicorn, set up as `mtkit serve` sets it up, in a thread on a free port; its URL.
     ``batcher``: one the caller runs, as ``create_app`` takes it."""
-    sock = serve.bind("127.0.0.1", 0)
+    sock = connections.bind("127.0.0.1", 0)
     app = serve.create_app(translator, cfg, "scripted", batcher)
-    server = uvicorn.Server(serve.uvicorn_config(app, cfg))
+    server = uvicorn.Server(connections.uvicorn_config(app, cfg))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]})
     thread.start()
     try:
@@ -583,7 +584,7 @@ def test_a_port_in_use_is_a_one_line_error_before_the_model_loads(tmp_path):
 def test_the_listening_socket_sends_small_writes_at_once():
     """uvicorn writes a response's head and body apart; with Nagle's algorithm on, the body waits for the
     client's delayed ACK of the head, 40 ms on Linux, on every response. Accepted sockets inherit TCP_NODELAY."""
-    sock = serve.bind("127.0.0.1", 0)
+    sock = connections.bind("127.0.0.1", 0)
     try:
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
     finally:

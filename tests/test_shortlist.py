@@ -18,9 +18,9 @@ from mtkit.data.parallel import source_tensor
 from mtkit.data.tokenizer import EOS_ID, Tokenizer
 from mtkit.decoding import shortlist as lexical
 from mtkit.decoding.ensemble import Ensemble
+from mtkit.decoding.line_translator import Translator
 from mtkit.decoding.search import beam_search, sample_search
 from mtkit.decoding.shortlist import ShortlistError
-from mtkit.decoding.translate import Translator
 from mtkit.model.transformer import Candidates
 from mtkit.training import run_directory
 

@@ -12,7 +12,7 @@ import torch
 from helpers import small_config
 
 from mtkit.config import TrainConfig, from_dict
-from mtkit.model import checkpoint, loading
+from mtkit.model import checkpoint, run_folder
 from mtkit.training import trainer as trainer_module
 from mtkit.training.resume import Progress, TrainingState
 from mtkit.training.run_directory import trim_metrics
@@ -41,7 +41,7 @@ def test_loss_goes_down_and_checkpoints_are_written(tmp_path, corpus_files, spm_
     assert "valid_bleu" in result and "bleu_signature" in result
     for name in ("best/model.safetensors", "config.yaml", "spm.model"):
         assert (tmp_path / name).is_file()
-    assert checkpoint.read_checkpoint(loading.latest(tmp_path)).meta["step"] == 30
+    assert checkpoint.read_checkpoint(run_folder.latest(tmp_path)).meta["step"] == 30
 
 
 def test_a_model_with_an_output_bias_trains_it(tmp_path, corpus_files, spm_model):
@@ -125,7 +125,7 @@ def test_optimizer_sees_gradients_clipped_to_clip_norm(tmp_path, corpus_files, s
 def test_restart_starts_over_instead_of_resuming(tmp_path, corpus_files, spm_model):
     cfg = small_config(corpus_files, spm_model, max_steps=2)
     run_training(cfg, tmp_path)
-    assert checkpoint.read_checkpoint(loading.latest(tmp_path)).meta["step"] == 2
+    assert checkpoint.read_checkpoint(run_folder.latest(tmp_path)).meta["step"] == 2
     assert Trainer(cfg, tmp_path).progress.step == 2  # would resume
     run_training(cfg, tmp_path, restart=True)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -142,7 +142,7 @@ def test_wall_clock_budget_stops_training_and_says_the_run_is_incomplete(tmp_pat
     assert result["stop"] == {"stopped_by": "max_time", "reason": reason, "max_steps": 1000}
     done = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     assert done == {"event": "done", "step": 1, **result["stop"]}
-    assert checkpoint.read_checkpoint(loading.latest(tmp_path)).state["progress"]["seconds"] > 0
+    assert checkpoint.read_checkpoint(run_folder.latest(tmp_path)).state["progress"]["seconds"] > 0
 
 
 def test_patience_stops_after_validations_without_a_new_best(tmp_path, corpus_files, spm_model, monkeypatch):

@@ -11,7 +11,7 @@ import sys
 import pytest
 from helpers import invoke, one_line_error
 
-import mtkit.decoding.translate
+import mtkit.decoding.line_translator
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_small_chunks_give_the_same_output_as_one_chunk(trained_run, lines, monk
         return [(i, text, float(score), float(logprob)) for i, text, score, logprob in rows]
 
     whole = nbest_rows()
-    monkeypatch.setattr(mtkit.decoding.translate, "CHUNK_LINES", 2)
+    monkeypatch.setattr(mtkit.decoding.line_translator, "CHUNK_LINES", 2)
     chunked = nbest_rows()
     assert [row[:2] for row in chunked] == [row[:2] for row in whole]
     # Other batch-mates mean other padding, which moves scores only by float rounding.
@@ -156,10 +156,10 @@ def test_translation_reads_only_as_much_input_as_it_needs(trained_run, lines):
     from mtkit.model.loading import load_for_inference
 
     bundle = load_for_inference(trained_run, torch.device("cpu"))
-    translator = mtkit.decoding.translate.Translator(
+    translator = mtkit.decoding.line_translator.Translator(
         bundle.model, bundle.src_tok, bundle.tgt_tok, DecodeConfig(beam=1, max_len_b=3), torch.device("cpu")
     )
-    endless = mtkit.decoding.translate.chunked(itertools.cycle(lines), 20)
+    endless = mtkit.decoding.line_translator.chunked(itertools.cycle(lines), 20)
     first = list(itertools.islice(translator.stream(endless), 50))
     assert len(first) == 50
     assert all((t[0].logprob == 0.0) == (i % len(lines) == 2) for i, t in enumerate(first))  # line 2 is empty
@@ -175,8 +175,8 @@ def test_on_batch_counts_every_line_once_and_changes_no_output(trained_run, line
     bundle = load_for_inference(trained_run, torch.device("cpu"))
     model = (bundle.model, bundle.src_tok, bundle.tgt_tok, DecodeConfig(beam=2, batch_size=2), torch.device("cpu"))
     done: list[int] = []
-    reported = mtkit.decoding.translate.Translator(*model, on_batch=done.append).translate(lines)
-    assert reported == mtkit.decoding.translate.Translator(*model).translate(lines)
+    reported = mtkit.decoding.line_translator.Translator(*model, on_batch=done.append).translate(lines)
+    assert reported == mtkit.decoding.line_translator.Translator(*model).translate(lines)
     assert sum(done) == len(lines) and len(done) == 4  # the empty line, then three batches of two
 
 
@@ -273,7 +273,7 @@ def test_sigint_while_translating_a_file_keeps_the_lines_done_in_a_partial_file(
     source = tmp_path / "in.en"
     source.write_text(stdin_of(lines * 3))
     full = invoke("translate", trained_run, "--device", "cpu", "-i", source, "--beam", 2).stdout.splitlines()
-    real_stream = mtkit.decoding.translate.Translator.stream
+    real_stream = mtkit.decoding.line_translator.Translator.stream
 
     def stream_then_interrupt(translator, *args):
         for done, translations in enumerate(real_stream(translator, *args), 1):
@@ -281,8 +281,8 @@ def test_sigint_while_translating_a_file_keeps_the_lines_done_in_a_partial_file(
             if done == 7:
                 os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C would, between two lines
 
-    monkeypatch.setattr(mtkit.decoding.translate, "CHUNK_LINES", 4)
-    monkeypatch.setattr(mtkit.decoding.translate.Translator, "stream", stream_then_interrupt)
+    monkeypatch.setattr(mtkit.decoding.line_translator, "CHUNK_LINES", 4)
+    monkeypatch.setattr(mtkit.decoding.line_translator.Translator, "stream", stream_then_interrupt)
     out = tmp_path / "out.de"
     result = invoke("translate", trained_run, "--device", "cpu", "-i", source, "-o", out, "--beam", 2)
     assert result.exit_code == 128 + signal.SIGINT, result.output

@@ -224,10 +224,10 @@ def run_command(
     The report says whether the test BLEU falls in the recipe's expected range (recipe.bleu_min/max).
     """
     from mtkit.config import read_config
-    from mtkit.run import render_report
-    from mtkit.run import run_recipe as run_all
     from mtkit.training.reporting import TrainingProgress
     from mtkit.training.stop_signals import StageStopped, TrainingStopped
+    from mtkit.workflows.recipe import run_recipe as run_all
+    from mtkit.workflows.report import render_report
 
     setup_logging()
     cfg = read_config(recipe, overrides)

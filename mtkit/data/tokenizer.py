@@ -130,7 +130,7 @@ def vocabulary_size(sp: spm.SentencePieceProcessor) -> int:
     """The ids a model of this tokenizer has: the model's ``trainer_spec.vocab_size`` first pieces.
 
     SentencePiece writes that many pieces, but a model converted from another toolkit's vocabulary
-    (mtkit/interop/hf_import.py) may keep pieces after them that only segment: Marian splits text with
+    (mtkit/interop/marian_vocabulary.py) may keep pieces after them that only segment: Marian splits text with
     its SentencePiece model and maps a piece its vocabulary lacks to unk, as ``Tokenizer.encode`` does.
     """
     proto = model_proto(sp)

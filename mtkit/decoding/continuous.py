@@ -34,6 +34,7 @@ from mtkit.config import DecodeConfig
 from mtkit.data.parallel import source_tensor
 from mtkit.data.tokenizer import BOS_ID, PAD_ID
 from mtkit.decoding.alignment import align_batch
+from mtkit.decoding.line_translator import EMPTY, LineTranslator, Translation, Translator, source_ids
 from mtkit.decoding.search import (
     Hypothesis,
     Settled,
@@ -44,7 +45,6 @@ from mtkit.decoding.search import (
     max_lengths,
     settle,
 )
-from mtkit.decoding.translate import EMPTY, LineTranslator, Translation, Translator, source_ids
 from mtkit.model.attention import DecoderCache
 from mtkit.model.transformer import Transformer
 

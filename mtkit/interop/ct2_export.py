@@ -39,17 +39,16 @@ from mtkit.config import MAX_CORPORA, MAX_POSITIONS, ConfigError, ModelConfig, f
 from mtkit.data.directions import data_of, directions, source_prefix
 from mtkit.data.tokenizer import BOS_ID, EOS_ID, UNK_ID, Tokenizer
 from mtkit.decoding.shortlist import load_shortlist, vocabulary_map
-from mtkit.files import atomic_write_directory, file_sha256
+from mtkit.files import atomic_write_directory
+from mtkit.interop.export_folder import MANIFEST, MANIFEST_FORMAT, check_replaceable, provenance, vocabulary
 from mtkit.model.attention import MultiHeadAttention
-from mtkit.model.checkpoint import TOKENIZER_NAMES, CheckpointError, weights_file
+from mtkit.model.checkpoint import TOKENIZER_NAMES, CheckpointError
 from mtkit.model.loading import load_for_inference, resolve
 from mtkit.model.positions import ROTARY_BASE
 from mtkit.model.transformer import Decoder, Embedder, Encoder, FeedForward, Transformer
 from mtkit.version import __version__
 
-MANIFEST = "mtkit.json"
 VMAP = "vmap.txt"  # CTranslate2's name for a vocabulary map in a model folder
-MANIFEST_FORMAT = 1
 
 
 def import_ctranslate2() -> Any:
@@ -126,11 +125,6 @@ def _fill_decoder(spec, decoder: Decoder, output: nn.Linear) -> None:
     if isinstance(decoder.final_norm, nn.LayerNorm):
         _fill_norm(spec.layer_norm, decoder.final_norm)
     _fill_linear(spec.projection, output)  # tied weights are stored once: CTranslate2 aliases equal tensors
-
-
-def vocabulary(tok: Tokenizer) -> list[str]:
-    """The tokenizer's pieces in id order: CTranslate2's vocabulary, so that row i stays id i."""
-    return tok.sp.id_to_piece(list(range(tok.vocab_size)))
 
 
 def build_spec(model: Transformer, cfg: ModelConfig, src_tok: Tokenizer, tgt_tok: Tokenizer):
@@ -219,20 +213,6 @@ def export_ctranslate2(
 
     atomic_write_directory(out_dir, fill)
     return out_dir
-
-
-def provenance(checkpoint: Path, step: int) -> dict[str, Any]:
-    """What an export's manifest says of the checkpoint it came from: the SHA-256 of its weights file and its
-    update step, which identify it to anyone who holds it. Never its path: an export is made to be handed on,
-    and a path tells its recipients the exporter's folders and often their user name."""
-    return {"weights_sha256": file_sha256(weights_file(checkpoint)), "step": step}
-
-
-def check_replaceable(out_dir: Path) -> None:
-    """CheckpointError unless ``out_dir`` is missing, empty or an earlier mtkit export (of either runtime)."""
-    if out_dir.exists() and not (out_dir / MANIFEST).is_file():
-        if not out_dir.is_dir() or any(out_dir.iterdir()):
-            raise CheckpointError(f"{out_dir}: exists and is not an mtkit export; choose another output folder")
 
 
 def read_manifest(ct2_dir: Path) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Translation with a CTranslate2 export (``mtkit export``): its tokenizers and decoding settings with it,
 and mtkit's search rules kept wherever CTranslate2's options can express them.
 
-Sources are encoded by ``mtkit.decoding.translate.source_ids``, the front end every engine shares, so a
+Sources are encoded by ``mtkit.decoding.line_translator.source_ids``, the front end every engine shares, so a
 line is cut and tokenized here exactly as mtkit's own engine does it.
 """
 
@@ -13,8 +13,7 @@ from typing import Any
 
 from mtkit.config import ConfigError, DecodeConfig, InferenceConfig
 from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
-from mtkit.decoding.search import max_length, normalised
-from mtkit.decoding.translate import (
+from mtkit.decoding.line_translator import (
     EMPTY,
     LineTranslator,
     Translation,
@@ -23,6 +22,7 @@ from mtkit.decoding.translate import (
     source_ids,
     with_overrides,
 )
+from mtkit.decoding.search import max_length, normalised
 from mtkit.interop.ct2_export import VMAP, import_ctranslate2, read_manifest
 from mtkit.model.checkpoint import CheckpointError
 

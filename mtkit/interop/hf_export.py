@@ -57,7 +57,7 @@ from mtkit.config import ConfigError, DecodeConfig, ModelConfig
 from mtkit.data.directions import directions, tags_targets
 from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 from mtkit.files import atomic_write_directory
-from mtkit.interop.ct2_export import MANIFEST, MANIFEST_FORMAT, check_replaceable, provenance, vocabulary
+from mtkit.interop.export_folder import MANIFEST, MANIFEST_FORMAT, check_replaceable, provenance, vocabulary
 from mtkit.interop.marian import NOT_A_TOKEN, layer_weights, residual_order, to_marian
 from mtkit.model.checkpoint import CheckpointError
 from mtkit.model.loading import load_for_inference, resolve

@@ -1,5 +1,5 @@
-"""Model: the encoder-decoder Transformer, its attention and positions, its loss, its file format, and
-finding and loading a model on disk.
+"""Model: the encoder-decoder Transformer, its attention and positions, its loss, its file format, a run
+directory's layout, and finding and loading a model on disk.
 
-Imports: the leaves and mtkit.data (the tokenizer a checkpoint carries).
+Imports: the leaves and mtkit.data (the tokenizer's special ids, and the tokenizer a checkpoint carries).
 """

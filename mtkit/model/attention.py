@@ -9,7 +9,8 @@ polarity: masks handed to attention (``attn_allowed``) are True where a query ma
 - ``attention_weights`` and the explicit attention path, used where fused SDPA is slow (bf16 on CPU)
   or cannot apply (relative positions, windows, weights handed to a hook).
 - ``MultiHeadAttention``: self- or cross-attention, with rotary or relative positions and a window,
-  and hooks that observe its weights (``register_weights_hook``).
+  and hooks that observe its weights (``register_weights_hook``); over whole sequences (``forward``) or
+  over a decoding step's new positions with their cache (``self_attend_step``, ``cross_attend_step``).
 """
 
 from __future__ import annotations
@@ -26,9 +27,8 @@ from torch.utils.hooks import RemovableHandle
 
 from mtkit.config import ModelConfig
 from mtkit.model.derived import Derived
-from mtkit.model.linear import Linear, decoding_linear
+from mtkit.model.linear import Linear
 from mtkit.model.positions import RelativePositions, Rotary
-from mtkit.model.quantization import Int8Linear
 
 # fp32 attention of at most this many queries per row (a decoding step: one, or a sentence's beams in
 # cross-attention) is written out on CPU, where that is faster than SDPA's flash kernel (docs/benchmarks.md).
@@ -293,7 +293,7 @@ class MultiHeadAttention(nn.Module):
         """
         projections = (self.q_proj, self.k_proj, self.v_proj)
         sources = [t for p in projections for t in (p.weight, p.bias) if t is not None]
-        return self._joint.get(sources, lambda: _joined(projections))
+        return self._joint.get(sources, lambda: type(self.q_proj).joined(projections))
 
     def project_memory(self, memory: Tensor) -> tuple[Tensor, Tensor]:
         """The keys and values of the encoder memory that a decoding cache keeps, each (B, H, Tk, Dh) and contiguous:
@@ -417,14 +417,48 @@ class MultiHeadAttention(nn.Module):
         q = self.split_heads(self.q_proj(query))
         return self.attend(self.rotate(q, 0), self.rotate(k, 0), v, attn_allowed, causal)
 
+    def self_attend_step(
+        self, x: Tensor, cache: LayerCache, allowed: Tensor | None = None, positions: Tensor | None = None
+    ) -> Tensor:
+        """Causal self-attention of a decoding step's new positions x (B, L, D) over every position so far, their
+        keys/values appended to ``cache``; ``allowed`` (B, 1, 1, slots) may say which cache slots each row sees and
+        ``positions`` (B,) the position of each row's new token (rows of a continuous search began at different
+        slots)."""
+        # The slot of x's first position. Relative positions and windows need only distances, which slots
+        # keep; rotary ones rotate each row by its own position, stored rotated with its key.
+        start = cache.self_len
+        rotation = start if positions is None else positions
+        if cache.qkv is None:
+            cache.qkv = self.joint_qkv()
+        b, length, _ = x.shape
+        qkv = cache.qkv(x).view(b, length, 3 * self.heads, self.d_head).transpose(1, 2)  # (B, 3H, L, Dh)
+        q, k = self.rotate(qkv[:, : 2 * self.heads], rotation).chunk(2, dim=1)  # the same positions: one call
+        k, v = cache.append_self(k, qkv[:, 2 * self.heads :])
+        # New positions see every cached position and, among themselves, only earlier ones.
+        causal = x.size(1) > 1
+        if causal and k.size(2) != x.size(1):
+            raise ValueError("a cached decoder step takes one new position at a time")
+        k_start = 0
+        if self.window and not causal:  # one new position: only the last window + 1 keys can matter
+            k_start = max(0, k.size(2) - self.window - 1)
+            k, v = k[:, :, k_start:], v[:, :, k_start:]
+            allowed = allowed[..., k_start:] if allowed is not None else None
+        return self.attend(q, k, v, allowed, causal, start, k_start)
 
-def _joined(projections: tuple[nn.Module, ...]) -> Callable[[Tensor], Tensor]:
-    """One layer computing what the linear ``projections`` of one input compute, outputs side by side."""
-    if isinstance(projections[0], Int8Linear):
-        return Int8Linear.joined(projections)
-    biases = [p.bias for p in projections]
-    bias = None if any(b is None for b in biases) else torch.cat(biases)
-    return decoding_linear(torch.cat([p.weight for p in projections]), bias)
+    def cross_attend_step(self, x: Tensor, memory: Tensor | None, allowed: Tensor, cache: LayerCache) -> Tensor:
+        """Cross-attention of a decoding step's new positions x (rows, L, D) over the encoder ``memory``, whose
+        keys/values ``cache`` keeps from the first step on (``memory`` may be None once it does)."""
+        if cache.cross_k is None:
+            cache.cross_k, cache.cross_v = self.project_memory(memory)
+        # Beam search keeps one memory row per sentence for its ``group`` consecutive rows of x
+        # (its beams): their queries attend together, each sentence's keys read once.
+        rows, length, _ = x.shape
+        group = rows // cache.cross_k.size(0)
+        q = self.split_heads(self.q_proj(x))  # (rows, H, length, Dh)
+        if group > 1:
+            q = q.unflatten(0, (-1, group)).transpose(1, 2).flatten(2, 3)  # (sentences, H, group * length, Dh)
+        out = self.attend(q, cache.cross_k, cache.cross_v, allowed, False)
+        return out.view(rows, length, -1)
 
 
 def _per_key(attn_allowed: Tensor | None) -> bool:

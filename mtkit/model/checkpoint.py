@@ -10,8 +10,8 @@ needs (optimizer, scaler, RNG, progress); it is tensors and plain values only an
 with the tokenizer model(s) beside it (``write_model_file``) is a checkpoint too, of weights only.
 
 A checkpoint directory appears whole or not at all: it is built under a temporary name beside its
-final one and renamed into place. Where checkpoints sit in a run directory is training's business
-(mtkit/training/run_directory.py); how a model path is found and loaded, loading.py's.
+final one and renamed into place. Where checkpoints sit in a run directory is run_folder.py's; how a
+model path is found and loaded, loading.py's.
 """
 
 from __future__ import annotations
@@ -309,7 +309,7 @@ def _check_meta(path: Path, meta: Any) -> RunConfig:
     """The config of a checkpoint whose metadata has the form mtkit writes; CheckpointError otherwise.
 
     The tokenizer records may name only the files a run directory of that config holds (never a
-    path), with their SHA-256; the step is a count; the config passes every check of config.py.
+    path), with their SHA-256; the step is a count; the config passes every check of mtkit.config.
     """
     try:
         meta = untrusted.mapping(meta, "its metadata", required=("config", "tokenizer", "step"))

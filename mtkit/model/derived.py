@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-import torch
 from torch import Tensor
 
 Value = TypeVar("Value")
@@ -40,14 +39,3 @@ class Derived(Generic[Value]):
     def clear(self) -> None:
         """Forget the value: the next ``get`` makes it again."""
         self._held = None
-
-
-def onednn_linear(weight: Tensor, bias: Tensor | None) -> Callable[[Tensor], Tensor]:
-    """``F.linear(x, weight, bias)`` through oneDNN over a copy of ``weight`` packed once in oneDNN's layout (fp32,
-    CPU). Each row's result is the same whatever the number of rows (unlike MKL's below 64 rows, measured)."""
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-
-    def linear(x: Tensor) -> Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-    return linear

@@ -5,19 +5,39 @@ multiplies by the same weights at every step of every sentence; on some CPUs one
 for it once is the faster (``mtkit.runtime.fp32_vocabulary_gemm`` and ``bf16_decoding_gemm`` say where, measured in
 docs/benchmarks.md). The packed copy is made again whenever a weight changes (``mtkit.model.derived.Derived``), so a
 model decoded between training updates (validation) decodes with its current weights.
+
+``DecodingLinear`` is what decoding asks of any linear layer, whichever kernel multiplies: ``Linear`` here (ATen or
+oneDNN) and ``mtkit.model.quantization.Int8Linear`` answer it, so the architecture never asks which one it holds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Self
+from collections.abc import Callable, Sequence
+from typing import Protocol, Self
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mtkit import runtime
-from mtkit.model.derived import Derived, onednn_linear
+from mtkit.model.derived import Derived
+
+
+class DecodingLinear(Protocol):
+    """A linear layer as decoding uses it, whatever its kernel."""
+
+    def __call__(self, x: Tensor) -> Tensor: ...
+
+    def decoding(self) -> Callable[[Tensor], Tensor]:
+        """The layer as a decoding step applies it: itself, or the same product over weights laid out for a faster
+        kernel."""
+
+    def rows(self, ids: Tensor) -> Callable[[Tensor], Tensor]:
+        """The layer cut to output rows ``ids`` (a shortlist's candidates), as decoding applies it."""
+
+    @classmethod
+    def joined(cls, layers: Sequence[Self]) -> Callable[[Tensor], Tensor]:
+        """One layer computing what ``layers`` (of one input) compute, outputs side by side, as decoding applies it."""
 
 
 def onednn_pays(weight: Tensor, vocabulary: bool = False) -> bool:
@@ -38,6 +58,17 @@ def onednn_pays(weight: Tensor, vocabulary: bool = False) -> bool:
     )
 
 
+def onednn_linear(weight: Tensor, bias: Tensor | None) -> Callable[[Tensor], Tensor]:
+    """``F.linear(x, weight, bias)`` through oneDNN over a copy of ``weight`` packed once in oneDNN's layout (fp32,
+    CPU). Each row's result is the same whatever the number of rows (unlike MKL's below 64 rows, measured)."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+    def linear(x: Tensor) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+    return linear
+
+
 def decoding_linear(weight: Tensor, bias: Tensor | None, vocabulary: bool = False) -> Callable[[Tensor], Tensor]:
     """``F.linear`` with these weights as decoding should run it (``onednn_pays``), for weights made once and kept
     (a shortlist's cut of the output layer, the joined query, key and value projections)."""
@@ -46,26 +77,48 @@ def decoding_linear(weight: Tensor, bias: Tensor | None, vocabulary: bool = Fals
     return lambda x: F.linear(x, weight, bias)
 
 
-def packed_linear(
-    copy: Derived[Callable[[Tensor], Tensor]], weight: Tensor, bias: Tensor | None
-) -> Callable[[Tensor], Tensor]:
-    """``F.linear`` with these weights through oneDNN, over the packed copy that ``copy`` keeps for them."""
-    sources = [weight] if bias is None else [weight, bias]
-    return copy.get(sources, lambda: onednn_linear(weight, bias))
-
-
 class Linear(nn.Linear):
     """``nn.Linear`` (the same parameters and state dict) that decodes through oneDNN over a packed copy of its
-    weights where that pays (``onednn_pays``)."""
+    weights where that pays (``onednn_pays``).
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+    A hidden layer (``vocabulary`` False) does so in ``forward`` itself, which its module calls at every step. The
+    output layer over the vocabulary (``vocabulary`` True) keeps ``forward`` for training and scoring; decoding asks
+    for ``decoding()`` or a shortlist's ``rows``, where fp32 weights of its size may go to oneDNN too.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, vocabulary: bool = False) -> None:
         super().__init__(in_features, out_features, bias)
+        self.vocabulary = vocabulary
         self._packed: Derived[Callable[[Tensor], Tensor]] = Derived()
 
     def forward(self, x: Tensor) -> Tensor:
-        if not onednn_pays(self.weight):
+        if self.vocabulary or not onednn_pays(self.weight):
             return F.linear(x, self.weight, self.bias)
-        return packed_linear(self._packed, self.weight, self.bias)(x)
+        return self._packed_copy()(x)
+
+    def decoding(self) -> Callable[[Tensor], Tensor]:
+        """The layer itself, or where oneDNN pays, the same layer over a copy of its weights packed for oneDNN, made
+        once and again only when they change."""
+        return self._packed_copy() if onednn_pays(self.weight, self.vocabulary) else self
+
+    def rows(self, ids: Tensor) -> Callable[[Tensor], Tensor]:
+        """The layer cut to output rows ``ids`` (a shortlist's candidates): a copy of those rows, kept by the caller."""
+        bias = None if self.bias is None else self.bias[ids]
+        return decoding_linear(self.weight[ids], bias, self.vocabulary)
+
+    @classmethod
+    def joined(cls, layers: Sequence[Linear]) -> Callable[[Tensor], Tensor]:
+        """One layer computing what ``layers`` (of one input width) compute, outputs side by side: a copy of their
+        weights, kept by the caller."""
+        biases = [layer.bias for layer in layers]
+        bias = None if any(b is None for b in biases) else torch.cat(biases)
+        return decoding_linear(torch.cat([layer.weight for layer in layers]), bias)
+
+    def _packed_copy(self) -> Callable[[Tensor], Tensor]:
+        """``F.linear`` with this layer's weights through oneDNN, over the packed copy kept for them."""
+        weight, bias = self.weight, self.bias
+        sources = [weight] if bias is None else [weight, bias]
+        return self._packed.get(sources, lambda: onednn_linear(weight, bias))
 
     def train(self, mode: bool = True) -> Self:
         self._packed.clear()  # a fused optimizer's steps leave no trace that the copy could be checked against

@@ -1,16 +1,10 @@
-"""Finding a model on disk and loading it to translate: ``RUN`` means ``RUN/best``, and the files a model is
-read from are known, so no command writes its output onto them.
-
-Where a run directory keeps its checkpoints::
-
-    RUN/checkpoints/update-00001000/     one checkpoint per save (training/run_directory.py writes them)
-    RUN/best/                            the best validation result's weights, what translating uses
+"""Finding a model on disk and loading it to translate: ``RUN`` means ``RUN/best`` (the run's layout is
+run_folder.py's), and the files a model is read from are known, so no command writes its output onto them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,39 +27,11 @@ from mtkit.model.checkpoint import (
     weights_file,
 )
 from mtkit.model.quantization import quantize_int8
+from mtkit.model.run_folder import BEST_DIR, CHECKPOINTS_DIR, UPDATE_DIR, latest
 from mtkit.model.transformer import Transformer, build_model
 from mtkit.runtime import DTYPES
 
-CHECKPOINTS_DIR, BEST_DIR = "checkpoints", "best"
-
-_UPDATE_DIR = re.compile(r"update-(\d+)")
-
-
-def update_dir(run_dir: Path, step: int) -> Path:
-    """Where the checkpoint of update ``step`` of a run is saved."""
-    return Path(run_dir) / CHECKPOINTS_DIR / f"update-{step:08d}"
-
-
 # -- finding --------------------------------------------------------------------------------
-
-
-def run_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoint directories of a run, oldest first; temporary and partial ones are skipped."""
-    root = Path(run_dir) / CHECKPOINTS_DIR
-    if not root.is_dir():
-        return []
-    found = [
-        (int(match[1]), path)
-        for path in root.iterdir()
-        if (match := _UPDATE_DIR.fullmatch(path.name)) and (path / WEIGHTS_FILE).is_file()
-    ]
-    return [path for _, path in sorted(found)]
-
-
-def latest(run_dir: Path) -> Path | None:
-    """Where training resumes from: the newest checkpoint, if any."""
-    found = run_checkpoints(run_dir)
-    return found[-1] if found else None
 
 
 def resolve(model_path: Path) -> Path:
@@ -118,7 +84,7 @@ def _is_checkpoint_dir(folder: Path) -> bool:
     """A folder mtkit saves whole, told by what it holds and how mtkit names it, not any folder with weights."""
     if (folder / STATE_FILE).is_file():
         return True
-    named = folder.name in (BEST_DIR, set_aside(Path(BEST_DIR)).name) or _UPDATE_DIR.fullmatch(folder.name)
+    named = folder.name in (BEST_DIR, set_aside(Path(BEST_DIR)).name) or UPDATE_DIR.fullmatch(folder.name)
     return bool(named) and (folder / WEIGHTS_FILE).is_file()
 
 

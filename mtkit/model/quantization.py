@@ -19,6 +19,8 @@ Two kernels sum the products, chosen by what the CPU has (``mtkit.runtime.int8_k
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor, nn
 
@@ -45,7 +47,8 @@ class Int8Linear(nn.Module):
     """``nn.Linear`` with int8 weights (per output channel) and int8 activations (per row, at run time).
 
     ``weight`` holds the int8 matrix (out, in); ``scale`` (out,) brings each output back to float. Tensors
-    of any leading shape go in, as with ``nn.Linear``; the output is float32.
+    of any leading shape go in, as with ``nn.Linear``; the output is float32. It answers what decoding asks of
+    a linear layer (``mtkit.model.linear.DecodingLinear``): itself, its rows, or layers joined.
     """
 
     def __init__(self, weight: Tensor, scale: Tensor, bias: Tensor | None, kernel: Int8Kernel) -> None:
@@ -67,13 +70,17 @@ class Int8Linear(nn.Module):
         return cls(quantized, scale.squeeze(1), bias, kernel)
 
     @classmethod
-    def joined(cls, layers: tuple[Int8Linear, ...]) -> Int8Linear:
+    def joined(cls, layers: Sequence[Int8Linear]) -> Int8Linear:
         """One layer computing what ``layers`` (of one input width and kernel) compute, outputs side by side: the
         same values, since each row is quantized on its own scale and the products are summed exactly."""
         biases = [layer.bias for layer in layers]
         bias = None if any(b is None for b in biases) else torch.cat(biases)
         weight, scale = torch.cat([layer.weight for layer in layers]), torch.cat([layer.scale for layer in layers])
         return cls(weight, scale, bias, layers[0].kernel)
+
+    def decoding(self) -> Int8Linear:
+        """The layer itself: decoding multiplies as ``forward`` does."""
+        return self
 
     def rows(self, ids: Tensor) -> Int8Linear:
         """The layer restricted to outputs ``ids`` (a shortlist's candidates), quantized as the whole one is."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Self
 
 import torch
 import torch.nn.functional as F
@@ -18,10 +17,8 @@ from torch import Tensor, nn
 
 from mtkit.config import ModelConfig
 from mtkit.model.attention import DecoderCache, Dropout, LayerCache, MultiHeadAttention, autocast_once, self_attention
-from mtkit.model.derived import Derived
-from mtkit.model.linear import Linear, decoding_linear, onednn_pays, packed_linear
+from mtkit.model.linear import DecodingLinear, Linear
 from mtkit.model.positions import RelativePositions, building_skeleton
-from mtkit.model.quantization import Int8Linear
 
 
 @dataclass
@@ -33,16 +30,11 @@ class Candidates:
     ids: Tensor
     _cut: dict[int, Callable[[Tensor], Tensor]] = field(default_factory=dict, repr=False)
 
-    def project(self, features: Tensor, output: nn.Linear | Int8Linear) -> Tensor:
+    def project(self, features: Tensor, output: DecodingLinear) -> Tensor:
         """``output(features)`` over the candidates only: (..., len(ids))."""
         cut = self._cut.get(id(output))
         if cut is None:
-            if isinstance(output, Int8Linear):
-                cut = output.rows(self.ids)
-            else:
-                weight, bias = output.weight[self.ids], None if output.bias is None else output.bias[self.ids]
-                cut = decoding_linear(weight, bias, vocabulary=True)
-            self._cut[id(output)] = cut
+            cut = self._cut[id(output)] = output.rows(self.ids)
         return cut(features)
 
     def columns(self, ids: Tensor) -> Tensor:
@@ -125,52 +117,13 @@ class DecoderLayer(nn.Module):
         """x (B, T, D); with a cache, x holds only the new positions and keys/values accumulate, and
         ``self_allowed`` (B, 1, 1, slots) may say which cache slots each row sees and ``positions`` (B,) the
         position of each row's new token (rows of a continuous search began at different slots)."""
-        x = self.res_self(x, lambda h: self._self_attend(h, cache, self_allowed, positions))
-        x = self.res_cross(x, lambda h: self._cross_attend(h, memory, src_allowed, cache))
+        if cache is None:
+            x = self.res_self(x, lambda h: self.self_attn(h, h, causal=True))
+            x = self.res_cross(x, lambda h: self.cross_attn(h, memory, src_allowed))
+        else:
+            x = self.res_self(x, lambda h: self.self_attn.self_attend_step(h, cache, self_allowed, positions))
+            x = self.res_cross(x, lambda h: self.cross_attn.cross_attend_step(h, memory, src_allowed, cache))
         return self.res_ffn(x, self.ffn)
-
-    def _self_attend(
-        self, h: Tensor, cache: LayerCache | None, allowed: Tensor | None = None, positions: Tensor | None = None
-    ) -> Tensor:
-        attn = self.self_attn
-        if cache is None:
-            return attn(h, h, causal=True)
-        # The slot of h's first position. Relative positions and windows need only distances, which slots
-        # keep; rotary ones rotate each row by its own position, stored rotated with its key.
-        start = cache.self_len
-        rotation = start if positions is None else positions
-        if cache.qkv is None:
-            cache.qkv = attn.joint_qkv()
-        b, length, _ = h.shape
-        qkv = cache.qkv(h).view(b, length, 3 * attn.heads, attn.d_head).transpose(1, 2)  # (B, 3H, L, Dh)
-        q, k = attn.rotate(qkv[:, : 2 * attn.heads], rotation).chunk(2, dim=1)  # the same positions: one call
-        k, v = cache.append_self(k, qkv[:, 2 * attn.heads :])
-        # New positions see every cached position and, among themselves, only earlier ones.
-        causal = h.size(1) > 1
-        if causal and k.size(2) != h.size(1):
-            raise ValueError("a cached decoder step takes one new position at a time")
-        k_start = 0
-        if attn.window and not causal:  # one new position: only the last window + 1 keys can matter
-            k_start = max(0, k.size(2) - attn.window - 1)
-            k, v = k[:, :, k_start:], v[:, :, k_start:]
-            allowed = allowed[..., k_start:] if allowed is not None else None
-        return attn.attend(q, k, v, allowed, causal, start, k_start)
-
-    def _cross_attend(self, h: Tensor, memory: Tensor | None, src_allowed: Tensor, cache: LayerCache | None) -> Tensor:
-        attn = self.cross_attn
-        if cache is None:
-            return attn(h, memory, src_allowed)
-        if cache.cross_k is None:
-            cache.cross_k, cache.cross_v = attn.project_memory(memory)
-        # Beam search keeps one memory row per sentence for its ``group`` consecutive rows of h
-        # (its beams): their queries attend together, each sentence's keys read once.
-        rows, length, _ = h.shape
-        group = rows // cache.cross_k.size(0)
-        q = attn.split_heads(attn.q_proj(h))  # (rows, H, length, Dh)
-        if group > 1:
-            q = q.unflatten(0, (-1, group)).transpose(1, 2).flatten(2, 3)  # (sentences, H, group * length, Dh)
-        out = attn.attend(q, cache.cross_k, cache.cross_v, src_allowed, False)
-        return out.view(rows, length, -1)
 
 
 def sinusoidal_table(max_positions: int, d_model: int) -> Tensor:
@@ -278,12 +231,11 @@ class Decoder(nn.Module):
 class Transformer(nn.Module):
     """Encoder-decoder with ``encode`` and ``decode`` exposed separately for search."""
 
-    def __init__(self, encoder: Encoder, decoder: Decoder, output: nn.Linear) -> None:
+    def __init__(self, encoder: Encoder, decoder: Decoder, output: Linear) -> None:
         super().__init__()
         self.encoder = encoder
         self.decoder = decoder
         self.output = output  # features (.., D) -> logits (.., V)
-        self._packed: Derived[Callable[[Tensor], Tensor]] = Derived()  # output_layer's copy
 
     @property
     def max_source_positions(self) -> int:
@@ -322,10 +274,6 @@ class Transformer(nn.Module):
         features = self.decoder(tgt_in, memory, src_pad_mask, cache)
         return self.output_layer()(features) if candidates is None else candidates.project(features, self.output)
 
-    def train(self, mode: bool = True) -> Self:
-        self._packed.clear()  # a fused optimizer's steps leave no trace that the copy could be checked against
-        return super().train(mode)
-
     def output_layer(self) -> Callable[[Tensor], Tensor]:
         """The output projection as decoding applies it: ``self.output``, or where oneDNN pays
         (``mtkit.model.linear.onednn_pays``: without gradients, in bf16 or in fp32 for a vocabulary large enough, on a
@@ -335,10 +283,7 @@ class Transformer(nn.Module):
         sentence's beams, ATen's product there took up to 5.9x as long (docs/benchmarks.md). The copy costs the
         output weights' size again, and is made again when they change (validation between training updates).
         """
-        out = self.output
-        if isinstance(out, Int8Linear) or not onednn_pays(out.weight, vocabulary=True):
-            return out
-        return packed_linear(self._packed, out.weight, out.bias)
+        return self.output.decoding()
 
     def features(self, src: Tensor, src_pad_mask: Tensor, tgt_in: Tensor) -> Tensor:
         """Decoder features (B, T, D); training projects only the non-pad positions to the vocabulary."""
@@ -363,7 +308,7 @@ def build_model(cfg: ModelConfig, src_vocab: int, tgt_vocab: int, pad_id: int) -
 
     src_tokens = embedding(src_vocab)
     tgt_tokens = src_tokens if cfg.tie_embeddings else embedding(tgt_vocab)
-    output = nn.Linear(d, tgt_vocab, bias=cfg.output_bias)
+    output = Linear(d, tgt_vocab, bias=cfg.output_bias, vocabulary=True)
     if cfg.tie_embeddings or cfg.tie_output:
         output.weight = tgt_tokens.weight
     else:

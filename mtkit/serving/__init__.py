@@ -1,4 +1,6 @@
-"""Serving: ``mtkit serve``'s HTTP API and the batcher that gathers concurrent requests into searches.
+"""Serving: ``mtkit serve``'s HTTP API (its requests, routes, gate, connections and app) and the batcher
+that gathers concurrent requests into searches.
 
-Imports: the leaves, mtkit.decoding and mtkit.translation.
+Imports: the leaves, mtkit.data (a model's language directions), mtkit.decoding (the translator interface
+and its searches) and mtkit.translation (loading a model of any engine).
 """

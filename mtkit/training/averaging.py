@@ -18,7 +18,7 @@ from mtkit.model.checkpoint import (
     tied_aliases,
     write_model_file,
 )
-from mtkit.model.loading import CHECKPOINTS_DIR, run_checkpoints
+from mtkit.model.run_folder import CHECKPOINTS_DIR, run_checkpoints
 
 
 def average_checkpoints(paths: list[Path]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -30,7 +30,7 @@ from typing import Any
 from mtkit.config import ConfigError, RunConfig, TokenizerConfig
 from mtkit.data.tokenizer import Tokenizer
 from mtkit.files import file_sha256
-from mtkit.interop.ct2_export import MANIFEST
+from mtkit.interop.export_folder import MANIFEST
 from mtkit.interop.hf_import import import_marian
 from mtkit.model.checkpoint import (
     WEIGHTS_FILE,
@@ -41,7 +41,7 @@ from mtkit.model.checkpoint import (
     weights_file,
 )
 from mtkit.model.loading import resolve
-from mtkit.training.run_directory import IMPORTED_DIR
+from mtkit.model.run_folder import IMPORTED_DIR
 from mtkit.untrusted import shown
 
 log = logging.getLogger("mtkit")

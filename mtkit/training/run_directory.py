@@ -1,23 +1,9 @@
 """The run directory as training owns it: one writer at a time, tidy after a crash, every write accounted for.
 
-Its layout::
-
-    RUN_DIR/config.yaml                              resolved config
-    RUN_DIR/spm.model (+ .vocab)                     joint tokenizer, or spm.src.model and spm.tgt.model
-    RUN_DIR/checkpoints/update-00001000/             one directory per save, the newest train.keep_last kept
-        model.safetensors                            weights + metadata
-        state.pt                                     training state, for resuming
-        validation.json                              what the validation of that update changed, once done
-    RUN_DIR/best/model.safetensors                   weights of the best validation result, for translating
-    RUN_DIR/metrics.jsonl                            one JSON object per log or validation event
-    RUN_DIR/imported/                                the model train.init_from: hf:SOURCE names, imported anew
-                                                     by each start before the run's first checkpoint
-    RUN_DIR/.lock                                    held while a training process writes here
-
 Rank 0 claims the directory (its lock, ``--restart``, tidying what a crash left) and is the one that
 writes to it: config.yaml, metrics.jsonl (and the tensorboard folder), checkpoints and best/; the
 tokenizers are put there by ``tokenizers.prepare_tokenizers``. Every rank reads its checkpoints. The
-checkpoint format is model/checkpoint.py's; finding a run's checkpoints, model/loading.py's.
+directory's layout and the names in it are model/run_folder.py's; the checkpoint format, model/checkpoint.py's.
 """
 
 from __future__ import annotations
@@ -37,13 +23,19 @@ import torch
 from mtkit import files
 from mtkit.config import RunConfig, config_yaml
 from mtkit.errors import TrainingFailed
-from mtkit.model import checkpoint, loading
+from mtkit.model import checkpoint, run_folder
 from mtkit.model.checkpoint import CheckpointError
-from mtkit.model.loading import BEST_DIR, CHECKPOINTS_DIR
-
-METRICS_FILE, CONFIG_FILE, TENSORBOARD_DIR = "metrics.jsonl", "config.yaml", "tensorboard"
-IMPORTED_DIR = "imported"  # RUN/imported/: the model train.init_from: hf:SOURCE names, as mtkit imported it
-VALIDATION_FILE = "validation.json"  # added to a checkpoint once the validation of its update is done
+from mtkit.model.run_folder import (
+    BEST_DIR,
+    CHECKPOINTS_DIR,
+    CONFIG_FILE,
+    IMPORTED_DIR,
+    LOCK_FILE,
+    METRICS_FILE,
+    TENSORBOARD_DIR,
+    UPDATE_DIR,
+    VALIDATION_FILE,
+)
 
 
 class RunDirectory:
@@ -70,10 +62,10 @@ class RunDirectory:
     # -- reading ----------------------------------------------------------------------------
 
     def checkpoints(self) -> list[Path]:
-        return loading.run_checkpoints(self.path)
+        return run_folder.run_checkpoints(self.path)
 
     def latest(self) -> Path | None:
-        return loading.latest(self.path)
+        return run_folder.latest(self.path)
 
     # -- writing ----------------------------------------------------------------------------
 
@@ -139,10 +131,10 @@ def save_in_run(
     keep_last: int,
 ) -> Path:
     """Save ``RUN/checkpoints/update-STEP/``, then delete all but the newest ``keep_last`` (0 keeps all)."""
-    directory = loading.update_dir(run_dir, step)
+    directory = run_folder.update_dir(run_dir, step)
     checkpoint.save(directory, weights, {**meta, "step": step}, state)
     if keep_last > 0:
-        for old in loading.run_checkpoints(run_dir)[:-keep_last]:
+        for old in run_folder.run_checkpoints(run_dir)[:-keep_last]:
             if old != directory:  # never the one just written, even if stale later ones exist
                 _delete(old)
     return directory
@@ -165,7 +157,7 @@ def save_best(run_dir: Path, weights: dict[str, torch.Tensor], meta: dict[str, A
 
 def record_validation(run_dir: Path, step: int, outcome: dict[str, Any]) -> None:
     """Add to the checkpoint of ``step``, saved before its validation, what that validation changed."""
-    files.atomic_write_text(loading.update_dir(run_dir, step) / VALIDATION_FILE, json.dumps(outcome))
+    files.atomic_write_text(run_folder.update_dir(run_dir, step) / VALIDATION_FILE, json.dumps(outcome))
 
 
 def read_validation(checkpoint_dir: Path) -> Any:
@@ -189,7 +181,7 @@ class RunLock:
     def __init__(self, run_dir: Path) -> None:
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        path = run_dir / ".lock"
+        path = run_dir / LOCK_FILE
         self._lock = filelock.FileLock(path, timeout=0)
         try:
             self._lock.acquire()
@@ -206,8 +198,8 @@ class RunLock:
 
 # What training writes, by folder; a leftover of an interrupted write is .NAME.*.tmp, .NAME.old or .NAME.pruned.
 _TRAINING_NAMES = {
-    "": r"config\.yaml|metrics\.jsonl|best|spm(?:\.src|\.tgt)?(?:\.model|\.vocab)?",
-    CHECKPOINTS_DIR: r"update-\d+",
+    "": "|".join(map(re.escape, (CONFIG_FILE, METRICS_FILE, BEST_DIR))) + r"|spm(?:\.src|\.tgt)?(?:\.model|\.vocab)?",
+    CHECKPOINTS_DIR: UPDATE_DIR.pattern,
     f"{CHECKPOINTS_DIR}/update-*": re.escape(VALIDATION_FILE),  # added to a checkpoint after its save
 }
 

@@ -9,104 +9,57 @@ writes files; ranks agree after each update on anything that could make them par
 of memory, a stop signal, a non-finite loss).
 
 ``Trainer`` has a recipe's shape: ``__init__`` is a list of named ``_setup_*`` steps, ``run()`` trains
-to the budget and ends with ``cleanup()``. Beside it: the learning-rate schedule (schedule.py), the
-model a run starts from (init_from.py), the parts it holds still (freezing.py), the tokenizers rank 0
-prepares (tokenizers.py), the batches made ahead of the loop (feeding.py), the validation set
-(validation_set.py), what a checkpoint must hold to resume from (resume.py), what a skipped update
-leads to (skip_policy.py), what the run writes to RUN/ (run_directory.py) and what it reports
-(reporting.py).
+to the budget and ends with ``cleanup()``; it holds the run's state and decides when each thing happens.
+Beside it: the learning-rate schedule (schedule.py), the model a run starts from (init_from.py), the
+parts it holds still (freezing.py), the optimizer and the data-parallel loss (build.py), the tokenizers
+rank 0 prepares (tokenizers.py), the encoded training pairs (training_data.py), the batches of each
+update (data_walk.py) made ahead of the loop (feeding.py), one update's arithmetic (step.py), the
+validation set (validation_set.py) and validating on it (validation.py), what a checkpoint holds and
+gives back (checkpointing.py, resume.py), what a skipped update leads to (skip_policy.py), what the run
+writes to RUN/ (run_directory.py) and what it reports (reporting.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import inspect
 import logging
 import math
 import signal
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from mtkit.config import ConfigError, RunConfig
-from mtkit.data.directions import CorpusFiles, corpus_files
-from mtkit.data.parallel import Batch, DataError, ShapeBuckets, check_input_file, file_digest, iter_parallel
-from mtkit.data.sampling import CorpusMix, corpus_probabilities
-from mtkit.data.token_store import TokenStore, default_cache_dir, open_or_build, store_key
-from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
-from mtkit.decoding.translate import Translator
+from mtkit.data.directions import corpus_files
+from mtkit.data.parallel import Batch, DataError, ShapeBuckets, check_input_file, iter_parallel
+from mtkit.data.tokenizer import PAD_ID
 from mtkit.model import checkpoint
 from mtkit.model.loss import TrainingObjective
 from mtkit.model.transformer import build_model, count_parameters
-from mtkit.progress import StageProgress
-from mtkit.runtime import autocast, hardware, pick_device, require, resolve_precision, seed_everything, set_threads
-from mtkit.scoring.metrics import bleu
+from mtkit.runtime import hardware, pick_device, require, resolve_precision, seed_everything, set_threads
+from mtkit.training.build import batch_shape_count, build_optimizer, data_parallel
+from mtkit.training.checkpointing import checkpoint_meta, restore_training_state, unreadable_error
+from mtkit.training.data_walk import DataWalk
 from mtkit.training.distributed import Distributed
 from mtkit.training.feeding import Feed, Group
-from mtkit.training.freezing import freeze
 from mtkit.training.init_from import InitialModel, import_once, read_initial_model, settle_config
 from mtkit.training.reporting import Reporter, TrainingReport, epoch_text
-from mtkit.training.resume import (
-    Progress,
-    TrainingState,
-    check_optimizer_state,
-    check_resumable,
-    restore_rng_state,
-    rng_state,
-)
+from mtkit.training.resume import Progress, TrainingState, check_resumable, rng_state
 from mtkit.training.run_directory import RunDirectory
 from mtkit.training.schedule import lr_at
 from mtkit.training.skip_policy import SkipPolicy
+from mtkit.training.step import accumulate_gradients, apply_update, clip_gradients, local_outcome, synchronise_gradients
 from mtkit.training.stop_signals import StopSignals, TrainingStopped
 from mtkit.training.tokenizers import open_tokenizers, prepare_tokenizers
-from mtkit.training.validation_set import ValidationSet, loss_batches, read_validation_sets
+from mtkit.training.training_data import corpus_mix, data_sha256, open_stores
+from mtkit.training.validation import Validator
+from mtkit.training.validation_set import loss_batches, read_validation_sets
 
 log = logging.getLogger("mtkit")
-
-
-def open_training_data(cfg: RunConfig, src_tok: Tokenizer, tgt_tok: Tokenizer) -> TokenStore:
-    """The training pairs as a memory-mapped token store, encoded now unless an earlier run did it."""
-    data = cfg.data
-    paths = [data.train_src, data.train_tgt] if data.train_tgt else [data.train_src]
-    key = store_key(paths, src_tok, tgt_tok, data.max_tokens, data.max_ratio)
-    cache_dir = Path(data.cache_dir) if data.cache_dir else default_cache_dir()
-    return open_or_build(cache_dir, iter_parallel(data.train_src, data.train_tgt), key, src_tok, tgt_tok)
-
-
-def open_corpus_data(cfg: RunConfig, corpus: CorpusFiles, src_tok: Tokenizer, tgt_tok: Tokenizer) -> TokenStore:
-    """One corpus of data.corpora as a token store, its sources read after their tags; a DataError names it."""
-    data = cfg.data
-    paths = [corpus.train_src, corpus.train_tgt] if corpus.train_tgt else [corpus.train_src]
-    key = store_key(paths, src_tok, tgt_tok, data.max_tokens, data.max_ratio, corpus.prefix)
-    cache_dir = Path(data.cache_dir) if data.cache_dir else default_cache_dir()
-    prefix = corpus.prefix
-    pairs = ((prefix + s if s.strip() else s, t) for s, t in iter_parallel(corpus.train_src, corpus.train_tgt))
-    try:
-        return open_or_build(cache_dir, pairs, key, src_tok, tgt_tok)
-    except DataError as err:
-        raise DataError(f"{corpus.name}: {err}") from None
-
-
-def data_sha256(cfg: RunConfig, stores: list[TokenStore], corpora: list[CorpusFiles]) -> dict[str, str]:
-    """The SHA-256 of each data file, by data.* key (``corpora[I].train_src`` for a corpus of data.corpora): the
-    training files' as their token store recorded them, the validation files' read now (they are small)."""
-    digests = {}
-    for store, files, key in zip(stores, corpora or [cfg.data], [f"corpora[{c.index}]." for c in corpora] or [""]):
-        train = [name for name in ("train_src", "train_tgt") if getattr(files, name)]
-        recorded = store.file_sha256s
-        if recorded is None or len(recorded) != len(train):  # a store built before it recorded them
-            recorded = [file_digest(getattr(files, name)) for name in train]
-        digests |= {key + name: digest for name, digest in zip(train, recorded)}
-        for name in ("valid_src", "valid_tgt"):
-            if getattr(files, name):
-                digests[key + name] = file_digest(getattr(files, name))
-    return digests
 
 
 class Trainer:
@@ -135,6 +88,7 @@ class Trainer:
         self._setup_start()
         self._setup_data()
         self._setup_model()
+        self._setup_validation()
         self._setup_optimizer()
         self.progress, self.skips = Progress(), SkipPolicy(replace(cfg.train, precision=self.precision.precision))
         resumed = self._resume()
@@ -183,7 +137,7 @@ class Trainer:
             try:
                 meta, theirs = checkpoint.read_meta(latest)
             except checkpoint.UnreadableCheckpoint as err:
-                raise self._unreadable(err, latest) from None
+                raise unreadable_error(err, latest, self.run_dir.checkpoints()) from None
             self.init = meta.get("init")
             self.cfg = settle_config(self.cfg, theirs, meta["tokenizer"], f"{latest}, which this run resumes from")
         check_lengths(self.cfg)
@@ -197,35 +151,20 @@ class Trainer:
                 self.src_tok, self.tgt_tok = open_tokenizers(cfg, out_dir)
             else:
                 self.src_tok, self.tgt_tok = prepare_tokenizers(cfg, out_dir, pairs, self.corpora)
-            self.stores = self._open_stores()
+            self.stores = open_stores(cfg, self.corpora, self.src_tok, self.tgt_tok)
         self.dist.barrier()  # the other ranks read the tokenizer and the encoded pairs rank 0 made (or found)
         if not self.is_main:
             self.src_tok, self.tgt_tok = open_tokenizers(cfg, out_dir)
-            self.stores = self._open_stores()
+            self.stores = open_stores(cfg, self.corpora, self.src_tok, self.tgt_tok)
         self.corpus = self.stores[0]
         self.buckets = ShapeBuckets(cfg.train.pad_to_multiple, cfg.train.batch_tokens, cfg.model.max_positions)
         self.data_sha256 = data_sha256(cfg, self.stores, self.corpora)
-        self.mix: CorpusMix | None = None
-        if self.corpora:
-            shares = corpus_probabilities(
-                [len(store) for store in self.stores], [c.config.weight for c in self.corpora], cfg.data.temperature
-            )
-            log.info(
-                "batches drawn from %s",
-                ", ".join(f"{c.name} {len(st):,} pairs {p:.1%}" for c, st, p in zip(self.corpora, self.stores, shares)),
-            )
-            self.mix = CorpusMix(self.stores, shares, cfg.train.batch_tokens, cfg.train.seed, self.buckets.multiple)
+        self.mix = corpus_mix(cfg, self.corpora, self.stores, self.buckets.multiple)
+        self.walk = DataWalk(self.stores, self.mix, self.buckets, cfg.train, self.dist.rank, self.dist.world_size)
         if self.is_main:
             self.valid_batches = loss_batches(cfg, self.src_tok, self.tgt_tok, self.valid_sets)
         else:
             self.valid_batches = []
-        self._epoch_indices: tuple[int, list[np.ndarray]] = (0, [])
-
-    def _open_stores(self) -> list[TokenStore]:
-        """The training pairs: one token store, or one per corpus of data.corpora."""
-        if not self.corpora:
-            return [open_training_data(self.cfg, self.src_tok, self.tgt_tok)]
-        return [open_corpus_data(self.cfg, c, self.src_tok, self.tgt_tok) for c in self.corpora]
 
     def _setup_model(self) -> None:
         """The model and its loss; then dropout seeded per rank, so masks differ between ranks."""
@@ -240,17 +179,16 @@ class Trainer:
         if self.dist.enabled:
             torch.manual_seed(tc.seed + 1_000_003 * self.dist.rank)
 
-    def _setup_optimizer(self) -> None:
-        tc = self.cfg.train
-        # fused: one kernel steps every parameter, rather than one kernel per tensor (docs/benchmarks.md)
-        self.optimizer = torch.optim.Adam(
-            freeze(self.model, tc.freeze),
-            lr=tc.lr,
-            betas=(0.9, 0.98),
-            eps=1e-9,
-            weight_decay=tc.weight_decay,
-            fused=True,
+    def _setup_validation(self) -> None:
+        """What validates the model: on rank 0, the loss batches ``_setup_data`` made and the sets to translate."""
+        tokenizers = (self.src_tok, self.tgt_tok)
+        self.validator = Validator(
+            self.objective, tokenizers, self.valid_sets, self.valid_batches, self.cfg, self.device
         )
+
+    def _setup_optimizer(self) -> None:
+        """The optimizer, and a loss scaler that is enabled in fp16 alone (a disabled one keeps one code path)."""
+        self.optimizer = build_optimizer(self.model, self.cfg.train)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision.precision == "fp16")
 
     def _resume(self) -> bool:
@@ -261,45 +199,15 @@ class Trainer:
         try:
             self._load(latest)
         except checkpoint.UnreadableCheckpoint as err:
-            raise self._unreadable(err, latest) from None
+            raise unreadable_error(err, latest, self.run_dir.checkpoints()) from None
         log.info("resuming from %s at update %d (%s)", latest, self.progress.step, epoch_text(self.progress))
         return True
 
-    def _unreadable(self, err: checkpoint.UnreadableCheckpoint, latest: Path) -> checkpoint.CheckpointError:
-        """The error for a newest checkpoint that cannot be read: deleting it resumes from the one before, if any."""
-        older = self.run_dir.checkpoints()[:-1]
-        if not older:
-            return err
-        return checkpoint.CheckpointError(f"{err}; delete {latest} to resume from {older[-1]}")
-
     def _setup_forward(self) -> None:
         """What a training step calls: the loss, wrapped for data parallelism under torchrun, compiled if asked."""
-        self.forward = self._data_parallel() if self.dist.enabled else self.objective
+        self.forward = data_parallel(self.objective, self.device) if self.dist.enabled else self.objective
         if self.cfg.train.compile:
-            self.objective.compile_features(self._shape_count())
-
-    def _shape_count(self) -> int | None:
-        """How many batch shapes training can meet, from the longest pair the data allows (and the one-token batch
-        of a data-parallel update); None when every batch has its own (train.pad_to_multiple 1), which the
-        compiler then covers with symbolic sizes."""
-        multiple = self.buckets.multiple
-        if multiple == 1:
-            return None
-        widths = -(-self.buckets.width(self.cfg.data.max_tokens + 1) // multiple)
-        shapes = widths * widths + 1
-        log.info(
-            "train.compile: at most %d batch shapes (train.pad_to_multiple %d), each compiled once", shapes, multiple
-        )
-        return shapes
-
-    def _data_parallel(self) -> torch.nn.Module:
-        from torch.nn.parallel import DistributedDataParallel
-
-        device_ids = [self.device.index] if self.device.type == "cuda" else None
-        # Buffers (the sinusoidal table) never change, so there is nothing to broadcast before each forward.
-        newer = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-        no_buffer_sync = {"forward_sync_buffers": False} if newer else {"broadcast_buffers": False}
-        return DistributedDataParallel(self.objective, device_ids=device_ids, **no_buffer_sync)
+            self.objective.compile_features(batch_shape_count(self.buckets, self.cfg.data.max_tokens))
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -381,54 +289,12 @@ class Trainer:
             self._close_feed()
 
     def _open_feed(self) -> Feed:
-        p = self.progress
-        walk = self._mixed_walk(p.mix) if self.mix is not None else self._walk(p.epoch, p.batch_in_epoch)
-        return Feed(walk, self.cfg.train.prefetch, pin=self.device.type == "cuda")
+        return Feed(self.walk.groups(self.progress), self.cfg.train.prefetch, pin=self.device.type == "cuda")
 
     def _close_feed(self) -> None:
         if self._feed is not None:
             self._feed.close()
             self._feed = None
-
-    def _walk(self, epoch: int, batch_in_epoch: int) -> Generator[Group, None, None]:
-        """The groups of batches from a position on, endlessly; an empty group marks the start of each next epoch.
-
-        An update takes ``accum`` batches per rank; rank r gets every N-th batch of the group. A tail of an
-        epoch too short to give every rank a batch is left out.
-        """
-        tc, world = self.cfg.train, self.dist.world_size
-        while True:
-            batches = self._epoch_batches(epoch)
-            if len(batches) - batch_in_epoch < world:
-                epoch, batch_in_epoch = epoch + 1, 0
-                yield Group([], 0, epoch, 0)
-                continue
-            group = batches[batch_in_epoch : batch_in_epoch + tc.accum * world]
-            batch_in_epoch += len(group)
-            mine = [self.corpus.collate(indices, self.buckets) for indices in group[self.dist.rank :: world]]
-            yield Group(mine, sum(map(self.corpus.target_tokens, group)), epoch, batch_in_epoch)
-
-    def _mixed_walk(self, position: list[int]) -> Generator[Group, None, None]:
-        """``_walk`` over several corpora: each batch of a group drawn from one of them (CorpusMix)."""
-        tc, world = self.cfg.train, self.dist.world_size
-        position = list(position) or self.mix.start()
-        while True:
-            group = [self.mix.next(position) for _ in range(tc.accum * world)]
-            mine = [self.stores[c].collate(indices, self.buckets) for c, indices in group[self.dist.rank :: world]]
-            tokens = sum(self.stores[corpus].target_tokens(indices) for corpus, indices in group)
-            yield Group(mine, tokens, mix=list(position))
-
-    def _epoch_batches(self, epoch: int) -> list[np.ndarray]:
-        """The epoch's batches as corpus indices, identical on every rank (the shuffle is seeded by epoch)."""
-        held = self._epoch_indices
-        if held[0] != epoch:
-            tc = self.cfg.train
-            seed = tc.seed * 100_003 + epoch
-            held = self._epoch_indices = (
-                epoch,
-                self.corpus.batch_indices(tc.batch_tokens, seed, self.buckets.multiple),
-            )
-        return held[1]
 
     def stop_condition(self) -> tuple[str, str] | None:
         """The setting that ends training and why, in words; None while every budget has some left."""
@@ -470,7 +336,9 @@ class Trainer:
         lr = lr_at(p.step + 1, tc) * p.lr_scale
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        loss_sum, nll_sum, oom = self._accumulate_gradients(batches, group_tokens)
+        loss_sum, nll_sum, oom = accumulate_gradients(
+            self.forward, self.scaler, self.optimizer, batches, group_tokens, self.dist, self.device
+        )
         if self.dist.enabled:
             return self._finish_distributed(loss_sum, nll_sum, oom, lr, group_tokens)
         stats = {"lr": lr, "tokens": group_tokens, "stop": self._stop_received(), "skipped": None}
@@ -479,12 +347,12 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             return {**stats, "loss": 0.0, "nll": 0.0, "grad_norm": math.nan, "skipped": "oom", "oom_ranks": 1}
         self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
-        norm = self._clip_gradients()
+        norm = clip_gradients(self.model, tc.clip_norm)
         loss_sum, nll_sum, grad_norm = torch.stack([loss_sum, nll_sum, norm.double()]).tolist()  # the one read
         stats.update(loss=loss_sum / group_tokens, nll=nll_sum / group_tokens, grad_norm=grad_norm)
         # with loss scaling only the gradients decide (overflow); without it, a non-finite loss skips too
         finite = math.isfinite(grad_norm) and (self.scaler.is_enabled() or math.isfinite(loss_sum))
-        return self._step(stats, finite)
+        return apply_update(self.optimizer, self.scaler, stats, finite)
 
     def _finish_distributed(self, loss_sum: Tensor, nll_sum: Tensor, oom: bool, lr: float, group_tokens: int) -> dict:
         """``train_step`` under torchrun, once this rank's gradients are accumulated: the ranks agree in one
@@ -492,13 +360,7 @@ class Trainer:
         gradients and step alike. The sum over ranks of finite fp32 gradients is finite short of overflowing
         fp32, and a non-finite one makes it non-finite, so the decision is taken before the all-reduce, and the
         clipped norm stays on the device until a metrics line shows it."""
-        checked = [loss_sum, nll_sum, torch.zeros((), dtype=torch.float64, device=self.device)]
-        if not oom:
-            local = self._parameters_with_gradients()
-            checked[2] = torch.nn.utils.get_total_norm([q.grad for q in local]).double()
-            if not self.scaler.is_enabled():  # with loss scaling, only the gradients decide (overflow)
-                checked[2] = checked[2] + loss_sum * 0.0
-        loss_sum, nll_sum, local_norm = torch.stack(checked).tolist()  # the one read
+        loss_sum, nll_sum, local_norm = local_outcome(loss_sum, nll_sum, oom, self.model, self.scaler)  # the one read
         agreed = self.dist.sum(
             [
                 loss_sum,
@@ -516,34 +378,10 @@ class Trainer:
         if ooms:
             self.optimizer.zero_grad(set_to_none=True)
             return {**stats, "skipped": "oom", "oom_ranks": int(ooms)}
-        self._synchronise_gradients()
+        synchronise_gradients(self.forward, self.device)
         self.scaler.unscale_(self.optimizer)
-        stats["grad_norm"] = self._clip_gradients()  # read when a metrics line shows it
-        return self._step(stats, finite=not nonfinite)
-
-    def _step(self, stats: dict, finite: bool) -> dict:
-        """Apply the update if its gradients (and, without loss scaling, its loss) are ``finite``, which all ranks
-        agree on; ``stats`` with why it was skipped otherwise: fp16 "overflow", which the scaler skips and backs
-        off from itself, or "nonfinite"."""
-        if self.scaler.is_enabled():
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        elif finite:
-            self.optimizer.step()
-        if not finite:
-            stats["skipped"] = "overflow" if self.scaler.is_enabled() else "nonfinite"
-        self.optimizer.zero_grad(set_to_none=True)
-        return stats
-
-    def _parameters_with_gradients(self) -> list[torch.nn.Parameter]:
-        return [q for q in self.model.parameters() if q.grad is not None]
-
-    def _clip_gradients(self) -> Tensor:
-        """The gradients' global norm (a device tensor), after clipping them to train.clip_norm if it is set."""
-        parameters, clip = self._parameters_with_gradients(), self.cfg.train.clip_norm
-        if clip > 0:
-            return torch.nn.utils.clip_grad_norm_(parameters, clip)
-        return torch.nn.utils.get_total_norm([q.grad for q in parameters])
+        stats["grad_norm"] = clip_gradients(self.model, self.cfg.train.clip_norm)  # read when a metrics line shows it
+        return apply_update(self.optimizer, self.scaler, stats, finite=not nonfinite)
 
     def _stop_received(self) -> bool:
         return self._signals is not None and self._signals.received is not None
@@ -553,41 +391,6 @@ class Trainer:
         now = time.perf_counter()
         lap, self._clock = now - self._clock, now
         return lap
-
-    def _accumulate_gradients(self, batches: list[Batch], group_tokens: int) -> tuple[Tensor, Tensor, bool]:
-        """Forward and backward over this rank's batches with gradients kept local: the summed loss and NLL
-        (float64 scalars on the device, not read here) and whether the device ran out of memory."""
-        scale = self.dist.world_size  # DDP averages over ranks; this makes the update a sum over the group
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        nll_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        local = self.forward.no_sync() if self.dist.enabled else contextlib.nullcontext()
-        try:
-            with local:
-                for batch in batches:
-                    loss, nll = self.forward(*batch.to(self.device).tensors())
-                    self.scaler.scale(loss * scale / group_tokens).backward()
-                    loss_sum += loss.detach().double()
-                    nll_sum += nll.double()
-        except torch.OutOfMemoryError:
-            self.optimizer.zero_grad(set_to_none=True)
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-            zero = torch.zeros((), dtype=torch.float64, device=self.device)
-            return zero, zero, True
-        return loss_sum, nll_sum, False
-
-    def _synchronise_gradients(self) -> None:
-        """DDP's bucketed all-reduce of the gradients accumulated so far, run by a backward that adds nothing.
-
-        Micro-batches run under ``no_sync`` so that a rank out of memory can drop out of an update
-        before any communication (peers would otherwise wait for it in the all-reduce). Once all
-        ranks agree the update is good, a one-token batch weighted by zero drives DDP's all-reduce.
-        The price is that communication no longer overlaps the last backward pass.
-        """
-        one = torch.ones(1, 1, dtype=torch.long, device=self.device)
-        first = torch.zeros(1, dtype=torch.long, device=self.device)
-        loss, _ = self.forward(one * EOS_ID, one == PAD_ID, one * BOS_ID, one * EOS_ID, first)
-        (loss * 0.0).backward()
 
     # -- validation ---------------------------------------------------------------------------
 
@@ -625,65 +428,10 @@ class Trainer:
         else:
             p.stale += 1
 
-    @torch.no_grad()
     def validate(self) -> dict:
-        """Loss and (with train.valid_bleu) BLEU on the validation set; {} without one.
-
-        Out of memory skips this validation with a warning: training goes on, and best/ keeps the
-        last model validated.
-        """
-        try:
-            return self._validate()
-        except torch.OutOfMemoryError:
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-            log.warning(
-                "validation at update %d ran out of memory and is skipped: lower decode.batch_tokens "
-                "or train.valid_beam", self.progress.step,
-            )  # fmt: skip
-            return {}
-
-    def _validate(self) -> dict:
-        """The loss over every validation set; BLEU of each, and their mean when there are several
-        (``valid_bleu_by_direction``), which best/ and early stopping follow."""
-        self.model.eval()
-        if not self.valid_sets:
-            return {}
-        result = self._valid_loss()
-        if self.cfg.train.valid_bleu:
-            scores = {v.direction: bleu(self._valid_translations(v), v.references) for v in self.valid_sets}
-            if len(scores) == 1:
-                score = next(iter(scores.values()))
-                result.update(valid_bleu=score.value, bleu_signature=score.signature)
-            else:
-                result.update(
-                    valid_bleu=sum(score.value for score in scores.values()) / len(scores),
-                    valid_bleu_by_direction={direction: score.value for direction, score in scores.items()},
-                    bleu_signature=next(iter(scores.values())).signature,
-                )
-        return result
-
-    def _valid_loss(self) -> dict:
-        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for batch in self.valid_batches:
-            sums += torch.stack(self.objective(*batch.to(self.device).tensors())).double()
-        loss_sum, nll_sum = sums.tolist()
-        tokens = sum(batch.target_tokens for batch in self.valid_batches)
-        return {
-            "valid_loss": loss_sum / tokens,
-            "valid_nll": nll_sum / tokens,
-            "valid_ppl": math.exp(min(nll_sum / tokens, 50)),
-        }
-
-    def _valid_translations(self, valid: ValidationSet) -> list[str]:
-        """A validation set decoded with train.valid_beam, a progress bar counting the sentences done."""
-        decode = replace(self.cfg.decode, beam=self.cfg.train.valid_beam)
-        what = "validation decoding" + (f" {valid.direction}" if len(self.valid_sets) > 1 else "")
-        progress = StageProgress(what, total=len(valid.sources), unit="sentences")
-        with autocast(self.device, self.dtype), progress as bar:
-            translator = Translator(self.model, self.src_tok, self.tgt_tok, decode, self.device, on_batch=bar.advance)
-            translator.source_prefix = valid.prefix
-            return translator.translate(valid.sources)
+        """Loss and (with train.valid_bleu) BLEU on the validation set; {} without one, or when validating ran
+        out of memory (training goes on, and best/ keeps the last model validated)."""
+        return self.validator.validate(self.progress.step)
 
     # -- checkpoints --------------------------------------------------------------------------
 
@@ -705,32 +453,16 @@ class Trainer:
         self._saved = self.progress.step
 
     def _meta(self) -> dict:
-        names = checkpoint.tokenizer_files(self.cfg)
-        tokenizer = {
-            "src": {"file": names["src"], "sha256": self.src_tok.sha256},
-            "tgt": {"file": names["tgt"], "sha256": self.tgt_tok.sha256},
-        }
-        meta = {"config": self.cfg.to_dict(), "tokenizer": tokenizer, "step": self.progress.step}
-        return {**meta, "data_sha256": self.data_sha256, **({"init": self.init} if self.init else {})}
+        return checkpoint_meta(self.cfg, (self.src_tok, self.tgt_tok), self.progress.step, self.data_sha256, self.init)
 
     def _load(self, path: Path) -> None:
         """Weights, optimizer, scaler, RNG and progress from the checkpoint at ``path``, checked to fit this run."""
         saved = checkpoint.read_checkpoint(path)
         check_resumable(path, saved, self.cfg, (self.src_tok, self.tgt_tok), self.data_sha256, self.run_dir.path)
         checkpoint.load_weights(self.model, saved.weights, path)
-        state = TrainingState.read(path, saved.state, saved.meta["step"])
-        try:
-            self.optimizer.load_state_dict(state.optimizer)
-            check_optimizer_state(self.optimizer)
-            self.scaler.load_state_dict(state.scaler)
-            reseed = self.cfg.train.seed + 1_000_003 * self.dist.rank + state.progress.step
-            restore_rng_state(state.rng, self.dist, self.device, reseed)
-        except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as err:
-            raise checkpoint.CheckpointError(
-                f"{path}: its training state does not fit this model and optimizer "
-                f"({type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''})"
-            ) from None
-        self.progress = state.progress
+        self.progress = restore_training_state(
+            path, saved, self.optimizer, self.scaler, self.cfg.train.seed, self.dist, self.device
+        )
 
 
 def check_trainable(cfg: RunConfig) -> None:

@@ -10,8 +10,8 @@ from typing import Any
 from mtkit.config import ConfigError, Engine, InferenceConfig, InferencePrecision, SamplingConfig
 from mtkit.data.directions import tags_targets
 from mtkit.decoding.ensemble import Ensemble
+from mtkit.decoding.line_translator import LineTranslator, Translator, aligner_of, with_overrides
 from mtkit.decoding.shortlist import load_shortlist
-from mtkit.decoding.translate import LineTranslator, Translator, aligner_of, with_overrides
 from mtkit.model.checkpoint import CheckpointError
 from mtkit.model.loading import load_for_inference
 

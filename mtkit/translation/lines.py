@@ -17,8 +17,8 @@ from pathlib import Path
 
 from mtkit.config import ConfigError, Engine, InferenceConfig, InferencePrecision, SamplingConfig
 from mtkit.data.parallel import UTF8_BOM, DataError, check_input_file, count_lines, open_binary, reading
-from mtkit.decoding import translate
-from mtkit.decoding.translate import PrefixMismatch, Translation
+from mtkit.decoding import line_translator
+from mtkit.decoding.line_translator import PrefixMismatch, Translation
 from mtkit.files import atomic_write, check_output_file
 from mtkit.model.loading import checkpoints_holding, with_model_files
 from mtkit.progress import StageProgress, shows_bar
@@ -281,7 +281,7 @@ def translate_file(
             models, device, precision, engine, nbest, sampling, alignments, shortlist, tgt_lang, threads, **decode
         )
         translator.check_target()
-        size = translate.CHUNK_LINES
+        size = line_translator.CHUNK_LINES
         chunks = input_chunks(input, size)
         if prefix is None:
             results = translator.stream(chunks)

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from mtkit.data.parallel import DataError, count_lines, iter_lines, reading
-from mtkit.decoding.translate import LineTranslator, Translation, Translator
+from mtkit.decoding.line_translator import LineTranslator, Translation, Translator
 from mtkit.files import OutputError, atomic_write, atomic_write_text
 from mtkit.progress import StageProgress
 

@@ -18,7 +18,6 @@ Three stages before the main training, each resumable and recorded like the run'
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Collection
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -28,7 +27,7 @@ from mtkit.config import BackTranslationConfig, ConfigError, CorpusConfig, RunCo
 from mtkit.data.directions import directions
 from mtkit.data.parallel import DataError, check_input_file, count_lines
 from mtkit.model.checkpoint import weights_file
-from mtkit.stages import Stage, StageRecord, decoding, train_stage
+from mtkit.workflows.stages import Stage, StageRecord, decoding, run_stage, train_stage
 
 if TYPE_CHECKING:
     from mtkit.training.reporting import Reporter
@@ -96,36 +95,32 @@ def back_translate(
     if len(pairs) != 1:
         raise ConfigError(f"back-translation is for a model of one direction; these corpora have {len(pairs)}")
     check_monolingual(bt)
-    start = time.perf_counter()
-    cut = ""
-    if bt.reverse_model:
-        reverse, ran, note = Path(bt.reverse_model), False, f"given: {bt.reverse_model}"
-    else:
-        reverse, ran = out / REVERSE_DIR, True
-        result = train_stage(reverse_config(cfg), reverse, reporter, "reverse", "reverse" in restart)
-        bleu = result.get("valid_bleu")  # none when it had trained to the end already
-        note = f"{pairs[0][1]}->{pairs[0][0]} trained into {reverse}" + (
-            f"; validation BLEU {bleu:.2f}" if bleu is not None else ", up to date"
-        )
-        if result["stop"]["stopped_by"] == "max_time":  # a model cut short: the run's score says nothing
-            cut = f"the reverse model's training {result['stop']['reason']}"
-    stages.append(Stage("reverse", time.perf_counter() - start, ran, note, cut))
+    with run_stage(stages, "reverse") as stage:
+        if bt.reverse_model:
+            reverse, stage.ran, stage.note = Path(bt.reverse_model), False, f"given: {bt.reverse_model}"
+        else:
+            reverse = out / REVERSE_DIR
+            result = train_stage(reverse_config(cfg), reverse, reporter, "reverse", "reverse" in restart)
+            bleu = result.get("valid_bleu")  # none when it had trained to the end already
+            stage.note = f"{pairs[0][1]}->{pairs[0][0]} trained into {reverse}" + (
+                f"; validation BLEU {bleu:.2f}" if bleu is not None else ", up to date"
+            )
+            if result["stop"]["stopped_by"] == "max_time":  # a model cut short: the run's score says nothing
+                stage.incomplete = f"the reverse model's training {result['stop']['reason']}"
 
     synthetic = out / f"backtranslated.{pairs[0][0]}"
-    start = time.perf_counter()
-    model = weights_file(resolve(reverse))
-    inputs = {"model": record.digests.of(model), "monolingual": record.digests.of(Path(bt.monolingual))}
-    settings = {"backtranslation": _translation_settings(bt), "decode": asdict(cfg.decode)}
-    entry = record.current("back-translate", synthetic, inputs, settings)
-    if entry is None:
-        decoded = decoding(cfg.train.device)
-        made_from = {"inputs": inputs, "settings": settings, "decoded": decoded}  # parts of fp32 and bf16 never mix
-        lines = _write_back_translation(cfg, reverse, synthetic, decoded["precision"], made_from)
-        record.write("back-translate", synthetic, inputs, settings)
-        note = f"{lines:,} lines of {bt.monolingual} by {_method(bt)}; {decoded['precision']} on {decoded['device']}"
-    else:
-        note = f"{synthetic.name} is up to date ({_method(bt)})"
-    stages.append(Stage("back-translate", time.perf_counter() - start, entry is None, note))
+    with run_stage(stages, "back-translate") as stage:
+        model = weights_file(resolve(reverse))
+        inputs = {"model": record.digests.of(model), "monolingual": record.digests.of(Path(bt.monolingual))}
+        settings = {"backtranslation": _translation_settings(bt), "decode": asdict(cfg.decode)}
+        if stage.out_of_date(record, synthetic, inputs, settings):
+            decoded = decoding(cfg.train.device)
+            made_from = {"inputs": inputs, "settings": settings, "decoded": decoded}  # parts of fp32 and bf16 never mix
+            lines = _write_back_translation(cfg, reverse, synthetic, decoded["precision"], made_from)
+            where = f"{decoded['precision']} on {decoded['device']}"
+            stage.note = f"{lines:,} lines of {bt.monolingual} by {_method(bt)}; {where}"
+        else:
+            stage.note = f"{synthetic.name} is up to date ({_method(bt)})"
     return with_synthetic(cfg, synthetic)
 
 

@@ -1,11 +1,15 @@
 """What `mtkit run` records of its stages: each one's wall clock, and how each output was made (RUN/stages.json),
-so that a re-run can tell what is up to date; and what its chains share: training as one of the run's stages, and
-the device and precision a long translation is decoded in."""
+so that a re-run can tell what is up to date; the one way a stage runs (``run_stage``: up to date? otherwise run,
+time, record); and what its chains share: training as one of the run's stages, and the device and precision a long
+translation is decoded in."""
 
 from __future__ import annotations
 
 import json
 import logging
+import time
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +34,53 @@ class Stage:
     ran: bool  # False: its output was already up to date
     note: str = ""
     incomplete: str = ""  # why the model this stage trained was cut short (train.max_time): the run is incomplete
+
+
+class StageRun:
+    """A stage while ``run_stage`` times it: what its block sets for the report, and what the record says of it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.ran = True  # False: its output was already up to date
+        self.note = ""
+        self.incomplete = ""  # as Stage.incomplete
+        self.entry: dict = {}  # its record entry once ``out_of_date`` is asked (a new one as the block ends)
+        self._to_record: tuple[StageRecord, Path, dict[str, str], dict[str, Any]] | None = None
+
+    def out_of_date(
+        self,
+        record: StageRecord,
+        output: Path,
+        inputs: dict[str, str],
+        settings: dict[str, Any],
+        also: Collection[Path] = (),
+    ) -> bool:
+        """Whether the block must make ``output`` (and ``also``, the other files the stage writes): True unless
+        ``record`` says ``output`` was made from ``inputs`` with ``settings`` and every file is there. When True,
+        ``record`` learns of the new output as the block ends."""
+        entry = record.current(self.name, output, inputs, settings)
+        self.entry = entry or {}
+        self.ran = entry is None or not all(path.is_file() for path in also)
+        self._to_record = (record, output, inputs, settings) if self.ran else None
+        return self.ran
+
+    def _record_output(self) -> None:
+        if self._to_record is not None:
+            record, output, inputs, settings = self._to_record
+            self.entry = record.write(self.name, output, inputs, settings)
+
+
+@contextmanager
+def run_stage(stages: list[Stage], name: str) -> Iterator[StageRun]:
+    """Time the block as the stage ``name`` and add it to ``stages``, with what the block set on its StageRun.
+
+    A block that asks ``StageRun.out_of_date`` does the stage's work only when that says so, and the record learns
+    of the output the block made once it ends; a block that raises adds nothing and records nothing."""
+    stage = StageRun(name)
+    start = time.perf_counter()
+    yield stage
+    stage._record_output()
+    stages.append(Stage(name, time.perf_counter() - start, stage.ran, stage.note, stage.incomplete))
 
 
 def train_stage(cfg: RunConfig, out: Path, reporter: Reporter | None, label: str, restart: bool) -> dict:

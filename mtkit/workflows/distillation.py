@@ -22,9 +22,7 @@ Stages before the student's training, each resumable and recorded in RUN/stages.
 
 The student then trains on RUN/distilled/ and validates on the run's real validation set. A teacher whose
 training train.max_time cut short makes the run's verdict "incomplete" (its Stage says why). After its test set
-is scored, ``compare`` translates that test set with the teacher and with the student at each precision the
-machine runs (fp32; bf16 where the device computes it natively; int8 on a CPU), with and without the shortlist,
-the student greedily too, and the report sets BLEU, chrF, sentences/s, parameters and file sizes side by side.
+is scored, the student is compared with its teacher (mtkit.workflows.comparison).
 """
 
 from __future__ import annotations
@@ -32,7 +30,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -42,20 +39,18 @@ import numpy as np
 
 from mtkit.config import ConfigError, RunConfig, ShortlistConfig, TokenizerConfig, read_config
 from mtkit.data.directions import corpus_files, directions
-from mtkit.data.parallel import DataError, count_lines, is_tsv, iter_lines, read_lines, reading
-from mtkit.decoding.translate import Translation
-from mtkit.files import atomic_write_directory, atomic_write_text
+from mtkit.data.parallel import DataError, count_lines, is_tsv, iter_lines, reading
+from mtkit.decoding.line_translator import Translation
+from mtkit.files import atomic_write_directory
 from mtkit.model.checkpoint import weights_file
-from mtkit.stages import Stage, StageRecord, decoding
+from mtkit.workflows.stages import Stage, StageRecord, decoding, run_stage
 
 log = logging.getLogger("mtkit")
 
 DISTILLED_DIR = "distilled"
 FILTERS_FILE = "filters.json"
 SHORTLIST_FILE = "shortlist.safetensors"
-COMPARISON_FILE = "comparison.json"
 FILTER_CHUNK = 10_000  # pairs whose tokens are counted at once
-WARMUP_LINES = 64  # translated once before each timed translation of the test set: kernels are built on first use
 
 RunTeacher = Callable[[RunConfig, Path], dict]  # `mtkit run` of a teacher's config into a folder: its report
 
@@ -124,13 +119,14 @@ def _teachers(cfg: RunConfig, out: Path, stages: list[Stage], run_teacher: RunTe
             first = read_trained_model(models[0])[1].tokenizer
             files = {key: getattr(first, key) for key in ("model", "src_model", "tgt_model")}
             teacher = replace(teacher, tokenizer=replace(teacher.tokenizer, **files))
-        start = time.perf_counter()
-        report = run_teacher(teacher, out / f"teacher-{seed}")
-        bleu = next(s["value"] for s in report["scores"] if s["name"] == "BLEU")
-        ran = any(s["ran"] for s in report["stages"] if s["name"] not in ("train", "eval"))  # those always run
-        note = f"seed {seed}: {report['model']}, test BLEU {bleu:.2f}"
-        cut = "; ".join(f"teacher {seed}'s {why}" for why in report["incomplete"])  # its training stopped early
-        stages.append(Stage(f"teacher {seed}", time.perf_counter() - start, ran, note, cut))
+        with run_stage(stages, f"teacher {seed}") as stage:
+            report = run_teacher(teacher, out / f"teacher-{seed}")
+            bleu = next(s["value"] for s in report["scores"] if s["name"] == "BLEU")
+            # its train and eval stages always run: it ran when any other stage of it did
+            stage.ran = any(s["ran"] for s in report["stages"] if s["name"] not in ("train", "eval"))
+            stage.note = f"seed {seed}: {report['model']}, test BLEU {bleu:.2f}"
+            # its training stopped early
+            stage.incomplete = "; ".join(f"teacher {seed}'s {why}" for why in report["incomplete"])
         models.append(Path(report["model"]))
     return tuple(models)
 
@@ -178,27 +174,27 @@ def _distil(
     if d.nbest > 1:
         inputs["reference"] = record.digests.of(reference)
     settings = {"beam": d.beam, "nbest": d.nbest}
-    start = time.perf_counter()
-    entry = record.current("distil", scored, inputs, settings)
     what = f"beam {d.beam}" + (f", of the {d.nbest} best the closest to the reference by chrF" if d.nbest > 1 else "")
-    if entry is None:
-        from mtkit.training.stop_signals import stop_at_once
-        from mtkit.translation.engines import load_translator
-        from mtkit.translation.resumable import parts_folder, translate_resumably
+    with run_stage(stages, "distil") as stage:
+        if stage.out_of_date(record, scored, inputs, settings):
+            from mtkit.training.stop_signals import stop_at_once
+            from mtkit.translation.engines import load_translator
+            from mtkit.translation.resumable import parts_folder, translate_resumably
 
-        decoded = decoding(cfg.train.device)
-        translator = load_translator(
-            list(teachers), cfg.train.device, decoded["precision"], nbest=d.nbest, beam=d.beam
-        ).into(tgt)
-        render = _closest(_LinesAt(reference)) if d.nbest > 1 else _best
-        made_from = {"inputs": inputs, "settings": settings, "decoded": decoded}  # parts of fp32 and bf16 never mix
-        with stop_at_once("distilling", str(parts_folder(scored))):
-            lines = translate_resumably(translator, source, scored, "distilling", render=render, made_from=made_from)
-        record.write("distil", scored, inputs, settings)
-        note = f"{lines:,} lines of {source} by the teacher ({what}; {decoded['precision']} on {decoded['device']})"
-    else:
-        note = f"{scored.name} is up to date ({what})"
-    stages.append(Stage("distil", time.perf_counter() - start, entry is None, note))
+            decoded = decoding(cfg.train.device)
+            translator = load_translator(
+                list(teachers), cfg.train.device, decoded["precision"], nbest=d.nbest, beam=d.beam
+            ).into(tgt)
+            render = _closest(_LinesAt(reference)) if d.nbest > 1 else _best
+            made_from = {"inputs": inputs, "settings": settings, "decoded": decoded}  # parts of fp32 and bf16 never mix
+            with stop_at_once("distilling", str(parts_folder(scored))):
+                lines = translate_resumably(
+                    translator, source, scored, "distilling", render=render, made_from=made_from
+                )
+            where = f"{decoded['precision']} on {decoded['device']}"
+            stage.note = f"{lines:,} lines of {source} by the teacher ({what}; {where})"
+        else:
+            stage.note = f"{scored.name} is up to date ({what})"
     return scored
 
 
@@ -253,37 +249,33 @@ def _filter(
     output = folder / f"train.{tgt}"
     inputs = {"source": record.digests.of(source), "scored": record.digests.of(scored)}
     settings = {"max_ratio": d.max_ratio, "drop_worst": d.drop_worst}
-    start = time.perf_counter()
-    entry = record.current("filter", output, inputs, settings)
-    if entry is None or not (folder / f"train.{src}").is_file() or not (folder / FILTERS_FILE).is_file():
-        from mtkit.translation.resumable import writing
+    with run_stage(stages, "filter") as stage:
+        if stage.out_of_date(record, output, inputs, settings, also=(folder / f"train.{src}", folder / FILTERS_FILE)):
+            from mtkit.translation.resumable import writing
 
-        keep, filters = kept_pairs(cfg, tokenizer, source, scored)
+            keep, filters = kept_pairs(cfg, tokenizer, source, scored)
 
-        def fill(tmp: Path) -> None:
-            with open(tmp / f"train.{src}", "wb") as s, open(tmp / f"train.{tgt}", "wb") as t:
-                with reading(source), reading(scored):
-                    pairs = zip(iter_lines(source, allow_nul=True), _scored_lines(scored))
-                    for kept, (line, (_, translation)) in zip(keep, pairs):
-                        if kept:
-                            with writing(folder):  # a full disk is not an error of reading the inputs
-                                s.write((line + "\n").encode("utf-8"))
-                                t.write((translation + "\n").encode("utf-8"))
-            (tmp / FILTERS_FILE).write_text(json.dumps(filters, indent=1) + "\n")
+            def fill(tmp: Path) -> None:
+                with open(tmp / f"train.{src}", "wb") as s, open(tmp / f"train.{tgt}", "wb") as t:
+                    with reading(source), reading(scored):
+                        pairs = zip(iter_lines(source, allow_nul=True), _scored_lines(scored))
+                        for kept, (line, (_, translation)) in zip(keep, pairs):
+                            if kept:
+                                with writing(folder):  # a full disk is not an error of reading the inputs
+                                    s.write((line + "\n").encode("utf-8"))
+                                    t.write((translation + "\n").encode("utf-8"))
+                (tmp / FILTERS_FILE).write_text(json.dumps(filters, indent=1) + "\n")
 
-        atomic_write_directory(folder, fill)
-        record.write("filter", output, inputs, settings)
-        ran = True
-    else:
-        filters, ran = _read_filters(folder / FILTERS_FILE), False
+            atomic_write_directory(folder, fill)
+        else:
+            filters = _read_filters(folder / FILTERS_FILE)
+        dropped = ", ".join(f"{filters[k]:,} {k}" for k in ("empty", "ratio", "worst"))
+        stage.note = f"{filters['kept']:,} of {filters['translated']:,} pairs kept (dropped: {dropped})"
     if not filters["kept"]:
         raise DataError(f"{scored}: the filters kept none of the teacher's {filters['translated']:,} translations")
     kept = count_lines(output)
     if kept != count_lines(folder / f"train.{src}") or kept != filters["kept"]:  # never train on misaligned pairs
         raise DataError(f"{folder}: train.{src} and train.{tgt} are not line-aligned; delete {folder} to redo it")
-    dropped = ", ".join(f"{filters[k]:,} {k}" for k in ("empty", "ratio", "worst"))
-    note = f"{filters['kept']:,} of {filters['translated']:,} pairs kept (dropped: {dropped})"
-    stages.append(Stage("filter", time.perf_counter() - start, ran, note))
     return folder, filters
 
 
@@ -381,140 +373,13 @@ def _shortlist(
     inputs = {"source": record.digests.of(files[0]), "target": record.digests.of(files[1])}
     inputs |= {"src_tokenizer": src_tok.sha256, "tgt_tokenizer": tgt_tok.sha256}
     settings = asdict(ShortlistConfig())
-    start = time.perf_counter()
-    entry = record.current("shortlist", target, inputs, settings)
-    if entry is None:
-        sc = ShortlistConfig()
-        with reading(files[0]), reading(files[1]):
-            pairs = zip(iter_lines(files[0], allow_nul=True), iter_lines(files[1], allow_nul=True))
-            chunks = co_occurring_pairs(src_tok, tgt_tok, pairs, sc.pairs)
-            build_shortlist(chunks, src_tok, tgt_tok, sc.per_source, sc.frequent).save(target)
-        record.write("shortlist", target, inputs, settings)
-    note = f"{target.name}: {settings['per_source']} candidates per source token, {settings['frequent']} frequent"
-    stages.append(Stage("shortlist", time.perf_counter() - start, entry is None, note))
+    with run_stage(stages, "shortlist") as stage:
+        if stage.out_of_date(record, target, inputs, settings):
+            sc = ShortlistConfig()
+            with reading(files[0]), reading(files[1]):
+                pairs = zip(iter_lines(files[0], allow_nul=True), iter_lines(files[1], allow_nul=True))
+                chunks = co_occurring_pairs(src_tok, tgt_tok, pairs, sc.pairs)
+                build_shortlist(chunks, src_tok, tgt_tok, sc.per_source, sc.frequent).save(target)
+        candidates = f"{settings['per_source']} candidates per source token, {settings['frequent']} frequent"
+        stage.note = f"{target.name}: {candidates}"
     return target
-
-
-def compare(
-    cfg: RunConfig, distillation: Distillation, student: Path, source: Path, reference: Path, out: Path,
-    stages: list[Stage], record: StageRecord,
-) -> dict:  # fmt: skip
-    """Teacher and student translating the test set at each precision, with and without the shortlist: the
-    report's ``distillation.comparison`` (RUN/comparison.json), remade only when a model, the test set or a
-    setting changed."""
-    from mtkit.model.loading import resolve
-    from mtkit.runtime import pick_device
-
-    device = pick_device(cfg.train.device)
-    target = out / COMPARISON_FILE
-    models = {"teacher": distillation.teachers, "student": (student,)}
-    inputs = {
-        f"{name} {i}": record.digests.of(weights_file(resolve(m)))
-        for name, paths in models.items()
-        for i, m in enumerate(paths)
-    }
-    inputs |= {"source": record.digests.of(source), "reference": record.digests.of(reference)}
-    if distillation.shortlist is not None:
-        inputs["shortlist"] = record.digests.of(distillation.shortlist)
-    settings = {"decode": asdict(cfg.decode), "precisions": _precisions(device), "device": str(device)}
-    start = time.perf_counter()
-    entry = record.current("compare", target, inputs, settings)
-    if entry is None:
-        comparison = _measure(cfg, models, distillation.shortlist, source, reference, settings["precisions"])
-        atomic_write_text(target, json.dumps(comparison, indent=1) + "\n")
-        record.write("compare", target, inputs, settings)
-    else:
-        comparison = json.loads(target.read_text(encoding="utf-8"))
-    note = f"{len(comparison['rows'])} translations of {source.name}, {', '.join(settings['precisions'])}"
-    stages.append(Stage("compare", time.perf_counter() - start, entry is None, note))
-    return comparison
-
-
-def _precisions(device: Any) -> list[str]:
-    """The precisions worth timing on ``device``: fp32, bf16 where it is native, int8 on a CPU."""
-    from mtkit.runtime import choose_precision, cpu_features, gpu_capability
-
-    native_bf16 = choose_precision("bf16", device.type, cpu_features(), gpu_capability(device)).native
-    return ["fp32", *(["bf16"] if native_bf16 else []), *(["int8"] if device.type == "cpu" else [])]
-
-
-def _measure(
-    cfg: RunConfig, models: dict[str, tuple[Path, ...]], shortlist: Path | None, source: Path, reference: Path,
-    precisions: list[str],
-) -> dict:  # fmt: skip
-    """Each model's size, and its translations of ``source`` timed and scored, one row per setting."""
-    import torch
-
-    from mtkit.model.loading import load_for_inference, resolve
-    from mtkit.model.transformer import count_parameters
-    from mtkit.runtime import pick_device
-    from mtkit.scoring.metrics import corpus_scores
-    from mtkit.translation.engines import load_translator
-
-    device = pick_device(cfg.train.device)
-    ((_, tgt),) = directions(cfg.data)
-    lines, references = read_lines(source), read_lines(reference)
-    sizes, rows = {}, []
-    for name, paths in models.items():
-        files = [weights_file(resolve(p)) for p in paths]
-        bundles = [load_for_inference(path, torch.device("cpu")) for path in paths]
-        parameters = sum(count_parameters(bundle.model) for bundle in bundles)
-        del bundles
-        sizes[name] = {"models": [str(p) for p in paths], "parameters": parameters,
-                       "file_bytes": sum(f.stat().st_size for f in files)}  # fmt: skip
-        beams = dict.fromkeys([cfg.decode.beam, *([1] if name == "student" else [])])
-        for precision in precisions:
-            for listed in [None, *([shortlist] if shortlist else [])]:
-                translator = load_translator(
-                    list(paths), cfg.train.device, precision, shortlist=listed, **asdict(cfg.decode)
-                ).into(tgt)
-                for beam in beams:
-                    translator.translate(lines[:WARMUP_LINES], beam=beam)
-                    start = time.perf_counter()
-                    hypotheses = translator.translate(lines, beam=beam)
-                    seconds = time.perf_counter() - start
-                    bleu, chrf = corpus_scores(hypotheses, [references], ("bleu", "chrf"))
-                    rows.append({
-                        "model": name, "precision": precision, "shortlist": listed is not None, "beam": beam,
-                        "bleu": bleu.value, "chrf": chrf.value, "sentences_per_s": len(lines) / seconds,
-                        "seconds": seconds,
-                    })  # fmt: skip
-    return {"device": str(device), "threads": torch.get_num_threads(), "sentences": len(lines), "models": sizes,
-            "rows": rows}  # fmt: skip
-
-
-def report_section(distillation: Distillation, comparison: dict) -> dict:
-    """The report's ``distillation``: the teacher, the filters' counts, the shortlist and the comparison."""
-    return {
-        "teachers": [str(t) for t in distillation.teachers],
-        "filters": distillation.filters,
-        "shortlist": str(distillation.shortlist) if distillation.shortlist else None,
-        "comparison": comparison,
-    }
-
-
-def render_section(section: dict) -> list[str]:
-    """The report's Markdown lines for its ``distillation``."""
-    c, f = section["comparison"], section["filters"]
-    teachers = ", ".join(f"`{t}`" for t in section["teachers"])
-    lines = [
-        f"Distilled from {teachers}: {f['kept']:,} of {f['translated']:,} training pairs kept "
-        f"({f['empty']:,} empty, {f['ratio']:,} beyond the length ratio, {f['worst']:,} scored lowest dropped).",
-        "",
-    ]
-    for name, size in c["models"].items():
-        lines.append(f"- {name}: {size['parameters']:,} parameters, {size['file_bytes'] / 2**20:.1f} MiB")
-    lines += [
-        "",
-        f"The test set ({c['sentences']:,} sentences) on {c['device']}, {c['threads']} threads:",
-        "",
-        "| model | precision | shortlist | beam | BLEU | chrF | sentences/s |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in c["rows"]:
-        listed = "yes" if r["shortlist"] else "no"
-        lines.append(
-            f"| {r['model']} | {r['precision']} | {listed} | {r['beam']} | {r['bleu']:.2f} | {r['chrf']:.2f} | "
-            f"{r['sentences_per_s']:.1f} |"
-        )
-    return [*lines, ""]

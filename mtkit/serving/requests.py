@@ -1,0 +1,109 @@
+"""What a request to the translate API may be and how its answer reads: the body and its checks, the bounds a
+request is held to, what an error repeats of a request's values, and each text's rendered answer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
+
+from mtkit.config import ServeConfig
+from mtkit.decoding.line_translator import Translation
+
+RETRY_AFTER_S = 1  # what a 503 asks the client to wait: a full queue drains in about a batch's time
+ECHO_CHARS = 40  # of a request's value that an error message repeats; of a longer one, the start and its length
+
+
+class TranslateRequest(BaseModel):
+    """The body of ``POST /v1/translate``; what it does not give follows the model's saved decode settings."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    text: str | list[str] = Field(
+        description="A text, or a list of texts; each is one segment, as one input line is to `mtkit translate`."
+    )
+    beam: int | None = Field(None, ge=1, description="Beam size; 1 is greedy. Default: the model's.")
+    nbest: int = Field(1, ge=1, description="Up to this many translations per text, best first; at most the beam.")
+    scores: bool = Field(False, description="Each translation as {text, score, logprob} rather than a string.")
+    alignments: bool = Field(
+        False,
+        description="Each translation as {text, alignment}: its word alignment in Pharaoh format ('i-j': source "
+        "word i, target word j, from 0), from the model's cross-attention. With the best translation only.",
+    )
+    tgt_lang: str | None = Field(
+        None,
+        description="The language to translate into, one of /v1/models' directions; needed by a model of several "
+        "target languages.",
+    )
+
+    @model_validator(mode="after")
+    def _within_the_beam(self, info: ValidationInfo) -> TranslateRequest:
+        """The beam against the server's limit, nbest against the beam (the model's when not given), and
+        alignments against what the engine can give."""
+        max_beam, beam = info.context["max_beam"], self.beam or info.context["beam"]
+        if self.beam is not None and self.beam > max_beam:
+            raise ValueError(f"beam {self.beam} is over this server's limit of {max_beam}")
+        if self.nbest > beam:
+            raise ValueError(f"nbest {self.nbest} needs a beam of at least {self.nbest} (the beam is {beam})")
+        if self.alignments and self.nbest > 1:
+            raise ValueError("alignments go with the best translation only, not with nbest")
+        if self.alignments and not info.context["aligns"]:
+            raise ValueError("this server's engine gives no word alignments")
+        targets = info.context["targets"]
+        if self.tgt_lang is None and len(targets) > 1:
+            raise ValueError(f"this model translates into {', '.join(targets)}: say which with tgt_lang")
+        if self.tgt_lang is not None and self.tgt_lang not in targets:
+            raise ValueError(
+                f"this model does not translate into {echoed(self.tgt_lang)}; tgt_lang is one of {', '.join(targets)}"
+            )
+        return self
+
+    def texts(self) -> list[str]:
+        """The texts, NUL characters replaced by spaces as `mtkit translate` does."""
+        return [text.replace("\0", " ") for text in ([self.text] if isinstance(self.text, str) else self.text)]
+
+
+def body_limit(cfg: ServeConfig) -> int:
+    """The most bytes a request within the limits can take: JSON spells a character in up to 12 bytes
+    (a surrogate pair of \\u escapes), plus quotes and a comma per text and the options."""
+    return 12 * cfg.max_chars + 4 * cfg.max_texts + 1024
+
+
+def rendered(translations: list[Translation], query: TranslateRequest) -> Any:
+    """One text's answer, as `mtkit translate` prints it: the best translation; with ``scores`` that with its
+    length-normalised score and log-probability, with ``alignments`` with its word alignment; with ``nbest``
+    > 1 a list of those, best first."""
+    if not (query.scores or query.alignments or query.nbest > 1):
+        return translations[0].text
+    entries = []
+    for t in translations:
+        entry: dict[str, Any] = {"text": t.text}
+        if query.scores or query.nbest > 1:
+            entry |= {"score": t.score, "logprob": t.logprob}
+        if query.alignments:
+            entry["alignment"] = t.alignment
+        entries.append(entry)
+    return entries if query.nbest > 1 else entries[0]
+
+
+def problems(err: ValidationError) -> str:
+    """A validation error in one line: where and what, for each problem; a field's name as long as a body may
+    be is repeated only in part."""
+    return "; ".join(
+        f"{'.'.join(clipped(str(part)) for part in e['loc']) or 'body'}: {e['msg']}"
+        for e in err.errors(include_url=False)
+    )
+
+
+def clipped(text: str, shown: Callable[[str], str] = str) -> str:
+    """``text`` as ``shown`` writes it, or of a longer one its first ``ECHO_CHARS`` characters so written and its
+    length: what an answer repeats of a request stays short whatever the request holds."""
+    if len(text) <= ECHO_CHARS:
+        return shown(text)
+    return f"{shown(text[:ECHO_CHARS])}... ({len(text):,} characters)"
+
+
+def echoed(value: str) -> str:
+    """``value`` quoted as an error message repeats it: in full when short, else its start and its length."""
+    return clipped(value, repr)
