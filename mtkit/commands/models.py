@@ -1,6 +1,6 @@
-"""The commands that make a file from a trained model: ``average`` (one checkpoint from several), ``attention``
-(heatmaps of a translation), ``export`` (a folder for CTranslate2 or transformers), ``shortlist`` (the candidate
-target tokens of each source token), and ``import hf``, an mtkit model from a transformers one."""
+"""The commands that make files from a model: ``average`` (one checkpoint from several), ``attention`` (heatmaps of
+a translation), ``export`` (a folder for CTranslate2 or transformers), ``shortlist`` (the candidate target tokens of
+each source token), and ``import hf``, which makes an mtkit model from another toolkit's (transformers)."""
 
 from __future__ import annotations
 

@@ -19,8 +19,8 @@ MAX_PER_SOURCE = 1_000
 
 REASONS: dict[str, str] = {
     "MAX_POSITIONS": (
-        "Bounds on what a config (one in a checkpoint header too) can make mtkit build. Position tables are "
-        "computed, not stored, so a header's max_positions is not checked by the weights it comes with."
+        "Position tables are computed, not stored, so a header's max_positions is not checked by the weights it "
+        "comes with."
     ),
     "MAX_LAYERS": "per stack",
     "MAX_BEAM": (
@@ -44,7 +44,8 @@ REASONS: dict[str, str] = {
         "A sampling temperature T divides float32 log-probabilities, which CUDA computes as a product with 1 / T: "
         "both T and 1 / T must be float32 numbers (3.4e38 at most), or the draw's weights are NaN. At "
         "MIN_TEMPERATURE each draw is the greedy token, at MAX_TEMPERATURE every allowed token is equally likely."
-    ),  # MAX_TEMPERATURE's reason too
+    ),
+    "MAX_TEMPERATURE": "The other end of MIN_TEMPERATURE's range: 1 / T must be a float32 number too.",
     "MAX_CORPORA": "corpora in data.corpora: each is a token store held open and a share of the batches",
     "MAX_TEACHERS": "models in a teacher ensemble: each is held in memory and run at every decoding step",
     "MAX_PER_SOURCE": "shortlist candidates per source token, at most: bounds what a shortlist file may allocate",

@@ -86,7 +86,7 @@ def _section(name: str, cls: type) -> str:
             f"`{bound}`",
             f"{getattr(bounds, bound):,}",
             ", ".join(f"`{key}`" for key in keys),
-            bounds.REASONS.get(bound, ""),
+            bounds.REASONS[bound],
         ]
         for bound, keys in getattr(cls, "bounds", {}).items()
     ]

@@ -3,7 +3,8 @@
 Any import of a transformers model (a folder as ``save_pretrained`` writes it, or a Hugging Face Hub
 repository) finds its files the same way, refuses links leading out of its folder, and reads config.json,
 generation_config.json and tokenizer_config.json as untrusted files of bounded size; what the model's
-config.json means is the importer's own. The Hub is reached through huggingface_hub, at a revision,
+config.json means is the importer's own, but for generate's beam and length penalty, which every family
+records alike (``read_decoding``). The Hub is reached through huggingface_hub, at a revision,
 and its files are kept in its cache.
 """
 

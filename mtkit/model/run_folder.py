@@ -29,12 +29,13 @@ CHECKPOINTS_DIR, BEST_DIR = "checkpoints", "best"
 IMPORTED_DIR = "imported"
 VALIDATION_FILE = "validation.json"  # added to a checkpoint once the validation of its update is done
 LOCK_FILE = ".lock"
-UPDATE_DIR = re.compile(r"update-(\d+)")  # a checkpoint's folder in CHECKPOINTS_DIR: its update, zero-padded
+UPDATE_PREFIX = "update-"  # a checkpoint's folder in CHECKPOINTS_DIR: the prefix, then its update zero-padded
+UPDATE_DIR = re.compile(rf"{UPDATE_PREFIX}(\d+)")
 
 
 def update_dir(run_dir: Path, step: int) -> Path:
     """Where the checkpoint of update ``step`` of a run is saved."""
-    return Path(run_dir) / CHECKPOINTS_DIR / f"update-{step:08d}"
+    return Path(run_dir) / CHECKPOINTS_DIR / f"{UPDATE_PREFIX}{step:08d}"
 
 
 def run_checkpoints(run_dir: Path) -> list[Path]:

@@ -231,7 +231,7 @@ class Decoder(nn.Module):
 class Transformer(nn.Module):
     """Encoder-decoder with ``encode`` and ``decode`` exposed separately for search."""
 
-    def __init__(self, encoder: Encoder, decoder: Decoder, output: Linear) -> None:
+    def __init__(self, encoder: Encoder, decoder: Decoder, output: Linear | DecodingLinear) -> None:
         super().__init__()
         self.encoder = encoder
         self.decoder = decoder

@@ -1,5 +1,5 @@
-"""What a request to the translate API may be and how its answer reads: the body and its checks, the bounds a
-request is held to, what an error repeats of a request's values, and each text's rendered answer."""
+"""What a request to the translate API may be and how its answer reads: the body and its checks, the size of body
+the server reads, what an error repeats of a request's values, and each text's rendered answer."""
 
 from __future__ import annotations
 

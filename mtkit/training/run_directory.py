@@ -34,6 +34,7 @@ from mtkit.model.run_folder import (
     METRICS_FILE,
     TENSORBOARD_DIR,
     UPDATE_DIR,
+    UPDATE_PREFIX,
     VALIDATION_FILE,
 )
 
@@ -200,7 +201,7 @@ class RunLock:
 _TRAINING_NAMES = {
     "": "|".join(map(re.escape, (CONFIG_FILE, METRICS_FILE, BEST_DIR))) + r"|spm(?:\.src|\.tgt)?(?:\.model|\.vocab)?",
     CHECKPOINTS_DIR: UPDATE_DIR.pattern,
-    f"{CHECKPOINTS_DIR}/update-*": re.escape(VALIDATION_FILE),  # added to a checkpoint after its save
+    f"{CHECKPOINTS_DIR}/{UPDATE_PREFIX}*": re.escape(VALIDATION_FILE),  # added to a checkpoint after its save
 }
 
 

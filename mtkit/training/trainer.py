@@ -1,4 +1,4 @@
-"""Training: set-up in named steps, the optimisation loop, one update, validation.
+"""Training: set-up in named steps, and the optimisation loop that decides when to step, validate, save and stop.
 
 Re-running on a run directory that holds a checkpoint resumes from the newest one: model, optimizer,
 scaler, progress, every rank's RNG state and the position in the data, so the remaining updates see

@@ -1,7 +1,7 @@
 """What `mtkit run` records of its stages: each one's wall clock, and how each output was made (RUN/stages.json),
-so that a re-run can tell what is up to date; the one way a stage runs (``run_stage``: up to date? otherwise run,
-time, record); and what its chains share: training as one of the run's stages, and the device and precision a long
-translation is decoded in."""
+so that a re-run can tell what is up to date; the one way a stage with work to do runs (``run_stage``: up to date?
+otherwise run, time, record); and what its chains share: training as one of the run's stages, and the device and
+precision a long translation is decoded in."""
 
 from __future__ import annotations
 
