@@ -6,6 +6,7 @@
     translator = mtkit.load("runs/m30k", device="cpu", threads=4)  # 4 CPU threads (0: OMP_NUM_THREADS or 1 a core)
     translator.translate(["A dog runs on the beach."], beam=5)             # -> ["Ein Hund läuft ..."]
     for best, *others in translator.hypotheses(open("test.en"), nbest=3): ...  # streamed, with scores
+    for pair in translator.score(open("test.en"), open("test.de")): ...  # given translations: pair.logprob, .tokens
     mtkit.train("recipes/multi30k_en_de.yaml", "runs/m30k", overrides=["data.train_src=train.en", ...])
     mtkit.evaluate(hypotheses, [references], metrics=("bleu", "chrf"))   # scores with signatures
     mtkit.prepare("multi30k_en_de", "data/m30k")  # downloaded; mirror="DIR" reads a local copy

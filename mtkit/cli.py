@@ -15,7 +15,7 @@ from typing import Annotated
 import typer
 from typer.core import TyperGroup
 
-from mtkit.commands import data, doctor, evaluate, models, serve, train, translate
+from mtkit.commands import data, doctor, evaluate, models, score, serve, train, translate
 from mtkit.commands.common import LogLevel, set_log_level
 from mtkit.version import __version__
 
@@ -57,7 +57,7 @@ app = typer.Typer(
 )
 app.add_typer(data.tokenizer_commands, name="tokenizer")
 app.add_typer(models.import_commands, name="import")
-for module in (data, train, translate, models, evaluate, serve, doctor):
+for module in (data, train, translate, score, models, evaluate, serve, doctor):
     app.add_typer(module.commands)  # unnamed: its commands join mtkit's own
 
 

@@ -8,6 +8,9 @@ pipeline.
 Exactly one result per input line: empty and whitespace-only lines give an empty translation
 without touching the model, and lines longer than the model's positions are truncated to fit
 (with a warning naming the line), never split, so line alignment holds.
+
+``score`` reads pairs of lines (a source and a given target) in step the same way, and gives every pair, empty
+lines included, the log-probability the model gives its target (mtkit.decoding.forced).
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ import torch
 
 from mtkit.config import MAX_BEAM, ConfigError, DataConfig, DecodeConfig, SamplingConfig
 from mtkit.data.directions import choose_target, directions, source_prefix, typed_tags
-from mtkit.data.parallel import source_tensor
+from mtkit.data.parallel import DataError, source_tensor
 from mtkit.data.tokenizer import Tokenizer
 from mtkit.decoding.alignment import align_batch
 from mtkit.decoding.ensemble import Ensemble
+from mtkit.decoding.forced import forced_log_probs
 from mtkit.decoding.search import beam_search, sample_search
 from mtkit.decoding.shortlist import Shortlist
 from mtkit.model.transformer import Transformer
@@ -50,8 +54,27 @@ class Translation:
 EMPTY = Translation("", 0.0, 0.0)
 
 
+@dataclass(frozen=True)
+class PairScore:
+    """How probable a model finds a given target for a given source (``LineTranslator.score``)."""
+
+    logprob: float  # total log-probability of the target given the source, eos included
+    tokens: int  # target tokens scored, eos included
+    token_logprobs: tuple[float, ...] | None = None  # each one, when asked for
+
+
 class PrefixMismatch(ValueError):
     """Target prefixes that are not line-aligned with the input."""
+
+
+class PairMismatch(DataError):
+    """Sources and targets to score that are not line-aligned: ``shorter`` ("sources" or "targets") ran out first,
+    with no line ``line``."""
+
+    def __init__(self, shorter: str, line: int) -> None:
+        self.shorter, self.line = shorter, line
+        longer = "targets" if shorter == "sources" else "sources"
+        super().__init__(f"the {shorter} end before line {line:,}, the {longer} go on")
 
 
 def source_ids(
@@ -79,6 +102,64 @@ def source_ids(
             where = "a text" if first_line is None else f"line {first_line + i}:"
             log.warning("%s over %d source tokens, truncated to %d (model.max_positions)", where, limit, limit)
     return {i: seq[:limit] for i, seq in zip(todo, seqs) if seq}
+
+
+def target_ids(tok: Tokenizer, lines: list[str], max_positions: int, first_line: int | None = None) -> list[list[int]]:
+    """The token ids of each of ``lines`` as a target to score, empty lines included (nothing before eos):
+    truncated, with a warning that names the line, to leave bos a position before them, as the decoder reads bos
+    and then the target."""
+    limit = max_positions - 1
+    seqs = tok.encode_capped(lines, limit)
+    for i, seq in enumerate(seqs):
+        if len(seq) > limit:
+            where = "a target" if first_line is None else f"line {first_line + i}:"
+            log.warning("%s over %d target tokens, truncated to %d (model.max_positions)", where, limit, limit)
+    return [seq[:limit] for seq in seqs]
+
+
+def pair_ids(
+    src_tok: Tokenizer,
+    tgt_tok: Tokenizer,
+    sources: list[str],
+    targets: list[str],
+    max_positions: tuple[int, int],
+    first_line: int,
+    prefix: str = "",
+) -> list[tuple[list[int], list[int]]]:
+    """The (source, target) ids of each pair to score, every pair included: a source encoded as translation
+    encodes it (``source_ids``, after ``prefix``), an empty one as ``prefix`` alone before its eos, as the model
+    saw sources in training; a target by ``target_ids``. ``max_positions``: the model's (source, target)
+    positions."""
+    found = source_ids(src_tok, sources, max_positions[0], first_line, prefix)
+    empty = src_tok.encode([prefix])[0] if prefix else []
+    tgt = target_ids(tgt_tok, targets, max_positions[1], first_line)
+    return [(found.get(i, empty), tgt[i]) for i in range(len(sources))]
+
+
+def pair_score(token_logprobs: list[float], tokens: bool) -> PairScore:
+    """The score of a target whose tokens (eos included) have these log-probabilities; each kept if ``tokens``."""
+    return PairScore(sum(token_logprobs), len(token_logprobs), tuple(token_logprobs) if tokens else None)
+
+
+def paired_chunks(
+    sources: Iterable[str], targets: Iterable[str], size: int = CHUNK_LINES
+) -> Iterator[tuple[list[str], list[str]]]:
+    """Consecutive (sources, targets) of up to ``size`` lines each, read in step, without their ending newlines;
+    PairMismatch as soon as one runs out before the other."""
+    src_lines, tgt_lines, first_line = iter(sources), iter(targets), 1
+    while True:
+        src, tgt = list(islice(src_lines, size)), list(islice(tgt_lines, size))
+        if len(src) != len(tgt):
+            raise PairMismatch("sources" if len(src) < len(tgt) else "targets", first_line + min(len(src), len(tgt)))
+        if not src:
+            return
+        yield [without_newline(line) for line in src], [without_newline(line) for line in tgt]
+        first_line += len(src)
+
+
+def without_newline(line: str) -> str:
+    """``line`` without the newline (LF or CRLF) a file's line ends with."""
+    return line.removesuffix("\n").removesuffix("\r")
 
 
 def length_batches(lengths: list[int], batch_size: int, batch_tokens: int, rows: int = 1) -> list[list[int]]:
@@ -155,7 +236,26 @@ class LineTranslator(ABC):
         model of several."""
         translator = self.using(**decode) if tgt_lang is None else self.using(**decode).into(tgt_lang)
         translator.check_target()
-        yield from translator.stream(chunked(line.removesuffix("\n").removesuffix("\r") for line in lines))
+        yield from translator.stream(chunked(without_newline(line) for line in lines))
+
+    def score(
+        self, sources: Iterable[str], targets: Iterable[str], tgt_lang: str | None = None, tokens: bool = False
+    ) -> Iterator[PairScore]:
+        """How probable the model finds each target given its source (teacher-forced, eos included), one score per
+        pair, in order, empty lines included; with ``tokens``, each token's log-probability too. Streamed as
+        ``hypotheses`` is: the two are read in step, in chunks, and PairMismatch names the line where one ran out.
+        The model's tags apply as in translation (``tgt_lang``, for a model of several target languages); a source
+        or target longer than the model's positions is truncated, with a warning naming the line."""
+        scorer = self if tgt_lang is None else self.into(tgt_lang)
+        scorer.check_target()
+        first_line = 1
+        for src, tgt in paired_chunks(sources, targets):
+            yield from scorer.score_chunk(src, tgt, first_line, tokens)
+            first_line += len(src)
+
+    def score_chunk(self, sources: list[str], targets: list[str], first_line: int, tokens: bool) -> list[PairScore]:
+        """The scores of one chunk of pairs, whose first is line ``first_line``: each engine scores its own way."""
+        raise ConfigError(f"{type(self).__name__} cannot score translations")
 
 
 def check_nbest(nbest: int, decode: DecodeConfig, sampling: SamplingConfig | None = None) -> None:
@@ -235,6 +335,22 @@ class Translator(LineTranslator):
             first_line += len(chunk)
         if prefix_lines is not None and next(prefix_lines, None) is not None:
             raise PrefixMismatch(f"more prefixes than the {first_line - 1} input lines")
+
+    def score_chunk(self, sources: list[str], targets: list[str], first_line: int, tokens: bool) -> list[PairScore]:
+        """The scores of one chunk of pairs, in batches by length (the longer of source and target) as translation
+        batches its lines, each batch teacher-forced in one pass (mtkit.decoding.forced)."""
+        limits = (self.model.max_source_positions, self.model.max_target_positions)
+        pairs = pair_ids(self.src_tok, self.tgt_tok, sources, targets, limits, first_line, self.source_prefix)
+        results: dict[int, PairScore] = {}
+        lengths = [max(len(src), len(tgt)) + 1 for src, tgt in pairs]
+        for batch in length_batches(lengths, self.decode.batch_size, self.decode.batch_tokens):
+            src, src_pad_mask = source_tensor([pairs[i][0] for i in batch])
+            found = forced_log_probs(
+                self.model, src.to(self.device), src_pad_mask.to(self.device), [pairs[i][1] for i in batch]
+            )
+            for i, token_logprobs in zip(batch, found):
+                results[i] = pair_score(token_logprobs, tokens)
+        return [results[i] for i in range(len(pairs))]
 
     def _translate_chunk(
         self, lines: list[str], first_line: int, prefixes: list[str] | None

@@ -2,7 +2,8 @@
 and mtkit's search rules kept wherever CTranslate2's options can express them.
 
 Sources are encoded by ``mtkit.decoding.line_translator.source_ids``, the front end every engine shares, so a
-line is cut and tokenized here exactly as mtkit's own engine does it.
+line is cut and tokenized here exactly as mtkit's own engine does it. Given translations are scored through
+CTranslate2's ``score_batch``, their pairs encoded as mtkit's engine encodes them (``pair_ids``).
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 from mtkit.decoding.line_translator import (
     EMPTY,
     LineTranslator,
+    PairScore,
     Translation,
     check_nbest,
     length_batches,
+    pair_ids,
+    pair_score,
     source_ids,
     with_overrides,
 )
@@ -126,6 +130,23 @@ class CTranslate2Translator(LineTranslator):
         for chunk in chunks:
             yield from self._translate_chunk(chunk, first_line)
             first_line += len(chunk)
+
+    def score_chunk(self, sources: list[str], targets: list[str], first_line: int, tokens: bool) -> list[PairScore]:
+        """The scores of one chunk of pairs through CTranslate2's ``score_batch``, in the batches mtkit's engine
+        scores them in; the pairs are encoded and truncated as there, so CTranslate2 truncates nothing."""
+        limits = (self.max_positions, self.max_positions)
+        pairs = pair_ids(self.src_tok, self.tgt_tok, sources, targets, limits, first_line, self.source_prefix)
+        results: dict[int, PairScore] = {}
+        lengths = [max(len(src), len(tgt)) + 1 for src, tgt in pairs]
+        for batch in length_batches(lengths, self.decode.batch_size, self.decode.batch_tokens):
+            scored = self.engine.score_batch(
+                [self.src_tok.sp.id_to_piece(pairs[i][0]) for i in batch],
+                [self.tgt_tok.sp.id_to_piece(pairs[i][1]) for i in batch],
+                max_input_length=0,
+            )
+            for i, result in zip(batch, scored):  # the target's tokens and the eos scoring appends
+                results[i] = pair_score(result.log_probs, tokens)
+        return [results[i] for i in range(len(pairs))]
 
     def _translate_chunk(self, lines: list[str], first_line: int) -> list[list[Translation]]:
         results: list[list[Translation]] = [[EMPTY] for _ in lines]

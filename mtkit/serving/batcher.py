@@ -3,7 +3,9 @@
 A search costs about as much for 32 sentences as for one on a CPU or GPU that would otherwise sit
 half idle, so the server gathers the sentences of requests that arrive together into one search.
 One worker thread runs every search, so the model is never used by two threads at once. Requests
-whose options differ (another beam) cannot share a search, so each set of options has its own.
+whose options differ (another beam, or scoring given translations rather than searching) cannot share a
+search, so each set of options has its own; a "sentence" is whatever a job's options make of it, a text
+to translate or a pair to score.
 
 A search is stepped by the worker (``Search``): a continuous one (``mtkit.decoding.continuous``) takes new
 sentences at every step and gives back each as it is done, so a request joins a search already
@@ -30,8 +32,9 @@ log = logging.getLogger("mtkit")
 
 IDLE_WAKE_S = 1.0  # an idle batcher looks up this often, so that signals reach their handlers (``_next_jobs``)
 
+Line = TypeVar("Line")  # what a request gives for each of its results: a text, or a pair of them
 Result = TypeVar("Result")
-Translate = Callable[[list[str], Hashable], list[Result]]
+Translate = Callable[[list[Line], Hashable], list[Result]]
 
 
 class Refused(RuntimeError):
@@ -42,10 +45,10 @@ class Withdrawn(RuntimeError):
     """What the future of a request withdrawn from its search holds (``Batcher.withdraw``)."""
 
 
-class Search(Protocol[Result]):
+class Search(Protocol[Line, Result]):
     """Sentences in, results out, a step at a time."""
 
-    def add(self, key: Hashable, line: str) -> None:
+    def add(self, key: Hashable, line: Line) -> None:
         """Take ``line``; a later ``step`` gives back its result with ``key``."""
 
     def step(self) -> list[tuple[Hashable, Result]]:
@@ -58,15 +61,15 @@ class Search(Protocol[Result]):
         """Sentences taken and not yet given back."""
 
 
-class WholeBatch(Generic[Result]):
+class WholeBatch(Generic[Line, Result]):
     """A search of everything added at once: each step translates all the lines added since the last."""
 
-    def __init__(self, translate: Translate[Result], options: Hashable) -> None:
+    def __init__(self, translate: Translate[Line, Result], options: Hashable) -> None:
         self.translate, self.options = translate, options
         self.keys: list[Hashable] = []
-        self.lines: list[str] = []
+        self.lines: list[Line] = []
 
-    def add(self, key: Hashable, line: str) -> None:
+    def add(self, key: Hashable, line: Line) -> None:
         self.keys.append(key)
         self.lines.append(line)
 
@@ -84,15 +87,15 @@ class WholeBatch(Generic[Result]):
 
 
 @dataclass(eq=False)  # jobs are told apart by identity: a job and its line number key a sentence
-class _Job(Generic[Result]):
-    lines: list[str]
+class _Job(Generic[Line, Result]):
+    lines: list[Line]
     options: Hashable
     queued_at: float = field(default_factory=time.monotonic)
     future: Future[list[Result]] = field(default_factory=Future)
     results: dict[int, Result] = field(default_factory=dict)  # by line, as they come back
 
 
-class Batcher(Generic[Result]):
+class Batcher(Generic[Line, Result]):
     """Runs the jobs submitted through searches of at most ``max_batch_size`` sentences each, an idle search
     waiting at most ``max_wait_s`` after its oldest job arrived.
 
@@ -106,29 +109,29 @@ class Batcher(Generic[Result]):
 
     def __init__(
         self,
-        translate: Translate[Result],
+        translate: Translate[Line, Result],
         max_batch_size: int,
         max_wait_s: float,
         max_queue: int,
-        open_search: Callable[[Hashable], Search[Result]] | None = None,
+        open_search: Callable[[Hashable], Search[Line, Result]] | None = None,
     ) -> None:
         self.translate = translate
         self.open_search = open_search or (lambda options: WholeBatch(translate, options))
         self.max_batch_size, self.max_wait_s, self.max_queue = max_batch_size, max_wait_s, max_queue
-        self._jobs: deque[_Job[Result]] = deque()
+        self._jobs: deque[_Job[Line, Result]] = deque()
         self._waiting = 0  # sentences in self._jobs
         self._closing = False
         self._changed = threading.Condition()
         self._withdrawn: set[Future[list[Result]]] = set()  # futures of running jobs to take back
-        self._searches: dict[Hashable, Search[Result]] = {}  # the worker's alone
-        self._running: dict[Hashable, list[_Job[Result]]] = {}  # the jobs in each search
+        self._searches: dict[Hashable, Search[Line, Result]] = {}  # the worker's alone
+        self._running: dict[Hashable, list[_Job[Line, Result]]] = {}  # the jobs in each search
         self._worker = threading.Thread(target=self.run, name="mtkit-batcher", daemon=True)
 
     def start(self) -> None:
         """Run the searches in a thread of the batcher's own."""
         self._worker.start()
 
-    def submit(self, lines: list[str], options: Hashable) -> Future[list[Result]]:
+    def submit(self, lines: list[Line], options: Hashable) -> Future[list[Result]]:
         """Queue ``lines`` for translation with ``options``; cancelling the future before its search takes them
         withdraws them. Raises ``Refused`` when the queue would hold more than ``max_queue`` sentences."""
         with self._changed:
@@ -136,7 +139,7 @@ class Batcher(Generic[Result]):
                 raise Refused("the server is shutting down")
             if self._waiting + len(lines) > self.max_queue:
                 raise Refused(f"{self._waiting:,} sentences are waiting already (at most {self.max_queue:,})")
-            job: _Job[Result] = _Job(lines, options)
+            job: _Job[Line, Result] = _Job(lines, options)
             self._jobs.append(job)
             self._waiting += len(lines)
             log.debug("queued %d sentences (%d waiting)", len(lines), self._waiting)
@@ -177,7 +180,7 @@ class Batcher(Generic[Result]):
                     self._searches.pop(options, None)
                     self._running.pop(options, None)
 
-    def _next_jobs(self) -> list[_Job[Result]] | None:
+    def _next_jobs(self) -> list[_Job[Line, Result]] | None:
         """The jobs that join a search now, taken off the queue: for each set of options, the oldest that fit
         beside the sentences its search holds, once the search is running, full, or its oldest job has waited
         long enough. Waits while no search has work; None once closing with nothing left."""
@@ -192,7 +195,7 @@ class Batcher(Generic[Result]):
                     # between bytecodes; a SIGTERM the kernel hands to another thread waits until this returns.
                     self._changed.wait(IDLE_WAKE_S)
                     continue
-                groups: dict[Hashable, list[_Job[Result]]] = {}
+                groups: dict[Hashable, list[_Job[Line, Result]]] = {}
                 for job in self._jobs:
                     groups.setdefault(job.options, []).append(job)
                 taken, now = [], time.monotonic()
@@ -205,7 +208,7 @@ class Batcher(Generic[Result]):
                     return taken
                 self._changed.wait(self._jobs[0].queued_at + self.max_wait_s - now)  # the oldest is due first
 
-    def _take(self, mates: list[_Job[Result]], live: int) -> list[_Job[Result]]:
+    def _take(self, mates: list[_Job[Line, Result]], live: int) -> list[_Job[Line, Result]]:
         """The oldest of ``mates`` that fit beside ``live`` sentences (at least one when there are none), off
         the queue."""
         batch, size = [], live
@@ -241,7 +244,7 @@ class Batcher(Generic[Result]):
                 self._searches.pop(options)
                 self._running.pop(options)
 
-    def _start(self, job: _Job[Result]) -> None:
+    def _start(self, job: _Job[Line, Result]) -> None:
         """``job``'s lines join the search of its options (opened if there is none)."""
         if not job.lines:
             job.future.set_result([])
@@ -258,7 +261,7 @@ class Batcher(Generic[Result]):
             len(job.lines), len(search), len(self._running[job.options]),
         )  # fmt: skip
 
-    def _step(self, options: Hashable, search: Search[Result]) -> None:
+    def _step(self, options: Hashable, search: Search[Line, Result]) -> None:
         """One step of ``search``: each job whose lines are all done gets its results. A failed step fails the
         search; each of its jobs is translated again on its own."""
         jobs = self._running[options]
@@ -281,7 +284,7 @@ class Batcher(Generic[Result]):
             jobs.remove(job)
             job.future.set_result([job.results[number] for number in range(len(job.lines))])
 
-    def _translate_alone(self, job: _Job[Result]) -> None:
+    def _translate_alone(self, job: _Job[Line, Result]) -> None:
         try:
             job.future.set_result(self.translate(job.lines, job.options))
         except Exception as err:

@@ -1,5 +1,6 @@
-"""What a request to the translate API may be and how its answer reads: the body and its checks, the size of body
-the server reads, what an error repeats of a request's values, and each text's rendered answer."""
+"""What a request to the translate and score API may be and how its answer reads: the bodies and their checks, the
+size of body the server reads, what an error repeats of a request's values, each text's rendered translations and
+each pair's score."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
 from mtkit.config import ServeConfig
-from mtkit.decoding.line_translator import Translation
+from mtkit.decoding.line_translator import PairScore, Translation
 
 RETRY_AFTER_S = 1  # what a 503 asks the client to wait: a full queue drains in about a batch's time
 ECHO_CHARS = 40  # of a request's value that an error message repeats; of a longer one, the start and its length
@@ -50,18 +51,75 @@ class TranslateRequest(BaseModel):
             raise ValueError("alignments go with the best translation only, not with nbest")
         if self.alignments and not info.context["aligns"]:
             raise ValueError("this server's engine gives no word alignments")
-        targets = info.context["targets"]
-        if self.tgt_lang is None and len(targets) > 1:
-            raise ValueError(f"this model translates into {', '.join(targets)}: say which with tgt_lang")
-        if self.tgt_lang is not None and self.tgt_lang not in targets:
-            raise ValueError(
-                f"this model does not translate into {echoed(self.tgt_lang)}; tgt_lang is one of {', '.join(targets)}"
-            )
+        check_target(self.tgt_lang, info.context["targets"])
         return self
 
     def texts(self) -> list[str]:
         """The texts, NUL characters replaced by spaces as `mtkit translate` does."""
-        return [text.replace("\0", " ") for text in ([self.text] if isinstance(self.text, str) else self.text)]
+        return segments(self.text)
+
+
+class ScoreRequest(BaseModel):
+    """The body of ``POST /v1/score``: translations given with their sources, each scored under the model."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    source: str | list[str] = Field(
+        description="A source text, or a list of them; each is one segment, as one input line is to `mtkit translate`."
+    )
+    target: str | list[str] = Field(
+        description="The translation to score of the source: one text, or a list of one per source, in order."
+    )
+    tokens: bool = Field(False, description="Each score with the log-probability of each target token, eos last.")
+    tgt_lang: str | None = Field(
+        None,
+        description="The targets' language, one of /v1/models' directions; needed by a model of several target "
+        "languages.",
+    )
+
+    @model_validator(mode="after")
+    def _paired(self, info: ValidationInfo) -> ScoreRequest:
+        """One target per source, and the target language against the model's."""
+        sources, targets = segments(self.source), segments(self.target)
+        if len(sources) != len(targets):
+            raise ValueError(f"{len(sources):,} sources but {len(targets):,} targets: give one target per source")
+        check_target(self.tgt_lang, info.context["targets"])
+        return self
+
+    def pairs(self) -> list[tuple[str, str]]:
+        """The (source, target) pairs, NUL characters replaced by spaces as in a text to translate."""
+        return list(zip(segments(self.source), segments(self.target)))
+
+
+def segments(text: str | list[str]) -> list[str]:
+    """A request's text or list of texts as a list, NUL characters replaced by spaces as `mtkit translate` does."""
+    return [segment.replace("\0", " ") for segment in ([text] if isinstance(text, str) else text)]
+
+
+def check_target(tgt_lang: str | None, targets: list[str]) -> None:
+    """ValueError unless ``tgt_lang`` is one of the model's ``targets``, or is None for a model of one."""
+    if tgt_lang is None and len(targets) > 1:
+        raise ValueError(f"this model translates into {', '.join(targets)}: say which with tgt_lang")
+    if tgt_lang is not None and tgt_lang not in targets:
+        raise ValueError(
+            f"this model does not translate into {echoed(tgt_lang)}; tgt_lang is one of {', '.join(targets)}"
+        )
+
+
+class ScoredPair(BaseModel):
+    """How ``POST /v1/score`` answers for one pair."""
+
+    logprob: float = Field(description="The log-probability of the target given the source, eos included.")
+    tokens: int = Field(description="The target tokens scored, eos included.")
+    token_logprobs: list[float] | None = Field(
+        None, description="The log-probability of each target token, eos last; only when the request asks for it."
+    )
+
+
+class ScoreAnswer(BaseModel):
+    """The answer of ``POST /v1/score``."""
+
+    scores: list[ScoredPair] = Field(description="One per pair, in order.")
 
 
 def body_limit(cfg: ServeConfig) -> int:
@@ -85,6 +143,14 @@ def rendered(translations: list[Translation], query: TranslateRequest) -> Any:
             entry["alignment"] = t.alignment
         entries.append(entry)
     return entries if query.nbest > 1 else entries[0]
+
+
+def scored(score: PairScore) -> dict[str, Any]:
+    """One pair's answer: its log-probability and tokens; each token's log-probability where the request asked."""
+    entry: dict[str, Any] = {"logprob": score.logprob, "tokens": score.tokens}
+    if score.token_logprobs is not None:
+        entry["token_logprobs"] = list(score.token_logprobs)
+    return entry
 
 
 def problems(err: ValidationError) -> str:

@@ -1,30 +1,41 @@
-"""The routes of the translate API: ``POST /v1/translate`` (a request read, checked, bounded, queued, awaited and
-rendered), ``GET /v1/models`` and ``GET /health``, each a handler ``create_app`` adds."""
+"""The routes of the translate API: ``POST /v1/translate`` and ``POST /v1/score`` (a request read, checked, bounded,
+queued, awaited and rendered), ``GET /v1/models`` and ``GET /health``, each a handler ``create_app`` adds."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Hashable
 from concurrent.futures import Future
 from dataclasses import asdict
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import HTTPException, Request
 from fastapi.responses import Response
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 from mtkit.config import ServeConfig
 from mtkit.data.directions import directions
-from mtkit.decoding.line_translator import LineTranslator, Translation, Translator
+from mtkit.decoding.line_translator import LineTranslator, Translator
 from mtkit.serving.batcher import Batcher, Refused
-from mtkit.serving.requests import RETRY_AFTER_S, TranslateRequest, body_limit, problems, rendered
-from mtkit.serving.searches import batching
+from mtkit.serving.requests import (
+    RETRY_AFTER_S,
+    ScoreRequest,
+    TranslateRequest,
+    body_limit,
+    problems,
+    rendered,
+    scored,
+)
+from mtkit.serving.searches import Answer, Scoring, Work, batching
 from mtkit.version import __version__
 
 log = logging.getLogger("mtkit")
 
 CLIENT_GONE = 499  # the status logged for a request whose client went away (nginx's; nothing is sent)
+
+Query = TypeVar("Query", bound=BaseModel)
 
 
 def language_pairs(translator: LineTranslator) -> list[tuple[str, str]]:
@@ -33,34 +44,22 @@ def language_pairs(translator: LineTranslator) -> list[tuple[str, str]]:
     return directions(translator.data) if translator.data is not None else [translator.languages or ("", "")]
 
 
-class TranslateRoute:
-    """``POST /v1/translate``: a request read, checked, bounded, queued in the batcher's searches, awaited and
-    rendered, one method a step. Each step that can end the request early raises its answer: 408 or 413 while
+class BatchedRoute:
+    """What the routes whose work the batcher does share, one method a step: a request's body read, checked,
+    bounded, queued and awaited. Each step that can end the request early raises its answer: 408 or 413 while
     reading, 422 while checking, 413 while bounding, 503 while queueing, 504 or 500 while waiting; a client
     that went away while reading or waiting is a ``ClientDisconnect``, logged as 499 with nothing sent."""
 
-    def __init__(self, translator: LineTranslator, cfg: ServeConfig, batcher: Batcher[list[Translation]]) -> None:
+    answer: str  # what the route gives, as its 504 names it
+    work: str  # what it does, as its 500 names it
+
+    def __init__(self, translator: LineTranslator, cfg: ServeConfig, batcher: Batcher[Work, Answer]) -> None:
         self.translator = translator
         self.cfg = cfg
         self.batcher = batcher
-        self.context = {  # what checking a request needs to know of the server
-            "max_beam": cfg.max_beam,
-            "beam": translator.decode.beam,
-            "aligns": isinstance(translator, Translator),
+        self.context: dict[str, Any] = {  # what checking a request needs to know of the server
             "targets": list(dict.fromkeys(tgt for _, tgt in language_pairs(translator) if tgt)),
         }
-
-    async def translate(self, request: Request) -> Any:
-        """Translate one text or a list of texts: one translation per text, in order."""
-        try:
-            query = self._checked(await self._body(request))
-            texts = self._bounded(query, request)
-            if not texts:
-                return {"translations": []}
-            results = await self._answered(request, self._queued(texts, query))
-        except ClientDisconnect:
-            return Response(status_code=CLIENT_GONE)
-        return {"translations": [rendered(r, query) for r in results]}
 
     async def _body(self, request: Request) -> bytes:
         """The request's body: 408 unless it arrives within the receive timeout, 413 if over the body limit."""
@@ -69,17 +68,17 @@ class TranslateRoute:
         except asyncio.TimeoutError:
             raise HTTPException(408, f"the body did not arrive within {self.cfg.receive_timeout:g} s") from None
 
-    def _checked(self, body: bytes) -> TranslateRequest:
-        """The body as a request, or 422 saying what is wrong with it."""
+    def _checked(self, body: bytes, kind: type[Query]) -> Query:
+        """The body as a request of ``kind``, or 422 saying what is wrong with it."""
         try:
-            return TranslateRequest.model_validate_json(body, context=self.context)
+            return kind.model_validate_json(body, context=self.context)
         except ValidationError as err:
             raise HTTPException(422, problems(err)) from None
 
-    def _bounded(self, query: TranslateRequest, request: Request) -> list[str]:
-        """The request's texts, counted for its log line; 413 if more texts or characters than the server takes."""
-        texts = query.texts()
-        request.state.sentences = len(texts)
+    def _bounded(self, texts: list[str], request: Request, sentences: int) -> None:
+        """413 if more texts or characters than the server takes; the request's ``sentences`` counted for its
+        log line."""
+        request.state.sentences = sentences
         if len(texts) > self.cfg.max_texts:
             raise HTTPException(
                 413, f"{len(texts):,} texts; this server takes at most {self.cfg.max_texts:,} a request"
@@ -89,18 +88,16 @@ class TranslateRoute:
             raise HTTPException(
                 413, f"{chars:,} characters; this server takes at most {self.cfg.max_chars:,} a request"
             )
-        return texts
 
-    def _queued(self, texts: list[str], query: TranslateRequest) -> Future[list[list[Translation]]]:
-        """``texts`` in the batcher's queue with the request's options; 503 with Retry-After when it is full."""
-        options = (query.beam or self.translator.decode.beam, query.nbest, query.alignments, query.tgt_lang)
+    def _queued(self, work: list[Work], options: Hashable) -> Future[list[Answer]]:
+        """``work`` in the batcher's queue with the request's options; 503 with Retry-After when it is full."""
         try:
-            return self.batcher.submit(texts, options)
+            return self.batcher.submit(work, options)
         except Refused as err:
             raise HTTPException(503, str(err), headers={"Retry-After": str(RETRY_AFTER_S)}) from None
 
-    async def _answered(self, request: Request, future: Future[list[list[Translation]]]) -> list[list[Translation]]:
-        """The translations ``future`` brings. Past the timeout, or once the client has gone away, the request
+    async def _answered(self, request: Request, future: Future[list[Answer]]) -> list[Answer]:
+        """The answers ``future`` brings. Past the timeout, or once the client has gone away, the request
         leaves its search: 504, or ``ClientDisconnect``. 500 if its search failed."""
         answer = asyncio.wrap_future(future)
         gone = asyncio.ensure_future(_client_gone(request))
@@ -113,12 +110,67 @@ class TranslateRoute:
             answer.cancel()
             if gone.done() and not gone.cancelled():
                 raise ClientDisconnect
-            raise HTTPException(504, f"no translation within {self.cfg.timeout:g} s; the server is busy")
+            raise HTTPException(504, f"no {self.answer} within {self.cfg.timeout:g} s; the server is busy")
         if answer.exception() is not None:  # its search failed: the batcher logged the traceback
             number = request.state.number
-            log.error("request %d: translation failed: %s", number, answer.exception())
-            raise HTTPException(500, f"translation failed; the server's log has the details of request {number}")
+            log.error("request %d: %s failed: %s", number, self.work, answer.exception())
+            raise HTTPException(500, f"{self.work} failed; the server's log has the details of request {number}")
         return answer.result()
+
+
+class TranslateRoute(BatchedRoute):
+    """``POST /v1/translate``: a request read, checked, bounded, queued in the batcher's searches, awaited and
+    rendered."""
+
+    answer = work = "translation"
+
+    def __init__(self, translator: LineTranslator, cfg: ServeConfig, batcher: Batcher[Work, Answer]) -> None:
+        super().__init__(translator, cfg, batcher)
+        self.context |= {
+            "max_beam": cfg.max_beam,
+            "beam": translator.decode.beam,
+            "aligns": isinstance(translator, Translator),
+        }
+
+    async def translate(self, request: Request) -> Any:
+        """Translate one text or a list of texts: one translation per text, in order."""
+        try:
+            query = self._checked(await self._body(request), TranslateRequest)
+            texts = query.texts()
+            self._bounded(texts, request, len(texts))
+            if not texts:
+                return {"translations": []}
+            options = (query.beam or self.translator.decode.beam, query.nbest, query.alignments, query.tgt_lang)
+            results = await self._answered(request, self._queued(texts, options))
+        except ClientDisconnect:
+            return Response(status_code=CLIENT_GONE)
+        return {"translations": [rendered(r, query) for r in results]}
+
+
+class ScoreRoute(BatchedRoute):
+    """``POST /v1/score``: given translations scored under the model, each pair's log-probability.
+
+    Scoring goes through the batcher as translating does, as a job whose options are ``Scoring``: the pairs
+    of concurrent requests of the same options are scored together in a whole batch, which the batcher's one
+    thread runs between the steps of its searches. So the model is never used by two threads at once, and
+    the queue's bound, the timeout and a client going away bound scoring as they bound translating; pairs
+    count as sentences in a search and in the queue. Its texts are its sources and targets together."""
+
+    answer = "scores"
+    work = "scoring"
+
+    async def score(self, request: Request) -> Any:
+        """Score each target as a translation of its source: one score per pair, in order."""
+        try:
+            query = self._checked(await self._body(request), ScoreRequest)
+            pairs = query.pairs()
+            self._bounded([text for pair in pairs for text in pair], request, len(pairs))
+            if not pairs:
+                return {"scores": []}
+            results = await self._answered(request, self._queued(pairs, Scoring(query.tgt_lang, query.tokens)))
+        except ClientDisconnect:
+            return Response(status_code=CLIENT_GONE)
+        return {"scores": [scored(result) for result in results]}
 
 
 class ModelsRoute:

@@ -1,17 +1,32 @@
 """The server's searches: a translator configured with a request's options, the search that requests of the same
-options share (continuous where the translator allows it), and the batcher that runs them."""
+options share (continuous where the translator allows it), the scoring of given translations, and the batcher that
+runs them all."""
 
 from __future__ import annotations
 
 import copy
 import functools
 from collections.abc import Hashable
+from dataclasses import dataclass
 
 from mtkit.config import ServeConfig
 from mtkit.decoding.continuous import LineSearch
 from mtkit.decoding.ensemble import Ensemble
-from mtkit.decoding.line_translator import LineTranslator, Translation, Translator, aligner_of
+from mtkit.decoding.line_translator import LineTranslator, PairScore, Translation, Translator, aligner_of
 from mtkit.serving.batcher import Batcher, Search, WholeBatch
+
+Pair = tuple[str, str]  # a source and a translation of it, to score
+Work = str | Pair  # what the server's batcher takes of a request: each text to translate, or each pair to score
+Answer = list[Translation] | PairScore  # what it gives back for each: the text's translations, or the pair's score
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """The options of a request to score pairs (those of a request to translate are a tuple, ``configured``): the
+    target language (None for the model's only one) and whether each target token's log-probability is wanted."""
+
+    tgt_lang: str | None
+    tokens: bool
 
 
 def aligning(translator: LineTranslator) -> LineTranslator:
@@ -36,12 +51,29 @@ def translate_all(translator: LineTranslator, lines: list[str], options: Hashabl
     return list(configured(translator, options).hypotheses(lines))
 
 
-def open_search(translator: LineTranslator, continuous: bool, options: Hashable) -> Search[list[Translation]]:
-    """The search that the requests of the same options share: continuous where the translator allows it."""
+def score_all(translator: LineTranslator, pairs: list[Pair], options: Scoring) -> list[PairScore]:
+    """The score of each pair under the model, all at once."""
+    sources, targets = [source for source, _ in pairs], [target for _, target in pairs]
+    return list(translator.score(sources, targets, options.tgt_lang, options.tokens))
+
+
+def answer_all(translator: LineTranslator, work: list[Work], options: Hashable) -> list[Answer]:
+    """The answer to each of a request's texts or pairs, all at once: scores where its options are ``Scoring``,
+    translations otherwise."""
+    if isinstance(options, Scoring):
+        return score_all(translator, work, options)
+    return translate_all(translator, work, options)
+
+
+def open_search(translator: LineTranslator, continuous: bool, options: Hashable) -> Search[Work, Answer]:
+    """The search that the requests of the same options share: continuous where the translator allows it; pairs
+    to score are scored all at once."""
+    if isinstance(options, Scoring):
+        return WholeBatch(functools.partial(answer_all, translator), options)
     chosen = configured(translator, options)
     if continuous and LineSearch.accepts(chosen):
         return LineSearch(chosen)
-    return WholeBatch(functools.partial(translate_all, translator), options)
+    return WholeBatch(functools.partial(answer_all, translator), options)
 
 
 def batching(translator: LineTranslator, continuous: bool) -> str:
@@ -57,10 +89,11 @@ def batching(translator: LineTranslator, continuous: bool) -> str:
     return "whole batches"
 
 
-def make_batcher(translator: LineTranslator, cfg: ServeConfig) -> Batcher[list[Translation]]:
-    """The batcher of the server's searches, as ``cfg`` sets it up."""
+def make_batcher(translator: LineTranslator, cfg: ServeConfig) -> Batcher[Work, Answer]:
+    """The batcher of the server's searches and scorings, as ``cfg`` sets it up: the one thread that uses the
+    model."""
     return Batcher(
-        functools.partial(translate_all, translator),
+        functools.partial(answer_all, translator),
         cfg.max_batch_size,
         cfg.max_wait_ms / 1000,
         cfg.max_queue,

@@ -3,6 +3,8 @@
     POST /v1/translate  {"text": "A dog." | ["A dog.", ...], "beam": 5, "nbest": 1, "scores": false,
                          "alignments": false, "tgt_lang": "de"}
                         -> {"translations": [...]}: one per text, in order
+    POST /v1/score      {"source": "A dog." | [...], "target": "Ein Hund." | [...], "tokens": false, "tgt_lang": "de"}
+                        -> {"scores": [{"logprob": -3.2, "tokens": 4}, ...]}: one per pair, in order
     GET  /health        -> 200 once the model is loaded (the server listens only then)
     GET  /v1/models     -> the model's name, languages, directions, precision, batching, decode settings
                            and tokenizer hashes; mtkit's version
@@ -37,15 +39,16 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
+from pydantic import BaseModel
 
 from mtkit.config import ServeConfig
-from mtkit.decoding.line_translator import LineTranslator, Translation
+from mtkit.decoding.line_translator import LineTranslator
 from mtkit.serving.batcher import Batcher
 from mtkit.serving.connections import bind, signals_stop, uvicorn_config
 from mtkit.serving.gate import Gatekeeper, Tally
-from mtkit.serving.requests import TranslateRequest
-from mtkit.serving.routes import ModelsRoute, TranslateRoute, health
-from mtkit.serving.searches import batching, make_batcher
+from mtkit.serving.requests import ScoreAnswer, ScoreRequest, TranslateRequest
+from mtkit.serving.routes import ModelsRoute, ScoreRoute, TranslateRoute, health
+from mtkit.serving.searches import Answer, Work, batching, make_batcher
 from mtkit.translation.engines import load_translator
 from mtkit.version import __version__
 
@@ -53,7 +56,7 @@ log = logging.getLogger("mtkit")
 
 
 @contextlib.asynccontextmanager
-async def batcher_running(batcher: Batcher[list[Translation]], own: bool, app: FastAPI) -> AsyncIterator[None]:
+async def batcher_running(batcher: Batcher[Work, Answer], own: bool, app: FastAPI) -> AsyncIterator[None]:
     """The application's lifespan: its own batcher started with it; any batcher closed at its end, once the
     work queued before has been done."""
     if own:
@@ -65,7 +68,7 @@ async def batcher_running(batcher: Batcher[list[Translation]], own: bool, app: F
 
 
 def create_app(
-    translator: LineTranslator, cfg: ServeConfig, name: str, batcher: Batcher[list[Translation]] | None = None
+    translator: LineTranslator, cfg: ServeConfig, name: str, batcher: Batcher[Work, Answer] | None = None
 ) -> FastAPI:
     """The application; ``name`` is what /v1/models calls the model. ``batcher``: one whose ``run`` the caller
     runs; by default the application runs its own in a thread that starts with it. At shutdown the batcher
@@ -73,14 +76,28 @@ def create_app(
     own = batcher is None
     batcher = batcher or make_batcher(translator, cfg)
     app = FastAPI(title="mtkit", version=__version__, lifespan=functools.partial(batcher_running, batcher, own))
-    schema = {"content": {"application/json": {"schema": TranslateRequest.model_json_schema()}}, "required": True}
     translate = TranslateRoute(translator, cfg, batcher)
-    app.add_api_route("/v1/translate", translate.translate, methods=["POST"], openapi_extra={"requestBody": schema})
+    app.add_api_route(
+        "/v1/translate", translate.translate, methods=["POST"], openapi_extra={"requestBody": body(TranslateRequest)}
+    )
+    app.add_api_route(
+        "/v1/score",
+        ScoreRoute(translator, cfg, batcher).score,
+        methods=["POST"],
+        openapi_extra={"requestBody": body(ScoreRequest)},
+        response_model=ScoreAnswer,
+        response_model_exclude_none=True,
+    )
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/v1/models", ModelsRoute(translator, cfg, name).models, methods=["GET"])
     app.state.tally = Tally()
     app.add_middleware(Gatekeeper, api_key=cfg.api_key, tally=app.state.tally)
     return app
+
+
+def body(request: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI request body of a route that reads and checks its body itself (``routes``): ``request``'s."""
+    return {"content": {"application/json": {"schema": request.model_json_schema()}}, "required": True}
 
 
 def serve(model: str | Path, cfg: ServeConfig, **load: Any) -> int:
