@@ -4,6 +4,7 @@ output, batch-mates that change nothing, and the command's line alignment, forma
 
 from __future__ import annotations
 
+import gzip
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -17,7 +18,7 @@ import mtkit
 from mtkit.data.parallel import pad, source_tensor
 from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from mtkit.decoding.forced import forced_log_probs
-from mtkit.decoding.line_translator import PairMismatch, source_ids
+from mtkit.decoding.line_translator import PairMismatch, paired_chunks, source_ids
 from mtkit.decoding.search import beam_search
 from mtkit.interop.ct2_export import export_ctranslate2
 from mtkit.interop.hf_export import export_transformers
@@ -217,22 +218,43 @@ def test_the_command_scores_in_bf16_and_int8(trained_run, pairs, tmp_path, preci
     result = invoke("score", trained_run, "--src", src, "--tgt", tgt, "--device", "cpu", "--precision", precision)
     assert result.exit_code == 0, result.output
     logprobs = [float(row.split("\t")[0]) for row in result.stdout.splitlines()]
-    assert len(logprobs) == len(pairs[0]) and all(math.isfinite(v) and v < 0 for v in logprobs)
+    expected = mtkit.load(trained_run, device="cpu", precision=precision).score(*pairs)
+    assert logprobs == [pytest.approx(s.logprob, abs=1e-5) for s in expected]
+    assert all(math.isfinite(v) and v < 0 for v in logprobs)
 
 
+@pytest.mark.parametrize("gzipped", [False, True], ids=["counted first", "found as read"])
 @pytest.mark.parametrize(
     ("src_lines", "tgt_lines", "message"),
     [(3, 2, ("t.de: has no line 3, which ", "s.en has")), (1, 2, ("s.en: has no line 2, which ", "t.de has"))],
 )
 def test_files_of_different_lengths_are_one_error_line_and_no_output(
-    trained_run, tmp_path, src_lines, tgt_lines, message
+    trained_run, tmp_path, src_lines, tgt_lines, message, gzipped
 ):
+    """Two plain files are counted before the model loads; a gzipped one (lines unknown until read) is found
+    short as the two are read in step. Either way one error line names the shorter file, and nothing is written."""
     src = write_lines(tmp_path / "s.en", ["A dog runs."] * src_lines)
     tgt = write_lines(tmp_path / "t.de", ["Ein Hund läuft."] * tgt_lines)
+    if gzipped:
+        tgt.with_name("t.de.gz").write_bytes(gzip.compress(tgt.read_bytes()))
+        tgt.unlink()
+        tgt = tgt.with_name("t.de.gz")
     out = tmp_path / "scores.txt"
     result = invoke("score", trained_run, "--src", src, "--tgt", tgt, "-o", out, "--device", "cpu")
-    one_line_error(result, *message)
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["s.en", "t.de"]  # no output, no temporary file
+    one_line_error(result, *(fragment.replace("t.de", tgt.name) for fragment in message))
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["s.en", tgt.name]  # no output, no temporary file
+
+
+def test_both_sides_from_standard_input_are_refused(trained_run):
+    result = invoke("score", trained_run, "--src", "-", "--tgt", "-", "--device", "cpu", input="A dog.\nEin Hund.\n")
+    one_line_error(result, "read one stream")
+
+
+def test_a_mismatch_across_a_chunk_boundary_names_its_line():
+    chunks = paired_chunks(iter(["a", "b", "c", "d"]), iter(["w", "x", "y", "z", "extra"]), size=2)
+    assert next(chunks) == (["a", "b"], ["w", "x"]) and next(chunks) == (["c", "d"], ["y", "z"])
+    with pytest.raises(PairMismatch, match="the sources end before line 5"):
+        next(chunks)
 
 
 def test_a_line_over_the_models_positions_is_truncated_with_a_warning(trained_run, translator, tmp_path):
@@ -241,6 +263,6 @@ def test_a_line_over_the_models_positions_is_truncated_with_a_warning(trained_ru
     tgt = write_lines(tmp_path / "t.de", [long, "Ein Hund."])
     result = invoke("score", trained_run, "--src", src, "--tgt", tgt, "--device", "cpu")
     assert result.exit_code == 0, result.output
-    assert "line 2: over" in result.stderr and "source tokens" in result.stderr
-    assert "line 1: over" in result.stderr and "target tokens" in result.stderr
+    assert f"line 2: over {translator.model.max_source_positions - 1} source tokens" in result.stderr
+    assert f"line 1: over {translator.model.max_target_positions - 1} target tokens" in result.stderr
     assert int(result.stdout.splitlines()[0].split("\t")[1]) == translator.model.max_target_positions

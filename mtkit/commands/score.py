@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from mtkit.commands.common import Device, EngineChoice, WeightPrecision, examples, given, setup_logging, user_errors
+from mtkit.commands.common import (
+    CpuThreads,
+    Device,
+    EngineChoice,
+    WeightPrecision,
+    examples,
+    given,
+    setup_logging,
+    user_errors,
+)
 from mtkit.config import Engine, InferenceConfig, InferencePrecision
 
 if TYPE_CHECKING:
@@ -34,8 +43,10 @@ def score_command(
             "(their log-probabilities averaged; they must share tokenizers)."
         ),
     ],
-    src: Annotated[Path, typer.Option("--src", help="Source sentences, one per line (text or .gz).")],
-    tgt: Annotated[Path, typer.Option("--tgt", help="Their translations to score, line by line with --src.")],
+    src: Annotated[Path, typer.Option("--src", help="Source sentences, one per line (text or .gz; - for stdin).")],
+    tgt: Annotated[
+        Path, typer.Option("--tgt", help="Their translations to score, line by line with --src (- for stdin).")
+    ],
     output: Annotated[
         Path | None, typer.Option("--output", "-o", help="Output file, written atomically (default: stdout).")
     ] = None,
@@ -64,6 +75,7 @@ def score_command(
     device: Device = InferenceConfig.device,
     precision: WeightPrecision = InferenceConfig.precision,
     engine: EngineChoice = InferenceConfig.engine,
+    threads: CpuThreads = InferenceConfig.threads,
 ) -> None:
     """Score given translations: how probable the model finds each line of --tgt as the translation of --src's.
 
@@ -77,7 +89,7 @@ def score_command(
     setup_logging()
     try:
         score_files(
-            model, src, tgt, output, tokens, tgt_lang, device, precision, engine,
+            model, src, tgt, output, tokens, tgt_lang, device, precision, engine, threads,
             **given(batch_size=batch_size, batch_tokens=batch_tokens),
         )  # fmt: skip
     except Interrupted as stop:
@@ -96,34 +108,44 @@ def score_files(
     device: str = InferenceConfig.device,
     precision: InferencePrecision = InferenceConfig.precision,
     engine: Engine = InferenceConfig.engine,
-    **decode,
+    threads: int = InferenceConfig.threads,
+    **decode: Any,
 ) -> int:
     """Score each line of ``tgt`` as the translation of the same line of ``src`` into ``output`` (None for stdout),
     one line per pair (``score_line``); the count. Checked before the model loads as ``mtkit translate`` checks
-    (the inputs exist, the output may be written); a file shorter than the other is a DataError naming it, and
-    then ``output`` is not written."""
-    from mtkit.data.parallel import DataError, check_input_file
+    (the inputs exist, the output may be written, and two regular files hold as many lines); a file shorter than
+    the other is a DataError naming it, and then ``output`` is not written."""
+    from mtkit.data.parallel import DataError, check_input_file, count_lines
     from mtkit.decoding.line_translator import CHUNK_LINES, PairMismatch
     from mtkit.files import check_output_file
     from mtkit.model.loading import checkpoints_holding, with_model_files
     from mtkit.progress import StageProgress
     from mtkit.runtime import require
     from mtkit.translation.engines import load_translator
-    from mtkit.translation.lines import WholeLines, input_chunks, write_lines
+    from mtkit.translation.lines import WholeLines, input_chunks, stdin_or_path, write_lines
 
     if engine == "ctranslate2":
         require("ctranslate2", "--engine ctranslate2", "ctranslate2")
-    for path in (src, tgt):
-        check_input_file(path, stream_ok=True)
+    src_in, tgt_in = stdin_or_path(src), stdin_or_path(tgt)  # None: standard input
+    for path in (src_in, tgt_in):
+        if path is not None:
+            check_input_file(path, stream_ok=True)
+    one_stream = src_in is None and tgt_in is None
+    if one_stream or (src_in is not None and not src_in.is_file() and src_in.resolve() == tgt.resolve()):
+        raise DataError(f"{src}: --src and --tgt read one stream, whose lines they would take in turns; give a file")
+    src_lines, tgt_lines = (count_lines(path) if path is not None else None for path in (src_in, tgt_in))
+    if src_lines is not None and tgt_lines is not None and src_lines != tgt_lines:
+        shorter, longer = (src, tgt) if src_lines < tgt_lines else (tgt, src)
+        raise DataError(f"{shorter}: has no line {min(src_lines, tgt_lines) + 1:,}, which {longer} has")
     if output is None and sys.stdout is None:  # started with stdout closed (>&-)
         raise DataError("<stdout>: standard output is closed; give a file to write with -o")
     if output is not None:
         check_output_file(output, with_model_files([src, tgt, *models]), checkpoints_holding(output))
     with WholeLines() as whole_lines:
-        scorer = load_translator(models, device, precision, engine, tgt_lang=tgt_lang, **decode)
+        scorer = load_translator(models, device, precision, engine, tgt_lang=tgt_lang, threads=threads, **decode)
         scorer.check_target()
-        sources = (line for chunk in input_chunks(src, CHUNK_LINES) for line in chunk)
-        targets = (line for chunk in input_chunks(tgt, CHUNK_LINES) for line in chunk)
+        sources = (line for chunk in input_chunks(src_in, CHUNK_LINES) for line in chunk)
+        targets = (line for chunk in input_chunks(tgt_in, CHUNK_LINES) for line in chunk)
         lines = (score_line(score) for score in scorer.score(sources, targets, tokens=tokens))
         to_terminal = output is None and sys.stdout.isatty()
         progress = StageProgress(f"scoring {tgt.name}", None, "lines", log_ends=False, bar=not to_terminal)
