@@ -80,15 +80,20 @@ class ScoreRequest(BaseModel):
     @model_validator(mode="after")
     def _paired(self, info: ValidationInfo) -> ScoreRequest:
         """One target per source, and the target language against the model's."""
-        sources, targets = segments(self.source), segments(self.target)
-        if len(sources) != len(targets):
-            raise ValueError(f"{len(sources):,} sources but {len(targets):,} targets: give one target per source")
+        sources, targets = texts_in(self.source), texts_in(self.target)
+        if sources != targets:
+            raise ValueError(f"{sources:,} sources but {targets:,} targets: give one target per source")
         check_target(self.tgt_lang, info.context["targets"])
         return self
 
     def pairs(self) -> list[tuple[str, str]]:
         """The (source, target) pairs, NUL characters replaced by spaces as in a text to translate."""
         return list(zip(segments(self.source), segments(self.target)))
+
+
+def texts_in(text: str | list[str]) -> int:
+    """How many texts a request's text or list of texts is, without copying them."""
+    return 1 if isinstance(text, str) else len(text)
 
 
 def segments(text: str | list[str]) -> list[str]:
