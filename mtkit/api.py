@@ -9,6 +9,7 @@
     for pair in translator.score(open("test.en"), open("test.de")): ...  # given translations: pair.logprob, .tokens
     mtkit.train("recipes/multi30k_en_de.yaml", "runs/m30k", overrides=["data.train_src=train.en", ...])
     mtkit.evaluate(hypotheses, [references], metrics=("bleu", "chrf"))   # scores with signatures
+    mtkit.evaluate(hypotheses, [], metrics=("cometkiwi",), sources=sources)  # COMET reads the sources too
     mtkit.prepare("multi30k_en_de", "data/m30k")  # downloaded; mirror="DIR" reads a local copy
     mtkit.prepare("hf:wmt/wmt16", "data/ro", config="ro-en", src_lang="en", tgt_lang="ro")  # any datasets corpus
 
@@ -23,7 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from mtkit.config import RunConfig, apply_override, from_dict, read_config
-from mtkit.scoring.metrics import DEFAULT_METRICS, Options, Score, corpus_scores
+from mtkit.scoring.comet_names import CometPrecision
+from mtkit.scoring.learned_metrics import CometSettings, as_score, check_names, learned_scores
+from mtkit.scoring.metrics import COMET_METRICS, DEFAULT_METRICS, EVAL_METRICS, Options, Score, corpus_scores
 from mtkit.translation.engines import load_translator
 
 load = load_translator  # mtkit.load("runs/m30k", device="cpu", beam=4): see translation.engines.load_translator
@@ -59,13 +62,40 @@ def evaluate(
     tokenize: str | None = None,
     lowercase: bool = False,
     target_language: str = "",
+    sources: Sequence[str] | None = None,
+    comet_model: str | None = None,
+    comet_revision: str | None = None,
+    device: str = "auto",
+    precision: CometPrecision = "fp32",
+    batch_size: int = 16,
 ) -> list[Score]:
-    """Corpus scores through sacreBLEU (bleu, chrf, chrf++, ter), each with its signature.
+    """Corpus scores through sacreBLEU (bleu, chrf, chrf++, ter) and of COMET (comet, cometkiwi), each with its
+    signature; COMET's after sacreBLEU's.
 
-    ``references`` is a list of reference streams, each as long as ``hypotheses``.
+    ``references`` is a list of reference streams, each as long as ``hypotheses`` (none for cometkiwi alone);
+    ``sources``, as long too, is what comet and cometkiwi read; ``comet_model`` (a Hub id or a folder; default: the
+    metric's Unbabel model) at ``comet_revision`` scores them on ``device`` in ``precision`` (fp32, bf16, int8,
+    auto), ``batch_size`` segments at a time.
     """
+    from mtkit.config import ConfigError
+
+    names, hyps, refs = tuple(metrics), list(hypotheses), [list(r) for r in references]
+    unknown = [name for name in names if name not in EVAL_METRICS]
+    if unknown:
+        raise ConfigError(f"unknown metric {', '.join(unknown)} (known: {', '.join(EVAL_METRICS)})")
+    comet = CometSettings(comet_model, comet_revision, device, precision, batch_size)
+    check_names(names, comet)
+    plain = tuple(name for name in names if name not in COMET_METRICS)
     options = Options(tokenize, lowercase, trg_lang=target_language)
-    return corpus_scores(list(hypotheses), [list(r) for r in references], tuple(metrics), options)
+    scores = corpus_scores(hyps, refs, plain, options) if plain else []
+    learned_names = [name for name in names if name in COMET_METRICS]
+    if not learned_names:
+        return scores
+    if sources is None or len(sources) != len(hyps):
+        given = "no sources" if sources is None else f"{len(sources)} sources"
+        raise ConfigError(f"{' and '.join(learned_names)} need a source per hypothesis: {given} for {len(hyps)}")
+    learned = learned_scores(names, list(sources), [hyps], refs, comet)
+    return scores + [as_score(results[0]) for results in learned.values()]
 
 
 def prepare(corpus: str, out: str | Path, mirror: str | None = None, **settings: Any) -> dict:

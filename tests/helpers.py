@@ -121,6 +121,17 @@ def write_config(path, corpus_files, **sections):
     return path
 
 
+def train_direction(root: Path, corpus_files: dict[str, Path], src: str, tgt: str, training: dict) -> Path:
+    """A tiny model of ``src``->``tgt`` (en, de) on the caption corpus, trained with ``training`` into
+    ``root/SRC-TGT``."""
+    files = {f"{split}.{side}": corpus_files[f"{split}.{lang}"] for split in ("train", "val")
+             for side, lang in (("en", src), ("de", tgt))}  # fmt: skip
+    config = write_config(root / f"{src}-{tgt}.yaml", files, data={"src_lang": src, "tgt_lang": tgt}, train=training)
+    result = invoke("train", config, "--out", root / f"{src}-{tgt}")
+    assert result.exit_code == 0, result.output
+    return root / f"{src}-{tgt}"
+
+
 def multilingual_raw(files: dict[str, Path], targets=("de", "fr"), **sections) -> dict:
     """A config (as a dict) training a tiny model for en->TARGET on ``files`` ("train.en", "val.fr", ...), one
     corpus per target, on the CPU in fp32; ``sections`` update it."""

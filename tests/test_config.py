@@ -91,7 +91,7 @@ def test_overrides_are_typed_and_apply_to_any_key(tmp_path):
         ({"model": {"preset": "huge"}}, "model.preset must be one of"),
         ({"train": {"precision": "fp8"}}, "train.precision"),
         ({"train": {"valid_bleu": False}}, "best_metric bleu needs train.valid_bleu"),
-        ({"train": {"best_metric": "chrf"}}, "train.best_metric must be one of bleu, loss, got 'chrf'"),
+        ({"train": {"best_metric": "chrf"}}, "train.best_metric must be one of bleu, loss, comet, got 'chrf'"),
         ({"train": {"precision": 16}}, "train.precision must be one of auto, fp32, bf16, fp16, got 16"),
     ],
 )

@@ -9,10 +9,11 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from mtkit.commands.common import examples, setup_logging, user_errors
-from mtkit.config import CleanConfig, SpmType, TokenizerConfig
+from mtkit.config import CleanConfig, InferencePrecision, PairFilterConfig, SpmType, TokenizerConfig
 
 if TYPE_CHECKING:
     from mtkit.data.hf_corpus import HubCorpus
+    from mtkit.translation.pair_filter import PreparedFilter
 
 commands = typer.Typer()
 tokenizer_commands = typer.Typer(help="Train SentencePiece tokenizer models.", no_args_is_help=True)
@@ -78,6 +79,8 @@ def tokenizer_train_command(
         "mtkit prepare wmt14_en_de -o data/wmt14",
         "mtkit prepare hf:wmt/wmt16 --config ro-en --langpair en-ro -o data/wmt16",
         "mtkit prepare hf:json --data-files train=train.jsonl --splits train=train --langpair en-de -o data/mine",
+        "mtkit prepare wmt14_en_de -o data/wmt14 --filter-forward runs/en-de --filter-reverse runs/de-en "
+        "--filter-keep 0.9",
     ),
 )
 @user_errors
@@ -107,6 +110,42 @@ def prepare_command(
     max_ratio: Annotated[
         float, typer.Option(help="...and at most this ratio of the longer side to the shorter.")
     ] = CleanConfig.max_ratio,
+    filter_forward: Annotated[
+        Path | None,
+        typer.Option(
+            help="Filter the cleaned training split by dual conditional cross-entropy (Junczys-Dowmunt, 2018) with "
+            "this model of its direction (run directory, checkpoint or .safetensors) and --filter-reverse."
+        ),
+    ] = None,
+    filter_reverse: Annotated[
+        Path | None, typer.Option(help="...and this model of the other direction (TGT->SRC).")
+    ] = None,
+    filter_keep: Annotated[
+        float,
+        typer.Option(
+            help="...keeping this fraction of the pairs, those of lowest score |H_fwd - H_rev| + (H_fwd + H_rev) / 2 "
+            "(H: each model's cross-entropy per token)."
+        ),
+    ] = PairFilterConfig.keep,
+    filter_max_score: Annotated[
+        float, typer.Option(help="...and none scored above this; 0: no limit.")
+    ] = PairFilterConfig.max_score,
+    filter_scores: Annotated[
+        bool,
+        typer.Option(
+            "--filter-scores",
+            help="...and write OUT/train.scores.tsv: 'SCORE, H_fwd, H_rev, KEPT (1/0), SOURCE, TARGET' per pair.",
+        ),
+    ] = PairFilterConfig.scores,
+    filter_device: Annotated[str, typer.Option(help="...scoring on this device: auto, cpu, cuda or cuda:N.")] = "auto",
+    filter_precision: Annotated[
+        InferencePrecision,
+        typer.Option(
+            help="...in this number format; auto: bf16 where the device computes it natively, else fp32. "
+            "prepare.json records the device and precision used, since bf16 and fp32 score a pair a little "
+            "differently."
+        ),
+    ] = "auto",
     list_corpora: Annotated[bool, typer.Option("--list", help="List the corpora and exit.")] = False,
     langpair: Annotated[
         str | None, typer.Option(help="hf: source-target language codes, e.g. en-de; they name the output files.")
@@ -143,8 +182,10 @@ def prepare_command(
     HF_HUB_OFFLINE and HF_ENDPOINT apply; prepare.json records the commit they resolved to (or
     local files' SHA-256) and each split's fingerprint. Only the training split is cleaned
     (normalised, filtered by length and ratio, deduplicated); valid and test are written as
-    published. OUT/prepare.json records what was done, and a re-run with the same settings does nothing
-    (unless local data files changed: their SHA-256 are compared with the record).
+    published. With --filter-forward and --filter-reverse, the cleaned training split is then filtered by dual
+    conditional cross-entropy, its pairs kept in order. OUT/prepare.json records what was done, and a re-run with
+    the same settings (and filter models) does nothing (unless local data files changed: their SHA-256 are
+    compared with the record).
     """
     from mtkit.config import ConfigError
     from mtkit.data.corpora import CORPORA, find_corpus
@@ -160,6 +201,11 @@ def prepare_command(
     if corpus is None or out is None:
         raise ConfigError("give a corpus and --out, e.g. mtkit prepare multi30k_en_de --out data/multi30k_en_de")
     clean = CleanConfig(nfkc=nfkc, dedupe=dedupe, min_words=min_words, max_words=max_words, max_ratio=max_ratio)
+    given = {"--filter-forward": filter_forward is not None, "--filter-reverse": filter_reverse is not None,
+             "--filter-scores": filter_scores, "--filter-device": filter_device != "auto",
+             "--filter-precision": filter_precision != "auto"}  # fmt: skip
+    pair_filter = _filter_settings(filter_forward, filter_reverse, filter_keep, filter_max_score, filter_scores, given)
+    decoding = (filter_device, filter_precision)
     if corpus.startswith(PREFIX):
         if mirror is not None:
             raise ConfigError("--mirror is for catalogue corpora; an hf: corpus uses HF_ENDPOINT or a local folder")
@@ -176,11 +222,47 @@ def prepare_command(
             parse_data_files(data_files or []),
             data_dir,
         )
-        record = prepare_dataset(request, out, clean, num_proc)
+        train_filter = _train_filter(pair_filter, (source, target), *decoding)
+        record = prepare_dataset(request, out, clean, num_proc, train_filter)
     else:
-        record = prepare_corpus(find_corpus(corpus), out, mirror, clean)
+        spec = find_corpus(corpus)
+        record = prepare_corpus(spec, out, mirror, clean, _train_filter(pair_filter, spec.langs, *decoding))
     counts = ", ".join(f"{name} {split['lines']:,}" for name, split in record["splits"].items())
     typer.echo(f"{corpus} in {out}: {counts} lines")
+
+
+def _filter_settings(
+    forward: Path | None, reverse: Path | None, keep: float, max_score: float, scores: bool, given: dict[str, bool]
+) -> PairFilterConfig | None:
+    """The filter the --filter-* options ask for, if any; ConfigError in their names (``given``: which of those that
+    need a filter were given) before anything is read."""
+    from mtkit.config import ConfigError
+
+    if not 0.0 < keep <= 1.0:
+        raise ConfigError(f"--filter-keep is the fraction of pairs kept: it must be in (0, 1], got {keep:g}")
+    if not max_score >= 0.0:
+        raise ConfigError(
+            f"--filter-max-score bounds cross-entropies, which are >= 0: give 0 (no limit) or more, got {max_score:g}"
+        )
+    if keep == 1.0 and max_score == 0.0:
+        if stray := [flag for flag, was_given in given.items() if was_given]:
+            flags = ", ".join(stray)
+            raise ConfigError(
+                f"{flags}: the filter filters nothing without --filter-keep below 1 or --filter-max-score"
+            )
+        return None
+    if forward is None or reverse is None:
+        raise ConfigError("the filter needs two models: --filter-forward SRC->TGT and --filter-reverse TGT->SRC")
+    return PairFilterConfig(str(forward), str(reverse), keep, max_score, scores)
+
+
+def _train_filter(
+    settings: PairFilterConfig | None, langs: tuple[str, str], device: str, precision: str
+) -> PreparedFilter | None:
+    """The filter of the training split of ``langs``, if any, scoring on ``device`` in ``precision``."""
+    from mtkit.translation.pair_filter import PreparedFilter
+
+    return PreparedFilter(settings, langs, device, precision) if settings is not None else None
 
 
 def _hub_origin(dataset: HubCorpus) -> str:

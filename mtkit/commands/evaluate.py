@@ -9,8 +9,10 @@ from typing import Annotated
 import typer
 from typer.core import TyperCommand
 
-from mtkit.commands.common import examples, user_errors
-from mtkit.scoring.metrics import DEFAULT_METRICS, METRICS, SACREBLEU_DEFAULT_METRICS
+from mtkit.commands.common import Device, examples, user_errors
+from mtkit.scoring.comet_names import MAX_BATCH_SIZE, CometPrecision
+from mtkit.scoring.learned_metrics import CometSettings
+from mtkit.scoring.metrics import DEFAULT_METRICS, EVAL_METRICS, SACREBLEU_DEFAULT_METRICS
 
 commands = typer.Typer()
 MULTI_VALUE_OPTIONS = ("-i", "--input", "-m", "--metrics")  # sacreBLEU's nargs options: -i A B, -m bleu chrf
@@ -49,6 +51,8 @@ def _repeat_multi_value_options(args: list[str]) -> list[str]:
         "mtkit eval test.de -i test.hyp.de -m bleu chrf ter",
         "mtkit eval --hyp test.hyp.de --ref test.de --metrics bleu chrf",
         "mtkit eval test.de -i base.de new.de --paired-bs",
+        "mtkit eval --hyp test.hyp.de --ref test.de --src test.en -m bleu comet",
+        "mtkit eval -i base.de new.de --src test.en -m cometkiwi",
     ),
 )
 @user_errors
@@ -88,8 +92,9 @@ def eval_command(
         typer.Option(
             "--metrics",
             "-m",
-            help=f"{', '.join(METRICS)}: -m bleu chrf ter, or bleu,chrf (default: {' '.join(DEFAULT_METRICS)} with "
-            f"--hyp, else {' '.join(SACREBLEU_DEFAULT_METRICS)}).",
+            help=f"{', '.join(EVAL_METRICS)}: -m bleu chrf ter, or bleu,chrf (default: {' '.join(DEFAULT_METRICS)} "
+            f"with --hyp, else {' '.join(SACREBLEU_DEFAULT_METRICS)}). comet: COMET (Unbabel/wmt22-comet-da, needs "
+            "references); cometkiwi: CometKiwi (Unbabel/wmt22-cometkiwi-da, without references); both read --src.",
         ),
     ] = [],
     tokenize: Annotated[
@@ -145,13 +150,37 @@ def eval_command(
     no_color: Annotated[
         bool, typer.Option("--no-color", "-nc", help="Accepted as sacreBLEU's; mtkit eval prints no colours.")
     ] = False,
+    src: Annotated[
+        Path | None, typer.Option("--src", help="The source the systems translated, line by line: COMET reads it.")
+    ] = None,
+    comet_model: Annotated[
+        str | None,
+        typer.Option(
+            help="The model of -m comet or cometkiwi: a Hub id, or a folder laid out as a Hub COMET repository "
+            "(hparams.yaml, checkpoints/model.ckpt). [default: the metric's Unbabel model]"
+        ),
+    ] = None,
+    comet_revision: Annotated[
+        str | None, typer.Option(help="The Hub commit, branch or tag of the COMET model. [default: main]")
+    ] = None,
+    device: Device = "auto",
+    precision: Annotated[
+        CometPrecision,
+        typer.Option(
+            help="COMET's number format: fp32 gives unbabel-comet's scores; bf16, int8 (CPU) and auto (bf16 where "
+            "native) are faster and named in the signature."
+        ),
+    ] = "fp32",
+    batch_size: Annotated[int, typer.Option(min=1, max=MAX_BATCH_SIZE, help="Segments COMET scores at once.")] = 16,
 ) -> None:
-    """Corpus BLEU, chrF, chrF++ and TER through sacreBLEU, each with its signature; takes sacreBLEU's command line.
+    """Corpus BLEU, chrF, chrF++ and TER through sacreBLEU, and COMET, each with its signature; takes sacreBLEU's
+    command line.
 
     With -i FILE or the hypothesis on stdin, defaults and output are the sacrebleu tool's (mtkit eval REF -i HYP
     prints what sacrebleu REF -i HYP prints); with --hyp FILE they are mtkit's. Also per-segment scores
     (--sentence), paired bootstrap resampling of several systems (--paired-bs) and references of standard test
-    sets (-t wmt22 -l en-de) from sacreBLEU's cache or download.
+    sets (-t wmt22 -l en-de) from sacreBLEU's cache or download. COMET and CometKiwi (-m comet, -m cometkiwi)
+    read the source (--src) as well and can score several systems at once without --paired-bs.
     """
     from mtkit.config import ConfigError
     from mtkit.scoring.evaluation import Request, score_request
@@ -178,6 +207,8 @@ def eval_command(
         width=width,
         score_only=score_only,
         format="json" if as_json else output_format,
+        src=src,
+        comet=CometSettings(comet_model, comet_revision, device, precision, batch_size),
     )
     report = score_request(request, sys.stdin)
     if report.stderr:

@@ -19,6 +19,7 @@ from mtkit.commands.common import (
     user_errors,
 )
 from mtkit.config import InferenceConfig, LengthPenalty, SamplingConfig
+from mtkit.translation.reranking import MbrUtility, RerankMethod, RerankSettings
 
 commands = typer.Typer()
 
@@ -30,6 +31,9 @@ commands = typer.Typer()
         'echo "A dog runs." | mtkit translate runs/m30k --beam 1',
         "mtkit translate runs/a runs/b -i test.en --nbest 5 --beam 5",
         "mtkit translate runs/m30k_en_xx --tgt-lang fr -i test.en -o test.hyp.fr",
+        "mtkit translate runs/en-de -i test.en --rerank channel --reverse-model runs/de-en --channel-weight 0.5",
+        "mtkit translate runs/en-de -i test.en --rerank mbr --sample --candidates 16",
+        "mtkit translate runs/en-de -i test.en --rerank qe --comet-model cometkiwi",
     ),
 )
 @user_errors
@@ -137,6 +141,46 @@ def translate_command(
             "before each source); a model of one needs none.",
         ),
     ] = None,
+    rerank: Annotated[
+        RerankMethod | None,
+        typer.Option(
+            help="Choose each line's translation among --candidates: channel, by log p(y|x) / |y| + "
+            "λ log p(x|y) / |x| under --reverse-model (noisy channel, Yee et al., 2019, without its language "
+            "model); mbr, by the expected --mbr-utility against the other candidates (minimum Bayes risk); qe, by a "
+            "reference-free COMET model's score (quality estimation). One output line per input line, the one "
+            "chosen.",
+            show_default=False,
+        ),
+    ] = None,
+    candidates: Annotated[
+        int,
+        typer.Option(
+            min=2,
+            help="With --rerank: the n best of a beam this wide (unless --beam is wider), or this many --sample "
+            "draws (mbr and qe).",
+        ),
+    ] = RerankSettings.candidates,
+    reverse_model: Annotated[
+        Path | None,
+        typer.Option(help="With --rerank channel: the model of the other direction (target to source)."),
+    ] = None,
+    channel_weight: Annotated[
+        float,
+        typer.Option(help="With --rerank channel: λ, the channel's weight; 0 ranks by log p(y|x) / |y| alone."),
+    ] = RerankSettings.channel_weight,
+    mbr_utility: Annotated[
+        MbrUtility,
+        typer.Option(help="With --rerank mbr: sacreBLEU's sentence chrF, or COMET (--comet-model) as the utility."),
+    ] = RerankSettings.mbr_utility,
+    comet_model: Annotated[
+        str | None,
+        typer.Option(
+            help="With --rerank qe (default cometkiwi) or --mbr-utility comet (default comet): a COMET model, by "
+            "name, Hub id or local folder (see mtkit eval's COMET); it runs on --device in fp32, whatever "
+            "--precision.",
+            show_default=False,
+        ),
+    ] = None,
     device: Device = InferenceConfig.device,
     precision: WeightPrecision = InferenceConfig.precision,
     engine: EngineChoice = InferenceConfig.engine,
@@ -160,11 +204,20 @@ def translate_command(
         min_len=min_len, early_stop=early_stop, batch_size=batch_size, batch_tokens=batch_tokens,
     )  # fmt: skip
     sampling = SamplingConfig(temperature, top_k, top_p, seed) if sample else None
+    reranking = None
+    if rerank is not None:
+        reranking = RerankSettings(rerank, candidates, reverse_model, channel_weight, mbr_utility, comet_model)
+    else:
+        asked = {"--candidates": candidates != RerankSettings.candidates, "--reverse-model": reverse_model,
+                 "--channel-weight": channel_weight != RerankSettings.channel_weight,
+                 "--mbr-utility": mbr_utility != RerankSettings.mbr_utility, "--comet-model": comet_model}  # fmt: skip
+        if stray := [flag for flag, given_ in asked.items() if given_]:
+            raise ConfigError(f"{', '.join(stray)} go with --rerank, which chooses among candidates")
     try:
         translate_file(
             model, input, output, prefix, nbest=nbest, scores=scores, alignments=alignments, sampling=sampling,
             device=device, precision=precision, engine=engine, shortlist=shortlist, tgt_lang=tgt_lang,
-            threads=threads, **decode,
+            threads=threads, rerank=reranking, **decode,
         )  # fmt: skip
     except Interrupted as stop:
         kept = f": they are in {stop.partial}, and {output} is not written" if stop.partial else ""

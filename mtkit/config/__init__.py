@@ -35,7 +35,7 @@ from mtkit.config.model import PRESETS, ModelConfig, Preset
 from mtkit.config.reader import apply_override, config_yaml, from_dict, read_config
 from mtkit.config.schema import SECTIONS, RunConfig
 from mtkit.config.training import FreezeGroup, Precision, TrainConfig
-from mtkit.config.workflows import BackTranslationConfig, DistillationConfig, RecipeConfig
+from mtkit.config.workflows import BackTranslationConfig, DistillationConfig, PairFilterConfig, RecipeConfig
 
 __all__ = [
     "LANGUAGE_CODE",
@@ -66,6 +66,7 @@ __all__ = [
     "InferencePrecision",
     "LengthPenalty",
     "ModelConfig",
+    "PairFilterConfig",
     "Precision",
     "Preset",
     "RecipeConfig",

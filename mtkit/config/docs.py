@@ -22,7 +22,7 @@ COMMAND = "python -m mtkit.config.docs > docs/config.md"
 INTRO = """Typed configuration: the one home for defaults, loaded from YAML plus ``--set`` overrides.
 
 The YAML file mirrors the dataclass tree (``data``, ``tokenizer``, ``model``, ``train``, ``decode``, ``recipe``,
-``backtranslation``, ``distillation``);
+``backtranslation``, ``distillation``, ``pair_filter``);
 an unknown key or a value of the wrong type or range is a ``ConfigError`` naming the key.
 
 Each section is a mapping in the YAML file; `--set section.key=value` overrides one key."""

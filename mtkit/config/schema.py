@@ -4,11 +4,12 @@ commands take as options rather than from a run's YAML file."""
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from mtkit.config.checks import check
 from mtkit.config.data import CleanConfig, DataConfig, TokenizerConfig
 from mtkit.config.decoding import DecodeConfig, ServeConfig
 from mtkit.config.model import ModelConfig
 from mtkit.config.training import TrainConfig
-from mtkit.config.workflows import BackTranslationConfig, DistillationConfig, RecipeConfig
+from mtkit.config.workflows import BackTranslationConfig, DistillationConfig, PairFilterConfig, RecipeConfig
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,13 @@ class RunConfig:
     recipe: RecipeConfig = field(default_factory=RecipeConfig)
     backtranslation: BackTranslationConfig = field(default_factory=BackTranslationConfig)
     distillation: DistillationConfig = field(default_factory=DistillationConfig)
+    pair_filter: PairFilterConfig = field(default_factory=PairFilterConfig)
+
+    def __post_init__(self) -> None:
+        check(
+            not self.pair_filter.enabled or self.distillation.enabled or bool(self.backtranslation.monolingual),
+            "pair_filter filters the pairs of a distillation or back-translation: this config has neither",
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -37,6 +45,7 @@ SECTIONS: dict[str, type] = {
     "recipe": RecipeConfig,
     "backtranslation": BackTranslationConfig,
     "distillation": DistillationConfig,
+    "pair_filter": PairFilterConfig,
 }
 
 # Settings given as command-line options rather than in a run's YAML file, by the command that takes them.

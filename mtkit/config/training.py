@@ -42,7 +42,16 @@ class TrainConfig:
     log_every: int = setting(100, "metrics line cadence in updates")
     valid_beam: int = setting(5, "beam size for validation BLEU")
     valid_bleu: bool = setting(True, "decode the validation set for BLEU (loss is always computed)")
-    best_metric: Literal["bleu", "loss"] = setting("bleu", "what RUN/best/ and early stopping follow")
+    valid_comet: str = setting(
+        "",
+        "a COMET model to score each validation's translations with as well: comet (Unbabel/wmt22-comet-da), "
+        "cometkiwi (Unbabel/wmt22-cometkiwi-da, without references), another Hub id, or a folder laid out as a Hub "
+        "COMET repository; loaded once per run on the training device and run in fp32, it logs valid_comet. "
+        '"": none',
+    )
+    best_metric: Literal["bleu", "loss", "comet"] = setting(
+        "bleu", "what RUN/best/ and early stopping follow; comet needs train.valid_comet"
+    )
     patience: int = setting(0, "stop after this many validations without a new best; 0 never stops early")
     max_time: float = setting(0.0, "wall-clock budget in minutes, summed over resumed runs; 0 is no limit")
     keep_last: int = setting(
@@ -132,8 +141,12 @@ class TrainConfig:
         check(self.lr > 0, "train.lr must be > 0")
         check(self.max_time >= 0, "train.max_time must be >= 0")
         check(
-            self.best_metric == "loss" or self.valid_bleu,
+            self.best_metric != "bleu" or self.valid_bleu,
             "train.best_metric bleu needs train.valid_bleu: true (or use best_metric: loss)",
+        )
+        check(
+            self.best_metric != "comet" or bool(self.valid_comet),
+            "train.best_metric comet needs train.valid_comet, the COMET model to score with (e.g. comet)",
         )
         check(0.0 <= self.label_smoothing < 1.0, "train.label_smoothing must be in [0, 1)")
         check(self.clip_norm >= 0 and self.weight_decay >= 0, "train.clip_norm and train.weight_decay must be >= 0")

@@ -1,5 +1,6 @@
 """The sections of `mtkit run` around training: the recipe's data and expected result, back-translation,
-and distillation into a student."""
+distillation into a student, and the dual conditional cross-entropy filter of their pairs (and of `mtkit prepare`'s
+training split)."""
 
 from dataclasses import dataclass
 from typing import ClassVar, Literal
@@ -26,12 +27,66 @@ class RecipeConfig:
     bleu_max: float = setting(100.0, "highest test sacreBLEU that counts as reproducing the result")
     expected: str = setting("", "where that range comes from (paper, BLEU variant)")
     hardware: str = setting("", "the hardware and time the recipe expects")
+    comet: str = setting(
+        "",
+        "a COMET model to score the test set with beside BLEU, chrF and TER, its signature in the report: comet "
+        "(Unbabel/wmt22-comet-da), cometkiwi (Unbabel/wmt22-cometkiwi-da), another Hub id, or a folder laid out as a "
+        'Hub COMET repository; run on train.device in fp32. "": none',
+    )
 
     def __post_init__(self) -> None:
         check(self.average_last >= 0, "recipe.average_last must be >= 0")
         check(
             0 <= self.bleu_min <= self.bleu_max <= 100, "recipe.bleu_min/bleu_max must satisfy 0 <= min <= max <= 100"
         )
+
+
+@dataclass(frozen=True)
+class PairFilterConfig:
+    """Dual conditional cross-entropy filtering (Junczys-Dowmunt, 2018): each pair (x, y) is scored by a forward model
+    A (x->y) and a reverse model B (y->x), each as a cross-entropy per token, H_A = -log p_A(y|x) / |y| and
+    H_B = -log p_B(x|y) / |x| (tokens as each model reads them, eos included); the pair's score is
+    |H_A - H_B| + (H_A + H_B) / 2, low when both models find the pair probable and agree on how probable. The pairs
+    of lowest score are kept, in their order. In `mtkit run` it filters the pairs of its chain, as a stage of its own:
+    a distillation's (after its own filters; the forward model is the teacher unless given, the reverse model is
+    required) or a back-translation's (the forward model is required, the reverse model is the one that
+    back-translated unless given). `mtkit prepare` takes the same settings as its --filter-* options. Neither
+    ``keep`` below 1 nor ``max_score``: no filtering."""
+
+    forward: str = setting(
+        "",
+        'the model of the pairs\' direction (run directory, checkpoint or .safetensors); in distillation "": the '
+        "teacher",
+    )
+    reverse: str = setting(
+        "",
+        'the model of the other direction; in back-translation "": the reverse model that made the synthetic sources',
+    )
+    keep: float = setting(1.0, "the fraction of the pairs kept, those of lowest score (nearest whole number); 1: all")
+    max_score: float = setting(
+        0.0,
+        "also drop every pair scored above this (the paper's adequacy exp(-score) below exp(-max_score)); 0: no limit",
+    )
+    scores: bool = setting(False, "also write each pair's score beside the kept pairs, as a TSV to inspect")
+
+    def __post_init__(self) -> None:
+        check(
+            0.0 < self.keep <= 1.0,
+            f"pair_filter.keep is the fraction of pairs kept: it must be in (0, 1], got {self.keep:g}",
+        )
+        check(
+            self.max_score >= 0.0,
+            f"pair_filter.max_score bounds cross-entropies, which are >= 0: give 0 (no limit) or more, "
+            f"got {self.max_score:g}",
+        )
+        check(
+            self.enabled or not (self.forward or self.reverse),
+            "pair_filter names models but filters nothing: set pair_filter.keep below 1 or pair_filter.max_score",
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.keep < 1.0 or self.max_score > 0.0
 
 
 @dataclass(frozen=True)

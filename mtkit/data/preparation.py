@@ -4,7 +4,8 @@ Layout of the output folder::
 
     raw/                        the downloaded text files, kept so that a re-run fetches nothing (a Hub
                                 corpus is kept in the ``datasets`` cache instead)
-    train.SRC train.TGT         cleaned (mtkit.data.clean): normalised, filtered, deduplicated
+    train.SRC train.TGT         cleaned (mtkit.data.clean): normalised, filtered, deduplicated; then, when a
+                                ``TrainFilter`` is given, filtered by it (dual conditional cross-entropy)
     valid.SRC valid.TGT         as published, so that scores on them stay comparable
     test.SRC test.TGT
     prepare.json                what was done: corpus, files, cleaning settings, line counts, drops;
@@ -29,6 +30,7 @@ import urllib.request
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Protocol
 
 from mtkit import untrusted
 from mtkit.config import CleanConfig, ConfigError
@@ -50,17 +52,34 @@ DEFAULT_CLEANING = CleanConfig()  # `mtkit prepare`'s cleaning when no option ch
 _LINE_BREAKS = str.maketrans(dict.fromkeys("\r\n\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029", " "))
 
 
-def prepare_corpus(corpus: Corpus, out: Path, mirror: str | None = None, clean: CleanConfig = DEFAULT_CLEANING) -> dict:
+class TrainFilter(Protocol):
+    """A filter of the cleaned training split that needs the split written first (it reads it twice): the
+    models of mtkit.translation.pair_filter, which a command above this layer hands in."""
+
+    def settings(self) -> dict:
+        """What the filtered split depends on (its models' digests, its settings), for prepare.json."""
+
+    def __call__(self, source: Path, target: Path) -> dict[str, int]:
+        """Filter the two files in place; the counts to record, "kept" among them."""
+
+
+def prepare_corpus(
+    corpus: Corpus,
+    out: Path,
+    mirror: str | None = None,
+    clean: CleanConfig = DEFAULT_CLEANING,
+    train_filter: TrainFilter | None = None,
+) -> dict:
     """Prepare ``corpus`` into ``out`` (see the module docstring); returns the prepare.json record.
 
     A Hub corpus is loaded as ``prepare_dataset`` loads one, from its mirror if given (see ``_mirrored``)."""
     _check_out(out)
-    settings = _settings(corpus, clean)
+    settings = _settings(corpus, clean) | _filtering(train_filter)
     dataset = _mirrored(corpus.dataset, mirror) if corpus.dataset is not None else None
     if (done := _done(out, settings, corpus.name, dataset)) is not None:
         return done
     if dataset is not None:
-        return _load_and_write(dataset, out, corpus.name, settings, clean)
+        return _load_and_write(dataset, out, corpus.name, settings, clean, train_filter=train_filter)
 
     def splits() -> Iterator[tuple[str, Iterator[tuple[str, str]], int | None, dict]]:
         for name, split in corpus.splits.items():
@@ -68,7 +87,12 @@ def prepare_corpus(corpus: Corpus, out: Path, mirror: str | None = None, clean: 
             # Stray NULs in published text: cleaning removes them.
             yield name, iter_aligned(*paths, allow_nul=True), count_lines(paths[0]) if shows_bar() else None, {}
 
-    return _write_prepared(out, corpus.name, corpus.langs, settings, clean, splits())
+    return _write_prepared(out, corpus.name, corpus.langs, settings, clean, splits(), train_filter=train_filter)
+
+
+def _filtering(train_filter: TrainFilter | None) -> dict:
+    """The record's settings of the filter after cleaning: none without one, so earlier records still match."""
+    return {"filter": train_filter.settings()} if train_filter is not None else {}
 
 
 def _settings(corpus: Corpus, clean: CleanConfig) -> dict:
@@ -94,15 +118,19 @@ def shared_folder(corpus: Corpus, clean: CleanConfig = DEFAULT_CLEANING) -> Path
 
 
 def prepare_dataset(
-    corpus: hf_corpus.HubCorpus, out: Path, clean: CleanConfig = DEFAULT_CLEANING, num_proc: int | None = None
+    corpus: hf_corpus.HubCorpus,
+    out: Path,
+    clean: CleanConfig = DEFAULT_CLEANING,
+    num_proc: int | None = None,
+    train_filter: TrainFilter | None = None,
 ) -> dict:
     """Prepare a Hugging Face ``datasets`` corpus into ``out``, laid out as ``prepare_corpus`` lays a standard
     one; prepare.json adds the source's resolved revision (or its files' checksums) and each split's fingerprint."""
     _check_out(out)
-    settings = {"dataset": corpus.settings(), "clean": asdict(clean)}
+    settings = {"dataset": corpus.settings(), "clean": asdict(clean)} | _filtering(train_filter)
     if (done := _done(out, settings, corpus.name, corpus)) is not None:
         return done
-    return _load_and_write(corpus, out, corpus.name, settings, clean, num_proc)
+    return _load_and_write(corpus, out, corpus.name, settings, clean, num_proc, train_filter)
 
 
 def _check_out(out: Path) -> None:
@@ -138,7 +166,13 @@ def _changed_files(recorded: dict, now: dict) -> str:
 
 
 def _load_and_write(
-    corpus: hf_corpus.HubCorpus, out: Path, label: str, settings: dict, clean: CleanConfig, num_proc: int | None = None
+    corpus: hf_corpus.HubCorpus,
+    out: Path,
+    label: str,
+    settings: dict,
+    clean: CleanConfig,
+    num_proc: int | None = None,
+    train_filter: TrainFilter | None = None,
 ) -> dict:
     """Load a ``datasets`` corpus and write it; an error names the catalogue corpus too, if it is one."""
     try:
@@ -148,7 +182,7 @@ def _load_and_write(
             raise
         raise DataError(f"{label}: {err}") from None
     splits = ((split.name, split.pairs, split.rows, split.about) for split in loaded)
-    return _write_prepared(out, label, corpus.langs, settings, clean, splits, source)
+    return _write_prepared(out, label, corpus.langs, settings, clean, splits, source, train_filter)
 
 
 def _mirrored(dataset: hf_corpus.HubCorpus, mirror: str | None) -> hf_corpus.HubCorpus:
@@ -176,8 +210,10 @@ def _write_prepared(
     clean: CleanConfig,
     splits: Iterable[tuple[str, Iterator[tuple[str, str]], int | None, dict]],
     source: dict | None = None,
+    train_filter: TrainFilter | None = None,
 ) -> dict:
-    """Write each (name, pairs, pair count or None, about) split, cleaning train only; then prepare.json."""
+    """Write each (name, pairs, pair count or None, about) split, cleaning train only (then ``train_filter`` filters
+    it); then prepare.json."""
     start = time.perf_counter()
     written = {}
     for name, pairs, total, about in splits:
@@ -190,6 +226,10 @@ def _write_prepared(
             lines = _write(pairs, out / f"{name}.{langs[0]}", out / f"{name}.{langs[1]}")
         written[name] = {"lines": lines, **({"clean": summary.to_dict()} if summary else {}), **about}
         log.info("%s %s: %s", label, name, summary.line() if summary else f"{lines:,} lines")
+        if name == "train" and train_filter is not None:
+            counts = train_filter(out / f"{name}.{langs[0]}", out / f"{name}.{langs[1]}")
+            written[name] |= {"lines": counts["kept"], "filter": counts}
+            log.info("%s %s: %s of %s pairs kept by the filter", label, name, f"{counts['kept']:,}", f"{lines:,}")
     record = {"settings": settings, **({"source": source} if source else {}), "splits": written}
     record["seconds"] = round(time.perf_counter() - start, 1)
     atomic_write(out / RECORD, lambda f: f.write(json.dumps(record, indent=1).encode("utf-8")))
@@ -219,13 +259,14 @@ def _checked(record: object) -> dict:
     untrusted.mapping(record["settings"], "settings")
     for name, split in untrusted.mapping(record["splits"], "splits").items():
         untrusted.one_of(name, "a split's name", hf_corpus.OUTPUT_SPLITS)
-        optional = ("clean", "dataset_split", "fingerprint", "rows")
+        optional = ("clean", "filter", "dataset_split", "fingerprint", "rows")
         untrusted.mapping(split, name, required=("lines",), optional=optional)
         for key in ("lines", "rows"):
             if key in split:
                 untrusted.integer(split[key], f"{name}.{key}")
-        for key, value in untrusted.mapping(split.get("clean", {}), f"{name}.clean").items():
-            untrusted.integer(value, f"{name}.clean.{key}")
+        for counts in ("clean", "filter"):
+            for key, value in untrusted.mapping(split.get(counts, {}), f"{name}.{counts}").items():
+                untrusted.integer(value, f"{name}.{counts}.{key}")
         for key in ("dataset_split", "fingerprint"):
             if key in split:
                 untrusted.string(split[key], f"{name}.{key}")

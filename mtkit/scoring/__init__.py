@@ -1,4 +1,5 @@
-"""Scoring: BLEU, chrF and TER through sacreBLEU with their signatures, and ``mtkit eval``'s rendering.
+"""Scoring: BLEU, chrF and TER through sacreBLEU with their signatures, COMET and CometKiwi natively over
+transformers' XLM-R encoder, and ``mtkit eval``'s rendering.
 
-Imports: the leaves and mtkit.data (reading text).
+Imports: the leaves, mtkit.data (reading text) and mtkit.model (torch files read safely, int8 layers).
 """

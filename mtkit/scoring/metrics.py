@@ -16,11 +16,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from mtkit.config import ConfigError
+from mtkit.scoring.comet_names import COMET_MODELS
 
 METRICS = ("bleu", "chrf", "chrf++", "ter")
+COMET_METRICS = tuple(COMET_MODELS)  # learned metrics beside sacreBLEU's (mtkit.scoring.learned_metrics)
+EVAL_METRICS = METRICS + COMET_METRICS  # what `mtkit eval -m` and mtkit.evaluate take
 DEFAULT_METRICS = ("bleu", "chrf")  # mtkit's: the library, `mtkit eval --hyp`
 SACREBLEU_DEFAULT_METRICS = ("bleu",)  # the sacrebleu tool's, kept by `mtkit eval` in its sacreBLEU dialect
 REPORT_METRICS = ("bleu", "chrf", "ter")  # the test set's scores in the report of `mtkit run`
+
+DEFAULT_SEED = "12345"  # sacreBLEU's resampling seed when $SACREBLEU_SEED is not set
 
 # Papers often report BLEU on tokenized, lowercased text (multi-bleu.perl -lc), which runs higher than sacreBLEU
 # and is not comparable with it. mtkit's one definition: sacreBLEU's BLEU with the 13a tokenizer and lowercasing,
@@ -214,29 +219,47 @@ def paired_bootstrap(
     The same resamples as ``sacrebleu --paired-bs`` with SACREBLEU_SEED=seed (None: that variable, else
     12345), so the numbers match; each metric is tested alone, so the paper-style BLEU can run beside BLEU.
     """
-    from sacrebleu.significance import PairedTest
-
     for _, hyps in systems:
         _check_lengths(hyps, refs)
-    results = []
+    return [
+        paired_test(systems, scorer.metric, n, seed, scorer.label, scorer.comparable)
+        for scorer in _scorers(metrics, options, paper_style, references=refs)
+    ]
+
+
+def paired_test(
+    systems: list[tuple[str, list]],
+    metric,
+    n: int,
+    seed: int | None,
+    label: str | None = None,
+    comparable: bool = True,
+) -> PairedResult:
+    """sacreBLEU's paired bootstrap test of each (name, hypotheses) system against the first under ``metric``, a
+    sacreBLEU Metric with its references given, or any object answering its statistics methods as sacreBLEU's
+    test calls them. ``seed`` None: $SACREBLEU_SEED, else 12345."""
+    from sacrebleu.significance import PairedTest
+
     with _bootstrap_seed(seed):
-        for scorer in _scorers(metrics, options, paper_style, references=refs):
-            signatures, table = PairedTest(systems, {"metric": scorer.metric}, None, test_type="bs", n_samples=n)()
-            (name,) = signatures  # sacreBLEU keys its results by the score's name
-            rows = [
-                SystemResult(system, float(r.score), float(r.mean), float(r.ci), r.p_value)
-                for system, r in zip(table["System"], table[name])
-            ]
-            results.append(PairedResult(scorer.label or name, str(signatures[name]), rows, scorer.comparable))
-    return results
+        signatures, table = PairedTest(systems, {"metric": metric}, None, test_type="bs", n_samples=n)()
+    (name,) = signatures  # sacreBLEU keys its results by the score's name
+    rows = [
+        SystemResult(system, float(r.score), float(r.mean), float(r.ci), r.p_value)
+        for system, r in zip(table["System"], table[name])
+    ]
+    return PairedResult(label or name, str(signatures[name]), rows, comparable)
 
 
 @contextmanager
 def _bootstrap_seed(seed: int | None) -> Iterator[None]:
-    """sacreBLEU reads its resampling seed only from $SACREBLEU_SEED; set it for the duration."""
+    """sacreBLEU reads its resampling seed only from $SACREBLEU_SEED; set it for the duration, once it is known to be
+    one sacreBLEU seeds every resample with (it draws a system's unseeded for 0)."""
     previous = os.environ.get("SACREBLEU_SEED")
-    if seed is not None:
-        os.environ["SACREBLEU_SEED"] = str(seed)
+    chosen = (previous or DEFAULT_SEED) if seed is None else str(seed)
+    if chosen.lower() != "none" and not (chosen.isascii() and chosen.isdigit() and int(chosen) > 0):
+        origin = "$SACREBLEU_SEED" if seed is None else "the bootstrap seed"
+        raise ConfigError(f"{origin} must be a positive whole number or none (unseeded), got {chosen[:40]!r}")
+    os.environ["SACREBLEU_SEED"] = chosen
     try:
         yield
     finally:

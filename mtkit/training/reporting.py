@@ -173,6 +173,11 @@ def _describe(result: dict) -> str:
         parts.append(f"BLEU {result['valid_bleu']:.2f} (mean of {each})")
     elif "valid_bleu" in result:
         parts.append(f"BLEU {result['valid_bleu']:.2f}")
+    if "valid_comet_by_direction" in result:
+        each = ", ".join(f"{d} {c:.4f}" for d, c in result["valid_comet_by_direction"].items())
+        parts.append(f"COMET {result['valid_comet']:.4f} (mean of {each})")
+    elif "valid_comet" in result:
+        parts.append(f"COMET {result['valid_comet']:.4f}")
     if result.get("new_best"):
         parts.append("(new best)")
     return ", ".join(parts)

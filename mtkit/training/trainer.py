@@ -56,7 +56,7 @@ from mtkit.training.step import accumulate_gradients, apply_update, clip_gradien
 from mtkit.training.stop_signals import StopSignals, TrainingStopped
 from mtkit.training.tokenizers import open_tokenizers, prepare_tokenizers
 from mtkit.training.training_data import corpus_mix, data_sha256, open_stores
-from mtkit.training.validation import Validator
+from mtkit.training.validation import Validator, tracked_metric, validation_comet
 from mtkit.training.validation_set import loss_batches, read_validation_sets
 
 log = logging.getLogger("mtkit")
@@ -180,10 +180,12 @@ class Trainer:
             torch.manual_seed(tc.seed + 1_000_003 * self.dist.rank)
 
     def _setup_validation(self) -> None:
-        """What validates the model: on rank 0, the loss batches ``_setup_data`` made and the sets to translate."""
+        """What validates the model: on rank 0, the loss batches ``_setup_data`` made, the sets to translate and the
+        COMET model of train.valid_comet."""
         tokenizers = (self.src_tok, self.tgt_tok)
+        comet = validation_comet(self.cfg, self.device) if self.is_main and self.valid_sets else None
         self.validator = Validator(
-            self.objective, tokenizers, self.valid_sets, self.valid_batches, self.cfg, self.device
+            self.objective, tokenizers, self.valid_sets, self.valid_batches, self.cfg, self.device, comet
         )
 
     def _setup_optimizer(self) -> None:
@@ -419,7 +421,7 @@ class Trainer:
 
     def _after_validation(self, result: dict) -> None:
         p = self.progress
-        metric = result["valid_bleu"] if self.cfg.train.best_metric == "bleu" else -result["valid_loss"]
+        metric = tracked_metric(result, self.cfg.train.best_metric)
         if p.best is None or metric > p.best:
             p.best, p.stale = metric, 0
             if self.is_main:

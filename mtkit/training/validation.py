@@ -1,5 +1,6 @@
-"""Validating the model in training: its loss over the validation sets, and the BLEU of their translations
-decoded with train.valid_beam (one score per direction, and their mean, which best/ and early stopping follow).
+"""Validating the model in training: its loss over the validation sets, and the BLEU (and, with train.valid_comet,
+the COMET) of their translations decoded with train.valid_beam: one score per direction, and their mean, which
+best/ and early stopping follow (train.best_metric).
 """
 
 from __future__ import annotations
@@ -17,15 +18,30 @@ from mtkit.decoding.line_translator import Translator
 from mtkit.model.loss import TrainingObjective
 from mtkit.progress import StageProgress
 from mtkit.runtime import autocast
+from mtkit.scoring.comet import Comet
 from mtkit.scoring.metrics import bleu
 from mtkit.training.validation_set import ValidationSet
 
 log = logging.getLogger("mtkit")
 
 
+def validation_comet(cfg: RunConfig, device: torch.device) -> Comet | None:
+    """The COMET model train.valid_comet names, loaded once for the run on its device; None without."""
+    if not cfg.train.valid_comet:
+        return None
+    comet = Comet.load(cfg.train.valid_comet, device=str(device))
+    log.info("validation COMET: %s", cfg.train.valid_comet)
+    return comet
+
+
+def tracked_metric(result: dict, best_metric: str) -> float:
+    """The number best/ and early stopping follow, higher being better: BLEU, COMET, or the loss negated."""
+    return -result["valid_loss"] if best_metric == "loss" else result[f"valid_{best_metric}"]
+
+
 class Validator:
     """The loss of ``objective`` (the model's, in its compute dtype) on ``loss_batches`` and, with train.valid_bleu,
-    the model's BLEU on ``valid_sets``."""
+    the model's BLEU on ``valid_sets``; with ``comet``, the COMET of the same translations."""
 
     def __init__(
         self,
@@ -35,11 +51,12 @@ class Validator:
         loss_batches: list[Batch],
         cfg: RunConfig,
         device: torch.device,
+        comet: Comet | None = None,
     ) -> None:
         self.objective, self.model, self.dtype = objective, objective.model, objective.dtype
         self.src_tok, self.tgt_tok = tokenizers
         self.valid_sets, self.loss_batches = valid_sets, loss_batches
-        self.with_bleu = cfg.train.valid_bleu
+        self.with_bleu, self.comet = cfg.train.valid_bleu, comet
         self.decode = replace(cfg.decode, beam=cfg.train.valid_beam)
         self.device = device
 
@@ -62,23 +79,25 @@ class Validator:
             return {}
 
     def _validate(self) -> dict:
-        """The loss over every validation set; BLEU of each, and their mean when there are several
-        (``valid_bleu_by_direction``)."""
+        """The loss over every validation set; BLEU and COMET of each, and their means when there are several
+        (``valid_bleu_by_direction``, ``valid_comet_by_direction``)."""
         self.model.eval()
         if not self.valid_sets:
             return {}
         result = self._loss()
+        if not (self.with_bleu or self.comet):
+            return result
+        translations = {v.direction: self._translations(v) for v in self.valid_sets}
         if self.with_bleu:
-            scores = {v.direction: bleu(self._translations(v), v.references) for v in self.valid_sets}
-            if len(scores) == 1:
-                score = next(iter(scores.values()))
-                result.update(valid_bleu=score.value, bleu_signature=score.signature)
-            else:
-                result.update(
-                    valid_bleu=sum(score.value for score in scores.values()) / len(scores),
-                    valid_bleu_by_direction={direction: score.value for direction, score in scores.items()},
-                    bleu_signature=next(iter(scores.values())).signature,
-                )
+            scores = {v.direction: bleu(translations[v.direction], v.references) for v in self.valid_sets}
+            result.update(_by_direction("bleu", {d: (s.value, s.signature) for d, s in scores.items()}))
+        if self.comet is not None:
+            comet = self.comet
+            scored = {}
+            for v in self.valid_sets:
+                references = [v.references] if comet.needs_references else None
+                scored[v.direction] = comet.score(v.sources, [translations[v.direction]], references)[0]
+            result.update(_by_direction("comet", {d: (r.system, r.signature) for d, r in scored.items()}))
         return result
 
     def _loss(self) -> dict:
@@ -103,3 +122,13 @@ class Validator:
             )
             translator.source_prefix = valid.prefix
             return translator.translate(valid.sources)
+
+
+def _by_direction(metric: str, scores: dict[str, tuple[float, str]]) -> dict:
+    """``valid_METRIC`` (with several directions their mean, and each one's) and ``METRIC_signature``."""
+    values = {direction: value for direction, (value, _) in scores.items()}
+    result: dict = {f"valid_{metric}": sum(values.values()) / len(values)}
+    if len(values) > 1:
+        result[f"valid_{metric}_by_direction"] = values
+    result[f"{metric}_signature"] = next(iter(scores.values()))[1]
+    return result

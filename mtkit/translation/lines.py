@@ -24,6 +24,7 @@ from mtkit.model.loading import checkpoints_holding, with_model_files
 from mtkit.progress import StageProgress, shows_bar
 from mtkit.runtime import require
 from mtkit.translation.engines import REFUSED_OPTIONS, load_translator, refused_options
+from mtkit.translation.reranking import RerankSettings, load_reranker, reranked
 
 log = logging.getLogger("mtkit")
 
@@ -238,12 +239,15 @@ def translate_file(
     shortlist: Path | None = None,
     tgt_lang: str | None = None,
     threads: int = InferenceConfig.threads,
+    rerank: RerankSettings | None = None,
     **decode,
 ) -> int:
     """Translate ``input`` (a file, a pipe; None, ``-`` or ``/dev/stdin`` for stdin) into ``output``
     (None for stdout), one output line per input line (``nbest`` lines with ``nbest`` > 1); the count.
     ``shortlist``: a file `mtkit shortlist` wrote, which limits each batch's outputs to its candidates;
-    ``tgt_lang``: the target language, which a model of several needs; ``threads``: the CPU threads to use.
+    ``tgt_lang``: the target language, which a model of several needs; ``threads``: the CPU threads to use;
+    ``rerank``: each line's translation chosen among ``rerank.candidates`` (mtkit.translation.reranking), the beam
+    that wide unless ``decode`` gives a wider one.
 
     Everything is checked before the model loads: the input files exist, the output may be written
     (``check_output_file``), stdin and stdout are open. ``decode`` overrides the model's settings.
@@ -268,13 +272,21 @@ def translate_file(
         require("ctranslate2", "--engine ctranslate2", "ctranslate2")
     if shortlist is not None and sampling is not None:
         raise ConfigError("--shortlist is for beam search; --sample draws from the whole vocabulary")
+    if rerank is not None:
+        if nbest > 1 or alignments:
+            raise ConfigError("--rerank prints the one translation it chooses: no --nbest, no --alignments")
+        rerank.check(sampling is not None, decode.get("beam"))
+        nbest = rerank.candidates
+        if sampling is None:
+            decode.setdefault("beam", rerank.candidates)
     for path in (input, None if prefix_on_stdin else prefix, shortlist):
         if path is not None:
             check_input_file(path, stream_ok=True)
     if output is None and sys.stdout is None:  # started with stdout closed (>&-)
         raise DataError("<stdout>: standard output is closed; give a file to write with -o")
     if output is not None:
-        inputs = with_model_files(p for p in (input, prefix, *models) if p is not None)
+        reverse = rerank.reverse_model if rerank is not None else None
+        inputs = with_model_files(p for p in (input, prefix, *models, reverse) if p is not None)
         check_output_file(output, inputs, checkpoints_holding(output))
     with WholeLines() as whole_lines:
         translator = load_translator(
@@ -283,11 +295,18 @@ def translate_file(
         translator.check_target()
         size = line_translator.CHUNK_LINES
         chunks = input_chunks(input, size)
-        if prefix is None:
+        prefixes = None
+        if prefix is not None:
+            path = None if prefix_on_stdin else prefix
+            prefixes = (line for chunk in input_chunks(path, size) for line in chunk)
+        if rerank is not None:
+            reranker = load_reranker(rerank, translator, device, precision, engine, threads)
+            results = reranked(translator, reranker, chunks, prefixes)
+            nbest = 1
+        elif prefixes is None:
             results = translator.stream(chunks)
         else:
-            path = None if prefix_on_stdin else prefix
-            results = translator.stream(chunks, (line for chunk in input_chunks(path, size) for line in chunk))
+            results = translator.stream(chunks, prefixes)
         texts = (format_translations(i, t, nbest, scores, alignments) for i, t in enumerate(results))
         try:
             return write_lines(texts, output, whole_lines, line_progress(input, output))

@@ -10,9 +10,12 @@ Three stages before the main training, each resumable and recorded like the run'
    (mtkit.translation.resumable), keyed also with the device and precision they are decoded in, and that
    SIGINT/SIGTERM stops at once (``StageStopped``); RUN/stages.json records the model, text and settings it
    was made from, so a later run redoes it only when one of them changed;
-3. the main training then reads the run's parallel corpora and one more, the synthetic pairs
-   (backtranslated.SRC, the monolingual text), weighted by ``backtranslation.weight`` and, with
-   ``backtranslation.tag``, their sources tagged <BT> (mtkit.data.directions).
+3. ``pair filter``, with ``pair_filter``: the synthetic pairs scored by dual conditional
+   cross-entropy, the given forward model and the reverse model (or the filter's own), and the best kept in
+   RUN/backtranslated-filtered/ (mtkit.workflows.pair_filtering);
+4. the main training then reads the run's parallel corpora and one more, the synthetic pairs
+   (backtranslated.SRC and the monolingual text, or the filtered ones), weighted by ``backtranslation.weight`` and,
+   with ``backtranslation.tag``, their sources tagged <BT> (mtkit.data.directions).
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mtkit.config import BackTranslationConfig, ConfigError, CorpusConfig, RunConfig, SamplingConfig
+from mtkit.config import BackTranslationConfig, ConfigError, CorpusConfig, PairFilterConfig, RunConfig, SamplingConfig
 from mtkit.data.directions import directions
 from mtkit.data.parallel import DataError, check_input_file, count_lines
 from mtkit.model.checkpoint import weights_file
+from mtkit.workflows.pair_filtering import PairsToFilter, check_settings, filter_stage
 from mtkit.workflows.stages import Stage, StageRecord, decoding, run_stage, train_stage
 
 if TYPE_CHECKING:
@@ -35,6 +39,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("mtkit")
 
 REVERSE_DIR = "reverse"
+FILTERED_DIR = "backtranslated-filtered"
 
 
 def check_monolingual(bt: BackTranslationConfig) -> None:
@@ -65,15 +70,19 @@ def reverse_config(cfg: RunConfig) -> RunConfig:
             valid_src=data.valid_tgt, valid_tgt=data.valid_src,
         )  # fmt: skip
     train = replace(cfg.train, max_steps=bt.reverse_steps or cfg.train.max_steps)
-    return replace(cfg, data=reversed_data, train=train, backtranslation=BackTranslationConfig())
+    return replace(
+        cfg, data=reversed_data, train=train, backtranslation=BackTranslationConfig(), pair_filter=PairFilterConfig()
+    )
 
 
-def with_synthetic(cfg: RunConfig, synthetic: Path) -> RunConfig:
-    """The config of the main training: the run's parallel corpora plus the synthetic pairs."""
+def with_synthetic(cfg: RunConfig, synthetic: Path, target: Path | None = None) -> RunConfig:
+    """The config of the main training: the run's parallel corpora plus the synthetic pairs, ``synthetic`` sources
+    and their ``target`` text (by default the monolingual text)."""
     bt, data = cfg.backtranslation, cfg.data
     (src, tgt), = directions(data)  # fmt: skip
     corpora = data.corpora or (CorpusConfig(src, tgt, data.train_src, data.train_tgt, data.valid_src, data.valid_tgt),)
-    extra = CorpusConfig(src, tgt, str(synthetic), bt.monolingual, weight=bt.weight, back_translated=bt.tag)
+    text = str(target) if target is not None else bt.monolingual
+    extra = CorpusConfig(src, tgt, str(synthetic), text, weight=bt.weight, back_translated=bt.tag)
     plain = replace(data, train_src="", train_tgt="", valid_src="", valid_tgt="", corpora=(*corpora, extra))
     return replace(cfg, data=plain)
 
@@ -95,6 +104,8 @@ def back_translate(
     if len(pairs) != 1:
         raise ConfigError(f"back-translation is for a model of one direction; these corpora have {len(pairs)}")
     check_monolingual(bt)
+    pair_filter = cfg.pair_filter
+    check_settings(pair_filter, "forward", "back-translated")
     with run_stage(stages, "reverse") as stage:
         if bt.reverse_model:
             reverse, stage.ran, stage.note = Path(bt.reverse_model), False, f"given: {bt.reverse_model}"
@@ -121,7 +132,14 @@ def back_translate(
             stage.note = f"{lines:,} lines of {bt.monolingual} by {_method(bt)}; {where}"
         else:
             stage.note = f"{synthetic.name} is up to date ({_method(bt)})"
-    return with_synthetic(cfg, synthetic)
+    if not pair_filter.enabled:
+        return with_synthetic(cfg, synthetic)
+    judge = Path(pair_filter.reverse) if pair_filter.reverse else reverse
+    to_filter = PairsToFilter(synthetic, Path(bt.monolingual), pairs[0], (Path(pair_filter.forward),), judge)
+    folder = out / FILTERED_DIR
+    filter_stage(pair_filter, to_filter, folder, cfg.train.device, stages, record)
+    src, tgt = pairs[0]
+    return with_synthetic(cfg, folder / f"train.{src}", folder / f"train.{tgt}")
 
 
 def _translation_settings(bt: BackTranslationConfig) -> dict:

@@ -18,11 +18,14 @@ Stages before the student's training, each resumable and recorded in RUN/stages.
    filters.json, what each filter dropped: empty translations (a student would learn to stop at once), pairs
    whose length ratio in tokens exceeds ``max_ratio`` (repetitions and omissions), then the ``drop_worst``
    fraction of the rest that the teacher scored lowest.
-4. ``shortlist``: RUN/shortlist.safetensors from the distilled pairs, for the student's decoding.
+4. ``pair filter``, with ``pair_filter``: RUN/dual-filtered/ receives the pairs of RUN/distilled/ that
+   dual conditional cross-entropy keeps (mtkit.workflows.pair_filtering), the teacher as the forward model unless
+   another is named.
+5. ``shortlist``: RUN/shortlist.safetensors from the pairs the student trains on, for the student's decoding.
 
-The student then trains on RUN/distilled/ and validates on the run's real validation set. A teacher whose
-training train.max_time cut short makes the run's verdict "incomplete" (its Stage says why). After its test set
-is scored, the student is compared with its teacher (mtkit.workflows.comparison).
+The student then trains on RUN/distilled/ (RUN/dual-filtered/ with ``pair_filter``) and validates on the run's real
+validation set. A teacher whose training train.max_time cut short makes the run's verdict "incomplete" (its Stage
+says why). After its test set is scored, the student is compared with its teacher (mtkit.workflows.comparison).
 """
 
 from __future__ import annotations
@@ -43,11 +46,13 @@ from mtkit.data.parallel import DataError, count_lines, is_tsv, iter_lines, read
 from mtkit.decoding.line_translator import Translation
 from mtkit.files import atomic_write_directory
 from mtkit.model.checkpoint import weights_file
+from mtkit.workflows.pair_filtering import PairsToFilter, check_settings, filter_stage
 from mtkit.workflows.stages import Stage, StageRecord, decoding, run_stage
 
 log = logging.getLogger("mtkit")
 
 DISTILLED_DIR = "distilled"
+DUAL_FILTERED_DIR = "dual-filtered"
 FILTERS_FILE = "filters.json"
 SHORTLIST_FILE = "shortlist.safetensors"
 FILTER_CHUNK = 10_000  # pairs whose tokens are counted at once
@@ -61,7 +66,7 @@ class Distillation:
 
     cfg: RunConfig  # the student's: the distilled pairs, the teacher's tokenizer
     teachers: tuple[Path, ...]  # the teacher's models, an ensemble when several
-    filters: dict[str, int]  # pairs translated, dropped by each filter, kept
+    filters: dict[str, int]  # pairs translated, dropped by each filter (dual_cross_entropy: pair_filter's), kept
     shortlist: Path | None
 
 
@@ -72,6 +77,8 @@ def distil(
     recipe's config (`mtkit run`)."""
     if cfg.backtranslation.monolingual:
         raise ConfigError("a run distils or back-translates, not both: train the teacher with back-translation")
+    pair_filter = cfg.pair_filter
+    check_settings(pair_filter, "reverse", "distilled")
     source, reference = training_files(cfg)
     lines = count_lines(source)
     if lines is None or lines != count_lines(reference):
@@ -80,6 +87,14 @@ def distil(
     tokenizer = student_tokenizer(cfg, teachers)
     scored = _distil(cfg, teachers, Path(source), Path(reference), out, stages, record)
     folder, filters = _filter(cfg, tokenizer, Path(source), scored, out, stages, record)
+    if pair_filter.enabled:
+        ((src, tgt),) = directions(cfg.data)
+        forward = (Path(pair_filter.forward),) if pair_filter.forward else teachers
+        reverse = Path(pair_filter.reverse)
+        pairs = PairsToFilter(folder / f"train.{src}", folder / f"train.{tgt}", (src, tgt), forward, reverse)
+        folder = out / DUAL_FILTERED_DIR
+        kept = filter_stage(pair_filter, pairs, folder, cfg.train.device, stages, record)
+        filters = {**filters, "dual_cross_entropy": filters["kept"] - kept, "kept": kept}
     student = student_config(cfg, folder, tokenizer)
     shortlist = _shortlist(cfg, tokenizer, folder, out, stages, record) if cfg.distillation.shortlist else None
     return Distillation(student, teachers, filters, shortlist)
@@ -363,7 +378,8 @@ def student_config(cfg: RunConfig, folder: Path, tokenizer: TokenizerConfig) -> 
 def _shortlist(
     cfg: RunConfig, tokenizer: TokenizerConfig, folder: Path, out: Path, stages: list[Stage], record: StageRecord
 ) -> Path:
-    """RUN/shortlist.safetensors from the distilled pairs, with `mtkit shortlist`'s defaults."""
+    """RUN/shortlist.safetensors from the pairs in ``folder``, those the student trains on, with `mtkit shortlist`'s
+    defaults."""
     from mtkit.decoding.shortlist import build_shortlist, co_occurring_pairs
 
     ((src, tgt),) = directions(cfg.data)

@@ -1,4 +1,5 @@
-"""A recipe end to end: prepare, train, average, translate the test set, score, report (mtkit.workflows.report).
+"""A recipe end to end: prepare, train, average, translate the test set, score (with recipe.comet, COMET too),
+report (mtkit.workflows.report).
 
 Each stage leaves files in the run directory that the next run recognises (mtkit.workflows.stages records
 them), so re-running after an interruption (or after changing only the decoding) redoes only what is
@@ -32,6 +33,7 @@ from mtkit.workflows.report import build_report, distillation_section, write_rep
 from mtkit.workflows.stages import Digests, Stage, StageRecord, run_stage, train_stage
 
 if TYPE_CHECKING:
+    from mtkit.scoring.metrics import Score
     from mtkit.training.reporting import Reporter
 
 log = logging.getLogger("mtkit")
@@ -127,13 +129,18 @@ class TestSet:
 def _test(
     cfg: RunConfig, model: Path, test: TestSet, out: Path, stages: list[Stage], record: StageRecord, several: bool
 ) -> dict:
-    """Translate one test set (unless its translation is up to date) and score it: its part of the report."""
+    """Translate one test set (unless its translation is up to date) and score it (with recipe.comet, COMET too,
+    its model loaded in the eval stage, so that it never sits in memory beside the translating model): its part
+    of the report."""
     from mtkit.data.parallel import read_lines
     from mtkit.scoring.metrics import REPORT_METRICS, corpus_scores
 
     hyp_path, hyp_record = _translate(cfg, model, test, out, stages, record, several)
     with run_stage(stages, f"eval {test.direction}" if several else "eval") as stage:
-        scores = corpus_scores(read_lines(hyp_path), [read_lines(test.reference)], REPORT_METRICS)
+        hyps, refs = read_lines(hyp_path), read_lines(test.reference)
+        scores = corpus_scores(hyps, [refs], REPORT_METRICS)
+        if cfg.recipe.comet:
+            scores.append(_comet_score(cfg, read_lines(test.source), hyps, refs))
         stage.note = f"{hyp_path.name} from model sha256 {hyp_record['inputs']['model'][:12]}"
     return {
         "direction": test.direction,
@@ -144,6 +151,15 @@ def _test(
         "decode": hyp_record["settings"]["decode"],
         "scores": [score.to_dict() for score in scores],
     }
+
+
+def _comet_score(cfg: RunConfig, sources: list[str], hyps: list[str], refs: list[str]) -> Score:
+    """The test set's score by recipe.comet's model, on train.device in fp32."""
+    from mtkit.scoring.comet import Comet
+    from mtkit.scoring.learned_metrics import as_score
+
+    comet = Comet.load(cfg.recipe.comet, device=cfg.train.device)
+    return as_score(comet.score(sources, [hyps], [refs] if comet.needs_references else None)[0])
 
 
 def _prepare(

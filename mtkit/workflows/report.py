@@ -1,23 +1,26 @@
 """The report of `mtkit run` (RUN/report.md and RUN/report.json, with RUN/curves.png when matplotlib is installed).
 
-It gives the test scores with their signatures, says whether they fall in the recipe's expected range ("incomplete"
-instead when train.max_time stopped a training before its max_steps: the run's own, a reverse model's or a
-teacher's, each named in report.json's ``incomplete``), the hardware and precision training ran in, and each
-stage's wall clock. It describes the hypothesis it scores from the record made with that hypothesis: the decode
-settings (the translate note, report.json's test.decode) and the SHA-256 of the model that wrote it (report.json's
-test.model_sha256; its first 12 digits in the eval note). A distilled student's report sets it beside its teacher
-(mtkit.workflows.comparison).
+It gives the test scores with their signatures (COMET's too, with recipe.comet), says whether they fall in the
+recipe's expected range ("incomplete" instead when train.max_time stopped a training before its max_steps: the
+run's own, a reverse model's or a teacher's, each named in report.json's ``incomplete``), the hardware and
+precision training ran in, and each stage's wall clock. It describes the hypothesis it scores from the record made
+with that hypothesis: the decode settings (the translate note, report.json's test.decode) and the SHA-256 of the
+model that wrote it (report.json's test.model_sha256; its first 12 digits in the eval note). A distilled student's
+report sets it beside its teacher (mtkit.workflows.comparison).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mtkit.files import atomic_write_text
 from mtkit.model.run_folder import METRICS_FILE
+from mtkit.scoring.comet_names import SCORE_NAMES
+from mtkit.scoring.learned_metrics import DECIMALS
+from mtkit.training.validation import tracked_metric
 
 if TYPE_CHECKING:
     from mtkit.config import RunConfig
@@ -57,7 +60,6 @@ def build_report(
         verdict = "incomplete"  # the score of a model cut short, or made with one, says nothing of the recipe
     else:
         verdict = "reproduced" if r.bleu_min <= bleu["value"] <= r.bleu_max else "not reproduced"
-    best = max(valid, key=lambda v: v.get("valid_bleu", float("-inf")), default=None)
     plot = _plot(out, train, valid)
     tested = {key: value for key, value in results[0].items() if key not in ("direction", "scores")}
     return {
@@ -77,8 +79,7 @@ def build_report(
             "updates": max((r["step"] for r in train + valid), default=0),
             "stop": {key: done[key] for key in ("stopped_by", "reason", "max_steps")} if done else None,
             "machines": _machines(events["start"]),
-            "best_valid_bleu": best.get("valid_bleu") if best else None,
-            "best_valid_step": best["step"] if best else None,
+            **_best_validation(valid, cfg.train.best_metric),
             "validations": [_validation(v) for v in valid],
         },
         "distillation": distillation,
@@ -101,7 +102,12 @@ def distillation_section(distillation: Distillation, comparison: dict) -> dict:
 def _training_records(out: Path) -> dict[str, list[dict]]:
     """RUN/metrics.jsonl's records by event (train, valid, start, done), each with an int step; a torn or edited
     line, or a record whose fields have the wrong types, is skipped, not fatal."""
-    numbers = {"train": ("loss",), "valid": ("valid_loss", "valid_bleu"), "start": (), "done": ("max_steps",)}
+    numbers = {
+        "train": ("loss",),
+        "valid": ("valid_loss", "valid_bleu", "valid_comet"),
+        "start": (),
+        "done": ("max_steps",),
+    }
     texts = {"start": ("hardware", "precision", "reason"), "done": ("stopped_by", "reason")}
     events: dict[str, list[dict]] = {event: [] for event in numbers}
     path = out / METRICS_FILE
@@ -115,7 +121,7 @@ def _training_records(out: Path) -> dict[str, list[dict]]:
         event = record.get("event")
         if event not in events:
             continue
-        optional = {"valid_bleu": 0.0}  # validation without BLEU (train.valid_bleu: false)
+        optional = {"valid_bleu": 0.0, "valid_comet": 0.0}  # validation without BLEU or COMET
         if all(isinstance(record.get(key, optional.get(key)), (int, float)) for key in numbers[event]) and all(
             isinstance(record.get(key), str) for key in texts.get(event, ())
         ):
@@ -126,10 +132,26 @@ def _training_records(out: Path) -> dict[str, list[dict]]:
 def _validation(record: dict) -> dict:
     """A validation as the report lists it; per direction too where the run validates several."""
     entry = {"step": record["step"], "bleu": record.get("valid_bleu"), "loss": record["valid_loss"]}
-    by_direction = record.get("valid_bleu_by_direction")
-    if isinstance(by_direction, dict) and all(isinstance(v, (int, float)) for v in by_direction.values()):
-        entry["bleu_by_direction"] = by_direction
+    if "valid_comet" in record:  # train.valid_comet
+        entry["comet"] = record["valid_comet"]
+    for metric in ("bleu", "comet"):
+        by_direction = record.get(f"valid_{metric}_by_direction")
+        if isinstance(by_direction, dict) and all(isinstance(v, (int, float)) for v in by_direction.values()):
+            entry[f"{metric}_by_direction"] = by_direction
     return entry
+
+
+def _best_validation(valid: list[dict], metric: str) -> dict:
+    """The report's account of the validation best/ holds, chosen as training chose it (the first with the best
+    value of train.best_metric): its step, that metric and its value, and its BLEU; None where none has it."""
+    scored = [v for v in valid if f"valid_{metric}" in v]
+    best = max(scored, key=lambda v: tracked_metric(v, metric), default=None)
+    return {
+        "best_valid_step": best["step"] if best else None,
+        "best_valid_metric": metric,
+        "best_valid_score": best[f"valid_{metric}"] if best else None,
+        "best_valid_bleu": best.get("valid_bleu") if best else None,
+    }
 
 
 def _mean_scores(results: list[dict]) -> list[dict]:
@@ -156,7 +178,8 @@ def _machines(starts: list[dict]) -> list[dict]:
 
 
 def _plot(out: Path, train: list[dict], valid: list[dict]) -> str | None:
-    """Training loss and validation BLEU by update, as RUN/curves.png; None without matplotlib."""
+    """Training and validation loss, and validation BLEU and COMET where they were scored, by update, as
+    RUN/curves.png; None without matplotlib."""
     try:
         import matplotlib
 
@@ -164,20 +187,51 @@ def _plot(out: Path, train: list[dict], valid: list[dict]) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:  # run_recipe has said so
         return None
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
-    left.plot([t["step"] for t in train], [t["loss"] for t in train], label="train (label-smoothed)")
-    left.plot([v["step"] for v in valid], [v["valid_loss"] for v in valid], "o-", label="valid")
-    left.set(xlabel="update", ylabel="loss", title="loss")
-    left.legend()
-    bleu = [v for v in valid if "valid_bleu" in v]
-    right.plot([v["step"] for v in bleu], [v["valid_bleu"] for v in bleu], "o-")
-    right.set(xlabel="update", ylabel="BLEU", title="validation BLEU (sacreBLEU)")
+    panels = _curves(train, valid)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
+    for axis, panel in zip(axes[0], panels):
+        for label, steps, values, style in panel.lines:
+            axis.plot(steps, values, style, label=label)
+        axis.set(xlabel="update", ylabel=panel.ylabel, title=panel.title)
+        if len(panel.lines) > 1:
+            axis.legend()
     fig.tight_layout()
     tmp = out / f".{CURVES}.tmp.png"
     fig.savefig(tmp, dpi=100)
     plt.close(fig)
     tmp.replace(out / CURVES)
     return CURVES
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One panel of RUN/curves.png: its lines, each (label, updates, values, matplotlib style)."""
+
+    title: str
+    ylabel: str
+    lines: list[tuple[str, list[int], list[float], str]]
+
+
+def _curves(train: list[dict], valid: list[dict]) -> list[Panel]:
+    """The panels of RUN/curves.png: the loss, then validation BLEU and COMET where some validation scored them."""
+    panels = [
+        Panel(
+            "loss",
+            "loss",
+            [
+                ("train (label-smoothed)", [t["step"] for t in train], [t["loss"] for t in train], "-"),
+                ("valid", [v["step"] for v in valid], [v["valid_loss"] for v in valid], "o-"),
+            ],
+        )
+    ]
+    for key, name, title in (
+        ("valid_bleu", "BLEU", "validation BLEU (sacreBLEU)"),
+        ("valid_comet", "COMET", "validation COMET (train.valid_comet)"),
+    ):
+        scored = [v for v in valid if key in v]
+        if scored:
+            panels.append(Panel(title, name, [(name, [v["step"] for v in scored], [v[key] for v in scored], "o-")]))
+    return panels
 
 
 def write_report(out: Path, report: dict) -> None:
@@ -205,7 +259,7 @@ def render_report(report: dict) -> str:
         "",
         "| metric | score | signature |",
         "| --- | --- | --- |",
-        *(f"| {s['name']} | {s['value']:.2f} | `{_cell(s['signature'])}` |" for s in report["scores"]),
+        *(f"| {s['name']} | {_value(s)} | `{_cell(s['signature'])}` |" for s in report["scores"]),
         "",
     ]
     if report.get("directions"):
@@ -215,17 +269,19 @@ def render_report(report: dict) -> str:
             "| --- |" + " --- |" * (len(names) + 1),
             *(
                 f"| {d['direction']} | "
-                + " | ".join(f"{s['value']:.2f}" for s in d["scores"])
+                + " | ".join(_value(s) for s in d["scores"])
                 + f" | `{Path(d['hypothesis']).name}` |"
                 for d in report["directions"]
             ),
             "",
         ]
-    if t["best_valid_bleu"] is not None:
-        mean = " (the mean over the directions)" if report.get("directions") else ""
+    if t["best_valid_step"] is not None:
+        metric = t["best_valid_metric"]
+        name, decimals = {"bleu": ("BLEU", 2), "comet": ("COMET", DECIMALS), "loss": ("loss", 3)}[metric]
+        mean = " (the mean over the directions)" if report.get("directions") and metric != "loss" else ""
         lines += [
-            f"Training: {t['updates']:,} updates; best validation BLEU{mean} {t['best_valid_bleu']:.2f} "
-            f"at update {t['best_valid_step']:,}.",
+            f"Training: {t['updates']:,} updates; best validation {name}{mean} {t['best_valid_score']:.{decimals}f} "
+            f"at update {t['best_valid_step']:,}, the model in best/ (train.best_metric).",
             "",
         ]
     for i, m in enumerate(t["machines"]):
@@ -277,6 +333,11 @@ def _origin(source: dict | None) -> str:
     parts = [f"hf:{source['dataset']}", *(str(source[k]) for k in ("config", "data_dir") if source.get(k))]
     revision = source.get("revision")
     return f" ({' '.join(parts)}{f' at commit {revision}' if revision else ''})"
+
+
+def _value(score: dict) -> str:
+    """A score as the report prints it: COMET's near 0 to 1 with 4 decimals, sacreBLEU's with 2."""
+    return f"{score['value']:.{DECIMALS if score['name'] in SCORE_NAMES else 2}f}"
 
 
 def _duration(seconds: float) -> str:
