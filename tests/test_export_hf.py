@@ -19,12 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import HAND_BUILT_MODEL as MODEL
+from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from mtkit.cli import app
 from mtkit.config import DecodeConfig, ModelConfig, RunConfig, TokenizerConfig
 from mtkit.data.parallel import source_tensor
-from mtkit.data.tokenizer import EOS_ID, PAD_ID, Tokenizer, train_spm
+from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_spm
 from mtkit.decoding.search import beam_search, greedy_search, max_lengths
 from mtkit.files import file_sha256
 from mtkit.interop.export_folder import MANIFEST
@@ -131,6 +132,60 @@ def test_logits_equal_mtkit_teacher_forced(export, corpus_files):
     assert got.shape[:-1] == expected.shape[:-1] and got.size(-1) > vocab
     torch.testing.assert_close(got[real][:, :vocab], expected[real], atol=1e-4, rtol=1e-4)
     assert (got[real][:, vocab:] < expected[real].min() - 1000).all()  # no share of the softmax
+
+
+def test_importing_the_export_gives_back_the_same_model(export, corpus_files, tmp_path):
+    """`mtkit import hf` of mtkit's own export: its layout is recognised (mtkit's ids kept, the padding rows and
+    appended start dropped, bos taken back out of the decoder's position row 0), so text encodes to the same
+    ids in vocabularies of the same sizes, and the model computes and decodes as the original."""
+    out = tmp_path / "back"
+    result = invoke("import", "hf", export.hf_dir, "-o", out)
+    assert result.exit_code == 0, result.output
+    back = loading.load_for_inference(out, CPU)
+    targets = corpus_files["val.de"].read_text().splitlines()
+    for side, lines in (("src_tok", export.lines), ("tgt_tok", targets)):
+        original, again = getattr(export.bundle, side), getattr(back, side)
+        assert again.vocab_size == original.vocab_size
+        assert again.encode(lines) == original.encode(lines)
+    src, src_pad_mask = source_tensor(export.bundle.src_tok.encode(export.lines))
+    tgt_in, _ = source_tensor([[BOS_ID, *t] for t in export.bundle.tgt_tok.encode(targets)])
+    with torch.no_grad():
+        expected = export.bundle.model(src, src_pad_mask, tgt_in)
+        got = back.model(src, src_pad_mask, tgt_in)
+    real = tgt_in != PAD_ID
+    torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=1e-5)
+    decode = DecodeConfig(beam=1)
+    expected_ids = greedy_search(export.bundle.model, src, src_pad_mask, decode)
+    assert greedy_search(back.model, src, src_pad_mask, decode) == expected_ids
+    assert sum(map(len, expected_ids)) / len(expected_ids) > 5
+
+
+def _edit_last_bias(weights: dict[str, torch.Tensor]) -> None:
+    weights["final_logits_bias"][0, -1] = 0.0
+
+
+def _edit_start_position(weights: dict[str, torch.Tensor]) -> None:
+    weights["model.decoder.embed_positions.weight"][0, 0] += 0.5
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (_edit_last_bias, "laid out as mtkit's export, but its appended ids are not a zero start row"),
+        (_edit_start_position, "model.decoder.embed_positions.weight is not Marian's sinusoidal table"),
+    ],
+)
+def test_an_export_whose_start_row_was_changed_is_refused_at_import(joint, tmp_path, edit, message):
+    """Dropping the appended start id and bos' share of position row 0 keeps the model only when they are what the
+    export wrote; otherwise the import would silently compute another function."""
+    folder = tmp_path / "hf"
+    shutil.copytree(joint.hf_dir, folder)
+    weights = load_file(folder / "model.safetensors")
+    edit(weights)
+    save_file(weights, folder / "model.safetensors")
+    result = invoke("import", "hf", folder, "-o", tmp_path / "back")
+    assert result.exit_code == 1 and result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+    assert not (tmp_path / "back").exists()
 
 
 def hf_outputs(ex: Exported, lines: list[str], decode: DecodeConfig, **options) -> list[list[int]]:

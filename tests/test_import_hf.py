@@ -462,6 +462,25 @@ def test_export_back_to_transformers_gives_the_original_logits(separate, corpus_
     torch.testing.assert_close(exported[real][:, columns], original[real], atol=1e-4, rtol=1e-4)
 
 
+def test_importing_the_export_of_an_import_gives_the_first_imports_logits(separate, corpus_files, tmp_path):
+    """An imported model, exported and imported again: the second import recognises mtkit's export and keeps
+    its ids, so it encodes and computes as the first."""
+    assert invoke("export", separate.model_dir, "--format", "hf", "-o", tmp_path / "hf").exit_code == 0
+    result = invoke("import", "hf", tmp_path / "hf", "-o", tmp_path / "again")
+    assert result.exit_code == 0, result.output
+    again = loading.load_for_inference(tmp_path / "again", CPU, "fp32")
+    first = separate.bundle
+    lines, targets = separate.lines, corpus_files["val.de"].read_text().splitlines()
+    assert again.src_tok.encode(lines) == first.src_tok.encode(lines)
+    assert again.tgt_tok.encode(targets) == first.tgt_tok.encode(targets)
+    src, src_pad_mask = source_tensor(first.src_tok.encode(lines))
+    tgt_in, _ = source_tensor([[BOS_ID, *t] for t in first.tgt_tok.encode(targets)])
+    with torch.no_grad():
+        expected, got = (bundle.model(src, src_pad_mask, tgt_in) for bundle in (first, again))
+    real = tgt_in != PAD_ID
+    torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=1e-5)
+
+
 def test_ctranslate2_export_gives_generates_greedy_ids(separate, tmp_path):
     """Imported, then exported with `mtkit export` (CTranslate2): CTranslate2's own greedy search, called as its users
     call it, gives transformers' output on every line (up to the cap, where transformers forces eos)."""
@@ -737,6 +756,8 @@ def swap_spm(folder: Path) -> None:
         (lambda f: shutil.copy(f / "source.spm", f / "target.spm"), "pieces are not in target_vocab.json"),
         (edit_json("tokenizer_config.json", unk_token="</s>"), "must be three pieces"),
         (rename_piece("▁filler3", ""), "not a usable SentencePiece model (INTERNAL: piece must not be empty.)"),
+        (rename_piece("▁filler3", START_PIECE), "holds a piece named <s>, the name mtkit gives a special id"),
+        (rename_piece("▁filler3", PAD_PIECE), "holds a piece named <mtkit:pad>, the name mtkit gives a special id"),
     ],
 )
 def test_tokenizer_files_that_do_not_fit_the_vocabulary_are_refused(separate, tmp_path, edit, message):

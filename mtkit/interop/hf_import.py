@@ -20,6 +20,10 @@ through huggingface_hub at a revision and kept in its cache. The output is an mt
   follow the vocabulary and encode as unk (``mtkit.data.tokenizer.vocabulary_size``), as
   MarianTokenizer maps them; language tags (``>>fr<<``) segment whole. The new padding row's logit
   is ``NOT_A_TOKEN``, so every probability is Marian's.
+- a folder ``mtkit export --format hf`` wrote (recognised by its vocab.json, ``mtkit_layout``) keeps
+  mtkit's ids: its padding rows and appended start id are dropped (they must be a zero row with the
+  logit bias ``NOT_A_TOKEN``), and the decoder's position row 0, which carries bos' scaled embedding,
+  must be exactly that, so the import is the exported model.
 - fp16 and bf16 weights are widened to float32, which keeps every value.
 
 A config mtkit cannot express is refused in one line naming the field. Every file is untrusted:
@@ -55,7 +59,7 @@ import torch
 from torch import Tensor
 
 from mtkit.config import DataConfig, DecodeConfig, ModelConfig, RunConfig, TokenizerConfig
-from mtkit.data.tokenizer import PAD_ID
+from mtkit.data.tokenizer import BOS_ID, PAD_ID
 from mtkit.files import file_sha256
 from mtkit.interop.hf_source import (
     CONFIG_FILES,
@@ -97,19 +101,38 @@ def _same(weights: dict[str, Tensor], key: str, expected: Tensor, path: Path) ->
 
 
 def _rows(matrix: Tensor, order: list[int], order_dims: Tensor) -> Tensor:
-    """Marian's embedding ``matrix`` in mtkit's id order and residual layout, a zero row at the new pad id."""
+    """Marian's embedding ``matrix`` in mtkit's id order and residual layout, a zero row at the new pad id
+    (``order[0]`` -1; mtkit's own export keeps its pad row)."""
+    if order[0] >= 0:
+        return matrix[torch.tensor(order)][:, torch.argsort(order_dims)]
     rows = matrix[torch.tensor(order[1:])]
     return torch.cat([rows.new_zeros(1, rows.size(1)), rows])[:, torch.argsort(order_dims)]
 
 
-def _check_positions(weights: dict[str, Tensor], model: ModelConfig, path: Path) -> None:
-    """Stored position tables (older files have them) must be the sinusoids mtkit computes."""
+def _check_dropped(target: Tensor, bias: Tensor, tgt: Vocabulary, path: Path) -> None:
+    """mtkit's own export: the ids it appended are no target token (bias ``NOT_A_TOKEN``) and its decoder start
+    reads a zero embedding, so dropping them keeps every probability and the first step's input."""
+    kept = len(tgt.order)
+    if target[-1].any() or (bias[0, kept:] > NOT_A_TOKEN).any():
+        raise ModelImportError(
+            f"{path}: laid out as mtkit's export, but its appended ids are not a zero start row with a logit bias "
+            f"of {NOT_A_TOKEN:g}"
+        )
+
+
+def _check_positions(weights: dict[str, Tensor], model: ModelConfig, path: Path, start: Tensor | None) -> None:
+    """Stored position tables (older files have them) must be the sinusoids mtkit computes; in mtkit's own export
+    the decoder's row 0 also carries ``start``, what mtkit's bos adds to the first step, which mtkit recomputes."""
     expected = to_marian(sinusoidal_table(model.max_positions, model.d_model), "reads", residual_order(model.d_model))
     for side in ("encoder", "decoder"):
         key = f"model.{side}.embed_positions.weight"
         if key in weights:
             table = weights.pop(key)
-            if table.shape != expected.shape or (table - expected).abs().max() > 1e-5:
+            wanted = expected
+            if side == "decoder" and start is not None:
+                wanted = expected.clone()
+                wanted[0] += start
+            if table.shape != wanted.shape or (table - wanted).abs().max() > 1e-5:
                 raise ModelImportError(f"{path}: {key} is not Marian's sinusoidal table, the positions mtkit computes")
 
 
@@ -128,6 +151,7 @@ def convert(
             for tied in ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight", "lm_head.weight"):
                 _same(weights, tied, shared, path)
             model.encoder.embed.tokens.weight.copy_(_rows(shared, src.order, order))
+            target = shared
         else:
             source = _take(weights, "model.encoder.embed_tokens.weight", path, (marian.vocab_size, d))
             target = _take(weights, "model.decoder.embed_tokens.weight", path, (marian.decoder_vocab_size, d))
@@ -143,8 +167,13 @@ def convert(
             raise ModelImportError(
                 f"{path}: final_logits_bias is {tuple(bias.shape)}, not (1, {marian.decoder_vocab_size})"
             )
-        model.output.bias.copy_(torch.cat([torch.tensor([NOT_A_TOKEN]), bias[0, torch.tensor(tgt.order[1:])]]))
-        _check_positions(weights, cfg, path)
+        if tgt.exported:
+            _check_dropped(target, bias, tgt, path)
+            model.output.bias.copy_(bias[0, torch.tensor(tgt.order)])
+        else:
+            model.output.bias.copy_(torch.cat([torch.tensor([NOT_A_TOKEN]), bias[0, torch.tensor(tgt.order[1:])]]))
+        start = model.decoder.embed.scale * target[BOS_ID] if tgt.exported else None
+        _check_positions(weights, cfg, path, start)
         for key, tensor, axis in layer_weights(model):
             tensor.copy_(from_marian(_take(weights, key, path, tuple(tensor.shape)), axis, order))
     if weights:

@@ -35,9 +35,13 @@ class Vocabulary:
     unk: str
     eos: str
     pad: str
+    exported: int = 0  # mtkit's own export (``mtkit_layout``): how many of its ids are the model's, else 0
     order: list[int] = field(default_factory=list)  # Marian ids in mtkit id order; order[PAD_ID] is -1 (new)
 
     def __post_init__(self) -> None:
+        if self.exported:  # mtkit's ids, kept: the padding rows and the appended start are dropped
+            self.order = list(range(self.exported))
+            return
         special = {self.ids[self.unk], self.ids[self.pad], self.ids[self.eos]}
         rest = sorted(i for i in self.ids.values() if i not in special)
         self.order = [-1, self.ids[self.unk], self.ids[self.pad], self.ids[self.eos], *rest]
@@ -55,9 +59,12 @@ def read_vocabularies(folder: Path, marian: MarianConfig) -> tuple[Vocabulary, V
     separate = (folder / "target_vocab.json").is_file() and not marian.shared
     src = read_vocabulary(folder / "vocab.json", marian.vocab_size, special, marian, target=not separate)
     if separate:
-        return src, read_vocabulary(
-            folder / "target_vocab.json", marian.decoder_vocab_size, special, marian, target=True
-        )
+        tgt = read_vocabulary(folder / "target_vocab.json", marian.decoder_vocab_size, special, marian, target=True)
+        if bool(src.exported) != bool(tgt.exported):
+            raise ModelImportError(
+                f"{folder}: one of vocab.json and target_vocab.json is laid out as mtkit's export, the other not"
+            )
+        return src, tgt
     if marian.decoder_vocab_size != marian.vocab_size:
         raise ModelImportError(f"{folder}: two vocabulary sizes in config.json, and no target_vocab.json")
     return src, src
@@ -75,16 +82,37 @@ def read_vocabulary(path: Path, size: int, special: dict[str, str], marian: Mari
     for role, piece in special.items():
         if piece not in ids:
             raise ModelImportError(f"{path}: has no {role} piece {untrusted.shown(piece)}")
+    exported = mtkit_layout(ids, special, marian)
     for piece in (PAD_PIECE, START_PIECE):
-        if piece in ids:
+        if piece in ids and not (exported and piece == START_PIECE):
             raise ModelImportError(f"{path}: holds a piece named {piece}, the name mtkit gives a special id")
-    vocab = Vocabulary(ids, special["unk"], special["eos"], special["pad"])
+    vocab = Vocabulary(ids, special["unk"], special["eos"], special["pad"], exported)
     if target and (ids[vocab.pad], ids[vocab.eos]) != (marian.pad_id, marian.eos_id):
         raise ModelImportError(
             f"{path}: pad and eos are ids {ids[vocab.pad]} and {ids[vocab.eos]}, config.json says "
             f"{marian.pad_id} and {marian.eos_id}"
         )
     return vocab
+
+
+def mtkit_layout(ids: dict[str, int], special: dict[str, str], marian: MarianConfig) -> int:
+    """How many ids are the model's when vocab.json is laid out as ``mtkit export --format hf`` writes it, else 0.
+
+    That layout keeps mtkit's ids (unk 1, bos ``<s>`` 2, eos 3; pad 0 renamed ``<unused:0>``), pads the
+    smaller of two vocabularies with ``<unused:N>`` rows and appends Marian's pad, its decoder start, as the
+    last id; so its ``<s>`` is mtkit's own bos, not a piece whose name would make text to ids ambiguous.
+    """
+    size = len(ids)
+    by_id = {i: piece for piece, i in ids.items()}
+    start = size - 1
+    if (ids[special["unk"]], ids[special["eos"]], ids[special["pad"]]) != (UNK_ID, EOS_ID, start):
+        return 0
+    if marian.pad_id != start or by_id[PAD_ID] != "<unused:0>" or by_id[BOS_ID] != START_PIECE:
+        return 0
+    exported = start
+    while exported > EOS_ID + 1 and by_id[exported - 1] == f"<unused:{exported - 1}>":
+        exported -= 1
+    return exported
 
 
 def special_pieces(folder: Path) -> dict[str, str]:
