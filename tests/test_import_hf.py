@@ -27,8 +27,8 @@ from mtkit.config import DecodeConfig, TokenizerConfig
 from mtkit.data.parallel import source_tensor
 from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_spm
 from mtkit.decoding.search import beam_search, greedy_search, max_lengths
+from mtkit.hub_folders import ModelImportError
 from mtkit.interop.hf_import import import_marian
-from mtkit.interop.hf_source import ModelImportError
 from mtkit.interop.marian_vocabulary import PAD_PIECE, START_PIECE
 from mtkit.model import checkpoint, loading
 from mtkit.training.init_from import import_once

@@ -23,7 +23,7 @@ PACKAGE = ROOT / "mtkit"
 
 # Lowest first. A module may import modules of its own layer and of the layers below it, never above.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("leaves", ("version", "errors", "untrusted", "files", "progress", "config", "runtime")),
+    ("leaves", ("version", "errors", "untrusted", "files", "progress", "config", "runtime", "hub_folders")),
     ("data", ("data",)),
     ("model", ("model",)),
     ("scoring", ("scoring",)),

@@ -61,7 +61,7 @@ from torch import Tensor
 from mtkit.config import DataConfig, DecodeConfig, ModelConfig, RunConfig, TokenizerConfig
 from mtkit.data.tokenizer import BOS_ID, PAD_ID
 from mtkit.files import file_sha256
-from mtkit.interop.hf_source import (
+from mtkit.hub_folders import (
     CONFIG_FILES,
     WEIGHT_FILES,
     ModelImportError,

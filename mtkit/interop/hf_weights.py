@@ -18,7 +18,7 @@ import safetensors
 from torch import Tensor
 
 from mtkit import untrusted
-from mtkit.interop.hf_source import WEIGHT_FILES, ModelImportError
+from mtkit.hub_folders import WEIGHT_FILES, ModelImportError
 from mtkit.model import checkpoint
 from mtkit.model.checkpoint import CheckpointError, check_finite
 

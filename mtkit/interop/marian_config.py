@@ -16,7 +16,7 @@ from typing import Any
 from mtkit import untrusted
 from mtkit.config import MAX_LAYERS, MAX_POSITIONS, ConfigError, ModelConfig
 from mtkit.data.tokenizer import PAD_ID
-from mtkit.interop.hf_source import ModelImportError, config_field, read_mapping
+from mtkit.hub_folders import ModelImportError, config_field, read_mapping
 from mtkit.interop.hf_weights import WeightsFile
 from mtkit.interop.marian import ACTIVATIONS, layer_weights
 from mtkit.model.loading import skeleton_device

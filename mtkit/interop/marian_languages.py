@@ -12,7 +12,7 @@ import re
 
 from mtkit import untrusted
 from mtkit.config import LANGUAGE_CODE, DataConfig
-from mtkit.interop.hf_source import ModelImportError
+from mtkit.hub_folders import ModelImportError
 
 # An OPUS-MT model's name states its languages: opus-mt-en-de, opus-mt-tc-big-en-pt (ISO 639 codes, or a group's)
 _OPUS_NAME = re.compile(r"opus-mt-(?:tc-(?:big|base)-)?([a-z]{2,3})-([a-z]{2,3})")

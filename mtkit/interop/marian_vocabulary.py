@@ -14,7 +14,7 @@ from pathlib import Path
 
 from mtkit import untrusted
 from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
-from mtkit.interop.hf_source import ModelImportError, read_json, read_mapping
+from mtkit.hub_folders import ModelImportError, read_json, read_mapping
 from mtkit.interop.marian_config import MarianConfig
 
 MAX_VOCAB_BYTES = 64 << 20  # vocab.json: OPUS-MT's 58,101 pieces take 1.2 MB

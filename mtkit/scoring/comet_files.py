@@ -26,6 +26,7 @@ import yaml
 from mtkit import untrusted
 from mtkit.config.reader import parse_yaml
 from mtkit.errors import MtkitError
+from mtkit.hub_folders import cache_snapshot, check_inside
 from mtkit.model.checkpoint import CheckpointError, UnreadableCheckpoint, load_torch_file
 from mtkit.scoring.comet_model import ACTIVATIONS, POOLS, CometConfig
 
@@ -118,9 +119,9 @@ def locate(model: str, revision: str | None, cache_dir: Path | None) -> ModelSou
     if path.is_dir():
         if revision is not None:
             raise CometFileError(f"{model}: a revision applies to Hub repositories, and this is a local folder")
-        cached = _cache_snapshot(path)
+        cached = cache_snapshot(path)
         if cached is not None:
-            return ModelSource(path, cached, path.resolve().name, _snapshot_roots(path.resolve()), cache_dir)
+            return ModelSource(path, cached[0], path.resolve().name, _snapshot_roots(path.resolve()), cache_dir)
         return ModelSource(path, path.resolve().name, "local", (path,), cache_dir)
     if not _HUB_ID.fullmatch(model) or "/" not in model or ".." in model:
         raise CometFileError(f"{model}: no such folder, nor a Hub repository id (OWNER/NAME), nor comet or cometkiwi")
@@ -150,15 +151,6 @@ def download(repo_id: str, revision: str | None, cache_dir: Path | None, files: 
     return Path(folder)
 
 
-def _cache_snapshot(folder: Path) -> str | None:
-    """The Hub id of ``folder`` when it is a snapshot in huggingface_hub's cache (models--OWNER--NAME/snapshots/REV)."""
-    real = folder.resolve()
-    name = re.fullmatch(r"models--([\w.-]+?)--([\w.-]+)", real.parent.parent.name)
-    if real.parent.name != "snapshots" or name is None:
-        return None
-    return f"{name[1]}/{name[2]}"
-
-
 def _snapshot_roots(snapshot: Path) -> tuple[Path, ...]:
     """Where the files of a snapshot in huggingface_hub's cache lie: the snapshot, and the repository's blobs/,
     which its files link to."""
@@ -172,9 +164,7 @@ def model_file(source: ModelSource, name: str, folder: Path | None = None, limit
     if not path.is_file():
         hint = "" if folder else f"; a COMET model folder holds {HPARAMS} and {CHECKPOINT}"
         raise CometFileError(f"{path}: not found{hint}")
-    real = path.resolve()
-    if not any(real.is_relative_to(root.resolve()) for root in source.roots):
-        raise CometFileError(f"{path}: a link to {real}, outside {source.folder}; only the model's own files are read")
+    check_inside(path, source.roots, error=CometFileError)
     if limit is not None and path.stat().st_size > limit:
         raise CometFileError(f"{path}: {path.stat().st_size:,} bytes, more than the {limit:,} such a file may have")
     return path

@@ -1,11 +1,11 @@
 """Where a transformers model's files come from, and reading its JSON files within bounds.
 
 Any import of a transformers model (a folder as ``save_pretrained`` writes it, or a Hugging Face Hub
-repository) finds its files the same way, refuses links leading out of its folder, and reads config.json,
-generation_config.json and tokenizer_config.json as untrusted files of bounded size; what the model's
-config.json means is the importer's own, but for generate's beam and length penalty, which every family
-records alike (``read_decoding``). The Hub is reached through huggingface_hub, at a revision,
-and its files are kept in its cache.
+repository) finds its files the same way, refuses links leading out of its folder (as COMET's reader does
+too), and reads config.json, generation_config.json and tokenizer_config.json as untrusted files of bounded
+size; what the model's config.json means is the importer's own, but for generate's beam and length penalty,
+which every family records alike (``read_decoding``). The Hub is reached through huggingface_hub, at a
+revision, and its files are kept in its cache.
 """
 
 from __future__ import annotations
@@ -70,14 +70,15 @@ def cache_snapshot(folder: Path) -> tuple[str, Path] | None:
     return (repo_id, repo / "blobs") if _REPO_ID.fullmatch(repo_id) else None
 
 
-def check_inside(path: Path, roots: tuple[Path, ...], hint: str = "") -> None:
-    """Refuse ``path`` when it is a link (or lies in a linked folder) leading out of ``roots``: the import reads
-    the model's files, never what a link in a downloaded folder points to elsewhere. ``hint`` ends the error."""
+def check_inside(
+    path: Path, roots: tuple[Path, ...], hint: str = "", error: type[MtkitError] = ModelImportError
+) -> None:
+    """Refuse ``path`` (as ``error``) when it is a link (or lies in a linked folder) leading out of ``roots``: a
+    reader reads the model's files, never what a link in a downloaded folder points to elsewhere. ``hint`` ends
+    the error."""
     real = path.resolve()
     if not any(real.is_relative_to(root.resolve()) for root in roots):
-        raise ModelImportError(
-            f"{path}: a link to {real}, outside {roots[0]}; the import reads only the model's files{hint}"
-        )
+        raise error(f"{path}: a link to {real}, outside {roots[0]}; only the model's own files are read{hint}")
 
 
 def check_links(folder: Path, roots: tuple[Path, ...], names: tuple[str, ...], local: bool) -> None:
