@@ -4,6 +4,8 @@
 
     translator = mtkit.load("runs/m30k", device="cpu")   # precision auto; the run's decode settings
     translator = mtkit.load("runs/m30k", device="cpu", threads=4)  # 4 CPU threads (0: OMP_NUM_THREADS or 1 a core)
+    translator = mtkit.load("opus-en-de", adapter="runs/legal-lora")  # a LoRA adapter of the model (train.lora)
+    translator = mtkit.load("runs/legal-lora")                         # the same: a LoRA run brings its base
     translator.translate(["A dog runs on the beach."], beam=5)             # -> ["Ein Hund läuft ..."]
     for best, *others in translator.hypotheses(open("test.en"), nbest=3): ...  # streamed, with scores
     for pair in translator.score(open("test.en"), open("test.de")): ...  # given translations: pair.logprob, .tokens
@@ -29,7 +31,7 @@ from mtkit.scoring.learned_metrics import CometSettings, as_score, check_names, 
 from mtkit.scoring.metrics import COMET_METRICS, DEFAULT_METRICS, EVAL_METRICS, Options, Score, corpus_scores
 from mtkit.translation.engines import load_translator
 
-load = load_translator  # mtkit.load("runs/m30k", device="cpu", beam=4): see translation.engines.load_translator
+load = load_translator  # mtkit.load("runs/m30k", device="cpu", beam=4, adapter=None): translation.engines's
 
 
 def train(

@@ -115,6 +115,7 @@ def test_settings_with_a_fixed_set_of_values_are_literals():
         "model.norm",
         "model.activation",
         "model.positions",
+        "model.decoder_start",
         "train.precision",
         "train.device",
         "train.nonfinite",

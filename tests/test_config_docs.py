@@ -48,7 +48,11 @@ def test_the_file_is_current():
 @pytest.mark.parametrize("section, cls, f", FIELDS, ids=[f"{s}.{f.name}" for s, _, f in FIELDS])
 def test_every_setting_is_listed_with_its_default(section, cls, f):
     row = rows(render())[f"{section}.{f.name}"]
-    default = list(f.default) if isinstance(f.default, tuple) else f.default  # a tuple is a list in YAML
+    default = f.default
+    if dataclasses.is_dataclass(default):  # a nested section (train.lora): a mapping of its keys
+        default = dataclasses.asdict(default)
+        default = {key: list(value) if isinstance(value, tuple) else value for key, value in default.items()}
+    default = list(default) if isinstance(default, tuple) else default  # a tuple is a list in YAML
     assert yaml.safe_load(row[2].strip("`")) == default
 
 

@@ -356,8 +356,8 @@ def test_positions_ctranslate2_cannot_take_are_refused_before_writing(spm_model,
     run = rotary_run(tmp_path, spm_model, **model)
     result = invoke("export", run, "-o", tmp_path / "ct2")
     assert result.exit_code == 1 and result.stderr == (
-        f"error: {run}: the CTranslate2 export takes sinusoidal, learned or rotary positions and no attention "
-        f"window; this model has {named}\n"
+        f"error: {run}: the CTranslate2 export takes sinusoidal, learned, rotary or fairseq positions and no "
+        f"attention window; this model has {named}\n"
     )
     assert not (tmp_path / "ct2").exists()
 

@@ -341,12 +341,12 @@ def test_an_hf_init_from_is_imported_anew_until_the_first_checkpoint_and_restart
     """Two Marian models stand in for each other: an import is the mtkit model the name stands for, copied."""
     models = {"first": base_run / "best", "second": run_folder.run_checkpoints(base_run)[0]}
 
-    def import_marian(source: str, target: Path, **_languages) -> Path:
+    def import_hf(source: str, target: Path, **_languages) -> Path:
         shutil.copytree(models[source], target)
         shutil.copy(base_run / "spm.model", target / "spm.model")
         return target
 
-    monkeypatch.setattr(init_from, "import_marian", import_marian)
+    monkeypatch.setattr(init_from, "import_hf", import_hf)
     run = tmp_path / "ft"
 
     def started_from(name: str, **options) -> Trainer:

@@ -122,7 +122,7 @@ def test_scoring_needs_the_api_key_and_is_in_the_api_docs(server):
     api = httpx.get(server.url + "/openapi.json", headers=AUTH).json()
     route = api["paths"]["/v1/score"]["post"]
     asked = route["requestBody"]["content"]["application/json"]["schema"]
-    assert set(asked["properties"]) == {"source", "target", "tokens", "tgt_lang"}
+    assert set(asked["properties"]) == {"source", "target", "tokens", "tgt_lang", "src_lang", "adapter"}
     assert route["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/ScoreAnswer")
     assert set(api["components"]["schemas"]["ScoredPair"]["properties"]) == {"logprob", "tokens", "token_logprobs"}
 

@@ -103,6 +103,8 @@ def attention_command(
         "mtkit export runs/m30k -o m30k-ct2",
         "mtkit export runs/m30k -o m30k-ct2-int8 --quantization int8",
         "mtkit export runs/m30k --format hf -o m30k-hf",
+        "mtkit export nllb-600m --format hf -o nllb-hf",
+        "mtkit export opus-en-de --adapter runs/legal-lora -o legal-ct2",
     ),
 )
 @user_errors
@@ -114,7 +116,11 @@ def export_command(
     ],
     fmt: Annotated[
         Literal["ctranslate2", "hf"],
-        typer.Option("--format", help="Target runtime: ctranslate2, or hf for transformers' MarianMTModel."),
+        typer.Option(
+            "--format",
+            help="Target runtime: ctranslate2, or hf for transformers' MarianMTModel (an NLLB-200 or M2M100: "
+            "M2M100ForConditionalGeneration).",
+        ),
     ] = "ctranslate2",
     quantization: Annotated[
         str | None,
@@ -127,12 +133,22 @@ def export_command(
             "(vmap.txt, for translate_batch(..., use_vmap=True))."
         ),
     ] = None,
+    adapter: Annotated[
+        Path | None,
+        typer.Option(
+            help="A LoRA adapter of the model (a LoRA run, one of its checkpoints, or its adapter file), merged into "
+            "the exported weights. A LoRA run given as the model is merged with its own.",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
-    """Convert a trained model for CTranslate2 or transformers; its tokenizers and decode settings go with it."""
+    """Convert a trained model for CTranslate2 or transformers; its tokenizers and decode settings go with it, and
+    a LoRA adapter merged into its weights: the export is an ordinary model of the runtime."""
     from mtkit.config import ConfigError
     from mtkit.files import check_outside_checkpoints
     from mtkit.interop.ct2_export import export_ctranslate2
     from mtkit.interop.hf_export import export_transformers
+    from mtkit.interop.m2m100_export import ARCHITECTURE, export_m2m100, told_languages_by_tokens
     from mtkit.model.loading import checkpoints_holding
 
     check_outside_checkpoints(output, checkpoints_holding(output))
@@ -143,9 +159,12 @@ def export_command(
             raise ConfigError(
                 "--shortlist is for --format ctranslate2; a transformers export keeps the whole vocabulary"
             )
-        written, kind = export_transformers(model, output), "transformers MarianMTModel, float32"
+        if told_languages_by_tokens(model):  # an imported NLLB-200 or M2M100, or a model fine-tuned from one
+            written, kind = export_m2m100(model, output, adapter), f"transformers {ARCHITECTURE}, float32"
+        else:
+            written, kind = export_transformers(model, output, adapter), "transformers MarianMTModel, float32"
     else:
-        written = export_ctranslate2(model, output, quantization, shortlist)
+        written = export_ctranslate2(model, output, quantization, shortlist, adapter)
         kind = f"CTranslate2, {quantization or 'float32'}" + (", a vocabulary map" if shortlist else "")
     typer.echo(f"wrote {written} ({kind} weights)", err=True)
 
@@ -157,6 +176,8 @@ def export_command(
         "mtkit import hf Helsinki-NLP/opus-mt-en-de --revision main -o opus-en-de",
         "mtkit import hf ./my-marian-folder --src-lang en --tgt-lang de -o my-model",
         "mtkit translate opus-en-de --precision fp32 -i test.en -o test.de",
+        "mtkit import hf facebook/nllb-200-distilled-600M --src-lang eng_Latn --tgt-lang fra_Latn -o nllb",
+        "mtkit import hf facebook/m2m100_418M -o m2m100",
     ),
 )
 @user_errors
@@ -164,8 +185,9 @@ def import_hf_command(
     source: Annotated[
         str,
         typer.Argument(
-            help="A transformers MarianMTModel folder (save_pretrained's layout), or a Hugging Face Hub repository "
-            "id such as Helsinki-NLP/opus-mt-en-de, downloaded into the Hugging Face cache."
+            help="A transformers MarianMTModel or M2M100ForConditionalGeneration (NLLB-200, M2M100) folder "
+            "(save_pretrained's layout), or a Hugging Face Hub repository id such as Helsinki-NLP/opus-mt-en-de or "
+            "facebook/nllb-200-distilled-600M, downloaded into the Hugging Face cache."
         ),
     ],
     output: Annotated[
@@ -176,22 +198,29 @@ def import_hf_command(
     ] = None,
     src_lang: Annotated[
         str | None,
-        typer.Option(help="The source language code to record; default: the one an OPUS-MT name states, else src."),
+        typer.Option(
+            help="The source language code to record; default: the one an OPUS-MT name states, else src. For "
+            "NLLB-200 and M2M100, one of the model's languages (eng_Latn, en), the default direction's source."
+        ),
     ] = None,
     tgt_lang: Annotated[
         str | None,
-        typer.Option(help="The target language code to record; default: the one an OPUS-MT name states, else tgt."),
+        typer.Option(
+            help="The target language code to record; default: the one an OPUS-MT name states, else tgt. For "
+            "NLLB-200 and M2M100, one of the model's languages, the default direction's target."
+        ),
     ] = None,
 ) -> None:
-    """Import a Marian model (OPUS-MT) as an mtkit model, which translate, eval, serve, export and
-    train.init_from take; its tokenizers are rewritten to keep Marian's ids exactly."""
-    from mtkit.interop.hf_import import import_marian
+    """Import a Marian model (OPUS-MT), NLLB-200 or M2M100 as an mtkit model, which translate, eval, serve, export
+    and train.init_from take; its tokenizer is rewritten to keep the model's ids exactly."""
+    from mtkit.interop.hf_import import import_hf
     from mtkit.interop.marian_languages import tags_note
     from mtkit.model.checkpoint import read_meta
 
-    written = import_marian(source, output, revision, src_lang, tgt_lang)
+    written = import_hf(source, output, revision, src_lang, tgt_lang)
     meta, cfg = read_meta(written)
-    typer.echo(f"wrote {written} ({cfg.data.src_lang}->{cfg.data.tgt_lang})", err=True)
+    languages = f"{len(cfg.data.languages):,} languages, " if cfg.data.languages else ""
+    typer.echo(f"wrote {written} ({languages}{cfg.data.src_lang}->{cfg.data.tgt_lang})", err=True)
     if "language_tags" in meta["imported"]:
         typer.echo(tags_note(meta["imported"]["language_tags"]), err=True)
 

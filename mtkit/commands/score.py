@@ -32,6 +32,7 @@ commands = typer.Typer()
         "mtkit score runs/m30k --src test.en --tgt test.de -o test.scores",
         "mtkit score runs/m30k --src test.en --tgt test.hyp.de --tokens",
         "mtkit score runs/m30k_en_xx --tgt-lang fr --src test.en --tgt test.fr",
+        "mtkit score opus-en-de --adapter runs/legal-lora --src test.en --tgt test.de",
     ),
 )
 @user_errors
@@ -54,12 +55,29 @@ def score_command(
         bool,
         typer.Option("--tokens", help="Add a third field: each target token's log-probability, eos last."),
     ] = False,
+    adapter: Annotated[
+        Path | None,
+        typer.Option(
+            help="A LoRA adapter of the model: a LoRA run (its best/), one of its checkpoints, or its adapter file "
+            "(model.safetensors there); it must have been trained on this very model. A LoRA run given as the "
+            "model needs none: it brings its own.",
+            show_default=False,
+        ),
+    ] = None,
     tgt_lang: Annotated[
         str | None,
         typer.Option(
             "--tgt-lang",
             help="The target language, for a model trained on several target languages (its tag goes before "
-            "each source); a model of one needs none.",
+            "each source) or one told its languages by tokens (an imported NLLB-200 or M2M100); a model of one needs "
+            "none.",
+        ),
+    ] = None,
+    src_lang: Annotated[
+        str | None,
+        typer.Option(
+            "--src-lang",
+            help="The source language, for a model told its languages by tokens whose import named no default.",
         ),
     ] = None,
     batch_size: Annotated[
@@ -89,7 +107,7 @@ def score_command(
     setup_logging()
     try:
         score_files(
-            model, src, tgt, output, tokens, tgt_lang, device, precision, engine, threads,
+            model, src, tgt, output, tokens, tgt_lang, device, precision, engine, threads, src_lang, adapter,
             **given(batch_size=batch_size, batch_tokens=batch_tokens),
         )  # fmt: skip
     except Interrupted as stop:
@@ -109,12 +127,15 @@ def score_files(
     precision: InferencePrecision = InferenceConfig.precision,
     engine: Engine = InferenceConfig.engine,
     threads: int = InferenceConfig.threads,
+    src_lang: str | None = None,
+    adapter: Path | None = None,
     **decode: Any,
 ) -> int:
     """Score each line of ``tgt`` as the translation of the same line of ``src`` into ``output`` (None for stdout),
     one line per pair (``score_line``); the count. Checked before the model loads as ``mtkit translate`` checks
     (the inputs exist, the output may be written, and two regular files hold as many lines); a file shorter than
-    the other is a DataError naming it, and then ``output`` is not written."""
+    the other is a DataError naming it, and then ``output`` is not written. ``adapter``: a LoRA adapter of the
+    model."""
     from mtkit.data.parallel import DataError, check_input_file, count_lines
     from mtkit.decoding.line_translator import CHUNK_LINES, PairMismatch
     from mtkit.files import check_output_file
@@ -140,9 +161,13 @@ def score_files(
     if output is None and sys.stdout is None:  # started with stdout closed (>&-)
         raise DataError("<stdout>: standard output is closed; give a file to write with -o")
     if output is not None:
-        check_output_file(output, with_model_files([src, tgt, *models]), checkpoints_holding(output))
+        inputs = [src, tgt, *models, *([adapter] if adapter is not None else [])]
+        check_output_file(output, with_model_files(inputs), checkpoints_holding(output))
     with WholeLines() as whole_lines:
-        scorer = load_translator(models, device, precision, engine, tgt_lang=tgt_lang, threads=threads, **decode)
+        scorer = load_translator(
+            models, device, precision, engine, tgt_lang=tgt_lang, threads=threads, src_lang=src_lang,
+            adapter=adapter, **decode,
+        )  # fmt: skip
         scorer.check_target()
         sources = (line for chunk in input_chunks(src_in, CHUNK_LINES) for line in chunk)
         targets = (line for chunk in input_chunks(tgt_in, CHUNK_LINES) for line in chunk)

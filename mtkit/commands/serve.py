@@ -16,7 +16,7 @@ from mtkit.commands.common import (
     setup_logging,
     user_errors,
 )
-from mtkit.config import InferenceConfig, ServeConfig
+from mtkit.config import ConfigError, InferenceConfig, ServeConfig
 
 commands = typer.Typer()
 
@@ -29,11 +29,21 @@ LogFormat = Literal["plain", "json"]
         "mtkit serve runs/m30k",
         "MTKIT_API_KEY=secret mtkit serve runs/m30k --host 0.0.0.0 --port 8080 --max-batch-size 64",
         'curl -s localhost:8000/v1/translate -H "Content-Type: application/json" -d \'{"text": "A dog runs."}\'',
+        "mtkit serve opus-en-de --adapter legal=runs/legal-lora --adapter medical=runs/medical-lora",
     ),
 )
 @user_errors
 def serve_command(
     model: ModelPath,
+    adapter: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="NAME=PATH",
+            help="A LoRA adapter of the model at PATH (a LoRA run, one of its checkpoints, or its adapter file), "
+            "used by the requests whose 'adapter' is NAME; repeat it for several, all over the one model in memory.",
+            show_default=False,
+        ),
+    ] = None,
     host: Annotated[str, typer.Option(help="Address to listen on; 0.0.0.0 for every interface.")] = ServeConfig.host,
     port: Annotated[int, typer.Option(help="Port to listen on; 0 for any free one (logged).")] = ServeConfig.port,
     device: Device = InferenceConfig.device,
@@ -85,11 +95,12 @@ def serve_command(
         ),
     ] = ServeConfig.api_key,
 ) -> None:
-    """Translate over HTTP: POST /v1/translate, GET /health, GET /v1/models; API docs at /docs.
+    """Translate over HTTP: POST /v1/translate, POST /v1/score, GET /health, GET /v1/models; API docs at /docs.
 
     The sentences of concurrent requests are searched together, up to --max-batch-size at a time; a
     request joins a search already running and leaves it as soon as its sentences are done.
-    Decoding follows the settings saved with the model unless a request says otherwise. SIGINT or
+    Decoding follows the settings saved with the model unless a request says otherwise; a request may name one
+    of the --adapter adapters, whose requests are searched apart from the others'. SIGINT or
     SIGTERM stops taking connections, finishes the requests in flight and exits 0; a second one stops at
     once, and exits 1 if that cut requests off.
     """
@@ -104,10 +115,14 @@ def serve_command(
         max_texts=max_texts, max_chars=max_chars, timeout=timeout, receive_timeout=receive_timeout,
         max_connections=max_connections, log_format=log_format, api_key=api_key,
     )  # fmt: skip
+    from mtkit.serving.adapters import adapter_option
     from mtkit.serving.server import serve
 
+    adapters = dict(adapter_option(given) for given in adapter or [])
+    if len(adapters) != len(adapter or []):
+        raise ConfigError("--adapter gives each NAME once")
     try:
-        status = serve(model, cfg, device=device, precision=precision, engine=engine, threads=threads)
+        status = serve(model, cfg, adapters, device=device, precision=precision, engine=engine, threads=threads)
     except KeyboardInterrupt:  # Ctrl-C before the server listens (while the model loads): stop quietly
         raise typer.Exit(130) from None
     raise typer.Exit(status)

@@ -34,6 +34,7 @@ commands = typer.Typer()
         "mtkit translate runs/en-de -i test.en --rerank channel --reverse-model runs/de-en --channel-weight 0.5",
         "mtkit translate runs/en-de -i test.en --rerank mbr --sample --candidates 16",
         "mtkit translate runs/en-de -i test.en --rerank qe --comet-model cometkiwi",
+        "mtkit translate opus-en-de --adapter runs/legal-lora -i test.en -o test.hyp.de",
     ),
 )
 @user_errors
@@ -133,12 +134,30 @@ def translate_command(
             "candidates only. Faster in fp32 and in beam search; outputs can change."
         ),
     ] = None,
+    adapter: Annotated[
+        Path | None,
+        typer.Option(
+            help="A LoRA adapter of the model: a LoRA run (its best/), one of its checkpoints, or its adapter file "
+            "(model.safetensors there); it must have been trained on this very model. A LoRA run given as the "
+            "model needs none: it brings its own.",
+            show_default=False,
+        ),
+    ] = None,
     tgt_lang: Annotated[
         str | None,
         typer.Option(
             "--tgt-lang",
             help="The language to translate into, for a model trained on several target languages (its tag goes "
-            "before each source); a model of one needs none.",
+            "before each source) or one told its languages by tokens (an imported NLLB-200 or M2M100: deu_Latn, "
+            "de); a model of one needs none.",
+        ),
+    ] = None,
+    src_lang: Annotated[
+        str | None,
+        typer.Option(
+            "--src-lang",
+            help="The language of the input, for a model told its languages by tokens (an imported NLLB-200 or "
+            "M2M100: eng_Latn, en) whose import named no default; other models check it against their directions.",
         ),
     ] = None,
     rerank: Annotated[
@@ -217,7 +236,7 @@ def translate_command(
         translate_file(
             model, input, output, prefix, nbest=nbest, scores=scores, alignments=alignments, sampling=sampling,
             device=device, precision=precision, engine=engine, shortlist=shortlist, tgt_lang=tgt_lang,
-            threads=threads, rerank=reranking, **decode,
+            threads=threads, rerank=reranking, src_lang=src_lang, adapter=adapter, **decode,
         )  # fmt: skip
     except Interrupted as stop:
         kept = f": they are in {stop.partial}, and {output} is not written" if stop.partial else ""

@@ -9,6 +9,7 @@ from mtkit.config.bounds import (
     MAX_BATCH_TOKENS,
     MAX_BEAM,
     MAX_CORPORA,
+    MAX_LANGUAGES,
     MAX_LAYERS,
     MAX_LENPEN,
     MAX_PAD_MULTIPLE,
@@ -34,7 +35,7 @@ from mtkit.config.decoding import (
 from mtkit.config.model import PRESETS, ModelConfig, Preset
 from mtkit.config.reader import apply_override, config_yaml, from_dict, read_config
 from mtkit.config.schema import SECTIONS, RunConfig
-from mtkit.config.training import FreezeGroup, Precision, TrainConfig
+from mtkit.config.training import FreezeGroup, LoraConfig, LoraTarget, Precision, TrainConfig
 from mtkit.config.workflows import BackTranslationConfig, DistillationConfig, PairFilterConfig, RecipeConfig
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "MAX_BATCH_TOKENS",
     "MAX_BEAM",
     "MAX_CORPORA",
+    "MAX_LANGUAGES",
     "MAX_LAYERS",
     "MAX_LENPEN",
     "MAX_PAD_MULTIPLE",
@@ -65,6 +67,8 @@ __all__ = [
     "InferenceConfig",
     "InferencePrecision",
     "LengthPenalty",
+    "LoraConfig",
+    "LoraTarget",
     "ModelConfig",
     "PairFilterConfig",
     "Precision",

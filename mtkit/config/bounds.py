@@ -14,6 +14,7 @@ MAX_LENPEN = 10.0
 MIN_TEMPERATURE = 1e-30
 MAX_TEMPERATURE = 1e30
 MAX_CORPORA = 256
+MAX_LANGUAGES = 1_024
 MAX_TEACHERS = 16
 MAX_PER_SOURCE = 1_000
 
@@ -47,6 +48,9 @@ REASONS: dict[str, str] = {
     ),
     "MAX_TEMPERATURE": "The other end of MIN_TEMPERATURE's range: 1 / T must be a float32 number too.",
     "MAX_CORPORA": "corpora in data.corpora: each is a token store held open and a share of the batches",
+    "MAX_LANGUAGES": (
+        "languages in data.languages: each is a token of the model's vocabulary (NLLB-200 names 202, M2M100 100)"
+    ),
     "MAX_TEACHERS": "models in a teacher ensemble: each is held in memory and run at every decoding step",
     "MAX_PER_SOURCE": "shortlist candidates per source token, at most: bounds what a shortlist file may allocate",
 }

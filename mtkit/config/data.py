@@ -5,7 +5,7 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from mtkit.config.bounds import MAX_CORPORA
+from mtkit.config.bounds import MAX_CORPORA, MAX_LANGUAGES
 from mtkit.config.checks import check, check_choices
 from mtkit.config.setting import setting
 from mtkit.untrusted import shown
@@ -90,6 +90,17 @@ class DataConfig:
         "train_src/train_tgt/valid_src/valid_tgt; a model of several target languages gets a tag <2CODE> before each "
         "source (docs/multilingual.md)",
     )
+    languages: tuple[str, ...] = setting(
+        (),
+        "the languages of a model that is told its source and target language by tokens, as NLLB-200 and M2M100 "
+        "are (`mtkit import hf` records them): it translates between any two of them; each source begins with its "
+        "language's token and each output with the target language's (data.language_token)",
+    )
+    language_token: str = setting(
+        "",
+        "with data.languages: the piece of a language's token, {lang} standing for its code (NLLB-200: {lang}, "
+        "M2M100: __{lang}__)",
+    )
     temperature: float = setting(
         1.0,
         "each batch comes from one corpus, drawn with probability proportional to "
@@ -97,10 +108,12 @@ class DataConfig:
         "towards uniform (fairseq's and eole's temperature sampling)",
     )
 
-    bounds: ClassVar[dict[str, tuple[str, ...]]] = {"MAX_CORPORA": ("corpora",)}
+    bounds: ClassVar[dict[str, tuple[str, ...]]] = {"MAX_CORPORA": ("corpora",), "MAX_LANGUAGES": ("languages",)}
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "corpora", tuple(self.corpora))  # a list when built in Python
+        object.__setattr__(self, "languages", tuple(self.languages))
+        self._check_languages()
         check(self.max_tokens >= 1, "data.max_tokens must be >= 1")
         check(self.max_ratio >= 1.0, "data.max_ratio must be >= 1")
         check(self.temperature > 0, f"data.temperature must be > 0, got {self.temperature:g}")
@@ -118,6 +131,29 @@ class DataConfig:
             validated = [c.direction for c in self.corpora if c.valid_src]
             twice = sorted({d for d in validated if validated.count(d) > 1})
             check(not twice, f"data.corpora gives two validation sets for {', '.join(twice)}: keep one")
+
+    def _check_languages(self) -> None:
+        """data.languages: distinct language codes, each with a token data.language_token names."""
+        check(
+            len(self.languages) <= MAX_LANGUAGES,
+            f"data.languages lists {len(self.languages):,} languages; at most {MAX_LANGUAGES:,} are taken",
+        )
+        for code in self.languages:
+            check(
+                isinstance(code, str) and LANGUAGE_CODE.fullmatch(code) is not None,
+                f"data.languages: {shown(code)} is not a language code (a letter, then up to 15 letters, digits, _ "
+                "or -)",
+            )
+        twice = sorted({code for code in self.languages if self.languages.count(code) > 1})
+        check(not twice, f"data.languages names {', '.join(twice)} twice")
+        if not self.languages:
+            check(not self.language_token, "data.language_token needs data.languages")
+            return
+        token = self.language_token
+        check(
+            token.count("{lang}") == 1 and len(token) <= 64 and not any(c.isspace() for c in token),
+            f"data.language_token must hold {{lang}} once, no spaces, at most 64 characters; got {shown(token)}",
+        )
 
 
 @dataclass(frozen=True)

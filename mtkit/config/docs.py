@@ -43,8 +43,8 @@ def type_name(hint: Any) -> str:
 
 
 def yaml_value(value: Any) -> str:
-    """``value`` as it is written in a YAML config (``''``, ``true``, ``0.001``)."""
-    return yaml.safe_dump(value).splitlines()[0]
+    """``value`` as it is written in a YAML config (``''``, ``true``, ``0.001``, ``[attention]``)."""
+    return yaml.safe_dump(value, default_flow_style=True, sort_keys=False).splitlines()[0]
 
 
 def description(cls: type) -> str:
@@ -65,10 +65,15 @@ def _settings(cls: type) -> str:
     """A table of a section's settings (or of an item's keys): key, type, default and help text."""
     hints = typing.get_type_hints(cls)
     rows = [
-        [f"`{f.name}`", type_name(hints[f.name]), f"`{yaml_value(f.default)}`", f.metadata["help"]]
+        [f"`{f.name}`", type_name(hints[f.name]), _default(f.default), f.metadata["help"]]
         for f in dataclasses.fields(cls)
     ]
     return _table(["key", "type", "default", "why"], rows)
+
+
+def _default(value: Any) -> str:
+    """A setting's default as the table shows it; a mapping's (train.lora) as the mapping of its keys' defaults."""
+    return f"`{yaml_value(dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value)}`"
 
 
 def _section(name: str, cls: type) -> str:
@@ -79,6 +84,8 @@ def _section(name: str, cls: type) -> str:
         item = typing.get_args(hints[f.name])[0] if typing.get_origin(hints[f.name]) is tuple else None
         if dataclasses.is_dataclass(item):
             parts += [f"### `{name}.{f.name}`: each item", description(item), _settings(item)]
+        elif dataclasses.is_dataclass(hints[f.name]):  # a mapping of keys (train.lora)
+            parts += [f"### `{name}.{f.name}`", description(hints[f.name]), _settings(hints[f.name])]
     if cls is ModelConfig:
         parts += ["### Presets", "`preset` sets these keys; keys given in the config override them.", _presets()]
     rows = [

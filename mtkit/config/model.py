@@ -94,10 +94,17 @@ class ModelConfig:
         "share the target embeddings and the output projection (implied by tie_embeddings)",
     )
     output_bias: bool = setting(False, "a learned bias on the output logits (Marian's final_logits_bias)")
-    positions: Literal["sinusoidal", "learned", "relative", "rotary"] = setting(
+    positions: Literal["sinusoidal", "learned", "relative", "rotary", "fairseq"] = setting(
         "sinusoidal",
         "sinusoidal or learned: added to the embeddings; relative (Shaw et al., 2018) or rotary (Su et al., 2021): "
-        "inside encoder and decoder self-attention, so scores depend on distances",
+        "inside encoder and decoder self-attention, so scores depend on distances; fairseq: the sinusoids fairseq "
+        "and tensor2tensor add (frequencies 10000^(-i/(d_model/2 - 1)), sin and cos in two halves, from position 2), "
+        "which NLLB-200 and M2M100 were trained with",
+    )
+    decoder_start: Literal["bos", "eos"] = setting(
+        "bos",
+        "the token the decoder reads before the first output: bos, or eos as fairseq-trained models (NLLB-200, "
+        "M2M100) read it",
     )
     relative_clip: int = setting(16, "relative: distances beyond this many positions share one vector")
     attention_window: int = setting(0, "self-attention sees only positions at most this far away; 0: all")
@@ -127,5 +134,9 @@ class ModelConfig:
         check(
             self.positions != "rotary" or (self.d_model // self.heads) % 2 == 0,
             f"model.positions rotary needs an even head size, and d_model {self.d_model} / heads {self.heads} is odd",
+        )
+        check(
+            self.positions != "fairseq" or (self.d_model % 2 == 0 and self.d_model >= 4),
+            f"model.positions fairseq needs an even d_model of at least 4, got {self.d_model}",
         )
         check(8 <= self.max_positions <= MAX_POSITIONS, f"model.max_positions must be between 8 and {MAX_POSITIONS}")

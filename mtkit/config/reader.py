@@ -68,11 +68,12 @@ def _expanded_size(node: yaml.Node, sizes: dict[int, int]) -> int:
 
 
 def apply_override(raw: dict[str, Any], assignment: str) -> None:
-    """Apply one ``section.key=value`` override in place; the value is parsed as YAML."""
+    """Apply one ``section.key=value`` override in place, or ``section.key.subkey=value`` for a key that is a mapping
+    (train.lora); the value is parsed as YAML."""
     key, sep, text = assignment.partition("=")
     parts = key.strip().split(".")
-    if not sep or len(parts) != 2 or not all(parts):
-        raise ConfigError(f"--set expects section.key=value, got {shown(assignment)}")
+    if not sep or len(parts) not in (2, 3) or not all(parts):
+        raise ConfigError(f"--set expects section.key=value (or section.key.subkey=value), got {shown(assignment)}")
     try:
         value = parse_yaml(text)[0] if text.strip() else ""
     except yaml.YAMLError:
@@ -80,7 +81,11 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
     section = raw.setdefault(parts[0], {})
     if not isinstance(section, dict):
         raise ConfigError(f"config section {parts[0]} must be a mapping")
-    section[parts[1]] = value
+    if len(parts) == 3:
+        section = section.setdefault(parts[1], {})
+        if not isinstance(section, dict):
+            raise ConfigError(f"{parts[0]}.{parts[1]} must be a mapping to set {key.strip()}")
+    section[parts[-1]] = value
 
 
 def read_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:

@@ -12,6 +12,40 @@ from mtkit.config.setting import setting
 # (mtkit.runtime.choose_precision).
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 FreezeGroup = Literal["embeddings", "encoder", "decoder"]  # the parts of a model train.freeze can hold still
+# The linear layers train.lora can adapt: each projection by name, or a group of them (mtkit.model.lora.TARGETS).
+LoraTarget = Literal[
+    "attention", "self_attention", "cross_attention", "ffn",
+    "self_q", "self_k", "self_v", "self_out", "cross_q", "cross_k", "cross_v", "cross_out", "ffn_up", "ffn_down",
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA (Hu et al., 2021): each target linear layer W of the model train.init_from names gets an adapter, two
+    matrices A (rank, in) and B (out, rank), and computes x W^T + b + (alpha / rank) B A x; the base model stays as
+    it is and only the adapters train. B starts at zero, so training starts from the base model's function. Each
+    checkpoint then holds the adapters alone, with the digest of the base they adapt (docs/commands.md)."""
+
+    rank: int = setting(
+        0,
+        "the rank of each adapter, at most the smaller width of every target layer; 0: no adapters, the whole model "
+        "trains (as train.freeze allows)",
+    )
+    alpha: float = setting(16.0, "the adapters' updates are scaled by alpha / rank")
+    dropout: float = setting(0.0, "dropout on each adapter's input, in training")
+    targets: tuple[LoraTarget, ...] = setting(
+        ("attention",),
+        "the layers adapted, in the encoder and the decoder: attention (every attention projection: self_attention "
+        "and cross_attention, each its q, k, v and out projections), ffn (ffn_up and ffn_down), or single "
+        "projections such as self_q, self_v, cross_q, cross_out",
+    )
+
+    def __post_init__(self) -> None:
+        check_choices(self, "train.lora")
+        check(self.rank >= 0, f"train.lora.rank must be >= 0 (0: no LoRA), got {self.rank}")
+        check(self.alpha > 0, f"train.lora.alpha must be > 0, got {self.alpha}")
+        check(0.0 <= self.dropout < 1.0, f"train.lora.dropout must be in [0, 1), got {self.dropout}")
+        check(not self.rank or bool(self.targets), "train.lora.targets is empty: name the layers to adapt")
 
 
 @dataclass(frozen=True)
@@ -87,8 +121,9 @@ class TrainConfig:
     init_from: str = setting(
         "",
         "a trained model to start from (fine-tuning): a run directory (its best/), a checkpoint folder or an "
-        "averaged .safetensors file with its tokenizer(s) beside it, or hf:SOURCE, a transformers Marian model (a "
-        "folder or a Hub id such as Helsinki-NLP/opus-mt-en-de) imported into RUN_DIR/imported as `mtkit import hf` "
+        "averaged .safetensors file with its tokenizer(s) beside it, or hf:SOURCE, a transformers Marian, NLLB-200 or "
+        "M2M100 model (a folder or a Hub id such as Helsinki-NLP/opus-mt-en-de or facebook/nllb-200-distilled-600M) "
+        "imported into RUN_DIR/imported as `mtkit import hf` "
         "does. The run takes its architecture and tokenizers; optimizer, schedule and data position start afresh. "
         'Read only while the run has no checkpoint; "": random weights',
     )
@@ -97,6 +132,11 @@ class TrainConfig:
         "parts of the model kept at their values (requires_grad off, out of the optimizer): embeddings (token and "
         "learned position embeddings, and the output projection when it is tied to them), encoder, decoder (with an "
         "untied output projection)",
+    )
+    lora: LoraConfig = setting(
+        LoraConfig(),
+        "LoRA: low-rank adapters trained on a frozen train.init_from model instead of its weights (its keys: "
+        "train.lora below); rank 0, the default, trains the model itself",
     )
 
     bounds: ClassVar[dict[str, tuple[str, ...]]] = {
@@ -150,3 +190,9 @@ class TrainConfig:
         )
         check(0.0 <= self.label_smoothing < 1.0, "train.label_smoothing must be in [0, 1)")
         check(self.clip_norm >= 0 and self.weight_decay >= 0, "train.clip_norm and train.weight_decay must be >= 0")
+        if self.lora.rank:
+            check(bool(self.init_from), "train.lora needs train.init_from: the trained model the adapters adapt")
+            check(
+                not self.freeze,
+                "train.lora holds the whole base model still and trains its adapters alone: leave train.freeze out",
+            )

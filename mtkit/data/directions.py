@@ -8,6 +8,10 @@ and ``mtkit translate --tgt-lang de`` puts it there. Sources of a back-translate
 encoding: the same text gives the same pieces in training, validation and translation, whichever
 engine encodes it. In the text to translate, a tag's characters are text like any other: ``<2fr>``
 typed there is encoded as the characters it is made of, never as the tag (``typed_tags``).
+
+A model told its languages by tokens (``data.languages``: an imported NLLB-200 or M2M100) translates between any
+two of its languages: each source begins with its language's token and each output with the target language's,
+ids the engines put there themselves (``language_ids``), so no text can choose them.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pathlib import Path
 
 from mtkit.config import LANGUAGE_CODE, ConfigError, CorpusConfig, DataConfig
 from mtkit.data.parallel import DataError
+from mtkit.data.tokenizer import Tokenizer
 
 BT_TAG = "<BT>"
 
@@ -44,8 +49,49 @@ def directions(data: DataConfig) -> list[tuple[str, str]]:
 
 
 def tags_targets(data: DataConfig) -> bool:
-    """Whether sources carry a target-language tag: they do when the corpora have several target languages."""
-    return len({tgt for _, tgt in directions(data)}) > 1
+    """Whether sources carry a target-language tag: they do when the corpora have several target languages (and
+    the model is not told its languages by tokens)."""
+    return not data.languages and len({tgt for _, tgt in directions(data)}) > 1
+
+
+def language_token(data: DataConfig, lang: str) -> str:
+    """The piece of ``lang``'s token in a model of ``data.languages``."""
+    return data.language_token.replace("{lang}", lang)
+
+
+def language_leads(
+    data: DataConfig, src_tok: Tokenizer, tgt_tok: Tokenizer, src_lang: str, tgt_lang: str
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The ids before each source (its language's token) and each target (the target language's) of a model told
+    its languages by tokens; none for other models. ConfigError where a tokenizer lacks a language's token."""
+    if not data.languages:
+        return (), ()
+    leads = []
+    for tok, lang in ((src_tok, src_lang), (tgt_tok, tgt_lang)):
+        piece = language_token(data, lang)
+        found = tok.sp.piece_to_id(piece)
+        if tok.sp.id_to_piece(found) != piece:
+            raise ConfigError(f"{tok.path}: no token {piece!r}, which the model's config names for {lang}")
+        leads.append((found,))
+    return leads[0], leads[1]
+
+
+def choose_language(data: DataConfig, lang: str | None, side: str) -> str:
+    """The ``side`` ("source" or "target") language of a model of ``data.languages``: ``lang``, which must be one of
+    them, or the model's default (data.src_lang/tgt_lang) when that is one. ConfigError otherwise."""
+    flag = "--src-lang" if side == "source" else "--tgt-lang"
+    default = data.src_lang if side == "source" else data.tgt_lang
+    shown = ", ".join(data.languages[:8]) + (", ..." if len(data.languages) > 8 else "")
+    if not lang:
+        if default not in data.languages:
+            raise ConfigError(
+                f"this model translates between {len(data.languages):,} languages ({shown}): say the {side} "
+                f"language with {flag}"
+            )
+        return default
+    if lang not in data.languages:
+        raise ConfigError(f"{lang!r} is not one of this model's {len(data.languages):,} languages ({shown})")
+    return lang
 
 
 def reserved_symbols(data: DataConfig) -> list[str]:
@@ -65,6 +111,8 @@ def source_prefix(data: DataConfig, tgt_lang: str, back_translated: bool = False
 def choose_target(data: DataConfig, tgt_lang: str | None) -> str:
     """The target language to translate into: ``tgt_lang``, which must be one the model was trained for, or
     the model's only one. ConfigError naming the directions otherwise."""
+    if data.languages:
+        return choose_language(data, tgt_lang, "target")
     pairs = directions(data)
     targets = list(dict.fromkeys(tgt for _, tgt in pairs))
     trained = ", ".join(f"{src}->{tgt}" for src, tgt in pairs)
@@ -75,6 +123,20 @@ def choose_target(data: DataConfig, tgt_lang: str | None) -> str:
     if tgt_lang not in targets:
         raise ConfigError(f"this model was not trained to translate into {tgt_lang!r}; it translates {trained}")
     return tgt_lang
+
+
+def choose_source(data: DataConfig, src_lang: str | None, tgt_lang: str) -> str:
+    """The source language of a translation into ``tgt_lang``: ``src_lang`` (checked against the model's
+    directions into ``tgt_lang``, or its languages) or, where one is needed and none given, the model's default."""
+    if data.languages:
+        return choose_language(data, src_lang, "source")
+    sources = [src for src, tgt in directions(data) if tgt == tgt_lang]
+    if src_lang and src_lang not in sources:
+        trained = ", ".join(f"{src}->{tgt}" for src, tgt in directions(data))
+        raise ConfigError(
+            f"this model was not trained to translate {src_lang!r} into {tgt_lang!r}; it translates {trained}"
+        )
+    return src_lang or sources[0]
 
 
 def data_of(pairs: list[tuple[str, str]]) -> DataConfig:

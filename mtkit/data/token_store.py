@@ -73,22 +73,29 @@ def store_key(
     max_tokens: int,
     max_ratio: float,
     source_prefix: str = "",
+    leads: tuple[tuple[int, ...], tuple[int, ...]] = ((), ()),
 ) -> dict:
     """Everything the encoded pairs depend on; its digest names the store. ``source_prefix``: the tags put before
-    each source (mtkit.data.directions), part of the key only where there are some."""
+    each source, ``leads`` the language tokens' ids put before each source and target of a model told its
+    languages by tokens (mtkit.data.directions), each part of the key only where there are some."""
     files = []
     for name in train_files:
         check_input_file(name)
         stat = Path(name).stat()
         files.append({"path": str(Path(name).resolve()), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns})
-    return {
+    key = {
         "format": FORMAT,
         "files": files,
         "src_tokenizer": src_tok.sha256,
         "tgt_tokenizer": tgt_tok.sha256,
         "max_tokens": max_tokens,
         "max_ratio": max_ratio,
-    } | ({"source_prefix": source_prefix} if source_prefix else {})
+    }
+    if source_prefix:
+        key["source_prefix"] = source_prefix
+    if any(leads):
+        key["leads"] = [list(lead) for lead in leads]
+    return key
 
 
 def _digest(key: dict) -> str:
@@ -286,6 +293,9 @@ def _encode(tmp: Path, pairs: Iterable[tuple[str, str]], key: dict, src_tok: Tok
                 key["max_ratio"],
             )
             report += chunk_report
+            if "leads" in key:  # after the filter, which counts the text's tokens alone
+                src_lead, tgt_lead = key["leads"]
+                src, tgt = [src_lead + ids for ids in src], [tgt_lead + ids for ids in tgt]
             for side, encoded, out in (("src", src, src_out), ("tgt", tgt, tgt_out)):
                 side_lengths = np.fromiter(map(len, encoded), dtype=np.int32, count=len(encoded))
                 flat = itertools.chain.from_iterable(encoded)

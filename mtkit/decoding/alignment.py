@@ -91,12 +91,17 @@ def _attention_modules(model: Transformer) -> dict[str, list[MultiHeadAttention]
 
 @torch.inference_mode()
 def _teacher_forced(
-    model: Transformer, src_ids: list[list[int]], tgt_ids: list[list[int]], modules: list[MultiHeadAttention]
+    model: Transformer,
+    src_ids: list[list[int]],
+    tgt_ids: list[list[int]],
+    modules: list[MultiHeadAttention],
+    target_lead: tuple[int, ...] = (),
 ) -> dict[MultiHeadAttention, Tensor]:
-    """Weights (B, H, Tq, Tk) of ``modules`` while the model reads each source + eos and bos + its target."""
+    """Weights (B, H, Tq, Tk) of ``modules`` while the model reads each source + eos and bos (+ ``target_lead``,
+    a target language's token) + its target."""
     device = model.output.weight.device
     src, src_pad_mask = (t.to(device) for t in source_tensor(src_ids))
-    tgt_in = pad(tgt_ids, prefix=[BOS_ID]).to(device)
+    tgt_in = pad(tgt_ids, prefix=[BOS_ID, *target_lead]).to(device)
     with recording(modules) as weights:
         model.features(src, src_pad_mask, tgt_in)
     return weights
@@ -177,8 +182,11 @@ def align_batch(
     tgt_tok: Tokenizer,
     pairs: Sequence[tuple[list[int], list[int]]],
     layer: int | None = None,
+    leads: tuple[tuple[int, ...], tuple[int, ...]] = ((), ()),
 ) -> list[str]:
     """One Pharaoh line per (source ids, hypothesis ids) pair, both without bos/eos; "" where either is empty.
+    ``leads``: the language tokens before each source (part of its ids) and before each hypothesis (read by the
+    decoder, not part of it) in a model told its languages by tokens; they carry no word.
 
     One padded teacher-forced pass records only the alignment layer's cross-attention, so memory
     stays at B x H x T x S; padding is masked, so each line is what the pair alone would give.
@@ -189,11 +197,14 @@ def align_batch(
         return lines
     layers = model.decoder.layers
     module = layers[alignment_layer(len(layers)) if layer is None else layer].cross_attn
-    weights = _teacher_forced(model, [pairs[i][0] for i in todo], [pairs[i][1] for i in todo], [module])[module]
+    sources, targets = [pairs[i][0] for i in todo], [pairs[i][1] for i in todo]
+    weights = _teacher_forced(model, sources, targets, [module], leads[1])[module]
+    skip_src, skip_tgt = len(leads[0]), len(leads[1])
     for row, i in enumerate(todo):
         src, hyp = pairs[i]
-        averaged = weights[row, :, : len(hyp) + 1, : len(src) + 1].mean(dim=0)
-        lines[i] = alignment_line(_hard_alignment(pieces(src_tok, src), pieces(tgt_tok, hyp), averaged))
+        averaged = weights[row, :, skip_tgt : skip_tgt + len(hyp) + 1, skip_src : len(src) + 1].mean(dim=0)
+        words = _hard_alignment(pieces(src_tok, src[skip_src:]), pieces(tgt_tok, hyp), averaged)
+        lines[i] = alignment_line(words)
     return lines
 
 

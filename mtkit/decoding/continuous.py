@@ -66,11 +66,14 @@ class ContinuousBeamSearch:
     log-probabilities and ``mask`` (n, S) its source padding.
     """
 
-    def __init__(self, model: Transformer, decode: DecodeConfig, nbest: int = 1) -> None:
+    def __init__(self, model: Transformer, decode: DecodeConfig, nbest: int = 1, lead: tuple[int, ...] = ()) -> None:
+        """``lead``: the tokens every output starts with, certain (a target language's token; search.py's
+        ``_force``), kept in the hypotheses."""
         if not supports(model):
             raise ValueError("continuous batching searches one model, not an ensemble")
         self.model, self.decode, self.nbest, self.beam = model, decode, nbest, decode.beam
         self.device = next(model.parameters()).device
+        self.lead = torch.tensor(lead, dtype=torch.long, device=self.device)
         self.waiting: list[tuple[Hashable, list[int]]] = []
         self.withdrawn: set[Hashable] = set()  # live sentences that leave, unanswered, at the next step
         self._reset()
@@ -126,12 +129,17 @@ class ContinuousBeamSearch:
         cache.self_allowed = seen.repeat_interleave(k, dim=0)[:, None, None, :]
         logits = self.model.decode(self.tokens[:, -1:], None, self.mask, cache)[:, -1].float()
         must_end = steps + 1 >= self.max_lens
+        forced = None
+        if len(self.lead) and bool((steps < len(self.lead)).any()):
+            leading = torch.where(steps < len(self.lead), self.lead[steps.clamp(max=len(self.lead) - 1)], -1)
+            forced = leading.repeat_interleave(k)
         row_lprobs, row_tok = best_extensions(
             logits,
             2 * k,
             eos_allowed=(steps >= decode.min_len).repeat_interleave(k),
-            forced=None,
+            forced=forced,
             must_end=must_end.repeat_interleave(k),
+            certain=True,
         )
         extensions = beam_step(self.scores, row_lprobs, row_tok, k)
         filed = [len(hyps) for hyps in self.finished]
@@ -189,6 +197,7 @@ class ContinuousBeamSearch:
         src, pad_mask = (t.to(device) for t in source_tensor(list(ids)))
         limit = self.model.max_target_positions
         max_lens = max_lengths(pad_mask, self.decode.max_len_a, self.decode.max_len_b, limit)
+        max_lens = max_lens.clamp(min=len(self.lead) + 1)  # the lead and an eos always fit
         joined = self.model.decoder.cross_cache(self.model.encode(src, pad_mask))
         m, slot = len(keys), cache.length
         scores = torch.full((m, k), float("-inf"), device=device)
@@ -224,7 +233,8 @@ class LineSearch:
 
     def __init__(self, translator: Translator) -> None:
         self.translator = translator
-        self.search = ContinuousBeamSearch(translator.model, translator.decode, translator.nbest)
+        t = translator
+        self.search = ContinuousBeamSearch(t.model, t.decode, t.nbest, t.target_lead)
         self.empty: list[Hashable] = []  # keys of texts that need no search
         self.sources: dict[Hashable, list[int]] = {}  # each live text's ids, which its alignment needs
 
@@ -241,7 +251,7 @@ class LineSearch:
 
     def add(self, key: Hashable, line: str) -> None:
         t = self.translator
-        ids = source_ids(t.src_tok, [line], t.model.max_source_positions, None, t.source_prefix).get(0)
+        ids = source_ids(t.src_tok, [line], t.model.max_source_positions, None, t.source_prefix, t.source_lead).get(0)
         if ids is None:
             self.empty.append(key)
             return
@@ -259,11 +269,16 @@ class LineSearch:
     def step(self) -> list[tuple[Hashable, list[Translation]]]:
         done: list[tuple[Hashable, list[Translation]]] = [(key, [EMPTY]) for key in self.empty]
         self.empty = []
+        t = self.translator
         finished = self.search.step()
+        if t.target_lead:  # the language's token is no part of the translation
+            skip = len(t.target_lead)
+            finished = [(key, [replace(h, tokens=h.tokens[skip:]) for h in hyps]) for key, hyps in finished]
         alignments = [""] * len(finished)
-        if self.translator.aligner is not None and finished:
+        if t.aligner is not None and finished:
             pairs = [(self.sources.pop(key), hyps[0].tokens) for key, hyps in finished]
-            alignments = align_batch(self.translator.aligner, self.translator.src_tok, self.translator.tgt_tok, pairs)
+            leads = (t.source_lead, t.target_lead)
+            alignments = align_batch(t.aligner, t.src_tok, t.tgt_tok, pairs, leads=leads)
         for (key, hyps), alignment in zip(finished, alignments):
             texts = self.translator.tgt_tok.decode([h.tokens for h in hyps])
             translations = [Translation(text, h.score, h.logprob) for text, h in zip(texts, hyps)]

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from mtkit.config import MAX_BEAM, ConfigError, DataConfig, DecodeConfig, SamplingConfig
-from mtkit.data.directions import choose_target, directions, source_prefix, typed_tags
+from mtkit.data.directions import choose_source, choose_target, language_leads, source_prefix, typed_tags
 from mtkit.data.parallel import DataError, source_tensor
 from mtkit.data.tokenizer import Tokenizer
 from mtkit.decoding.alignment import align_batch
@@ -78,14 +78,20 @@ class PairMismatch(DataError):
 
 
 def source_ids(
-    tok: Tokenizer, lines: list[str], max_positions: int, first_line: int | None = None, prefix: str = ""
+    tok: Tokenizer,
+    lines: list[str],
+    max_positions: int,
+    first_line: int | None = None,
+    prefix: str = "",
+    lead: tuple[int, ...] = (),
 ) -> dict[int, list[int]]:
     """The token ids of each of ``lines`` that needs a search, by index: empty, blank and token-less lines
-    (U+200B alone) need none. Each line is read after ``prefix`` (a language tag, mtkit.data.directions). Ids
-    are truncated to leave the source eos a position, with a warning that names the line where lines are
-    numbered (``first_line``: the number of ``lines[0]``). Every engine encodes its sources here."""
+    (U+200B alone) need none. Each line is read after ``prefix`` (a language tag, mtkit.data.directions), and its
+    ids follow ``lead`` (a source language's token id). Ids are truncated to leave the source eos a position, with
+    a warning that names the line where lines are numbered (``first_line``: the number of ``lines[0]``). Every
+    engine encodes its sources here."""
     todo = [i for i, line in enumerate(lines) if line.strip()]
-    limit = max_positions - 1
+    limit = max_positions - 1 - len(lead)
     seqs = tok.encode_capped([prefix + lines[i] for i in todo], limit)
     tag = tok.encode([prefix])[0] if prefix else []
     tags = typed_tags(tok.user_defined)
@@ -101,14 +107,16 @@ def source_ids(
         if len(seq) > limit:
             where = "a text" if first_line is None else f"line {first_line + i}:"
             log.warning("%s over %d source tokens, truncated to %d (model.max_positions)", where, limit, limit)
-    return {i: seq[:limit] for i, seq in zip(todo, seqs) if seq}
+    return {i: [*lead, *seq[:limit]] for i, seq in zip(todo, seqs) if seq}
 
 
-def target_ids(tok: Tokenizer, lines: list[str], max_positions: int, first_line: int | None = None) -> list[list[int]]:
+def target_ids(
+    tok: Tokenizer, lines: list[str], max_positions: int, first_line: int | None = None, lead: tuple[int, ...] = ()
+) -> list[list[int]]:
     """The token ids of each of ``lines`` as a target to score, empty lines included (nothing before eos):
-    truncated, with a warning that names the line, to leave bos a position before them, as the decoder reads bos
-    and then the target."""
-    limit = max_positions - 1
+    truncated, with a warning that names the line, to leave bos (and ``lead``, the target language's token the
+    decoder reads after it) positions before them."""
+    limit = max_positions - 1 - len(lead)
     seqs = tok.encode_capped(lines, limit)
     for i, seq in enumerate(seqs):
         if len(seq) > limit:
@@ -125,14 +133,15 @@ def pair_ids(
     max_positions: tuple[int, int],
     first_line: int,
     prefix: str = "",
+    leads: tuple[tuple[int, ...], tuple[int, ...]] = ((), ()),
 ) -> list[tuple[list[int], list[int]]]:
     """The (source, target) ids of each pair to score, every pair included: a source encoded as translation
-    encodes it (``source_ids``, after ``prefix``), an empty one as ``prefix`` alone before its eos, as the model
-    saw sources in training; a target by ``target_ids``. ``max_positions``: the model's (source, target)
-    positions."""
-    found = source_ids(src_tok, sources, max_positions[0], first_line, prefix)
-    empty = src_tok.encode([prefix])[0] if prefix else []
-    tgt = target_ids(tgt_tok, targets, max_positions[1], first_line)
+    encodes it (``source_ids``, after ``prefix`` and the source lead), an empty one as those alone before its eos,
+    as the model saw sources in training; a target by ``target_ids`` (without the target lead, which the decoder
+    reads before it). ``max_positions``: the model's (source, target) positions."""
+    found = source_ids(src_tok, sources, max_positions[0], first_line, prefix, leads[0])
+    empty = [*leads[0], *(src_tok.encode([prefix])[0] if prefix else [])]
+    tgt = target_ids(tgt_tok, targets, max_positions[1], first_line, leads[1])
     return [(found.get(i, empty), tgt[i]) for i in range(len(sources))]
 
 
@@ -189,24 +198,40 @@ class LineTranslator(ABC):
     data: DataConfig | None = None  # the data section of the model's config: the directions it was trained for
     target_language: str | None = None  # the language it translates into; None until chosen (``into``)
     source_prefix: str = ""  # put before each source: the target's tag, in a model of several targets
+    # A model told its languages by tokens (data.languages): the source language's token id, put before each
+    # source, and the target language's, which each output starts with (forced, and not part of the translation).
+    source_lead: tuple[int, ...] = ()
+    target_lead: tuple[int, ...] = ()
+    src_tok: Tokenizer
+    tgt_tok: Tokenizer
 
-    def into(self, tgt_lang: str | None) -> LineTranslator:
+    def into(self, tgt_lang: str | None, src_lang: str | None = None) -> LineTranslator:
         """This translator translating into ``tgt_lang``, which must be a target language of the model; None
-        picks the model's only one. ConfigError, naming the model's directions, otherwise."""
+        picks the model's only one (or the one chosen before). ``src_lang``: the source language, which a model
+        told its languages by tokens needs (its default, or the one chosen before, when None); for other models
+        it is checked against their directions. ConfigError, naming the model's directions, otherwise."""
         if self.data is None:  # an export of no known directions: one pair
-            if tgt_lang and self.languages and tgt_lang != self.languages[1]:
-                raise ConfigError(f"this model translates into {self.languages[1]}, not {tgt_lang!r}")
+            for given, known, side in ((tgt_lang, 1, "into"), (src_lang, 0, "from")):
+                if given and self.languages and given != self.languages[known]:
+                    raise ConfigError(f"this model translates {side} {self.languages[known]}, not {given!r}")
             return self
+        if self.target_language is not None:
+            tgt_lang = tgt_lang or self.target_language
+            src_lang = src_lang or (self.languages[0] if self.languages and self.data.languages else None)
         lang = choose_target(self.data, tgt_lang)
         changed = copy.copy(self)
         changed.target_language, changed.source_prefix = lang, source_prefix(self.data, lang)
-        changed.languages = next((src, tgt) for src, tgt in directions(self.data) if tgt == lang)
+        changed.languages = (choose_source(self.data, src_lang, lang), lang)
+        leads = language_leads(self.data, self.src_tok, self.tgt_tok, *changed.languages)
+        changed.source_lead, changed.target_lead = leads
         return changed
 
     def check_target(self) -> None:
         """ConfigError unless the target language is known: a model of several needs ``into`` first."""
         if self.data is not None and self.target_language is None:
             choose_target(self.data, None)
+            if self.data.languages:
+                raise ConfigError("choose the languages first (LineTranslator.into)")
 
     @abstractmethod
     def stream(self, chunks: Iterable[list[str]]) -> Iterator[list[Translation]]:
@@ -223,30 +248,42 @@ class LineTranslator(ABC):
         check_nbest(changed.nbest, changed.decode, changed.sampling)
         return changed
 
-    def translate(self, lines: Iterable[str], tgt_lang: str | None = None, **decode: Any) -> list[str]:
+    def translate(
+        self, lines: Iterable[str], tgt_lang: str | None = None, src_lang: str | None = None, **decode: Any
+    ) -> list[str]:
         """The best translation of each line, in order: one string per line, "" for an empty line."""
-        return [best[0].text for best in self.hypotheses(lines, tgt_lang, **decode)]
+        return [best[0].text for best in self.hypotheses(lines, tgt_lang, src_lang, **decode)]
 
     def hypotheses(
-        self, lines: Iterable[str], tgt_lang: str | None = None, **decode: Any
+        self, lines: Iterable[str], tgt_lang: str | None = None, src_lang: str | None = None, **decode: Any
     ) -> Iterator[list[Translation]]:
         """The translations of each line (``nbest`` of them, best first, with scores and alignments when
         asked for), streamed: lines are read and translated in chunks, so any iterable will do, an open
         file too (a line's ending newline is not part of it). ``tgt_lang``: the target language, for a
-        model of several."""
-        translator = self.using(**decode) if tgt_lang is None else self.using(**decode).into(tgt_lang)
+        model of several; ``src_lang``: the source language, for a model told its languages by tokens."""
+        translator = self.using(**decode).choosing(tgt_lang, src_lang)
         translator.check_target()
         yield from translator.stream(chunked(without_newline(line) for line in lines))
 
+    def choosing(self, tgt_lang: str | None, src_lang: str | None) -> LineTranslator:
+        """This translator, into ``tgt_lang`` from ``src_lang`` where either is given (``into``)."""
+        return self if tgt_lang is None and src_lang is None else self.into(tgt_lang, src_lang)
+
     def score(
-        self, sources: Iterable[str], targets: Iterable[str], tgt_lang: str | None = None, tokens: bool = False
+        self,
+        sources: Iterable[str],
+        targets: Iterable[str],
+        tgt_lang: str | None = None,
+        tokens: bool = False,
+        src_lang: str | None = None,
     ) -> Iterator[PairScore]:
         """How probable the model finds each target given its source (teacher-forced, eos included), one score per
         pair, in order, empty lines included; with ``tokens``, each token's log-probability too. Streamed as
         ``hypotheses`` is: the two are read in step, in chunks, and PairMismatch names the line where one ran out.
-        The model's tags apply as in translation (``tgt_lang``, for a model of several target languages); a source
-        or target longer than the model's positions is truncated, with a warning naming the line."""
-        scorer = self if tgt_lang is None else self.into(tgt_lang)
+        The model's tags apply as in translation (``tgt_lang``, for a model of several target languages;
+        ``src_lang`` for one told its languages by tokens, whose target language token is given, not scored); a
+        source or target longer than the model's positions is truncated, with a warning naming the line."""
+        scorer = self.choosing(tgt_lang, src_lang)
         scorer.check_target()
         first_line = 1
         for src, tgt in paired_chunks(sources, targets):
@@ -340,14 +377,16 @@ class Translator(LineTranslator):
         """The scores of one chunk of pairs, in batches by length (the longer of source and target) as translation
         batches its lines, each batch teacher-forced in one pass (mtkit.decoding.forced)."""
         limits = (self.model.max_source_positions, self.model.max_target_positions)
-        pairs = pair_ids(self.src_tok, self.tgt_tok, sources, targets, limits, first_line, self.source_prefix)
+        leads = (self.source_lead, self.target_lead)
+        pairs = pair_ids(self.src_tok, self.tgt_tok, sources, targets, limits, first_line, self.source_prefix, leads)
         results: dict[int, PairScore] = {}
         lengths = [max(len(src), len(tgt)) + 1 for src, tgt in pairs]
         for batch in length_batches(lengths, self.decode.batch_size, self.decode.batch_tokens):
             src, src_pad_mask = source_tensor([pairs[i][0] for i in batch])
             found = forced_log_probs(
-                self.model, src.to(self.device), src_pad_mask.to(self.device), [pairs[i][1] for i in batch]
-            )
+                self.model, src.to(self.device), src_pad_mask.to(self.device), [pairs[i][1] for i in batch],
+                self.target_lead,
+            )  # fmt: skip
             for i, token_logprobs in zip(batch, found):
                 results[i] = pair_score(token_logprobs, tokens)
         return [results[i] for i in range(len(pairs))]
@@ -356,14 +395,17 @@ class Translator(LineTranslator):
         self, lines: list[str], first_line: int, prefixes: list[str] | None
     ) -> list[list[Translation]]:
         results: list[list[Translation]] = [[EMPTY] for _ in lines]
-        forced = self.tgt_tok.encode_capped(prefixes, self.model.max_target_positions) if prefixes else None
+        lead, room = list(self.target_lead), self.model.max_target_positions - len(self.target_lead)
+        forced = self.tgt_tok.encode_capped(prefixes, room) if prefixes else None
         for i, prefix in enumerate(forced or []):
-            if len(prefix) >= self.model.max_target_positions:  # no position left for its eos
+            if len(prefix) >= room:  # no position left for its eos
                 raise PrefixMismatch(
                     f"line {first_line + i}: the prefix is longer than the model's outputs can be "
-                    f"({self.model.max_target_positions - 1} tokens, model.max_positions)"
+                    f"({room - 1} tokens, model.max_positions)"
                 )
-        ids = source_ids(self.src_tok, lines, self.model.max_source_positions, first_line, self.source_prefix)
+        ids = source_ids(
+            self.src_tok, lines, self.model.max_source_positions, first_line, self.source_prefix, self.source_lead
+        )
         todo = list(ids)
         if self.on_batch is not None and len(todo) < len(lines):
             self.on_batch(len(lines) - len(todo))
@@ -374,24 +416,34 @@ class Translator(LineTranslator):
             src, src_pad_mask = source_tensor([ids[i] for i in chunk])
             src, src_pad_mask = src.to(self.device), src_pad_mask.to(self.device)
             batch_prefixes = [forced[i] for i in chunk] if forced is not None else None
+            if lead:  # the target language's token starts every output
+                batch_prefixes = [lead + p for p in batch_prefixes] if batch_prefixes else [lead] * len(chunk)
             if self.sampling is not None:  # nbest independent draws per line, each its own batch row
                 n = self.nbest
                 drawn = sample_search(
                     self.model, src.repeat_interleave(n, 0), src_pad_mask.repeat_interleave(n, 0), self.sampling, d,
                     [p for p in batch_prefixes for _ in range(n)] if batch_prefixes else None, self.generator,
+                    lead=len(lead),
                 )  # fmt: skip
                 hyps = [sorted(drawn[i : i + n], key=lambda h: -h.score) for i in range(0, len(drawn), n)]
             else:
                 candidates = self.shortlist.candidates(src, batch_prefixes) if self.shortlist is not None else None
                 if d.beam == 1:  # greedy: what beam 1 finds, with less bookkeeping per step
-                    found = sample_search(self.model, src, src_pad_mask, None, d, batch_prefixes, candidates=candidates)
+                    found = sample_search(
+                        self.model, src, src_pad_mask, None, d, batch_prefixes, candidates=candidates, lead=len(lead)
+                    )
                     hyps = [[h] for h in found]
                 else:
-                    hyps = beam_search(self.model, src, src_pad_mask, d, self.nbest, batch_prefixes, candidates)
+                    hyps = beam_search(
+                        self.model, src, src_pad_mask, d, self.nbest, batch_prefixes, candidates, len(lead)
+                    )
+            if lead:  # the language's token is no part of the translation
+                hyps = [[replace(h, tokens=h.tokens[len(lead) :]) for h in sentence] for sentence in hyps]
             alignments = [""] * len(chunk)
             if self.aligner is not None:
                 pairs = [(ids[i], sentence[0].tokens) for i, sentence in zip(chunk, hyps)]
-                alignments = align_batch(self.aligner, self.src_tok, self.tgt_tok, pairs)
+                leads = (self.source_lead, self.target_lead)
+                alignments = align_batch(self.aligner, self.src_tok, self.tgt_tok, pairs, leads=leads)
             for i, sentence, alignment in zip(chunk, hyps, alignments):
                 texts = self.tgt_tok.decode([h.tokens for h in sentence])
                 results[i] = [Translation(t, h.score, h.logprob) for t, h in zip(texts, sentence)]

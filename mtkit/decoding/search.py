@@ -105,12 +105,14 @@ def output_caps(src_pad_mask: Tensor, forced: Tensor, a: float, b: int, limit: i
     return torch.maximum(max_lengths(src_pad_mask, a, b, limit), (forced >= 0).sum(dim=1) + 1)
 
 
-def _force(lprobs: Tensor, forced: Tensor) -> None:
-    """Rows whose ``forced`` id is >= 0 may only continue with that token (forced target prefixes)."""
+def _force(lprobs: Tensor, forced: Tensor, certain: bool = False) -> None:
+    """Rows whose ``forced`` id is >= 0 may only continue with that token (forced target prefixes), at its
+    log-probability, or at 0 where it is ``certain`` (a target language's token, given as transformers' forced
+    first token is)."""
     rows = (forced >= 0).nonzero().squeeze(1)
     if rows.numel():
         token = forced[rows]
-        kept = lprobs[rows, token]
+        kept = 0.0 if certain else lprobs[rows, token]
         lprobs[rows] = float("-inf")
         lprobs[rows, token] = kept
 
@@ -163,15 +165,20 @@ def row_argmax(x: Tensor, block: int = TOPK_BLOCK) -> Tensor:
 
 
 def best_extensions(
-    logits: Tensor, count: int, eos_allowed: bool | Tensor, forced: Tensor | None, must_end: Tensor
+    logits: Tensor,
+    count: int,
+    eos_allowed: bool | Tensor,
+    forced: Tensor | None,
+    must_end: Tensor,
+    certain: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Each row's ``count`` best next tokens and their log-probabilities, best first: (N, count) twice.
 
     Beam search needs no more: a sentence's best 2k extensions are among its rows' best 2k each,
     and a top-k per row is cheaper than one over all of a sentence's k x V extensions. The
     constraints only mask: never pad or bos, no eos before ``min_len`` (``eos_allowed``, for all rows or
-    for each), a forced prefix token, and eos alone on rows at their length cap (``must_end``, which
-    outranks the others).
+    for each), a forced prefix token (``certain``: at log-probability 0, see ``_force``), and eos alone on rows at
+    their length cap (``must_end``, which outranks the others).
     """
     lprobs = F.log_softmax(logits, dim=1)
     ban_pad_and_bos(lprobs)
@@ -181,7 +188,7 @@ def best_extensions(
     elif not eos_allowed:
         lprobs[:, EOS_ID] = float("-inf")
     if forced is not None:
-        _force(lprobs, forced)
+        _force(lprobs, forced, certain)
     if must_end.any():
         lprobs[must_end] = float("-inf")
         lprobs[must_end, EOS_ID] = eos[must_end]
@@ -395,11 +402,13 @@ def sample_search(
     prefixes: list[list[int]] | None = None,
     generator: torch.Generator | None = None,
     candidates: Candidates | None = None,
+    lead: int = 0,
 ) -> list[Hypothesis]:
     """One output per sentence, token by token: the most probable (``sampling`` None: greedy, which finds what
     beam search with beam 1 finds, with less bookkeeping per step) or drawn; ``decode`` gives the length bounds
     (max_len_a, max_len_b, min_len) and the length penalty of the score; with a shortlist's ``candidates``, over
-    those target ids only (they hold the special ids and every prefix token).
+    those target ids only (they hold the special ids and every prefix token). The first ``lead`` tokens of each
+    prefix are certain (a target language's token: ``_force``).
 
     Each Hypothesis carries the model's own log-probability of the output (not the sampling
     distribution's), so sampled back-translations can be filtered by it. A sentence leaves the batch
@@ -423,7 +432,7 @@ def sample_search(
         if step < decode.min_len:
             lprobs[:, EOS_ID] = float("-inf")
         if step < forced.size(1):
-            _force(lprobs, forced[active, step])
+            _force(lprobs, forced[active, step], step < lead)
         next_tok = row_argmax(lprobs) if sampling is None else draw_tokens(lprobs, sampling, generator)
         chosen = lprobs.gather(1, next_tok[:, None]).squeeze(1)
         at_cap = step + 1 >= max_lens[active]
@@ -468,6 +477,7 @@ def beam_search(
     nbest: int = 1,
     prefixes: list[list[int]] | None = None,
     candidates: Candidates | None = None,
+    lead: int = 0,
 ) -> list[list[Hypothesis]]:
     """The ``nbest`` best finished hypotheses per sentence, best first, searched as ``decode`` says (beam,
     lenpen, length_penalty, max_len_a, max_len_b, min_len, early_stop); with a shortlist's ``candidates``, over
@@ -478,7 +488,8 @@ def beam_search(
     only fall as hypotheses grow), with one a longer hypothesis might have overtaken.
 
     ``min_len`` forbids eos before that many tokens, except where the length cap forces an end.
-    ``prefixes`` (one id list per sentence, possibly empty) fixes the first output tokens.
+    ``prefixes`` (one id list per sentence, possibly empty) fixes the first output tokens, of which the first
+    ``lead`` are certain (a target language's token: ``_force``).
     """
     k = decode.beam
     n_sent = src.size(0)
@@ -512,6 +523,7 @@ def beam_search(
             eos_allowed=step >= decode.min_len,
             forced=forced_now,
             must_end=must_end.repeat_interleave(width),
+            certain=step < lead,
         )
         if candidates is not None:  # columns to target ids; the special ids are their own columns
             row_tok = candidates.ids[row_tok]

@@ -6,7 +6,8 @@ from mtkit's modules, so each of mtkit's choices is mapped here, where a reviewe
 
 - token embeddings are scaled by sqrt(D) before positions are added (``scale_embeddings``). The
   position table is exported as weights, for sinusoidal positions too: CTranslate2's built-in
-  sinusoids put sin and cos in two halves, mtkit interleaves them. Rotary positions have no table:
+  sinusoids put sin and cos in two halves, mtkit interleaves them; fairseq's (an imported NLLB-200's or
+  M2M100's) are a table from position 2, whose row 0 is the first token's. Rotary positions have no table:
   CTranslate2 rotates queries and keys in self-attention as mtkit does (two halves, not interleaved
   pairs), and neither rotates in cross-attention.
 - post-norm LN(x + f(x)) or pre-norm x + f(LN(x)) with the final LayerNorm pre-norm stacks end with;
@@ -16,7 +17,11 @@ from mtkit's modules, so each of mtkit's choices is mapped here, where a reviewe
 - CTranslate2 wants one fused projection for q, k and v in self-attention, and for k and v in
   cross-attention: the separate mtkit projections are stacked along their output dimension.
 - the vocabulary is the SentencePiece pieces in id order, so embedding rows keep their meaning;
-  the source gets the eos mtkit appends (``add_source_eos``) and decoding starts from bos.
+  the source gets the eos mtkit appends (``add_source_eos``) and decoding starts from bos, or from eos where
+  the model's decoder reads eos there (``model.decoder_start`` eos, as fairseq trained NLLB-200 and M2M100).
+- a model told its languages by tokens (``data.languages``) translates between any two of them: the manifest
+  records the languages and the piece of their tokens (``language_token``), not every direction, and the
+  translator puts the tokens in place (ct2_translator.py).
 
 An export directory holds CTranslate2's files (model.bin, config.json, vocabularies), the tokenizer
 model(s) and ``mtkit.json`` (tokenizer file names, positions, decoding defaults, and the SHA-256 and step
@@ -27,7 +32,7 @@ of the weights it came from, never a path on the exporter's machine), so ``CTran
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +40,7 @@ import torch
 from torch import nn
 
 from mtkit import untrusted
-from mtkit.config import MAX_CORPORA, MAX_POSITIONS, ConfigError, ModelConfig, from_dict
+from mtkit.config import MAX_CORPORA, MAX_LANGUAGES, MAX_POSITIONS, ConfigError, DataConfig, ModelConfig, from_dict
 from mtkit.data.directions import data_of, directions, source_prefix
 from mtkit.data.tokenizer import BOS_ID, EOS_ID, UNK_ID, Tokenizer
 from mtkit.decoding.shortlist import load_shortlist, vocabulary_map
@@ -150,7 +155,7 @@ def build_spec(model: Transformer, cfg: ModelConfig, src_tok: Tokenizer, tgt_tok
         )
     config = spec.config
     config.unk_token, config.bos_token, config.eos_token = special
-    config.decoder_start_token = config.bos_token
+    config.decoder_start_token = config.eos_token if cfg.decoder_start == "eos" else config.bos_token
     config.add_source_bos, config.add_source_eos = False, True
     config.layer_norm_epsilon = next(m.eps for m in model.modules() if isinstance(m, nn.LayerNorm))
     spec.validate()
@@ -161,9 +166,14 @@ def build_spec(model: Transformer, cfg: ModelConfig, src_tok: Tokenizer, tgt_tok
 
 
 def export_ctranslate2(
-    model_path: Path, out_dir: Path, quantization: str | None = None, shortlist: Path | None = None
+    model_path: Path,
+    out_dir: Path,
+    quantization: str | None = None,
+    shortlist: Path | None = None,
+    adapter: Path | None = None,
 ) -> Path:
-    """Write ``out_dir``: the model of ``model_path`` (run directory, checkpoint or .safetensors) for CTranslate2.
+    """Write ``out_dir``: the model of ``model_path`` (run directory, checkpoint or .safetensors) for CTranslate2,
+    with a LoRA ``adapter`` (or a LoRA run's own) merged into its weights; the manifest records the adapter.
 
     ``quantization`` is the stored weight type (int8, int8_float16, int16, float16, bfloat16, float32...);
     None keeps float32. ``shortlist`` (a file `mtkit shortlist` wrote) goes with it as CTranslate2's
@@ -177,11 +187,11 @@ def export_ctranslate2(
         raise ConfigError(f"--quantization must be one of {', '.join(accepted)}, got {quantization!r}")
     check_replaceable(out_dir)
     checkpoint = resolve(model_path)
-    bundle = load_for_inference(checkpoint, torch.device("cpu"))
+    bundle = load_for_inference(checkpoint, torch.device("cpu"), adapter=adapter, merge=True)
     positions, window = bundle.cfg.model.positions, bundle.cfg.model.attention_window
-    if positions not in ("sinusoidal", "learned", "rotary") or window:
+    if positions not in ("sinusoidal", "learned", "rotary", "fairseq") or window:
         raise ConfigError(
-            f"{model_path}: the CTranslate2 export takes sinusoidal, learned or rotary positions and no "
+            f"{model_path}: the CTranslate2 export takes sinusoidal, learned, rotary or fairseq positions and no "
             f"attention window; this model has model.positions {positions} and model.attention_window {window}"
         )
     vmap = None
@@ -204,6 +214,10 @@ def export_ctranslate2(
         "directions": [list(pair) for pair in directions(bundle.cfg.data)],
         "source_tags": {tgt: source_prefix(bundle.cfg.data, tgt).strip() for _, tgt in directions(bundle.cfg.data)},
     }
+    if bundle.cfg.data.languages:  # any two of them; "directions" holds the default one
+        manifest |= {"languages": list(bundle.cfg.data.languages), "language_token": bundle.cfg.data.language_token}
+    if bundle.adapter is not None:
+        manifest["adapter"] = {**bundle.adapter.record(), "base_sha256": bundle.base_sha256}
 
     def fill(directory: Path) -> None:
         spec.save(str(directory))
@@ -216,7 +230,8 @@ def export_ctranslate2(
 
 
 def read_manifest(ct2_dir: Path) -> dict[str, Any]:
-    """The export's ``mtkit.json``, checked: tokenizer file names, max positions, decode settings.
+    """The export's ``mtkit.json``, checked: tokenizer file names, max positions, decode settings, the directions
+    and the languages told by tokens (``data``, a DataConfig, where it records them).
 
     The tokenizer names may only be those mtkit gives tokenizer files, never a path.
     """
@@ -250,6 +265,22 @@ def read_manifest(ct2_dir: Path) -> dict[str, Any]:
                 if not isinstance(pair, list) or len(untrusted.strings(pair, f"directions[{i}]")) != 2:
                     raise untrusted.Malformed(f"directions[{i}] must be a [source, target] pair")
             manifest["data"] = data_of([tuple(pair) for pair in pairs])  # checks the language codes
+        if "languages" in manifest:  # a model told its languages by tokens; none in older exports
+            manifest["data"] = _with_languages(manifest)
     except (untrusted.Malformed, ConfigError) as err:
         raise CheckpointError(f"{path}: malformed export manifest: {err}") from None
     return manifest
+
+
+def _with_languages(manifest: dict[str, Any]) -> DataConfig:
+    """The data section of a manifest of a model told its languages by tokens: its languages (a bounded list of
+    language codes), the piece of their tokens and its default direction, all checked as a config's are."""
+    languages, token = manifest["languages"], manifest.get("language_token")
+    if not isinstance(languages, list) or not 1 <= len(languages) <= MAX_LANGUAGES:
+        raise untrusted.Malformed(f"languages must be a list of 1 to {MAX_LANGUAGES:,} language codes")
+    if not isinstance(token, str):
+        raise untrusted.Malformed(f"language_token must be a string, got {untrusted.shown(token)}")
+    default = manifest.get("data")
+    if default is None or default.corpora:
+        raise untrusted.Malformed("directions must hold the one default [source, target] pair of its languages")
+    return replace(default, languages=tuple(untrusted.strings(languages, "languages")), language_token=token)

@@ -4,6 +4,11 @@ and mtkit's search rules kept wherever CTranslate2's options can express them.
 Sources are encoded by ``mtkit.decoding.line_translator.source_ids``, the front end every engine shares, so a
 line is cut and tokenized here exactly as mtkit's own engine does it. Given translations are scored through
 CTranslate2's ``score_batch``, their pairs encoded as mtkit's engine encodes them (``pair_ids``).
+
+A model told its languages by tokens (an imported NLLB-200 or M2M100) gets the source language's token before
+each source, and the target language's as CTranslate2's ``target_prefix``, which it leaves out of the translation
+and of its score, as mtkit's search counts that token certain; ``score_batch`` scores it, and its log-probability
+is left out there.
 """
 
 from __future__ import annotations
@@ -135,27 +140,30 @@ class CTranslate2Translator(LineTranslator):
         """The scores of one chunk of pairs through CTranslate2's ``score_batch``, in the batches mtkit's engine
         scores them in; the pairs are encoded and truncated as there, so CTranslate2 truncates nothing."""
         limits = (self.max_positions, self.max_positions)
-        pairs = pair_ids(self.src_tok, self.tgt_tok, sources, targets, limits, first_line, self.source_prefix)
+        leads = (self.source_lead, self.target_lead)
+        pairs = pair_ids(self.src_tok, self.tgt_tok, sources, targets, limits, first_line, self.source_prefix, leads)
         results: dict[int, PairScore] = {}
         lengths = [max(len(src), len(tgt)) + 1 for src, tgt in pairs]
+        lead = len(self.target_lead)
         for batch in length_batches(lengths, self.decode.batch_size, self.decode.batch_tokens):
             scored = self.engine.score_batch(
                 [self.src_tok.sp.id_to_piece(pairs[i][0]) for i in batch],
-                [self.tgt_tok.sp.id_to_piece(pairs[i][1]) for i in batch],
+                [self.tgt_tok.sp.id_to_piece([*self.target_lead, *pairs[i][1]]) for i in batch],
                 max_input_length=0,
             )
-            for i, result in zip(batch, scored):  # the target's tokens and the eos scoring appends
-                results[i] = pair_score(result.log_probs, tokens)
+            for i, result in zip(batch, scored):  # the target's tokens and the eos scoring appends, after the lead
+                results[i] = pair_score(result.log_probs[lead:], tokens)
         return [results[i] for i in range(len(pairs))]
 
     def _translate_chunk(self, lines: list[str], first_line: int) -> list[list[Translation]]:
         results: list[list[Translation]] = [[EMPTY] for _ in lines]
-        ids = source_ids(self.src_tok, lines, self.max_positions, first_line, self.source_prefix)
+        ids = source_ids(self.src_tok, lines, self.max_positions, first_line, self.source_prefix, self.source_lead)
         todo = list(ids)
         if not todo:
             return results
         d = self.decode
-        caps = {i: max_length(len(ids[i]), d.max_len_a, d.max_len_b, self.max_positions) - 1 for i in todo}
+        least = len(self.target_lead) + 1  # the lead and eos, as mtkit's search caps a forced prefix
+        caps = {i: max(max_length(len(ids[i]), d.max_len_a, d.max_len_b, self.max_positions), least) - 1 for i in todo}
         for i in todo:
             if caps[i] == 0:  # not even one token before eos
                 results[i] = [Translation("", 0.0, 0.0)]
@@ -192,12 +200,15 @@ class CTranslate2Translator(LineTranslator):
 
     def _search(self, seqs: list[list[int]], cap: int) -> list[list[tuple[list[str], float]]]:
         """The ``beam`` finished hypotheses (tokens, logprob) of each of ``seqs``, whose outputs may have up to
-        ``cap`` tokens before eos; those the cap cut are scored with the eos mtkit forces there."""
+        ``cap`` tokens before eos (the target language's token, which each starts with, counted); those the cap cut
+        are scored with the eos mtkit forces there."""
         d = self.decode
         power = d.lenpen if d.length_penalty == "power" else 0.0  # CTranslate2's own penalty (see the class)
         source = [self.src_tok.sp.id_to_piece(seq) for seq in seqs]
+        prefix = [self.tgt_tok.sp.id_to_piece(list(self.target_lead))] * len(seqs) if self.target_lead else None
         results = self.engine.translate_batch(
             source,
+            prefix,
             beam_size=d.beam,
             num_hypotheses=d.beam,  # every finished hypothesis kept, for mtkit's ranking
             length_penalty=power,
@@ -209,7 +220,7 @@ class CTranslate2Translator(LineTranslator):
             max_input_length=0,  # already truncated, by mtkit's rule
             use_vmap=self.use_vmap,
         )
-        hyps = [  # a score is the log-probability over length ** power (the end token counted)
+        hyps = [  # a score is the log-probability over length ** power (the lead and the end token counted)
             [(tokens, score * len(tokens) ** power) for tokens, score in zip(result.hypotheses, result.scores)]
             for result in results
         ]
@@ -229,13 +240,15 @@ class CTranslate2Translator(LineTranslator):
         scored = self.engine.score_batch(
             [source[s] for s, _ in cut], [hyps[s][k][0] for s, k in cut], max_input_length=0
         )
-        for (s, k), result in zip(cut, scored):
-            hyps[s][k] = (hyps[s][k][0], sum(result.log_probs))  # the target's tokens and the eos scoring appends
+        lead = len(self.target_lead)
+        for (s, k), result in zip(cut, scored):  # the target's tokens and the eos scoring appends, after the lead
+            hyps[s][k] = (hyps[s][k][0], sum(result.log_probs[lead:]))
 
     def _translations(self, hyps: list[tuple[list[str], float]]) -> list[Translation]:
-        """The ``nbest`` best of one sentence's (tokens, logprob) hypotheses, ranked as mtkit's beam ranks them."""
+        """The ``nbest`` best of one sentence's (tokens, logprob) hypotheses, ranked as mtkit's beam ranks them (the
+        lead counted in their length, as there, and left out of their text)."""
         ids = [self.tgt_tok.sp.piece_to_id(tokens[:-1] if tokens[-1] == self.eos else tokens) for tokens, _ in hyps]
-        texts = self.tgt_tok.decode(ids)
+        texts = self.tgt_tok.decode([seq[len(self.target_lead) :] for seq in ids])
         translations = [
             Translation(text, normalised(logprob, len(seq), self.decode), logprob)
             for text, seq, (_, logprob) in zip(texts, ids, hyps)

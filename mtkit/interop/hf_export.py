@@ -69,7 +69,7 @@ START_PIECE = "<pad>"  # the id after both vocabularies: Marian's pad and decode
 PENALTY_LENGTH = 20  # tokens: where transformers' length penalty is made to act as mtkit's (see the module)
 
 
-def _transformers() -> Any:
+def import_transformers() -> Any:
     """The transformers module, imported on first use so that mtkit runs without it."""
     try:
         import transformers
@@ -210,7 +210,7 @@ def _piece_ids(tok: Tokenizer, rows: int) -> str:
 
 def _save_tokenizer(directory: Path, src_tok: Tokenizer, tgt_tok: Tokenizer, max_positions: int) -> None:
     """source.spm, target.spm, vocab.json (+ target_vocab.json for two vocabularies), tokenizer_config.json."""
-    transformers = _transformers()
+    transformers = import_transformers()
     separate = src_tok.path != tgt_tok.path
     rows = start_id(src_tok.vocab_size, tgt_tok.vocab_size) + 1
     with tempfile.TemporaryDirectory() as tmp:
@@ -231,7 +231,7 @@ def _save_tokenizer(directory: Path, src_tok: Tokenizer, tgt_tok: Tokenizer, max
 
 def _marian_model(model: Transformer, cfg: ModelConfig, src_vocab: int, tgt_vocab: int) -> Any:
     """A ``MarianMTModel`` holding ``model``'s weights, position tables included."""
-    transformers = _transformers()
+    transformers = import_transformers()
     marian = transformers.MarianMTModel(transformers.MarianConfig(**marian_config(cfg, src_vocab, tgt_vocab)))
     weights = marian_weights(model, cfg.tie_embeddings)
     with torch.no_grad():
@@ -252,17 +252,18 @@ def _save_model(marian: Any, directory: Path) -> None:
     save_file(weights, path, metadata={"format": "pt"})
 
 
-def export_transformers(model_path: Path, out_dir: Path) -> Path:
+def export_transformers(model_path: Path, out_dir: Path, adapter: Path | None = None) -> Path:
     """Write ``out_dir``: the model of ``model_path`` (run directory, checkpoint or .safetensors) as a
-    transformers MarianMTModel with its MarianTokenizer and the run's decoding defaults.
+    transformers MarianMTModel with its MarianTokenizer and the run's decoding defaults, with a LoRA ``adapter``
+    (or a LoRA run's own) merged into its weights; the manifest records the adapter.
 
     An existing export in ``out_dir`` is replaced whole; any other folder that is not empty is refused.
     """
     out_dir = Path(out_dir)
-    transformers = _transformers()
+    transformers = import_transformers()
     check_replaceable(out_dir)
     checkpoint = resolve(model_path)
-    bundle = load_for_inference(checkpoint, torch.device("cpu"))
+    bundle = load_for_inference(checkpoint, torch.device("cpu"), adapter=adapter, merge=True)
     cfg = bundle.cfg.model
     try:
         check_expressible(cfg)
@@ -285,6 +286,8 @@ def export_transformers(model_path: Path, out_dir: Path) -> Path:
         **provenance(checkpoint, bundle.step),
         "decode": asdict(bundle.cfg.decode),
     }
+    if bundle.adapter is not None:
+        manifest["adapter"] = {**bundle.adapter.record(), "base_sha256": bundle.base_sha256}
 
     def fill(directory: Path) -> None:
         _save_model(marian, directory)

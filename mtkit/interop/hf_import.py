@@ -1,4 +1,6 @@
-"""Import a transformers ``MarianMTModel`` (OPUS-MT and other Marian models) as an mtkit model.
+"""Import a transformers model as an mtkit model: ``import_hf`` reads config.json's model_type and imports a
+``MarianMTModel`` (OPUS-MT and other Marian models: ``import_marian``, here) or an
+``M2M100ForConditionalGeneration`` (NLLB-200, M2M100: m2m100_import.py).
 
 The source is a folder as ``save_pretrained`` writes it, or a Hugging Face Hub repository, downloaded
 through huggingface_hub at a revision and kept in its cache. The output is an mtkit checkpoint folder
@@ -52,12 +54,12 @@ start of the input names, and its tags are recorded (``imported.language_tags``)
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from mtkit import untrusted
 from mtkit.config import DataConfig, DecodeConfig, ModelConfig, RunConfig, TokenizerConfig
 from mtkit.data.tokenizer import BOS_ID, PAD_ID
 from mtkit.files import file_sha256
@@ -68,14 +70,17 @@ from mtkit.hub_folders import (
     check_links,
     locate,
     read_decoding,
+    read_mapping,
 )
-from mtkit.interop.hf_weights import open_weights, read_weights
+from mtkit.interop.hf_weights import open_weights, read_weights, same_as, take
+from mtkit.interop.import_output import check_output, save_import
+from mtkit.interop.m2m100_config import MODEL_TYPE as M2M100_TYPE
+from mtkit.interop.m2m100_import import import_m2m100
+from mtkit.interop.m2m100_vocabulary import TOKENIZER_FILES as M2M100_TOKENIZER_FILES
 from mtkit.interop.marian import NOT_A_TOKEN, from_marian, layer_weights, residual_order, to_marian
 from mtkit.interop.marian_config import MarianConfig, check_shapes, read_config, tensor_count
 from mtkit.interop.marian_languages import languages
 from mtkit.interop.marian_vocabulary import Vocabulary, read_vocabularies, target_tags, tokenizer_model
-from mtkit.model import checkpoint
-from mtkit.model.checkpoint import TOKENIZER_NAMES, CheckpointError
 from mtkit.model.transformer import Transformer, build_model, sinusoidal_table
 
 TOKENIZER_FILES = ("source.spm", "target.spm", "vocab.json", "target_vocab.json")
@@ -83,21 +88,6 @@ MARIAN_FILES = ("config.json", "source.spm", "target.spm", "vocab.json")  # the 
 
 
 # -- converting -----------------------------------------------------------------------------
-
-
-def _take(weights: dict[str, Tensor], key: str, path: Path, shape: tuple[int, ...]) -> Tensor:
-    if key not in weights:
-        raise ModelImportError(f"{path}: no {key}")
-    tensor = weights.pop(key)
-    if tuple(tensor.shape) != shape:
-        raise ModelImportError(f"{path}: {key} is {tuple(tensor.shape)}, config.json makes it {shape}")
-    return tensor
-
-
-def _same(weights: dict[str, Tensor], key: str, expected: Tensor, path: Path) -> None:
-    """A copy of a tied tensor that older files store again must be that tensor."""
-    if key in weights and not torch.equal(weights.pop(key), expected):
-        raise ModelImportError(f"{path}: {key} differs from the tensor config.json ties it to")
 
 
 def _rows(matrix: Tensor, order: list[int], order_dims: Tensor) -> Tensor:
@@ -147,20 +137,20 @@ def convert(
     with torch.no_grad():
         if marian.shared:
             key = "model.shared.weight" if "model.shared.weight" in weights else "model.encoder.embed_tokens.weight"
-            shared = _take(weights, key, path, (marian.vocab_size, d))
+            shared = take(weights, key, path, (marian.vocab_size, d))
             for tied in ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight", "lm_head.weight"):
-                _same(weights, tied, shared, path)
+                same_as(weights, tied, shared, path)
             model.encoder.embed.tokens.weight.copy_(_rows(shared, src.order, order))
             target = shared
         else:
-            source = _take(weights, "model.encoder.embed_tokens.weight", path, (marian.vocab_size, d))
-            target = _take(weights, "model.decoder.embed_tokens.weight", path, (marian.decoder_vocab_size, d))
+            source = take(weights, "model.encoder.embed_tokens.weight", path, (marian.vocab_size, d))
+            target = take(weights, "model.decoder.embed_tokens.weight", path, (marian.decoder_vocab_size, d))
             model.encoder.embed.tokens.weight.copy_(_rows(source, src.order, order))
             model.decoder.embed.tokens.weight.copy_(_rows(target, tgt.order, order))
             if cfg.tie_output:
-                _same(weights, "lm_head.weight", target, path)
+                same_as(weights, "lm_head.weight", target, path)
             else:
-                output = _take(weights, "lm_head.weight", path, (marian.decoder_vocab_size, d))
+                output = take(weights, "lm_head.weight", path, (marian.decoder_vocab_size, d))
                 model.output.weight.copy_(_rows(output, tgt.order, order))
         bias = weights.pop("final_logits_bias", torch.zeros(1, marian.decoder_vocab_size))
         if tuple(bias.shape) != (1, marian.decoder_vocab_size):
@@ -175,13 +165,42 @@ def convert(
         start = model.decoder.embed.scale * target[BOS_ID] if tgt.exported else None
         _check_positions(weights, cfg, path, start)
         for key, tensor, axis in layer_weights(model):
-            tensor.copy_(from_marian(_take(weights, key, path, tuple(tensor.shape)), axis, order))
+            tensor.copy_(from_marian(take(weights, key, path, tuple(tensor.shape)), axis, order))
     if weights:
         raise ModelImportError(f"{path}: holds {next(iter(weights))}, which no Marian model of config.json has")
     return model.eval()
 
 
 # -- the import -----------------------------------------------------------------------------
+
+
+def import_hf(
+    source: str,
+    out_dir: Path,
+    revision: str | None = None,
+    src_lang: str | None = None,
+    tgt_lang: str | None = None,
+) -> Path:
+    """Write ``out_dir``, an mtkit checkpoint folder, from a transformers folder or Hub repository ``source``: a
+    MarianMTModel (``import_marian``) or an M2M100ForConditionalGeneration (NLLB-200, M2M100: m2m100_import.py), as
+    config.json's model_type says."""
+    out_dir = Path(out_dir)
+    check_output(out_dir)
+    names = (*TOKENIZER_FILES, *M2M100_TOKENIZER_FILES)
+    folder, roots, origin = locate(source, revision, names)
+    check_links(folder, roots, (*CONFIG_FILES, *names, *WEIGHT_FILES), local=Path(source).is_dir())
+    config = folder / "config.json"
+    if not config.is_file():
+        raise ModelImportError(f"{folder}: no config.json, which says what model a transformers folder holds")
+    model_type = read_mapping(config).get("model_type")
+    if model_type == M2M100_TYPE:
+        return import_m2m100(folder, origin, out_dir, src_lang, tgt_lang)
+    if model_type != "marian":
+        raise ModelImportError(
+            f"{config}: model_type must be marian (a MarianMTModel) or {M2M100_TYPE} (an "
+            f"M2M100ForConditionalGeneration: NLLB-200, M2M100), got {untrusted.shown(model_type)}"
+        )
+    return _import_marian_folder(folder, origin, out_dir, src_lang, tgt_lang)
 
 
 def import_marian(
@@ -194,10 +213,16 @@ def import_marian(
     """Write ``out_dir``, an mtkit checkpoint folder, from a MarianMTModel folder or Hub repository ``source``,
     recording the languages it translates (``languages``)."""
     out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise CheckpointError(f"{out_dir}: exists and is not empty; choose another output folder")
+    check_output(out_dir)
     folder, roots, origin = locate(source, revision, TOKENIZER_FILES)
     check_links(folder, roots, (*CONFIG_FILES, *TOKENIZER_FILES, *WEIGHT_FILES), local=Path(source).is_dir())
+    return _import_marian_folder(folder, origin, out_dir, src_lang, tgt_lang)
+
+
+def _import_marian_folder(
+    folder: Path, origin: dict[str, str], out_dir: Path, src_lang: str | None, tgt_lang: str | None
+) -> Path:
+    """The import of the MarianMTModel in ``folder``, found and its links checked."""
     for name in MARIAN_FILES:
         if not (folder / name).is_file():
             raise ModelImportError(
@@ -223,7 +248,7 @@ def import_marian(
         "sha256": file_sha256(weights_file.path),
         **({"language_tags": " ".join(tags)} if tags else {}),
     }
-    _save(out_dir, model, cfg, models, imported)
+    save_import(out_dir, model, cfg, models, imported)
     return out_dir
 
 
@@ -235,20 +260,3 @@ def _tokenizer_models(folder: Path, src: Vocabulary, tgt: Vocabulary) -> dict[st
         "src": tokenizer_model(folder / "source.spm", src, "vocab.json", language_tags=True),
         "tgt": tokenizer_model(folder / "target.spm", tgt, tgt_name, language_tags=False),
     }
-
-
-def _save(
-    out_dir: Path, model: Transformer, cfg: RunConfig, models: dict[str, bytes], imported: dict[str, str]
-) -> None:
-    """The checkpoint folder: the model, its config, one tokenizer model (joint) or two, and what was imported."""
-    names = (
-        {"src": TOKENIZER_NAMES[0], "tgt": TOKENIZER_NAMES[0]}
-        if cfg.tokenizer.joint
-        else {"src": TOKENIZER_NAMES[1], "tgt": TOKENIZER_NAMES[2]}
-    )
-    files = {names[side]: models[side] for side in ("src", "tgt")}
-    records = {
-        side: {"file": names[side], "sha256": hashlib.sha256(models[side]).hexdigest()} for side in ("src", "tgt")
-    }
-    meta = {"config": cfg.to_dict(), "tokenizer": records, "step": 0, "imported": imported}
-    checkpoint.save(out_dir, model.state_dict(), meta, files=files)

@@ -3,7 +3,8 @@
 model.safetensors has its header read alone, bounded by the number of tensors the model's config.json
 describes, and each tensor must lie inside the file's data, so that an importer can compare the names
 and shapes with config.json before a tensor is read or a model built; pytorch_model.bin loads with
-``weights_only=True``, bounded by the file's size.
+``weights_only=True``, bounded by the file's size. An importer then takes each tensor by name at the
+shape config.json gives it (``take``), and checks the copies older files keep of a tied one (``same_as``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import safetensors
+import torch
 from torch import Tensor
 
 from mtkit import untrusted
@@ -133,3 +135,20 @@ def read_weights(weights: WeightsFile) -> dict[str, Tensor]:
             raise ModelImportError(f"{path}: {key} is {tensor.dtype}, not a floating-point tensor")
     check_finite(tensors, path)
     return {key: tensor.float() for key, tensor in tensors.items()}
+
+
+def take(weights: dict[str, Tensor], key: str, path: Path, shape: tuple[int, ...]) -> Tensor:
+    """``weights[key]``, removed from ``weights``, of the ``shape`` the model's config.json gives it."""
+    if key not in weights:
+        raise ModelImportError(f"{path}: no {key}")
+    tensor = weights.pop(key)
+    if tuple(tensor.shape) != shape:
+        raise ModelImportError(f"{path}: {key} is {tuple(tensor.shape)}, config.json makes it {shape}")
+    return tensor
+
+
+def same_as(weights: dict[str, Tensor], key: str, expected: Tensor, path: Path) -> None:
+    """A copy of a tied tensor that a file stores again (older files do) must be that tensor; removed from
+    ``weights``."""
+    if key in weights and not torch.equal(weights.pop(key), expected):
+        raise ModelImportError(f"{path}: {key} differs from the tensor config.json ties it to")

@@ -8,26 +8,17 @@ before a tensor is read, so a config.json describing a huge model allocates noth
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mtkit import untrusted
-from mtkit.config import MAX_LAYERS, MAX_POSITIONS, ConfigError, ModelConfig
-from mtkit.data.tokenizer import PAD_ID
+from mtkit.config import ConfigError, ModelConfig
 from mtkit.hub_folders import ModelImportError, config_field, read_mapping
+from mtkit.interop.hf_config import MAX_VOCABULARY, check_tensors, dimensions, layer_shapes, one_for_both_stacks
 from mtkit.interop.hf_weights import WeightsFile
-from mtkit.interop.marian import ACTIVATIONS, layer_weights
-from mtkit.model.loading import skeleton_device
-from mtkit.model.transformer import build_model
+from mtkit.interop.marian import ACTIVATIONS
 
-MAX_VOCABULARY = 1 << 20  # pieces in one vocabulary
-MAX_D_MODEL = 1 << 16
-# the narrowest model dimension imported (OPUS-MT's narrowest is 256): embeddings this wide make the weights file
-# grow with the vocabulary, and vocab.json with it
-MIN_D_MODEL = 16
-MAX_FFN = 1 << 18  # a feed-forward width: OPUS-MT's largest (tc-big) is 4,096
 # Settings of transformers' BART family that change the architecture; Marian models have them false (older
 # transformers wrote them out). static_position_embeddings true is Marian's sinusoids: checked on its own.
 _NOT_MARIAN = ("normalize_before", "add_final_layer_norm", "normalize_embedding")
@@ -49,8 +40,8 @@ def read_config(path: Path) -> MarianConfig:
     """config.json as mtkit expresses it; ModelImportError naming the first field it cannot express."""
     config = read_mapping(path)
     _check_marian(config, path)
-    heads = _one_for_both_stacks(config, path, "encoder_attention_heads", "decoder_attention_heads")
-    ffn = _one_for_both_stacks(config, path, "encoder_ffn_dim", "decoder_ffn_dim")
+    heads = one_for_both_stacks(config, path, "encoder_attention_heads", "decoder_attention_heads")
+    ffn = one_for_both_stacks(config, path, "encoder_ffn_dim", "decoder_ffn_dim")
     activation = config_field(config, "activation_function", path, str, "gelu")
     if activation not in ACTIVATIONS:
         raise ModelImportError(
@@ -106,16 +97,6 @@ def _check_marian(config: dict[str, Any], path: Path) -> None:
         )
 
 
-def _one_for_both_stacks(config: dict[str, Any], path: Path, first: str, second: str) -> int:
-    """The encoder's setting ``first``, which the decoder's ``second`` must equal: mtkit has one for both."""
-    value = config_field(config, first, path, int, low=1)
-    if config_field(config, second, path, int, value, low=1) != value:
-        raise ModelImportError(
-            f"{path}: {second} {config[second]} differs from {first} {value}; mtkit has one for both stacks"
-        )
-    return value
-
-
 def _embedding_ties(config: dict[str, Any], path: Path) -> tuple[bool, bool]:
     """share_encoder_decoder_embeddings and tie_word_embeddings, in a combination mtkit can tie."""
     shared = config_field(config, "share_encoder_decoder_embeddings", path, bool, True)
@@ -144,21 +125,9 @@ def _vocabulary_sizes(config: dict[str, Any], path: Path, shared: bool) -> tuple
 
 
 def _dimensions(config: dict[str, Any], path: Path, ffn: int) -> tuple[int, list[int], int]:
-    """d_model, the two stacks' layer counts and max_position_embeddings, each (and ``ffn``) within mtkit's
-    bounds, and d_model even, as Marian's positions need."""
-    d_model = config_field(config, "d_model", path, int, low=MIN_D_MODEL)
-    layers = [config_field(config, name, path, int, low=1) for name in ("encoder_layers", "decoder_layers")]
-    positions = config_field(config, "max_position_embeddings", path, int, low=8)
-    bounds = {
-        "d_model": (d_model, MAX_D_MODEL),
-        "encoder_ffn_dim": (ffn, MAX_FFN),
-        "encoder_layers": (layers[0], MAX_LAYERS),
-        "decoder_layers": (layers[1], MAX_LAYERS),
-        "max_position_embeddings": (positions, MAX_POSITIONS),
-    }
-    for name, (value, most) in bounds.items():
-        if value > most:
-            raise ModelImportError(f"{path}: {name} {value:,} is beyond mtkit's bound of {most:,}")
+    """d_model, the two stacks' layer counts and max_position_embeddings within mtkit's bounds, and d_model even,
+    as Marian's positions need."""
+    d_model, layers, positions = dimensions(config, path, ffn)
     if d_model % 2:
         raise ModelImportError(f"{path}: d_model {d_model} is odd; Marian's positions need an even one")
     return d_model, layers, positions
@@ -166,18 +135,10 @@ def _dimensions(config: dict[str, Any], path: Path, ffn: int) -> tuple[int, list
 
 def expected_shapes(marian: MarianConfig, stored: set[str]) -> tuple[dict[str, tuple], dict[str, tuple]]:
     """The tensors a weights file of ``marian`` must hold and those it may hold (copies of tied ones, position
-    tables), by name, with their shapes; ``stored`` (the file's names) tells which name a shared table has.
-
-    The layers' shapes are the model's own, read from a skeleton of one layer per stack built on the meta device,
-    which costs no memory whatever config.json claims, and repeated for each layer config.json names."""
+    tables), by name, with their shapes (the layers' from ``layer_shapes``, which allocates nothing);
+    ``stored`` (the file's names) tells which name a shared table has."""
     cfg, d = marian.model, marian.model.d_model
-    with skeleton_device():
-        skeleton = build_model(replace(cfg, encoder_layers=1, decoder_layers=1), 8, 8, PAD_ID)
-    required = {}
-    for key, tensor, _ in layer_weights(skeleton):
-        side, rest = re.fullmatch(r"model\.(encoder|decoder)\.layers\.0\.(.+)", key).groups()
-        for i in range(cfg.encoder_layers if side == "encoder" else cfg.decoder_layers):
-            required[f"model.{side}.layers.{i}.{rest}"] = tuple(tensor.shape)
+    required = layer_shapes(cfg)
     source, target = (marian.vocab_size, d), (marian.decoder_vocab_size, d)
     optional = {
         "final_logits_bias": (1, marian.decoder_vocab_size),
@@ -204,21 +165,5 @@ def tensor_count(marian: MarianConfig) -> int:
 def check_shapes(weights: WeightsFile, marian: MarianConfig, config_path: Path) -> None:
     """The weights file holds exactly the tensors config.json describes, at its shapes: checked on the names and
     shapes alone, before a tensor is read or a model built, so a config.json of a huge model allocates nothing."""
-    for side in ("encoder", "decoder"):
-        layer = re.compile(rf"model\.{side}\.layers\.(\d{{1,9}})\.")
-        held = {int(m[1]) for key in weights.shapes if (m := layer.match(key))}
-        count = getattr(marian.model, f"{side}_layers")
-        if len(held) != count:  # a gap in the numbering is named by the first tensor missing, below
-            raise ModelImportError(
-                f"{config_path}: {side}_layers is {count:,}, and {weights.path.name} holds {len(held):,} {side} layers"
-            )
     required, optional = expected_shapes(marian, set(weights.shapes))
-    for key in required:
-        if key not in weights.shapes:
-            raise ModelImportError(f"{weights.path}: no {key}, which {config_path.name} describes")
-    for key, shape in weights.shapes.items():
-        expected = required.get(key, optional.get(key))
-        if expected is None:
-            raise ModelImportError(f"{weights.path}: holds {key}, which no Marian model of {config_path.name} has")
-        if shape != expected:
-            raise ModelImportError(f"{weights.path}: {key} is {shape}, {config_path.name} makes it {expected}")
+    check_tensors(weights, marian.model, required, optional, config_path, "Marian")

@@ -16,12 +16,12 @@ from mtkit import untrusted
 from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from mtkit.hub_folders import ModelImportError, read_json, read_mapping
 from mtkit.interop.marian_config import MarianConfig
+from mtkit.interop.spm_rewrite import read_model, rewritten, segmenting_pieces
 
 MAX_VOCAB_BYTES = 64 << 20  # vocab.json: OPUS-MT's 58,101 pieces take 1.2 MB
 # bytes a vocab.json entry may take on average: a 14-character piece written as six-character escapes (MarianTokenizer
 # writes each non-ASCII character as a backslash, u and four hex digits), its id, quotes and indent; OPUS-MT's take 21
 MAX_VOCAB_ENTRY_BYTES = 96
-MAX_SPM_BYTES = 64 << 20  # a SentencePiece model: 32k pieces take 0.8 MB
 PAD_PIECE = "<mtkit:pad>"  # mtkit's padding id, which Marian has no piece for
 START_PIECE = "<s>"  # what the piece at mtkit's bos id is called: Marian's pad, its decoder start
 _LANGUAGE_TAG = re.compile(r">>[^<>\s]+<<")
@@ -152,31 +152,22 @@ def tokenizer_model(spm_path: Path, vocab: Vocabulary, vocab_name: str, language
     """
     from sentencepiece import sentencepiece_model_pb2 as model_pb2
 
-    if spm_path.stat().st_size > MAX_SPM_BYTES:
-        raise ModelImportError(f"{spm_path}: more than {MAX_SPM_BYTES:,} bytes for a SentencePiece model")
-    proto = model_pb2.ModelProto()
-    try:
-        proto.ParseFromString(spm_path.read_bytes())
-    except Exception:  # protobuf's DecodeError, or a RuntimeWarning-turned-error on odd input
-        raise ModelImportError(f"{spm_path}: not a SentencePiece model") from None
     Piece = model_pb2.ModelProto.SentencePiece
-    segmenting = (Piece.NORMAL, Piece.USER_DEFINED, Piece.BYTE)
-    known = {p.piece: p for p in proto.pieces if p.type in segmenting}
-    if not known:
-        raise ModelImportError(f"{spm_path}: not a SentencePiece model (no pieces)")
+    proto = read_model(spm_path)
+    known = segmenting_pieces(proto)
     lowest = min(p.score for p in known.values())
     pieces = vocab.pieces()
     types = [Piece.CONTROL, Piece.UNKNOWN, Piece.CONTROL, Piece.CONTROL]
-    rewritten = []
+    rewritten_pieces = []
     for i, name in enumerate(pieces):
         if i < len(types):
-            rewritten.append(Piece(piece=name, score=0.0, type=types[i]))
+            rewritten_pieces.append(Piece(piece=name, score=0.0, type=types[i]))
         elif name in known:
-            rewritten.append(Piece(piece=name, score=known[name].score, type=known[name].type))
+            rewritten_pieces.append(Piece(piece=name, score=known[name].score, type=known[name].type))
         elif language_tags and _LANGUAGE_TAG.fullmatch(name):
-            rewritten.append(Piece(piece=name, score=0.0, type=Piece.USER_DEFINED))
+            rewritten_pieces.append(Piece(piece=name, score=0.0, type=Piece.USER_DEFINED))
         else:
-            rewritten.append(Piece(piece=name, score=lowest, type=Piece.UNUSED))
+            rewritten_pieces.append(Piece(piece=name, score=lowest, type=Piece.UNUSED))
     in_vocabulary = set(pieces)
     lacking = sum(piece not in in_vocabulary for piece in known)
     if 2 * lacking > len(known):
@@ -184,35 +175,7 @@ def tokenizer_model(spm_path: Path, vocab: Vocabulary, vocab_name: str, language
             f"{spm_path}: {lacking:,} of its {len(known):,} pieces are not in {vocab_name}: the SentencePiece model "
             "of another vocabulary (another model's, or source and target swapped?)"
         )
-    rewritten += [
+    rewritten_pieces += [
         Piece(piece=p.piece, score=p.score, type=p.type) for p in known.values() if p.piece not in in_vocabulary
     ]
-    del proto.pieces[:]
-    proto.pieces.extend(rewritten)
-    spec = proto.trainer_spec
-    spec.vocab_size = len(pieces)
-    spec.pad_id, spec.unk_id, spec.bos_id, spec.eos_id = PAD_ID, UNK_ID, BOS_ID, EOS_ID
-    spec.pad_piece, spec.unk_piece, spec.bos_piece, spec.eos_piece = PAD_PIECE, vocab.unk, START_PIECE, vocab.eos
-    written = proto.SerializeToString()
-    _check_loads(written, pieces, spm_path, vocab_name)
-    return written
-
-
-def _check_loads(model: bytes, pieces: list[str], spm_path: Path, vocab_name: str) -> None:
-    """The rewritten model loads in SentencePiece with each vocabulary piece at its id and mtkit's special ids,
-    so an import never reports success for a tokenizer that translate would refuse or misread."""
-    import sentencepiece
-
-    sp = sentencepiece.SentencePieceProcessor()
-    try:
-        sp.LoadFromSerializedProto(model)
-    except (RuntimeError, OSError) as err:
-        reason = str(err).strip().splitlines()[-1][:200] if str(err).strip() else type(err).__name__
-        raise ModelImportError(
-            f"{spm_path}: with {vocab_name}'s pieces, not a usable SentencePiece model ({reason})"
-        ) from None
-    specials = (sp.pad_id(), sp.unk_id(), sp.bos_id(), sp.eos_id())
-    moved = next((i for i, piece in enumerate(pieces) if sp.id_to_piece(i) != piece), None)
-    if specials != (PAD_ID, UNK_ID, BOS_ID, EOS_ID) or moved is not None:
-        at = f"{untrusted.shown(pieces[moved])} is not at id {moved}" if moved is not None else "special ids moved"
-        raise ModelImportError(f"{spm_path}: with {vocab_name}'s pieces, not a usable SentencePiece model ({at})")
+    return rewritten(proto, rewritten_pieces, len(pieces), spm_path, vocab_name)

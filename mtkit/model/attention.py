@@ -288,11 +288,11 @@ class MultiHeadAttention(nn.Module):
         Why: a decoding step projects a position or a few per row, where each operation's fixed cost outweighs
         its arithmetic: one product of thrice the width replaces three, and rotary positions then turn the
         queries and keys in one call. Made once (a copy of the three weights) and again only when one of
-        them changes; a search looks it up at its first step (``LayerCache.qkv``), as this check costs about
-        what it saves.
+        them changes (their adapters' too, where they carry LoRA adapters); a search looks it up at its first step
+        (``LayerCache.qkv``), as this check costs about what it saves.
         """
         projections = (self.q_proj, self.k_proj, self.v_proj)
-        sources = [t for p in projections for t in (p.weight, p.bias) if t is not None]
+        sources = [t for p in projections for t in (*p.parameters(), *p.buffers())]
         return self._joint.get(sources, lambda: type(self.q_proj).joined(projections))
 
     def project_memory(self, memory: Tensor) -> tuple[Tensor, Tensor]:

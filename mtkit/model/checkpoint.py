@@ -16,9 +16,11 @@ model path is found and loaded, loading.py's.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import warnings
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -74,12 +76,13 @@ def tied_aliases(weights: dict[str, torch.Tensor]) -> dict[str, str]:
     return aliases
 
 
-def _encode(weights: dict[str, torch.Tensor], meta: dict[str, Any]) -> bytes:
-    """The safetensors bytes of ``weights``, with ``meta`` (stamped with the format) in the header."""
+def _encode(weights: dict[str, torch.Tensor], meta: dict[str, Any], extra: dict[str, str] | None = None) -> bytes:
+    """The safetensors bytes of ``weights``, with ``meta`` (stamped with the format) in the header, and ``extra``
+    header entries beside it (a LoRA checkpoint's adapter record)."""
     aliases = tied_aliases(weights)
     tensors = {k: t.detach().to("cpu").contiguous() for k, t in weights.items() if k not in aliases}
     meta = {**meta, "format": FORMAT_VERSION, "mtkit_version": __version__}
-    header = {_META_KEY: json.dumps(meta), _ALIASES_KEY: json.dumps(aliases)}
+    header = {**(extra or {}), _META_KEY: json.dumps(meta), _ALIASES_KEY: json.dumps(aliases)}
     return safetensors.torch.save(tensors, metadata=header)
 
 
@@ -89,13 +92,15 @@ def save(
     meta: dict[str, Any],
     state: dict[str, Any] | None = None,
     files: dict[str, bytes] | None = None,
+    header: dict[str, str] | None = None,
 ) -> None:
     """Write a checkpoint directory as a whole: a crash leaves the old one or the new one, never a mix.
 
     ``state`` must hold only tensors and plain values, as it is read back with ``weights_only=True``.
-    ``files`` are written beside the weights, by name (an imported model's tokenizers).
+    ``files`` are written beside the weights, by name (an imported model's tokenizers); ``header``, entries of the
+    weights file's header beside mtkit's own (a LoRA checkpoint's adapter record: mtkit.model.adapter_file).
     """
-    data = _encode(weights, meta)
+    data = _encode(weights, meta, header)
 
     def fill(tmp: Path) -> None:
         for name, content in (files or {}).items():
@@ -199,6 +204,36 @@ def find_tokenizer(record: dict[str, str], where: Path, name: str) -> Path:
 def weights_file(model: Path) -> Path:
     """The file holding a model's weights: a checkpoint directory's model.safetensors, or the file itself."""
     return model / WEIGHTS_FILE if model.is_dir() else model
+
+
+def weights_digest(weights: dict[str, torch.Tensor]) -> str:
+    """The SHA-256 of a model's weights as tensors: each one's name, dtype and shape, then its bytes, in the order of
+    their names. What a LoRA adapter records of the base it adapts: it tells the base by its values, whatever
+    metadata (config, step, mtkit's version) the file holding them carries."""
+    return _digest(weights, weights.__getitem__)
+
+
+def stored_weights_digest(path: Path) -> str:
+    """``weights_digest`` of the weights the checkpoint file ``path`` holds (its tied names too), read one tensor at
+    a time: a model need not be in memory twice to be told by its digest."""
+    try:
+        with safetensors.safe_open(path, framework="pt") as f:
+            aliases = untrusted.mapping(json.loads((f.metadata() or {}).get(_ALIASES_KEY, "{}")), "its aliases")
+            stored = {name: name for name in f.keys()}
+            names = {**stored, **{alias: stored[key] for alias, key in aliases.items()}}
+            return _digest(names, lambda name: f.get_tensor(names[name]))
+    except Exception as err:  # safetensors, json and odd metadata raise different types
+        raise _unreadable(path, err) from None
+
+
+def _digest(names: Iterable[str], tensor: Callable[[str], torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(names):
+        value = tensor(name).detach().to("cpu").contiguous()
+        described = json.dumps([name, str(value.dtype).removeprefix("torch."), list(value.shape)])
+        digest.update(described.encode("utf-8") + b"\n")
+        digest.update(value.reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
 
 
 def check_weights(

@@ -8,6 +8,10 @@ model decoded between training updates (validation) decodes with its current wei
 
 ``DecodingLinear`` is what decoding asks of any linear layer, whichever kernel multiplies: ``Linear`` here (ATen or
 oneDNN) and ``mtkit.model.quantization.Int8Linear`` answer it, so the architecture never asks which one it holds.
+
+A ``Linear`` may carry a LoRA adapter (``lora``, a ``LowRankUpdate``: mtkit.model.lora), whose low-rank product
+every path adds to the layer's own: ``forward``, ``decoding``, ``rows`` and ``joined``. The packed copy holds the
+layer's weights alone, so an adapter's values never go stale in it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,16 @@ from torch import Tensor, nn
 
 from mtkit import runtime
 from mtkit.model.derived import Derived
+
+
+class LowRankUpdate(Protocol):
+    """A LoRA adapter as a layer adds it: ``scale`` B A x, its own dropout on x in training."""
+
+    a: Tensor  # (rank, in)
+    b: Tensor  # (out, rank)
+    scale: float
+
+    def __call__(self, x: Tensor) -> Tensor: ...
 
 
 class DecodingLinear(Protocol):
@@ -69,6 +83,29 @@ def onednn_linear(weight: Tensor, bias: Tensor | None) -> Callable[[Tensor], Ten
     return linear
 
 
+def low_rank_product(a: Tensor, b: Tensor) -> Callable[[Tensor], Tensor]:
+    """x -> x A^T B^T: an adapter's update, with its scale in ``b``, for copies made once and kept."""
+    a, b = a.detach(), b.detach()
+    return lambda x: F.linear(F.linear(x, a), b)
+
+
+def stacked_updates(layers: Sequence[Linear]) -> Callable[[Tensor], Tensor]:
+    """The adapters of ``layers`` (of one input; a layer without one adds nothing) as one update whose outputs lie
+    side by side, as their layers' joined outputs do: A stacked (sum of ranks, in), and B block-diagonal, each
+    adapter's scaled B where its layer's outputs meet its rank's columns. Two products in all, not two a layer."""
+    adapters = [layer.lora for layer in layers if layer.lora is not None]
+    a = torch.cat([adapter.a for adapter in adapters])
+    b = a.new_zeros(sum(layer.out_features for layer in layers), a.size(0))
+    row = column = 0
+    for layer in layers:
+        if layer.lora is not None:
+            rank = layer.lora.a.size(0)
+            b[row : row + layer.out_features, column : column + rank] = layer.lora.b.detach() * layer.lora.scale
+            column += rank
+        row += layer.out_features
+    return low_rank_product(a, b)
+
+
 def decoding_linear(weight: Tensor, bias: Tensor | None, vocabulary: bool = False) -> Callable[[Tensor], Tensor]:
     """``F.linear`` with these weights as decoding should run it (``onednn_pays``), for weights made once and kept
     (a shortlist's cut of the output layer, the joined query, key and value projections)."""
@@ -86,33 +123,47 @@ class Linear(nn.Linear):
     for ``decoding()`` or a shortlist's ``rows``, where fp32 weights of its size may go to oneDNN too.
     """
 
+    lora: LowRankUpdate | None  # the layer's LoRA adapter, if it has one (a submodule: its tensors are the model's)
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, vocabulary: bool = False) -> None:
         super().__init__(in_features, out_features, bias)
         self.vocabulary = vocabulary
         self._packed: Derived[Callable[[Tensor], Tensor]] = Derived()
+        self.register_module("lora", None)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.vocabulary or not onednn_pays(self.weight):
-            return F.linear(x, self.weight, self.bias)
-        return self._packed_copy()(x)
+            out = F.linear(x, self.weight, self.bias)
+        else:
+            out = self._packed_copy()(x)
+        return out if self.lora is None else out + self.lora(x)
 
     def decoding(self) -> Callable[[Tensor], Tensor]:
-        """The layer itself, or where oneDNN pays, the same layer over a copy of its weights packed for oneDNN, made
-        once and again only when they change."""
-        return self._packed_copy() if onednn_pays(self.weight, self.vocabulary) else self
+        """The layer itself, or where oneDNN pays (and no adapter adds to it), the same layer over a copy of its
+        weights packed for oneDNN, made once and again only when they change."""
+        return self._packed_copy() if self.lora is None and onednn_pays(self.weight, self.vocabulary) else self
 
     def rows(self, ids: Tensor) -> Callable[[Tensor], Tensor]:
-        """The layer cut to output rows ``ids`` (a shortlist's candidates): a copy of those rows, kept by the caller."""
+        """The layer cut to output rows ``ids`` (a shortlist's candidates): a copy of those rows (and of its
+        adapter's), kept by the caller."""
         bias = None if self.bias is None else self.bias[ids]
-        return decoding_linear(self.weight[ids], bias, self.vocabulary)
+        cut = decoding_linear(self.weight[ids], bias, self.vocabulary)
+        if self.lora is None:
+            return cut
+        update = low_rank_product(self.lora.a, self.lora.b[ids] * self.lora.scale)
+        return lambda x: cut(x) + update(x)
 
     @classmethod
     def joined(cls, layers: Sequence[Linear]) -> Callable[[Tensor], Tensor]:
         """One layer computing what ``layers`` (of one input width) compute, outputs side by side: a copy of their
-        weights, kept by the caller."""
+        weights (and of their adapters', ``stacked_updates``), kept by the caller."""
         biases = [layer.bias for layer in layers]
         bias = None if any(b is None for b in biases) else torch.cat(biases)
-        return decoding_linear(torch.cat([layer.weight for layer in layers]), bias)
+        joint = decoding_linear(torch.cat([layer.weight for layer in layers]), bias)
+        if all(layer.lora is None for layer in layers):
+            return joint
+        updates = stacked_updates(layers)
+        return lambda x: joint(x) + updates(x)
 
     def _packed_copy(self) -> Callable[[Tensor], Tensor]:
         """``F.linear`` with this layer's weights through oneDNN, over the packed copy kept for them."""

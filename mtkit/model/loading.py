@@ -1,5 +1,10 @@
 """Finding a model on disk and loading it to translate: ``RUN`` means ``RUN/best`` (the run's layout is
 run_folder.py's), and the files a model is read from are known, so no command writes its output onto them.
+
+A model may come with a LoRA adapter (mtkit.model.lora): one given beside it (``adapter``), or its own, when the
+model is a LoRA run (or one of its checkpoints), whose weights file holds the adapter alone; the base it adapts is
+then the model that run started from, read from the path the run recorded. Either way the adapter's record of its
+base's weights digest must be the base's (mtkit.model.adapter_file).
 """
 
 from __future__ import annotations
@@ -15,17 +20,22 @@ import torch
 from mtkit.config import ModelConfig, RunConfig
 from mtkit.data.tokenizer import PAD_ID, Tokenizer
 from mtkit.files import set_aside
+from mtkit.hub_folders import check_inside
+from mtkit.model.adapter_file import Adapter, read_adapter
 from mtkit.model.checkpoint import (
     STATE_FILE,
     TOKENIZER_NAMES,
     WEIGHTS_FILE,
+    Checkpoint,
     CheckpointError,
     check_weights,
     find_tokenizer,
     read_checkpoint,
     tokenizer_folders,
+    weights_digest,
     weights_file,
 )
+from mtkit.model.lora import merge_adapters, put_adapters
 from mtkit.model.quantization import quantize_int8
 from mtkit.model.run_folder import BEST_DIR, CHECKPOINTS_DIR, UPDATE_DIR, latest
 from mtkit.model.transformer import Transformer, build_model
@@ -48,6 +58,61 @@ def resolve(model_path: Path) -> Path:
             f"{model_path}: no checkpoint in this run directory (no {BEST_DIR}/ and no {CHECKPOINTS_DIR}/update-*/)"
         )
     return found
+
+
+def adapter_path(path: Path) -> Path:
+    """The adapter file ``path`` names: the file itself, or for a folder (a LoRA run, meaning its best/, or one of its
+    checkpoints) its weights file. The file must lie in the folder it is named in: a link leading out is refused."""
+    path = Path(path)
+    if path.is_dir():
+        found = weights_file(resolve(path))
+        check_inside(found, (path,), error=CheckpointError)
+        return found
+    if not path.is_file():
+        raise CheckpointError(f"{path}: adapter not found")
+    check_inside(path, (path.parent,), error=CheckpointError)
+    return path
+
+
+def is_adapted(ckpt: Checkpoint) -> bool:
+    """Whether ``ckpt`` is a LoRA run's: its weights file holds an adapter, not a model."""
+    return ckpt.cfg.train.lora.rank > 0
+
+
+def recorded_base(ckpt: Checkpoint) -> Checkpoint:
+    """The base model a LoRA run's checkpoint adapts: the weights its run started from (train.init_from), read from
+    the path the run recorded."""
+    init = ckpt.meta.get("init")
+    if init is None:
+        raise CheckpointError(f"{ckpt.path}: a LoRA checkpoint that records no base model (train.init_from)")
+    base = Path(init["path"])
+    if not base.is_file():
+        raise CheckpointError(
+            f"{ckpt.path}: adapts the base model {base}, which is not there any more; give the base model with this "
+            f"adapter (mtkit translate BASE --adapter {ckpt.path})"
+        )
+    return read_checkpoint(base, with_state=False)
+
+
+def _base_and_adapter(
+    ckpt: Checkpoint, adapter: Path | None, toks: dict[str, Tokenizer], model_path: Path
+) -> tuple[Checkpoint, Path | None]:
+    """The model to build and the adapter file to put on it: ``ckpt`` and the ``adapter`` given, or for a LoRA run's
+    checkpoint the base it records (of the run's tokenizers ``toks``) and its own weights file."""
+    if not is_adapted(ckpt):
+        return ckpt, adapter_path(adapter) if adapter is not None else None
+    if adapter is not None:
+        raise CheckpointError(
+            f"{model_path}: a LoRA run's adapter, not a model another adapter can adapt; give its base model with "
+            f"--adapter {model_path}"
+        )
+    base = recorded_base(ckpt)
+    if is_adapted(base):
+        raise CheckpointError(f"{ckpt.path}: its base model {base.path} is itself an adapter")
+    for side, tok in toks.items():
+        if base.meta["tokenizer"][side]["sha256"] != tok.sha256:
+            raise CheckpointError(f"{tok.path}: not the tokenizer of the base model {base.path}")
+    return base, weights_file(ckpt.path)
 
 
 # -- what an output must not touch ----------------------------------------------------------
@@ -122,14 +187,21 @@ class InferenceBundle:
     tgt_tok: Tokenizer
     cfg: RunConfig
     step: int
+    adapter: Adapter | None = None  # the LoRA adapter the model carries (or merged), if any
+    base_sha256: str | None = None  # with an adapter: the digest of its base's weights, as they were read
 
 
-def load_for_inference(model_path: Path, device: torch.device, precision: str = "fp32") -> InferenceBundle:
+def load_for_inference(
+    model_path: Path, device: torch.device, precision: str = "fp32", adapter: Path | None = None, merge: bool = False
+) -> InferenceBundle:
     """Model in eval mode in ``precision`` (fp32, bf16, fp16 or int8), plus the tokenizers it was trained with,
     checked by hash.
 
     Decoding in bf16/fp16 casts the weights once, rather than at every step as autocast would; int8 quantizes
-    the linear layers once (mtkit.model.quantization).
+    the linear layers once (mtkit.model.quantization). ``adapter`` (an adapter file, or a LoRA run or checkpoint
+    folder) adapts the model; a LoRA run's checkpoint as the model brings its own, over the base it records. An
+    adapter stays beside the weights, as training computed it, unless ``merge`` (or int8, which quantizes the
+    merged weights) folds it into them.
     """
     ckpt = read_checkpoint(resolve(model_path), with_state=False)
     where = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
@@ -137,8 +209,16 @@ def load_for_inference(model_path: Path, device: torch.device, precision: str = 
         side: Tokenizer(find_tokenizer(record, where, ckpt.path.name))
         for side, record in ckpt.meta["tokenizer"].items()
     }
-    model = model_holding(ckpt.cfg.model, toks["src"].vocab_size, toks["tgt"].vocab_size, ckpt.weights, ckpt.path)
+    base, adapter = _base_and_adapter(ckpt, adapter, toks, model_path)
+    model = model_holding(base.cfg.model, toks["src"].vocab_size, toks["tgt"].vocab_size, base.weights, base.path)
+    found, base_sha256 = None, None
+    if adapter is not None:
+        base_sha256 = weights_digest(base.weights)
+        found = read_adapter(adapter, model, base_sha256, base.path)
+        put_adapters(model, found.settings, found.tensors)
+        if merge or precision == "int8":
+            merge_adapters(model)
     model.to(device=device, dtype=DTYPES[precision]).eval()
     if precision == "int8":
         quantize_int8(model)
-    return InferenceBundle(model, toks["src"], toks["tgt"], ckpt.cfg, ckpt.meta["step"])
+    return InferenceBundle(model, toks["src"], toks["tgt"], ckpt.cfg, ckpt.meta["step"], found, base_sha256)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mtkit.config import ModelConfig
+from mtkit.data.tokenizer import BOS_ID, EOS_ID
 from mtkit.model.attention import DecoderCache, Dropout, LayerCache, MultiHeadAttention, autocast_once, self_attention
 from mtkit.model.linear import DecodingLinear, Linear
 from mtkit.model.positions import RelativePositions, building_skeleton
@@ -142,6 +143,22 @@ def sinusoidal_table(max_positions: int, d_model: int) -> Tensor:
     return table.float()
 
 
+def fairseq_table(max_positions: int, d_model: int) -> Tensor:
+    """(max_positions, D) float32 table of the sinusoids fairseq adds (tensor2tensor's): frequencies
+    10000^(-i / (D/2 - 1)), sin on the first half of the dimensions and cos on the second, from position 2 (fairseq
+    numbers positions after its padding id, 1).
+
+    Computed in float32 as fairseq and transformers compute it, so an imported NLLB-200 or M2M100 model adds the very
+    values it was trained with.
+    """
+    if building_skeleton():
+        return torch.empty(max_positions, d_model)
+    half = d_model // 2
+    inv_freq = torch.exp(torch.arange(half).float() * -(math.log(10000) / (half - 1)))
+    angles = torch.arange(max_positions + 2).float()[:, None] * inv_freq[None]
+    return torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)[2:]
+
+
 class Embedder(nn.Module):
     """Token embedding scaled by sqrt(D), plus sinusoidal or learned positions (if absolute), then dropout."""
 
@@ -155,7 +172,8 @@ class Embedder(nn.Module):
             self.learned = nn.Embedding(cfg.max_positions, cfg.d_model)
             nn.init.normal_(self.learned.weight, std=cfg.d_model**-0.5)
         # None for rotary and relative positions, which live in self-attention instead
-        table = sinusoidal_table(cfg.max_positions, cfg.d_model) if cfg.positions == "sinusoidal" else None
+        tables = {"sinusoidal": sinusoidal_table, "fairseq": fairseq_table}
+        table = tables[cfg.positions](cfg.max_positions, cfg.d_model) if cfg.positions in tables else None
         self.register_buffer("table", table, persistent=False)
         self.dropout = Dropout(cfg.dropout)
 
@@ -194,6 +212,7 @@ class Decoder(nn.Module):
     def __init__(self, embed: Embedder, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed = embed
+        self.start_reads_eos = cfg.decoder_start == "eos"  # the search starts from bos, the model reads eos there
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
         self.final_norm = nn.LayerNorm(cfg.d_model) if cfg.norm == "pre" else nn.Identity()
 
@@ -212,6 +231,8 @@ class Decoder(nn.Module):
             if not cache.layers:
                 cache.layers = [LayerCache() for _ in self.layers]
             cache.length += tgt_in.size(1)
+        if self.start_reads_eos:
+            tgt_in = tgt_in.masked_fill(tgt_in == BOS_ID, EOS_ID)
         x = self.embed(tgt_in, offset)
         memory = autocast_once(memory) if memory is not None else None  # one cast for every cross-attention
         for i, layer in enumerate(self.layers):

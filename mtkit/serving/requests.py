@@ -14,6 +14,15 @@ from mtkit.decoding.line_translator import PairScore, Translation
 
 RETRY_AFTER_S = 1  # what a 503 asks the client to wait: a full queue drains in about a batch's time
 ECHO_CHARS = 40  # of a request's value that an error message repeats; of a longer one, the start and its length
+SRC_LANG_HELP = (
+    "The language of the texts, for a model told its languages by tokens (an imported NLLB-200 or M2M100: one of "
+    "/v1/models' between), which needs it unless it has a default source language; other models check it against "
+    "their directions."
+)
+ADAPTER_HELP = (
+    "The LoRA adapter to use, by the name the server gave it (`mtkit serve --adapter NAME=PATH`; /v1/models lists "
+    "them); none: the model without an adapter."
+)
 
 
 class TranslateRequest(BaseModel):
@@ -34,9 +43,11 @@ class TranslateRequest(BaseModel):
     )
     tgt_lang: str | None = Field(
         None,
-        description="The language to translate into, one of /v1/models' directions; needed by a model of several "
-        "target languages.",
+        description="The language to translate into, one of /v1/models' directions (or of its between); needed by "
+        "a model of several target languages.",
     )
+    src_lang: str | None = Field(None, description=SRC_LANG_HELP)
+    adapter: str | None = Field(None, description=ADAPTER_HELP)
 
     @model_validator(mode="after")
     def _within_the_beam(self, info: ValidationInfo) -> TranslateRequest:
@@ -51,7 +62,8 @@ class TranslateRequest(BaseModel):
             raise ValueError("alignments go with the best translation only, not with nbest")
         if self.alignments and not info.context["aligns"]:
             raise ValueError("this server's engine gives no word alignments")
-        check_target(self.tgt_lang, info.context["targets"])
+        check_languages(self.tgt_lang, self.src_lang, info.context)
+        check_adapter(self.adapter, info.context["adapters"])
         return self
 
     def texts(self) -> list[str]:
@@ -73,17 +85,20 @@ class ScoreRequest(BaseModel):
     tokens: bool = Field(False, description="Each score with the log-probability of each target token, eos last.")
     tgt_lang: str | None = Field(
         None,
-        description="The targets' language, one of /v1/models' directions; needed by a model of several target "
-        "languages.",
+        description="The targets' language, one of /v1/models' directions (or of its between); needed by a model of "
+        "several target languages.",
     )
+    src_lang: str | None = Field(None, description=SRC_LANG_HELP)
+    adapter: str | None = Field(None, description=ADAPTER_HELP)
 
     @model_validator(mode="after")
     def _paired(self, info: ValidationInfo) -> ScoreRequest:
-        """One target per source, and the target language against the model's."""
+        """One target per source, and the target language and adapter against the server's."""
         sources, targets = texts_in(self.source), texts_in(self.target)
         if sources != targets:
             raise ValueError(f"{sources:,} sources but {targets:,} targets: give one target per source")
-        check_target(self.tgt_lang, info.context["targets"])
+        check_languages(self.tgt_lang, self.src_lang, info.context)
+        check_adapter(self.adapter, info.context["adapters"])
         return self
 
     def pairs(self) -> list[tuple[str, str]]:
@@ -109,6 +124,44 @@ def check_target(tgt_lang: str | None, targets: list[str]) -> None:
         raise ValueError(
             f"this model does not translate into {echoed(tgt_lang)}; tgt_lang is one of {', '.join(targets)}"
         )
+
+
+def check_languages(tgt_lang: str | None, src_lang: str | None, context: dict[str, Any]) -> None:
+    """ValueError naming the field unless the request's languages are the model's: for a model told its languages
+    by tokens (``context["languages"]``), each one of them, or left out where the model has a default
+    (``context["defaults"]``, source and target); for another, a target of its ``context["targets"]`` and a source
+    of its ``context["directions"]`` into it."""
+    languages = context["languages"]
+    if not languages:
+        check_target(tgt_lang, context["targets"])
+        if src_lang is None or not context["targets"]:  # an export of no known directions: nothing to check
+            return
+        target = tgt_lang or context["targets"][0]
+        sources = [src for src, tgt in context["directions"] if tgt == target]
+        if src_lang not in sources:
+            raise ValueError(
+                f"this model does not translate {echoed(src_lang)} into {target}; src_lang is one of "
+                f"{', '.join(sources)}"
+            )
+        return
+    for field, lang, default in (
+        ("tgt_lang", tgt_lang, context["defaults"][1]),
+        ("src_lang", src_lang, context["defaults"][0]),
+    ):
+        if lang is None and default is None:
+            raise ValueError(f"this model translates between {len(languages):,} languages: say which with {field}")
+        if lang is not None and lang not in languages:
+            raise ValueError(
+                f"{echoed(lang)} is not one of this model's {len(languages):,} languages ({field}: one of /v1/models' "
+                "between)"
+            )
+
+
+def check_adapter(adapter: str | None, adapters: list[str]) -> None:
+    """ValueError unless ``adapter`` is None or one of the server's ``adapters``."""
+    if adapter is not None and adapter not in adapters:
+        served = f"it serves {', '.join(adapters)}" if adapters else "it serves none"
+        raise ValueError(f"this server has no adapter {echoed(adapter)}; {served}")
 
 
 class ScoredPair(BaseModel):

@@ -40,8 +40,31 @@ Query = TypeVar("Query", bound=BaseModel)
 
 def language_pairs(translator: LineTranslator) -> list[tuple[str, str]]:
     """The (source, target) directions ``translator``'s model translates; one pair, empty where unknown, for an
-    export of no known directions."""
-    return directions(translator.data) if translator.data is not None else [translator.languages or ("", "")]
+    export of no known directions; for a model told its languages by tokens, which translates between any two of
+    them (``told_languages``), its default direction where it has one."""
+    data = translator.data
+    if data is None:
+        return [translator.languages or ("", "")]
+    if data.languages:
+        src, tgt = default_languages(translator)
+        return [(src, tgt)] if src and tgt else []
+    return directions(data)
+
+
+def told_languages(translator: LineTranslator) -> tuple[str, ...]:
+    """The languages of a model told its languages by tokens (an imported NLLB-200 or M2M100); none for others."""
+    return translator.data.languages if translator.data is not None else ()
+
+
+def default_languages(translator: LineTranslator) -> tuple[str | None, str | None]:
+    """The source and target languages a model told its languages by tokens translates when a request names none
+    (its config's, where they are among its languages)."""
+    data = translator.data
+    if data is None:
+        return None, None
+    src = data.src_lang if data.src_lang in data.languages else None
+    tgt = data.tgt_lang if data.tgt_lang in data.languages else None
+    return src, tgt
 
 
 class BatchedRoute:
@@ -53,12 +76,19 @@ class BatchedRoute:
     answer: str  # what the route gives, as its 504 names it
     work: str  # what it does, as its 500 names it
 
-    def __init__(self, translator: LineTranslator, cfg: ServeConfig, batcher: Batcher[Work, Answer]) -> None:
+    def __init__(
+        self, translator: LineTranslator, cfg: ServeConfig, batcher: Batcher[Work, Answer], adapters: list[str]
+    ) -> None:
         self.translator = translator
         self.cfg = cfg
         self.batcher = batcher
+        pairs = language_pairs(translator)
         self.context: dict[str, Any] = {  # what checking a request needs to know of the server
-            "targets": list(dict.fromkeys(tgt for _, tgt in language_pairs(translator) if tgt)),
+            "targets": list(dict.fromkeys(tgt for _, tgt in pairs if tgt)),
+            "directions": pairs,
+            "languages": frozenset(told_languages(translator)),
+            "defaults": default_languages(translator),
+            "adapters": adapters,
         }
 
     async def _body(self, request: Request) -> bytes:
@@ -124,8 +154,10 @@ class TranslateRoute(BatchedRoute):
 
     answer = work = "translation"
 
-    def __init__(self, translator: LineTranslator, cfg: ServeConfig, batcher: Batcher[Work, Answer]) -> None:
-        super().__init__(translator, cfg, batcher)
+    def __init__(
+        self, translator: LineTranslator, cfg: ServeConfig, batcher: Batcher[Work, Answer], adapters: list[str]
+    ) -> None:
+        super().__init__(translator, cfg, batcher, adapters)
         self.context |= {
             "max_beam": cfg.max_beam,
             "beam": translator.decode.beam,
@@ -140,7 +172,8 @@ class TranslateRoute(BatchedRoute):
             self._bounded(texts, request, len(texts))
             if not texts:
                 return {"translations": []}
-            options = (query.beam or self.translator.decode.beam, query.nbest, query.alignments, query.tgt_lang)
+            beam = query.beam or self.translator.decode.beam
+            options = (beam, query.nbest, query.alignments, query.tgt_lang, query.src_lang, query.adapter)
             results = await self._answered(request, self._queued(texts, options))
         except ClientDisconnect:
             return Response(status_code=CLIENT_GONE)
@@ -167,7 +200,8 @@ class ScoreRoute(BatchedRoute):
             self._bounded([text for pair in pairs for text in pair], request, len(pairs))
             if not pairs:
                 return {"scores": []}
-            results = await self._answered(request, self._queued(pairs, Scoring(query.tgt_lang, query.tokens)))
+            options = Scoring(query.tgt_lang, query.tokens, query.adapter, query.src_lang)
+            results = await self._answered(request, self._queued(pairs, options))
         except ClientDisconnect:
             return Response(status_code=CLIENT_GONE)
         return {"scores": [scored(result) for result in results]}
@@ -176,26 +210,37 @@ class ScoreRoute(BatchedRoute):
 class ModelsRoute:
     """``GET /v1/models``: what the server serves and the limits it keeps."""
 
-    def __init__(self, translator: LineTranslator, cfg: ServeConfig, name: str) -> None:
+    def __init__(
+        self, translator: LineTranslator, cfg: ServeConfig, name: str, adapters: dict[str, dict[str, Any]]
+    ) -> None:
         self.translator = translator
         self.name = name
+        self.adapters = [{"name": adapter, **record} for adapter, record in adapters.items()]
         self.pairs = language_pairs(translator)
+        self.between = list(told_languages(translator))
         self.mode = batching(translator, cfg.continuous)
         self.limits = {"max_texts": cfg.max_texts, "max_chars": cfg.max_chars, "max_beam": cfg.max_beam}
 
     async def models(self) -> dict[str, Any]:
         """The model served: its languages (null for a model of several target languages), the directions it
-        translates (a request's tgt_lang chooses among them), precision (and why), decode settings and tokenizer
-        hashes; the request limits."""
+        translates (a request's tgt_lang chooses among them), the languages a model told its languages by tokens
+        translates between (``between``: any two, a request's src_lang and tgt_lang; its default direction is its
+        languages and directions, where it has one), precision (and why), decode settings, tokenizer hashes and
+        the LoRA adapters a request may name (each one's rank, alpha, targets and file SHA-256); the request
+        limits."""
         translator, languages = self.translator, self.translator.languages
+        if self.between:
+            languages = self.pairs[0] if self.pairs else None
         model = {
             "name": self.name,
             "languages": {"source": languages[0], "target": languages[1]} if languages else None,
             "directions": [{"source": src, "target": tgt} for src, tgt in self.pairs if src and tgt],
+            "between": self.between,
             "precision": translator.precision,
             "batching": self.mode,
             "decode": asdict(translator.decode),
             "tokenizers": {"source": translator.src_tok.sha256, "target": translator.tgt_tok.sha256},
+            "adapters": self.adapters,
         }
         return {"mtkit_version": __version__, "models": [model], "limits": self.limits}
 

@@ -1,6 +1,7 @@
 """The server's searches: a translator configured with a request's options, the search that requests of the same
 options share (continuous where the translator allows it), the scoring of given translations, and the batcher that
-runs them all."""
+runs them all. A request's options name its adapter too (None: the model's own), so requests for two adapters are
+never searched or scored together."""
 
 from __future__ import annotations
 
@@ -18,15 +19,19 @@ from mtkit.serving.batcher import Batcher, Search, WholeBatch
 Pair = tuple[str, str]  # a source and a translation of it, to score
 Work = str | Pair  # what the server's batcher takes of a request: each text to translate, or each pair to score
 Answer = list[Translation] | PairScore  # what it gives back for each: the text's translations, or the pair's score
+Translators = dict[str | None, LineTranslator]  # the served model's translator (None) and each adapter's, by name
 
 
 @dataclass(frozen=True)
 class Scoring:
     """The options of a request to score pairs (those of a request to translate are a tuple, ``configured``): the
-    target language (None for the model's only one) and whether each target token's log-probability is wanted."""
+    target language (None for the model's only one), whether each target token's log-probability is wanted, the
+    adapter (None for the model's own) and the source language (None for the model's default)."""
 
     tgt_lang: str | None
     tokens: bool
+    adapter: str | None = None
+    src_lang: str | None = None
 
 
 def aligning(translator: LineTranslator) -> LineTranslator:
@@ -38,42 +43,43 @@ def aligning(translator: LineTranslator) -> LineTranslator:
     return chosen
 
 
-def configured(translator: LineTranslator, options: Hashable) -> LineTranslator:
-    """``translator`` with a request's options: (beam, nbest, alignments, target language or None)."""
-    beam, nbest, alignments, tgt_lang = options
-    chosen = translator.using(beam=beam, nbest=nbest)
-    chosen = chosen.into(tgt_lang) if tgt_lang is not None else chosen
+def configured(translators: Translators, options: Hashable) -> LineTranslator:
+    """The translator of a request's adapter with its options: (beam, nbest, alignments, target language or None,
+    source language or None, adapter or None)."""
+    beam, nbest, alignments, tgt_lang, src_lang, adapter = options
+    chosen = translators[adapter].using(beam=beam, nbest=nbest).choosing(tgt_lang, src_lang)
     return aligning(chosen) if alignments else chosen
 
 
-def translate_all(translator: LineTranslator, lines: list[str], options: Hashable) -> list[list[Translation]]:
+def translate_all(translators: Translators, lines: list[str], options: Hashable) -> list[list[Translation]]:
     """The translations of each line with a request's options, all at once."""
-    return list(configured(translator, options).hypotheses(lines))
+    return list(configured(translators, options).hypotheses(lines))
 
 
-def score_all(translator: LineTranslator, pairs: list[Pair], options: Scoring) -> list[PairScore]:
-    """The score of each pair under the model, all at once."""
+def score_all(translators: Translators, pairs: list[Pair], options: Scoring) -> list[PairScore]:
+    """The score of each pair under the model (with the request's adapter), all at once."""
     sources, targets = [source for source, _ in pairs], [target for _, target in pairs]
-    return list(translator.score(sources, targets, options.tgt_lang, options.tokens))
+    translator = translators[options.adapter]
+    return list(translator.score(sources, targets, options.tgt_lang, options.tokens, options.src_lang))
 
 
-def answer_all(translator: LineTranslator, work: list[Work], options: Hashable) -> list[Answer]:
+def answer_all(translators: Translators, work: list[Work], options: Hashable) -> list[Answer]:
     """The answer to each of a request's texts or pairs, all at once: scores where its options are ``Scoring``,
     translations otherwise."""
     if isinstance(options, Scoring):
-        return score_all(translator, work, options)
-    return translate_all(translator, work, options)
+        return score_all(translators, work, options)
+    return translate_all(translators, work, options)
 
 
-def open_search(translator: LineTranslator, continuous: bool, options: Hashable) -> Search[Work, Answer]:
+def open_search(translators: Translators, continuous: bool, options: Hashable) -> Search[Work, Answer]:
     """The search that the requests of the same options share: continuous where the translator allows it; pairs
     to score are scored all at once."""
     if isinstance(options, Scoring):
-        return WholeBatch(functools.partial(answer_all, translator), options)
-    chosen = configured(translator, options)
+        return WholeBatch(functools.partial(answer_all, translators), options)
+    chosen = configured(translators, options)
     if continuous and LineSearch.accepts(chosen):
         return LineSearch(chosen)
-    return WholeBatch(functools.partial(answer_all, translator), options)
+    return WholeBatch(functools.partial(answer_all, translators), options)
 
 
 def batching(translator: LineTranslator, continuous: bool) -> str:
@@ -89,13 +95,13 @@ def batching(translator: LineTranslator, continuous: bool) -> str:
     return "whole batches"
 
 
-def make_batcher(translator: LineTranslator, cfg: ServeConfig) -> Batcher[Work, Answer]:
+def make_batcher(translators: Translators, cfg: ServeConfig) -> Batcher[Work, Answer]:
     """The batcher of the server's searches and scorings, as ``cfg`` sets it up: the one thread that uses the
-    model."""
+    model, and its adapters."""
     return Batcher(
-        functools.partial(answer_all, translator),
+        functools.partial(answer_all, translators),
         cfg.max_batch_size,
         cfg.max_wait_ms / 1000,
         cfg.max_queue,
-        functools.partial(open_search, translator, cfg.continuous),
+        functools.partial(open_search, translators, cfg.continuous),
     )

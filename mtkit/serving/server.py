@@ -1,13 +1,17 @@
 """Translation over HTTP (`mtkit serve`): a FastAPI application over the translator `mtkit.load` gives.
 
     POST /v1/translate  {"text": "A dog." | ["A dog.", ...], "beam": 5, "nbest": 1, "scores": false,
-                         "alignments": false, "tgt_lang": "de"}
+                         "alignments": false, "tgt_lang": "de", "src_lang": "en", "adapter": "legal"}
                         -> {"translations": [...]}: one per text, in order
-    POST /v1/score      {"source": "A dog." | [...], "target": "Ein Hund." | [...], "tokens": false, "tgt_lang": "de"}
+    POST /v1/score      {"source": "A dog." | [...], "target": "Ein Hund." | [...], "tokens": false, "tgt_lang": "de",
+                         "src_lang": "en", "adapter": "legal"}
                         -> {"scores": [{"logprob": -3.2, "tokens": 4}, ...]}: one per pair, in order
     GET  /health        -> 200 once the model is loaded (the server listens only then)
-    GET  /v1/models     -> the model's name, languages, directions, precision, batching, decode settings
-                           and tokenizer hashes; mtkit's version
+    GET  /v1/models     -> the model's name, languages, directions (or the languages it translates between),
+                           precision, batching, decode settings, tokenizer hashes and LoRA adapters; mtkit's version
+
+One base model may serve several LoRA adapters (``adapters``), each named by the requests that want it, over
+the base's weights held once; requests for different adapters are never searched together.
 
 The sentences of concurrent requests are searched together (``mtkit.serving.batcher``). Every answer is
 bounded: too much text is 413 (up front when Content-Length says so), a full queue 503 with
@@ -43,12 +47,13 @@ from pydantic import BaseModel
 
 from mtkit.config import ServeConfig
 from mtkit.decoding.line_translator import LineTranslator
+from mtkit.serving.adapters import ServedAdapter, load_adapters
 from mtkit.serving.batcher import Batcher
 from mtkit.serving.connections import bind, signals_stop, uvicorn_config
 from mtkit.serving.gate import Gatekeeper, Tally
 from mtkit.serving.requests import ScoreAnswer, ScoreRequest, TranslateRequest
 from mtkit.serving.routes import ModelsRoute, ScoreRoute, TranslateRoute, health
-from mtkit.serving.searches import Answer, Work, batching, make_batcher
+from mtkit.serving.searches import Answer, Translators, Work, batching, make_batcher
 from mtkit.translation.engines import load_translator
 from mtkit.version import __version__
 
@@ -68,31 +73,44 @@ async def batcher_running(batcher: Batcher[Work, Answer], own: bool, app: FastAP
 
 
 def create_app(
-    translator: LineTranslator, cfg: ServeConfig, name: str, batcher: Batcher[Work, Answer] | None = None
+    translator: LineTranslator,
+    cfg: ServeConfig,
+    name: str,
+    batcher: Batcher[Work, Answer] | None = None,
+    adapters: dict[str, ServedAdapter] | None = None,
 ) -> FastAPI:
-    """The application; ``name`` is what /v1/models calls the model. ``batcher``: one whose ``run`` the caller
-    runs; by default the application runs its own in a thread that starts with it. At shutdown the batcher
-    finishes the work queued before it closes. ``app.state.tally`` counts the requests the shutdown cut off."""
+    """The application; ``name`` is what /v1/models calls the model, ``adapters`` the LoRA adapters requests may
+    name. ``batcher``: one whose ``run`` the caller runs; by default the application runs its own in a thread that
+    starts with it. At shutdown the batcher finishes the work queued before it closes. ``app.state.tally`` counts
+    the requests the shutdown cut off."""
+    adapters = adapters or {}
     own = batcher is None
-    batcher = batcher or make_batcher(translator, cfg)
+    batcher = batcher or make_batcher(translators(translator, adapters), cfg)
     app = FastAPI(title="mtkit", version=__version__, lifespan=functools.partial(batcher_running, batcher, own))
-    translate = TranslateRoute(translator, cfg, batcher)
+    names = list(adapters)
+    translate = TranslateRoute(translator, cfg, batcher, names)
     app.add_api_route(
         "/v1/translate", translate.translate, methods=["POST"], openapi_extra={"requestBody": body(TranslateRequest)}
     )
     app.add_api_route(
         "/v1/score",
-        ScoreRoute(translator, cfg, batcher).score,
+        ScoreRoute(translator, cfg, batcher, names).score,
         methods=["POST"],
         openapi_extra={"requestBody": body(ScoreRequest)},
         response_model=ScoreAnswer,
         response_model_exclude_none=True,
     )
     app.add_api_route("/health", health, methods=["GET"])
-    app.add_api_route("/v1/models", ModelsRoute(translator, cfg, name).models, methods=["GET"])
+    records = {adapter: served.record for adapter, served in adapters.items()}
+    app.add_api_route("/v1/models", ModelsRoute(translator, cfg, name, records).models, methods=["GET"])
     app.state.tally = Tally()
     app.add_middleware(Gatekeeper, api_key=cfg.api_key, tally=app.state.tally)
     return app
+
+
+def translators(translator: LineTranslator, adapters: dict[str, ServedAdapter]) -> Translators:
+    """The translator of the model (None) and of each adapter by name, as the searches choose among them."""
+    return {None: translator, **{adapter: served.translator for adapter, served in adapters.items()}}
 
 
 def body(request: type[BaseModel]) -> dict[str, Any]:
@@ -100,10 +118,11 @@ def body(request: type[BaseModel]) -> dict[str, Any]:
     return {"content": {"application/json": {"schema": request.model_json_schema()}}, "required": True}
 
 
-def serve(model: str | Path, cfg: ServeConfig, **load: Any) -> int:
-    """Serve ``model`` (what `mtkit.load` takes, with its ``load`` options: device, precision, engine, threads) until
-    SIGINT or SIGTERM; the port is taken before the model loads. The exit status: 0, or 1 when the shutdown
-    cut requests off (a second signal, or requests still running past the shutdown's bound).
+def serve(model: str | Path, cfg: ServeConfig, adapters: dict[str, Path] | None = None, **load: Any) -> int:
+    """Serve ``model`` (what `mtkit.load` takes, with its ``load`` options: device, precision, engine, threads) and
+    its LoRA ``adapters`` (by name) until SIGINT or SIGTERM; the port is taken before the model loads. The exit
+    status: 0, or 1 when the shutdown cut requests off (a second signal, or requests still running past the
+    shutdown's bound).
 
     The searches run in this thread, which loaded the model, and uvicorn answers HTTP in another: torch's
     CPU kernels run slower in a thread other than the one whose OpenMP threads did the loading
@@ -112,8 +131,9 @@ def serve(model: str | Path, cfg: ServeConfig, **load: Any) -> int:
     sock = bind(cfg.host, cfg.port)
     try:
         translator = load_translator(model, **load)
-        batcher = make_batcher(translator, cfg)
-        app = create_app(translator, cfg, model_name(model), batcher)
+        served = load_adapters(model, translator, adapters or {})
+        batcher = make_batcher(translators(translator, served), cfg)
+        app = create_app(translator, cfg, model_name(model), batcher, served)
         host, port = sock.getsockname()[:2]
         where = f"[{host}]" if ":" in host else host
         precision = translator.precision or {}
@@ -122,6 +142,12 @@ def serve(model: str | Path, cfg: ServeConfig, **load: Any) -> int:
             model, where, port, precision.get("precision"), precision.get("reason"), cfg.max_batch_size,
             batching(translator, cfg.continuous), cfg.max_wait_ms,
         )  # fmt: skip
+        for adapter, adapted in served.items():
+            record = adapted.record
+            log.info(
+                "adapter %s: rank %d, alpha %g, on %s", adapter, record["rank"], record["alpha"],
+                ", ".join(record["targets"]),
+            )  # fmt: skip
         server = uvicorn.Server(uvicorn_config(app, cfg))
 
         def answer_http() -> None:

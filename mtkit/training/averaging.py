@@ -1,14 +1,19 @@
 """Checkpoint averaging (``mtkit average``, and ``mtkit run``'s average stage): the element-wise mean of the
-weights of checkpoints of one model, which often scores better than the last checkpoint alone."""
+weights of checkpoints of one model, which often scores better than the last checkpoint alone.
+
+A LoRA run's checkpoints hold adapters, and the mean of adapters is not the mean of the models they make (B A is
+not linear in A and B): each is averaged as the model it makes, its adapter merged into its base, and the
+average is a model of its own weights."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from mtkit.config import RecipeConfig
+from mtkit.config import LoraConfig, RecipeConfig
 from mtkit.model.checkpoint import (
     WEIGHTS_FILE,
     Checkpoint,
@@ -18,6 +23,7 @@ from mtkit.model.checkpoint import (
     tied_aliases,
     write_model_file,
 )
+from mtkit.model.loading import is_adapted, load_for_inference
 from mtkit.model.run_folder import CHECKPOINTS_DIR, run_checkpoints
 
 
@@ -29,13 +35,13 @@ def average_checkpoints(paths: list[Path]) -> tuple[dict[str, torch.Tensor], dic
     """
     if not paths:
         raise CheckpointError("no checkpoints to average")
-    first = read_checkpoint(paths[0], with_state=False)
+    first = _read(paths[0])
     aliases = tied_aliases(first.weights)
     layout = {k: t.to("meta") for k, t in first.weights.items()}  # names, shapes and dtypes, without the data
     sums = {k: t.double() if t.is_floating_point() else t for k, t in first.weights.items() if k not in aliases}
     newest = first.meta
     for path in paths[1:]:
-        ckpt = read_checkpoint(path, with_state=False)
+        ckpt = _read(path)
         _check_compatible(ckpt, first, layout)
         for key, total in sums.items():
             if total.is_floating_point():
@@ -48,6 +54,17 @@ def average_checkpoints(paths: list[Path]) -> tuple[dict[str, torch.Tensor], dic
     weights.update({alias: weights[key] for alias, key in aliases.items()})
     meta = {k: v for k, v in newest.items() if k != "validation"}
     return weights, {**meta, "averaged": [str(p) for p in paths]}
+
+
+def _read(path: Path) -> Checkpoint:
+    """A checkpoint to average; a LoRA run's as the model it makes, its adapter merged into its base (in float32)
+    and its config that of a model of its own weights."""
+    ckpt = read_checkpoint(path, with_state=False)
+    if not is_adapted(ckpt):
+        return ckpt
+    merged = load_for_inference(path, torch.device("cpu"), merge=True).model.state_dict()
+    cfg = replace(ckpt.cfg, train=replace(ckpt.cfg.train, lora=LoraConfig()))
+    return replace(ckpt, weights=merged, cfg=cfg, meta={**ckpt.meta, "config": cfg.to_dict()})
 
 
 def checkpoints_to_average(inputs: list[Path], last: int | None = None) -> list[Path]:

@@ -11,16 +11,20 @@ import torch
 from mtkit.config import TrainConfig
 from mtkit.data.parallel import ShapeBuckets
 from mtkit.model.loss import TrainingObjective
-from mtkit.training.freezing import freeze
+from mtkit.model.transformer import count_parameters
+from mtkit.training.freezing import adapters_only, freeze
 
 log = logging.getLogger("mtkit")
 
 
 def build_optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.Adam:
-    """Adam over the parameters train.freeze leaves trainable."""
+    """Adam over the parameters that train: with train.lora the adapters alone, else those train.freeze leaves."""
+    training = adapters_only(model) if tc.lora.rank else freeze(model, tc.freeze)
+    trained, every = sum(p.numel() for p in training), count_parameters(model)
+    log.info("%s of the model's %s parameters train", f"{trained:,}", f"{every:,}")
     # fused: one kernel steps every parameter, rather than one kernel per tensor (docs/benchmarks.md)
     return torch.optim.Adam(
-        freeze(model, tc.freeze),
+        training,
         lr=tc.lr,
         betas=(0.9, 0.98),
         eps=1e-9,

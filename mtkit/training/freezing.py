@@ -8,6 +8,8 @@ The parts are told apart by the modules that own the parameters, never by their 
 - ``encoder``: the encoder's layers and final norm.
 - ``decoder``: the decoder's layers and final norm, and the output projection (with its bias) unless it is
   tied to the embeddings.
+
+train.lora holds every part still and trains the adapters on them alone (``adapters_only``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Iterable
 from torch import nn
 
 from mtkit.config import FreezeGroup
+from mtkit.model.lora import adapter_parameters
 from mtkit.model.transformer import Transformer
 
 log = logging.getLogger("mtkit")
@@ -43,3 +46,13 @@ def freeze(model: Transformer, frozen: Iterable[FreezeGroup]) -> list[nn.Paramet
         held = sum(p.numel() for p in model.parameters() if not p.requires_grad)
         log.info("train.freeze: %s held (%s parameters)", ", ".join(sorted(frozen)), f"{held:,}")
     return [p for p in model.parameters() if p.requires_grad]
+
+
+def adapters_only(model: Transformer) -> list[nn.Parameter]:
+    """Turn off the gradients of every parameter but the LoRA adapters'; those, for the optimizer, in the model's
+    order."""
+    trained = adapter_parameters(model)
+    ids = {id(p) for p in trained}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in ids)
+    return trained

@@ -8,14 +8,19 @@ dropouts, which are training settings; tokenizer model files are compared by con
 tokenizer.vocab_size with the pieces of the model's tokenizer(s). A key left at its default takes the
 model's value, so a key set to its default value cannot be told from one left out.
 
-``hf:SOURCE`` names a transformers MarianMTModel folder or Hub repository (an OPUS-MT model), as
+``hf:SOURCE`` names a transformers MarianMTModel or M2M100ForConditionalGeneration folder or Hub repository (an
+OPUS-MT, NLLB-200 or M2M100 model), as
 `mtkit import hf SOURCE` takes it: the run imports it into RUN/imported/, then starts from that. Each start
 before the run's first checkpoint imports it anew, since an import an earlier start left there may be of
 another model (train.init_from changed, or the folder did).
 
 The model is read only while the run has no checkpoint. Once it has one, the same rules settle the
 config against the run's newest checkpoint, so the config that started a run resumes it, even if the
-model it started from has since changed or gone.
+model it started from has since changed or gone; but for a LoRA run (train.lora), whose checkpoints hold its
+adapters alone, and which reads its base again from the path it recorded (adapters.py).
+
+A LoRA run as the model to start from stands for its base with its adapter merged: a run without train.lora
+trains all of that model's weights.
 """
 
 from __future__ import annotations
@@ -27,11 +32,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from mtkit.config import ConfigError, RunConfig, TokenizerConfig
 from mtkit.data.tokenizer import Tokenizer
 from mtkit.files import file_sha256
 from mtkit.interop.export_folder import MANIFEST
-from mtkit.interop.hf_import import import_marian
+from mtkit.interop.hf_import import import_hf
 from mtkit.model.checkpoint import (
     WEIGHTS_FILE,
     Checkpoint,
@@ -40,13 +47,14 @@ from mtkit.model.checkpoint import (
     read_checkpoint,
     weights_file,
 )
-from mtkit.model.loading import resolve
+from mtkit.model.loading import is_adapted, load_for_inference, resolve
 from mtkit.model.run_folder import IMPORTED_DIR
 from mtkit.untrusted import shown
 
 log = logging.getLogger("mtkit")
 
 TRAINING_SETTINGS = ("dropout", "attention_dropout", "activation_dropout")  # model.* keys a run may change
+LANGUAGE_SETTINGS = ("languages", "language_token")  # data.* keys a run takes from the model it starts from
 TOKENIZER_FILES = ("model", "src_model", "tgt_model")  # tokenizer.* keys naming files: compared by content
 HF_PREFIX = "hf:"  # train.init_from: hf:SOURCE, a Marian model to import first
 
@@ -70,7 +78,7 @@ def import_once(init_from: str, run_dir: Path, afresh: bool = False) -> Path:
     if afresh:
         shutil.rmtree(target, ignore_errors=True)
     if not (target / WEIGHTS_FILE).is_file():
-        import_marian(init_from[len(HF_PREFIX) :], target)
+        import_hf(init_from[len(HF_PREFIX) :], target)
     return target
 
 
@@ -94,6 +102,9 @@ def read_trained_model(model: Path) -> tuple[Checkpoint, RunConfig]:
             "set train.init_from to the run, checkpoint or .safetensors file it was exported from"
         )
     ckpt = read_checkpoint(resolve(model), with_state=False)
+    if is_adapted(ckpt):  # a LoRA run: the model it stands for, its adapter merged into its base (in float32)
+        merged = load_for_inference(ckpt.path, torch.device("cpu"), merge=True).model
+        ckpt = replace(ckpt, weights=merged.state_dict())
     where = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
     found = {side: find_tokenizer(r, where, ckpt.path.name).resolve() for side, r in ckpt.meta["tokenizer"].items()}
     tc = ckpt.cfg.tokenizer
@@ -107,13 +118,23 @@ def read_trained_model(model: Path) -> tuple[Checkpoint, RunConfig]:
 
 def settle_config(cfg: RunConfig, theirs: RunConfig, records: dict[str, Any], source: str) -> RunConfig:
     """``cfg`` with the model and tokenizer sections of the model it starts from (or of the checkpoint it resumes
-    from): ``theirs`` is that model's config, ``records`` its tokenizer records (file and SHA-256 by side),
+    from), and the languages it is told by tokens (data.languages, data.language_token: an imported NLLB-200 or
+    M2M100): ``theirs`` is that model's config, ``records`` its tokenizer records (file and SHA-256 by side),
     ``source`` how errors name it.
 
     ConfigError, in one line naming the key and both values, for a key that disagrees.
     """
     model = _agreed("model", cfg.model, theirs.model, source, changeable=TRAINING_SETTINGS)
-    return replace(cfg, model=model, tokenizer=settle_tokenizer(cfg.tokenizer, theirs.tokenizer, records, source))
+    for key in LANGUAGE_SETTINGS:
+        mine, their = getattr(cfg.data, key), getattr(theirs.data, key)
+        if mine and mine != their:
+            raise ConfigError(
+                f"data.{key} is {shown(mine)} in this config but {shown(their)} in {source}: the model reads its "
+                f"languages as it was trained to; leave data.{key} out"
+            )
+    data = replace(cfg.data, **{key: getattr(theirs.data, key) for key in LANGUAGE_SETTINGS})
+    tokenizer = settle_tokenizer(cfg.tokenizer, theirs.tokenizer, records, source)
+    return replace(cfg, model=model, tokenizer=tokenizer, data=data)
 
 
 def settle_tokenizer(

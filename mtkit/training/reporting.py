@@ -85,10 +85,14 @@ class LogWindow:
     """Target tokens since a clock start, for throughput; the loss sums live in Progress, to survive a resume."""
 
     tokens: int = 0
+    updates: int = 0
     start: float = field(default_factory=time.perf_counter)
 
     def tokens_per_s(self) -> float:
         return self.tokens / max(time.perf_counter() - self.start, 1e-9)
+
+    def seconds_per_update(self) -> float:
+        return (time.perf_counter() - self.start) / max(self.updates, 1)
 
 
 def epochs(p: Progress) -> dict:
@@ -137,6 +141,7 @@ class TrainingReport:
         """Show the update ``p.step`` just applied, and write a metrics line every ``log_every`` updates."""
         p.log_loss, p.log_nll, p.log_updates = p.log_loss + stats["loss"], p.log_nll + stats["nll"], p.log_updates + 1
         self.window.tokens += stats["tokens"]
+        self.window.updates += 1
         # The mean loss since the last line, as in metrics.jsonl: one update's loss swings with its batch's lengths.
         loss, tok_s = p.log_loss / p.log_updates, self.window.tokens_per_s()
         shown = {**stats, "loss": loss, "tok_s": tok_s, "epoch": epoch_text(p)}
@@ -152,6 +157,7 @@ class TrainingReport:
             "nll": p.log_nll / p.log_updates,
             "grad_norm": float(stats["grad_norm"]),  # under torchrun, read from the device only now
             "tgt_tokens_per_s": tok_s,
+            "seconds_per_update": self.window.seconds_per_update(),
             **p.counters(),
         }
         if self.device.type == "cuda":

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import typing
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +144,13 @@ def check_resumable(
         raise ResumeRefused(f"{path}: model settings differ from this config", "use a new --out or --restart")
     if saved.state is None:
         raise checkpoint.CheckpointError(f"{path}: holds weights only, not the training state to resume from")
+    mine, theirs = replace(cfg.train.lora, dropout=0.0), replace(saved.cfg.train.lora, dropout=0.0)
+    if (mine.rank or theirs.rank) and mine != theirs:
+        raise ResumeRefused(
+            f"{path}: trained with train.lora rank {theirs.rank}, alpha {theirs.alpha:g} on {list(theirs.targets)}, "
+            f"not rank {mine.rank}, alpha {mine.alpha:g} on {list(mine.targets)}",
+            "to change them, use another --out or start over (--restart)",
+        )
     if saved.cfg.train.freeze != cfg.train.freeze:
         raise ResumeRefused(
             f"{path}: trained with train.freeze {list(saved.cfg.train.freeze)}, not {list(cfg.train.freeze)}",

@@ -93,14 +93,22 @@ class RunDirectory:
             self._tensorboard.flush()
 
     def save_checkpoint(
-        self, step: int, weights: dict[str, torch.Tensor], meta: dict[str, Any], state: dict, keep_last: int
+        self,
+        step: int,
+        weights: dict[str, torch.Tensor],
+        meta: dict[str, Any],
+        state: dict,
+        keep_last: int,
+        header: dict[str, str] | None = None,
     ) -> None:
         with self.writing(f"the checkpoint of update {step}"):
-            save_in_run(self.path, step, weights, meta, state, keep_last)
+            save_in_run(self.path, step, weights, meta, state, keep_last, header)
 
-    def save_best(self, weights: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    def save_best(
+        self, weights: dict[str, torch.Tensor], meta: dict[str, Any], header: dict[str, str] | None = None
+    ) -> None:
         with self.writing("the best checkpoint"):
-            save_best(self.path, weights, meta)
+            save_best(self.path, weights, meta, header)
 
     def record_validation(self, step: int, outcome: dict[str, Any]) -> None:
         with self.writing(f"the validation outcome of update {step}"):
@@ -130,10 +138,12 @@ def save_in_run(
     meta: dict[str, Any],
     state: dict[str, Any] | None,
     keep_last: int,
+    header: dict[str, str] | None = None,
 ) -> Path:
-    """Save ``RUN/checkpoints/update-STEP/``, then delete all but the newest ``keep_last`` (0 keeps all)."""
+    """Save ``RUN/checkpoints/update-STEP/``, then delete all but the newest ``keep_last`` (0 keeps all); ``header``:
+    entries of its weights file's header beside mtkit's (a LoRA run's adapter record)."""
     directory = run_folder.update_dir(run_dir, step)
-    checkpoint.save(directory, weights, {**meta, "step": step}, state)
+    checkpoint.save(directory, weights, {**meta, "step": step}, state, header=header)
     if keep_last > 0:
         for old in run_folder.run_checkpoints(run_dir)[:-keep_last]:
             if old != directory:  # never the one just written, even if stale later ones exist
@@ -152,8 +162,10 @@ def _delete(directory: Path) -> None:
     shutil.rmtree(doomed)
 
 
-def save_best(run_dir: Path, weights: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-    checkpoint.save(Path(run_dir) / BEST_DIR, weights, meta)
+def save_best(
+    run_dir: Path, weights: dict[str, torch.Tensor], meta: dict[str, Any], header: dict[str, str] | None = None
+) -> None:
+    checkpoint.save(Path(run_dir) / BEST_DIR, weights, meta, header=header)
 
 
 def record_validation(run_dir: Path, step: int, outcome: dict[str, Any]) -> None:

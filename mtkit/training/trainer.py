@@ -38,9 +38,11 @@ from mtkit.data.directions import corpus_files
 from mtkit.data.parallel import Batch, DataError, ShapeBuckets, check_input_file, iter_parallel
 from mtkit.data.tokenizer import PAD_ID
 from mtkit.model import checkpoint
+from mtkit.model.lora import adapter_weights
 from mtkit.model.loss import TrainingObjective
 from mtkit.model.transformer import build_model, count_parameters
 from mtkit.runtime import hardware, pick_device, require, resolve_precision, seed_everything, set_threads
+from mtkit.training import adapters
 from mtkit.training.build import batch_shape_count, build_optimizer, data_parallel
 from mtkit.training.checkpointing import checkpoint_meta, restore_training_state, unreadable_error
 from mtkit.training.data_walk import DataWalk
@@ -167,12 +169,21 @@ class Trainer:
             self.valid_batches = []
 
     def _setup_model(self) -> None:
-        """The model and its loss; then dropout seeded per rank, so masks differ between ranks."""
+        """The model and its loss; then dropout seeded per rank, so masks differ between ranks. With train.lora,
+        the base model with new adapters (their values are the checkpoint's, once resumed)."""
         tc = self.cfg.train
         self.model = build_model(self.cfg.model, self.src_tok.vocab_size, self.tgt_tok.vocab_size, PAD_ID)
-        if self.initial is not None:
+        self.lora_base: adapters.LoraBase | None = None
+        if tc.lora.rank:  # the base is read again on resuming: the checkpoints hold the adapters alone
+            if self.initial is not None:
+                base, weights = adapters.base_of(self.initial.checkpoint), self.initial.checkpoint.weights
+            else:
+                base, weights = adapters.read_base(self.init)
+            adapters.adapt(self.model, weights, base, tc.lora)
+            self.lora_base = base
+        elif self.initial is not None:
             checkpoint.load_weights(self.model, self.initial.checkpoint.weights, self.initial.checkpoint.path)
-            self.initial = None  # its weights are the model's now: not held twice
+        self.initial = None  # its weights are the model's now: not held twice
         self.model.to(self.device)
         log.info("model: %s parameters", f"{count_parameters(self.model):,}")
         self.objective = TrainingObjective(self.model, tc.label_smoothing, self.dtype)
@@ -425,7 +436,8 @@ class Trainer:
         if p.best is None or metric > p.best:
             p.best, p.stale = metric, 0
             if self.is_main:
-                self.run_dir.save_best(self.model.state_dict(), {**self._meta(), "validation": result})
+                weights, header = self._weights()
+                self.run_dir.save_best(weights, {**self._meta(), "validation": result}, header)
             result["new_best"] = True
         else:
             p.stale += 1
@@ -449,19 +461,30 @@ class Trainer:
             self._saved = self.progress.step
             return
         state = TrainingState(self.optimizer.state_dict(), self.scaler.state_dict(), rng, self.progress)
+        weights, header = self._weights()
         self.run_dir.save_checkpoint(
-            self.progress.step, self.model.state_dict(), self._meta(), state.to_dict(), self.cfg.train.keep_last
+            self.progress.step, weights, self._meta(), state.to_dict(), self.cfg.train.keep_last, header
         )
         self._saved = self.progress.step
 
     def _meta(self) -> dict:
         return checkpoint_meta(self.cfg, (self.src_tok, self.tgt_tok), self.progress.step, self.data_sha256, self.init)
 
+    def _weights(self) -> tuple[dict[str, Tensor], dict[str, str] | None]:
+        """What a checkpoint's weights file holds: the model's weights, or with train.lora its adapters alone, with
+        their record of the base they adapt for its header."""
+        if self.lora_base is None:
+            return self.model.state_dict(), None
+        return adapter_weights(self.model), adapters.header(self.lora_base, self.cfg.train.lora)
+
     def _load(self, path: Path) -> None:
         """Weights, optimizer, scaler, RNG and progress from the checkpoint at ``path``, checked to fit this run."""
         saved = checkpoint.read_checkpoint(path)
         check_resumable(path, saved, self.cfg, (self.src_tok, self.tgt_tok), self.data_sha256, self.run_dir.path)
-        checkpoint.load_weights(self.model, saved.weights, path)
+        if self.lora_base is not None:
+            adapters.load_adapters(self.model, path, self.lora_base, self.cfg.train.lora)
+        else:
+            checkpoint.load_weights(self.model, saved.weights, path)
         self.progress = restore_training_state(
             path, saved, self.optimizer, self.scaler, self.cfg.train.seed, self.dist, self.device
         )
@@ -507,10 +530,13 @@ def check_trainable(cfg: RunConfig) -> None:
 def check_lengths(cfg: RunConfig) -> None:
     """ConfigError unless the longest training sentence fits the model's positions."""
     data, model = cfg.data, cfg.model
-    if data.max_tokens >= model.max_positions:
+    lead = 1 if data.languages else 0  # a language's token before each sentence
+    if data.max_tokens + lead >= model.max_positions:
+        with_lead = " and its language's token" if lead else ""
         raise ConfigError(
-            f"data.max_tokens {data.max_tokens} must be below model.max_positions {model.max_positions}: "
-            "a training sentence of data.max_tokens pieces and its bos or eos must fit the model's positions"
+            f"data.max_tokens {data.max_tokens} must be below model.max_positions {model.max_positions - lead}: "
+            f"a training sentence of data.max_tokens pieces{with_lead} and its bos or eos must fit the model's "
+            "positions"
         )
 
 

@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 
 from mtkit.config import RunConfig
-from mtkit.data.directions import CorpusFiles
+from mtkit.data.directions import CorpusFiles, language_leads
 from mtkit.data.parallel import DataError, file_digest, iter_parallel
 from mtkit.data.sampling import CorpusMix, corpus_probabilities
 from mtkit.data.token_store import TokenStore, default_cache_dir, open_or_build, store_key
@@ -21,7 +21,8 @@ def open_training_data(cfg: RunConfig, src_tok: Tokenizer, tgt_tok: Tokenizer) -
     """The training pairs as a memory-mapped token store, encoded now unless an earlier run did it."""
     data = cfg.data
     paths = [data.train_src, data.train_tgt] if data.train_tgt else [data.train_src]
-    key = store_key(paths, src_tok, tgt_tok, data.max_tokens, data.max_ratio)
+    leads = language_leads(data, src_tok, tgt_tok, data.src_lang, data.tgt_lang)
+    key = store_key(paths, src_tok, tgt_tok, data.max_tokens, data.max_ratio, leads=leads)
     cache_dir = Path(data.cache_dir) if data.cache_dir else default_cache_dir()
     return open_or_build(cache_dir, iter_parallel(data.train_src, data.train_tgt), key, src_tok, tgt_tok)
 
@@ -30,7 +31,8 @@ def open_corpus_data(cfg: RunConfig, corpus: CorpusFiles, src_tok: Tokenizer, tg
     """One corpus of data.corpora as a token store, its sources read after their tags; a DataError names it."""
     data = cfg.data
     paths = [corpus.train_src, corpus.train_tgt] if corpus.train_tgt else [corpus.train_src]
-    key = store_key(paths, src_tok, tgt_tok, data.max_tokens, data.max_ratio, corpus.prefix)
+    leads = language_leads(data, src_tok, tgt_tok, corpus.config.src_lang, corpus.config.tgt_lang)
+    key = store_key(paths, src_tok, tgt_tok, data.max_tokens, data.max_ratio, corpus.prefix, leads)
     cache_dir = Path(data.cache_dir) if data.cache_dir else default_cache_dir()
     prefix = corpus.prefix
     pairs = ((prefix + s if s.strip() else s, t) for s, t in iter_parallel(corpus.train_src, corpus.train_tgt))

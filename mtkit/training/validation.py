@@ -12,6 +12,7 @@ from dataclasses import replace
 import torch
 
 from mtkit.config import RunConfig
+from mtkit.data.directions import language_leads
 from mtkit.data.parallel import Batch
 from mtkit.data.tokenizer import Tokenizer
 from mtkit.decoding.line_translator import Translator
@@ -59,6 +60,7 @@ class Validator:
         self.with_bleu, self.comet = cfg.train.valid_bleu, comet
         self.decode = replace(cfg.decode, beam=cfg.train.valid_beam)
         self.device = device
+        self.data = cfg.data
 
     @torch.no_grad()
     def validate(self, step: int) -> dict:
@@ -121,6 +123,9 @@ class Validator:
                 self.model, self.src_tok, self.tgt_tok, self.decode, self.device, on_batch=bar.advance
             )
             translator.source_prefix = valid.prefix
+            translator.source_lead, translator.target_lead = language_leads(
+                self.data, self.src_tok, self.tgt_tok, *valid.languages
+            )
             return translator.translate(valid.sources)
 
 

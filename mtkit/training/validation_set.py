@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass
 
 from mtkit.config import RunConfig
-from mtkit.data.directions import CorpusFiles, source_prefix
+from mtkit.data.directions import CorpusFiles, language_leads, source_prefix
 from mtkit.data.parallel import Batch, DataError, collate, read_parallel, token_batches
 from mtkit.data.tokenizer import Tokenizer
 
@@ -19,6 +19,7 @@ class ValidationSet:
     """One direction's validation pairs; ``prefix`` (its language tag) goes before each source."""
 
     direction: str  # SRC-TGT
+    languages: tuple[str, str]  # (SRC, TGT)
     sources: list[str]
     references: list[str]
     prefix: str = ""
@@ -37,14 +38,16 @@ def read_validation_sets(cfg: RunConfig, corpora: list[CorpusFiles]) -> list[Val
             return []
         where = " and ".join(filter(None, (data.valid_src, data.valid_tgt)))
         sources, references = read_parallel(data.valid_src, data.valid_tgt)
-        return [ValidationSet(f"{data.src_lang}-{data.tgt_lang}", sources, references, where=where)]
+        langs = (data.src_lang, data.tgt_lang)
+        return [ValidationSet(f"{data.src_lang}-{data.tgt_lang}", langs, sources, references, where=where)]
     sets = []
     for c in corpora:
         if c.valid_src:
             where = " and ".join(filter(None, (c.valid_src, c.valid_tgt)))
             sources, references = read_parallel(c.valid_src, c.valid_tgt)
             prefix = source_prefix(data, c.config.tgt_lang)  # real text: never <BT>
-            sets.append(ValidationSet(c.config.direction, sources, references, prefix, where))
+            langs = (c.config.src_lang, c.config.tgt_lang)
+            sets.append(ValidationSet(c.config.direction, langs, sources, references, prefix, where))
     return sets
 
 
@@ -59,9 +62,14 @@ def loss_batches(cfg: RunConfig, src_tok: Tokenizer, tgt_tok: Tokenizer, sets: l
     tgt: list[list[int]] = []
     for valid in sets:
         limit = cfg.model.max_positions - 1  # each side gets an eos or bos
+        src_lead, tgt_lead = language_leads(cfg.data, src_tok, tgt_tok, *valid.languages)
         src_ids = src_tok.encode(valid.tagged_sources())
         tgt_ids = tgt_tok.encode(valid.references)
-        pairs = [(s, t) for s, t in zip(src_ids, tgt_ids) if s and t and len(s) <= limit and len(t) <= limit]
+        pairs = [
+            ([*src_lead, *s], [*tgt_lead, *t])
+            for s, t in zip(src_ids, tgt_ids)
+            if s and t and len(s) + len(src_lead) <= limit and len(t) + len(tgt_lead) <= limit
+        ]
         empty = sum(1 for s, t in zip(src_ids, tgt_ids) if not s or not t)
         too_long = len(src_ids) - len(pairs) - empty
         if not pairs:

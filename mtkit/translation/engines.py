@@ -27,6 +27,7 @@ REFUSED_OPTIONS: dict[str, dict[str, str]] = {
         "no_early_stop": "--no-early-stop",
         "ensemble": "an ensemble",
         "shortlist": "--shortlist (an export made with --shortlist carries CTranslate2's use_vmap map)",
+        "adapter": "--adapter (`mtkit export --adapter` merges one into the export)",
     },
 }
 
@@ -48,6 +49,8 @@ def load_translator(
     shortlist: str | Path | None = None,
     tgt_lang: str | None = None,
     threads: int = InferenceConfig.threads,
+    src_lang: str | None = None,
+    adapter: str | Path | None = None,
     **decode: Any,
 ) -> LineTranslator:
     """A translator over ``models``: run directories (their best/), checkpoints or .safetensors files,
@@ -62,6 +65,9 @@ def load_translator(
     ``shortlist``, a file `mtkit shortlist` wrote, limits each batch's outputs to its candidates;
     ``tgt_lang`` the language to translate into, one the model was trained for (a model of several target
     languages takes it here or in each ``translate`` call; ConfigError listing its directions otherwise);
+    ``src_lang`` the source language, which a model told its languages by tokens (an imported NLLB-200 or
+    M2M100) needs unless its config names a default; ``adapter`` a LoRA adapter of the one model (an adapter
+    file, or a LoRA run or checkpoint), kept beside its weights (mtkit.model.loading);
     ``threads`` the CPU threads this process translates on (0: OMP_NUM_THREADS where set, else torch's default of
     one per core; with CTranslate2 its ``intra_threads``), set before the model loads.
     """
@@ -74,6 +80,7 @@ def load_translator(
         "sampling": sampling is not None,
         "alignments": alignments,
         "shortlist": shortlist is not None,
+        "adapter": adapter is not None,
     }
     if unsupported := refused_options(engine, asked):
         raise ConfigError(f"the {engine} engine takes one model and no {', '.join(unsupported)}")
@@ -92,11 +99,13 @@ def load_translator(
             models[0], decode, dev.type, compute_type, nbest, threads=threads
         )
         engine_translator.precision = chosen
-        return _choose_target(engine_translator, tgt_lang)
+        return _choose_target(engine_translator, tgt_lang, src_lang)
     if engine != "mtkit":
         raise ConfigError(f"engine must be mtkit or ctranslate2, got {engine!r}")
     choice = resolve_precision(precision, dev)
-    bundles = [load_for_inference(path, dev, choice.precision) for path in models]
+    if adapter is not None and len(models) > 1:
+        raise ConfigError("an adapter adapts one model, not an ensemble")
+    bundles = [load_for_inference(path, dev, choice.precision, adapter) for path in models]
     first = bundles[0]
     for path, other in zip(models[1:], bundles[1:]):
         if (other.src_tok.sha256, other.tgt_tok.sha256) != (first.src_tok.sha256, first.tgt_tok.sha256):
@@ -110,12 +119,15 @@ def load_translator(
     )
     translator.data = first.cfg.data
     translator.precision = choice.to_dict()
-    return _choose_target(translator, tgt_lang)
+    return _choose_target(translator, tgt_lang, src_lang)
 
 
-def _choose_target(translator: LineTranslator, tgt_lang: str | None) -> LineTranslator:
-    """``translator`` into ``tgt_lang``, or into the model's one target language; a model of several is left
-    to each call to choose, unless ``tgt_lang`` does."""
-    if translator.data is not None and tgt_lang is None and tags_targets(translator.data):
-        return translator
-    return translator.into(tgt_lang)
+def _choose_target(translator: LineTranslator, tgt_lang: str | None, src_lang: str | None) -> LineTranslator:
+    """``translator`` into ``tgt_lang`` (from ``src_lang``), or into the model's one target language; a model of
+    several (or one told its languages by tokens, without a default direction) is left to each call to choose,
+    unless the languages given do."""
+    data = translator.data
+    if data is not None and tgt_lang is None and src_lang is None:
+        if tags_targets(data) or (data.languages and not {data.src_lang, data.tgt_lang} <= set(data.languages)):
+            return translator
+    return translator.into(tgt_lang, src_lang)

@@ -240,12 +240,16 @@ def translate_file(
     tgt_lang: str | None = None,
     threads: int = InferenceConfig.threads,
     rerank: RerankSettings | None = None,
+    src_lang: str | None = None,
+    adapter: Path | None = None,
     **decode,
 ) -> int:
     """Translate ``input`` (a file, a pipe; None, ``-`` or ``/dev/stdin`` for stdin) into ``output``
     (None for stdout), one output line per input line (``nbest`` lines with ``nbest`` > 1); the count.
     ``shortlist``: a file `mtkit shortlist` wrote, which limits each batch's outputs to its candidates;
-    ``tgt_lang``: the target language, which a model of several needs; ``threads``: the CPU threads to use;
+    ``tgt_lang``: the target language, which a model of several needs (``src_lang`` the source language, which a
+    model told its languages by tokens needs); ``adapter``: a LoRA adapter of the model; ``threads``: the CPU
+    threads to use;
     ``rerank``: each line's translation chosen among ``rerank.candidates`` (mtkit.translation.reranking), the beam
     that wide unless ``decode`` gives a wider one.
 
@@ -264,6 +268,7 @@ def translate_file(
         "no_early_stop": not decode.get("early_stop", True),
         "ensemble": len(models) > 1,
         "shortlist": shortlist is not None,
+        "adapter": adapter is not None,
     }
     if unsupported := refused_options(engine, asked):
         flags = ", ".join(REFUSED_OPTIONS[engine][option] for option in unsupported)
@@ -286,12 +291,13 @@ def translate_file(
         raise DataError("<stdout>: standard output is closed; give a file to write with -o")
     if output is not None:
         reverse = rerank.reverse_model if rerank is not None else None
-        inputs = with_model_files(p for p in (input, prefix, *models, reverse) if p is not None)
+        inputs = with_model_files(p for p in (input, prefix, *models, reverse, adapter) if p is not None)
         check_output_file(output, inputs, checkpoints_holding(output))
     with WholeLines() as whole_lines:
         translator = load_translator(
-            models, device, precision, engine, nbest, sampling, alignments, shortlist, tgt_lang, threads, **decode
-        )
+            models, device, precision, engine, nbest, sampling, alignments, shortlist, tgt_lang, threads,
+            src_lang=src_lang, adapter=adapter, **decode,
+        )  # fmt: skip
         translator.check_target()
         size = line_translator.CHUNK_LINES
         chunks = input_chunks(input, size)
