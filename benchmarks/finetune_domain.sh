@@ -57,7 +57,7 @@ adapt=(--set train.init_from="$run" --set train.schedule=constant --set train.wa
 trained() {  # system name, then mtkit train's settings: trains OUT/NAME under /usr/bin/time, translates the test set
   local name=$1
   shift
-  /usr/bin/time -v mtkit --quiet train "$out/base.yaml" -o "$out/$name" "${common[@]}" "$@" 2>"$out/$name.log"
+  /usr/bin/time -v mtkit train "$out/base.yaml" -o "$out/$name" "${common[@]}" "$@" 2>"$out/$name.log"
   mtkit --quiet translate "$out/$name" -i "$d/test.en" -o "$out/$name.de" --beam "$beam"
 }
 

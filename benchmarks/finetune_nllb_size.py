@@ -7,7 +7,8 @@ weights, beside a SentencePiece BPE model trained on the training slice (fairseq
 with its 202 language codes. `mtkit import hf` imports it, and `mtkit train` fine-tunes the import (train.init_from)
 on a Multi30k slice, eng_Latn -> deu_Latn: once with every weight training, once with LoRA adapters. Each training
 runs under `/usr/bin/time -v`: its peak is the training process's maximum resident set size; an update's time is the
-median of metrics.jsonl's seconds_per_update after the first update. Prints a markdown table.
+median of metrics.jsonl's seconds_per_update after the first update. Prints a markdown table, and the time the
+import took to translate a few lines.
 
     python benchmarks/finetune_nllb_size.py --data ../shared/data/multi30k --updates 4
 """
@@ -25,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -150,6 +152,15 @@ def main() -> None:
     mtkit_cli("import", "hf", str(folder), "-o", str(imported), "--src-lang", "eng_Latn", "--tgt-lang", "deu_Latn",
               log=work / "import.log")  # fmt: skip
     shutil.rmtree(folder)  # 2.4 GB the trainings do not read
+    sample = work / "sample.en"
+    sample.write_text("\n".join(read(args.data / "val.en.gz", 5)) + "\n", encoding="utf-8")
+    started = time.perf_counter()
+    languages = ["--src-lang", "eng_Latn", "--tgt-lang", "deu_Latn"]
+    search = ["--beam", "4", "--max-len-a", "0", "--max-len-b", "20"]
+    output = ["-i", str(sample), "-o", str(work / "sample.de")]
+    mtkit_cli("translate", str(imported), *languages, *search, *output, log=work / "translate.log")
+    translated = time.perf_counter() - started
+    outputs = (work / "sample.de").read_text(encoding="utf-8").splitlines()
     lora = {"rank": args.rank, "alpha": 2.0 * args.rank, "targets": ["attention", "ffn"]}
     results = {
         "full fine-tuning": train(work, "full", imported, data, args, None),
@@ -163,6 +174,8 @@ def main() -> None:
     print("| --- | --- | --- | --- |")
     for name, r in results.items():
         print(f"| {name} | {r['trainable']} of {r['total']} | {r['peak_gib']:.1f} GiB | {r['seconds']:.1f} s |")
+    shown = f"{len(outputs)} lines (beam 4, at most 20 tokens each)"
+    print(f"the import translated {shown} in {translated:.1f} s, its start-up included")
 
 
 if __name__ == "__main__":

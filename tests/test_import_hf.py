@@ -28,7 +28,7 @@ from mtkit.data.parallel import source_tensor
 from mtkit.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_spm
 from mtkit.decoding.search import beam_search, greedy_search, max_lengths
 from mtkit.hub_folders import ModelImportError
-from mtkit.interop.hf_import import import_marian
+from mtkit.interop.hf_import import import_hf
 from mtkit.interop.marian_vocabulary import PAD_PIECE, START_PIECE
 from mtkit.model import checkpoint, loading
 from mtkit.training.init_from import import_once
@@ -145,7 +145,7 @@ class Imported:
 
 
 def imported(marian: MarianFolder, out: Path, lines: list[str]) -> Imported:
-    import_marian(str(marian.path), out)
+    import_hf(str(marian.path), out)
     bundle = loading.load_for_inference(out, CPU, "fp32")  # parity with transformers holds at fp32, on every CPU
     tok = marian.tokenizer
 
@@ -420,7 +420,7 @@ def test_pytorch_model_bin_in_fp16_imports_the_same_model(separate, tmp_path):
         torch.save({k: v.half() for k, v in weights.items()}, folder / "pytorch_model.bin")
 
     folder = broken_copy(separate.marian.path, tmp_path, edit)
-    import_marian(str(folder), tmp_path / "model")
+    import_hf(str(folder), tmp_path / "model")
     half = loading.load_for_inference(tmp_path / "model", CPU).model.state_dict()
     full = separate.bundle.model.state_dict()
     assert all(torch.equal(half[k], full[k].half().float()) for k in full)
@@ -587,7 +587,7 @@ def test_real_opus_mt_config_files_import_as_the_model_they_describe(shared, tmp
     saved = json.loads((shared.marian.path / "config.json").read_text())
     real.update({key: saved[key] for key in SIZED if key in saved and key in real})
     folder = broken_copy(shared.marian.path, tmp_path, lambda f: (f / "config.json").write_text(json.dumps(real)))
-    import_marian(str(folder), tmp_path / "model")
+    import_hf(str(folder), tmp_path / "model")
     bundle = loading.load_for_inference(tmp_path / "model", CPU, "fp32")
     assert bundle.cfg.model == replace(shared.bundle.cfg.model, dropout=real["dropout"])
     expected = shared.bundle.model.state_dict()

@@ -330,6 +330,27 @@ def edit_added_tokens(change):
     return edit
 
 
+def escaped_json(name: str, change):
+    """``name`` changed by ``change`` and written with JSON's \\u escapes, which can spell a lone surrogate."""
+
+    def edit(folder: Path) -> None:
+        data = json.loads((folder / name).read_text(encoding="utf-8"))
+        change(data)
+        (folder / name).write_text(json.dumps(data), encoding="ascii")
+
+    return edit
+
+
+def decoder_only(decoder: dict):
+    """No tokenizer.json: tokenizer_config.json's added_tokens_decoder alone gives the added tokens' ids."""
+
+    def edit(folder: Path) -> None:
+        (folder / "tokenizer.json").unlink()
+        edit_json("tokenizer_config.json", added_tokens_decoder=decoder)(folder)
+
+    return edit
+
+
 def token_id(tokens: list[dict], content: str) -> dict:
     return next(token for token in tokens if token["content"] == content)
 
@@ -421,6 +442,12 @@ NLLB_REFUSALS = [
         "tokenizer.json: gives no language token",
     ),
     (lambda f: (f / "tokenizer.json").unlink(), "no tokenizer.json, nor added_tokens_decoder in tokenizer_config"),
+    (
+        escaped_json("tokenizer.json", lambda d: token_id(d["added_tokens"], "eng_Latn").update(content="\ud800")),
+        "added token '\\ud800' (id",
+    ),
+    (escaped_json("tokenizer.json", lambda d: d["model"].update(vocab=[[["x"], 0.0]])), "the files of two tokenizers"),
+    (decoder_only({"²": {"content": "eng_Latn"}}), "added token 'eng_Latn' (id '²'): ids are 0 to 505"),
     (lambda f: (f / "sentencepiece.bpe.model").write_bytes(b"\x00garbage"), "bpe.model: not a SentencePiece model"),
     (lambda f: (f / "sentencepiece.bpe.model").unlink(), "no sentencepiece.bpe.model; NllbTokenizer segments"),
     (edit_json("tokenizer_config.json", tokenizer_class="BertTokenizer"), "tokenizer_class 'BertTokenizer'; mtkit"),
@@ -465,6 +492,7 @@ M2M100_REFUSALS = [
     (lambda f: (f / "vocab.json").write_text("[1, 2]"), "vocab.json: must map at most 397 pieces"),
     (edit_json("tokenizer_config.json", language_codes="xx"), "language_codes 'xx' is not one of M2M100Tokenizer's"),
     (lambda f: (f / "vocab.json").unlink(), "no vocab.json; M2M100Tokenizer numbers the pieces by it"),
+    (escaped_json("vocab.json", lambda v: v.update({"\udc80": len(v)})), "the piece '\\udc80' is not text of 1 to"),
     (link_out("sentencepiece.bpe.model"), "sentencepiece.bpe.model: a link to"),
 ]
 

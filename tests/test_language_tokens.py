@@ -290,3 +290,22 @@ def m2m100_fixture_lines(lang: str) -> list[str]:
     from tests import m2m100_fixture
 
     return m2m100_fixture.LINES[{"eng_Latn": "en", "deu_Latn": "de", "fra_Latn": "fr"}.get(lang, lang)][:6]
+
+
+def test_attention_maps_are_refused_for_a_model_told_its_languages(run_and_model, tmp_path):
+    run, _ = run_and_model
+    result = invoke("attention", str(run), "--src", LINES[0], "-o", str(tmp_path / "a.png"))
+    one_line_error(result, "draws a model of one direction")
+
+
+def test_a_scorer_of_any_two_languages_for_filtering_and_reranking(run_and_model):
+    from mtkit.translation.pair_filter import load_scorer
+
+    run, _ = run_and_model
+    scorer = load_scorer(run, "de", "fr", "the --reverse-model", device="cpu", precision="fp32")
+    assert scorer.languages == ("de", "fr")
+    plain = mtkit.load(run, precision="fp32")
+    targets = ["Un chien.", "Deux hommes."]
+    assert list(scorer.score(LINES[:2], targets)) == list(plain.score(LINES[:2], targets, "fr", src_lang="de"))
+    with pytest.raises(ConfigError, match="'es' is not one of this model's 3 languages"):
+        load_scorer(run, "es", "fr", "the forward model", device="cpu", precision="fp32")

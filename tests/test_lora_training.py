@@ -62,9 +62,9 @@ def stored(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
 def test_a_lora_run_trains_its_adapters_alone_and_saves_them_small_with_the_digest_of_its_base(lora_run, base_run):
     model = lora_run.model
     base = checkpoint.read_checkpoint(base_run / "best", with_state=False).weights
-    held = lora.base_weights(model)
-    assert held.keys() == base.keys() and all(torch.equal(held[name], base[name]) for name in base)
     adapters = lora.adapter_weights(model)
+    held = {name: tensor for name, tensor in model.state_dict().items() if name not in adapters}
+    assert held.keys() == base.keys() and all(torch.equal(held[name], base[name]) for name in base)
     assert len(adapters) == 2 * (4 + 2 + 8 + 2)  # one encoder and one decoder layer, every projection
     assert all(t.abs().max() > 0 for name, t in adapters.items() if name.endswith(".b"))  # B left zero
     trained = [p for group in lora_run.optimizer.param_groups for p in group["params"]]
@@ -104,6 +104,20 @@ def test_the_run_translates_as_its_base_with_its_adapter_and_refuses_a_base_that
                 lambda meta: meta["init"].update(path=str(tmp_path / "gone" / "model.safetensors")))  # fmt: skip
     line = one_line_error(invoke("translate", moved.parent, "-i", corpus_files["val.en"]), "not there any more")
     assert f"mtkit translate BASE --adapter {moved}" in line
+
+
+def test_an_output_onto_the_base_a_lora_run_reads_is_refused(tmp_path, corpus_files, spm_model, base_run):
+    """The base is a file of a plain folder, which nothing else guards: the run's commands know they read it."""
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    shutil.copy(checkpoint.weights_file(base_run / "best"), plain / checkpoint.WEIGHTS_FILE)
+    shutil.copy(base_run / "spm.model", plain / "spm.model")
+    run = tmp_path / "lora"
+    Trainer(lora_config(corpus_files, spm_model, plain, max_steps=2), run).run()
+    base = plain / checkpoint.WEIGHTS_FILE
+    before = base.read_bytes()
+    one_line_error(invoke("translate", run, "-i", corpus_files["val.en"], "-o", base), f"{base}: ")
+    assert base.read_bytes() == before
 
 
 def test_a_resumed_lora_run_equals_an_uninterrupted_one(tmp_path, corpus_files, spm_model, base_run, monkeypatch):

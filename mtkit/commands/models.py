@@ -79,6 +79,8 @@ def attention_command(
     Prints the translation, then its word alignment in Pharaoh format ('i-j': source word i, target
     word j, from 0), taken from the head-averaged cross-attention. Needs matplotlib.
     """
+    from mtkit.config import ConfigError
+    from mtkit.data.directions import tags_targets
     from mtkit.decoding.alignment import alignment_line, plot_attention, translate_with_attention, word_alignment
     from mtkit.decoding.line_translator import with_overrides
     from mtkit.files import check_output_file
@@ -89,6 +91,11 @@ def attention_command(
     require("matplotlib", "drawing attention", "matplotlib")
     check_output_file(output, with_model_files([model]), checkpoints_holding(output))
     bundle = load_for_inference(model, pick_device(device))
+    if bundle.cfg.data.languages or tags_targets(bundle.cfg.data):
+        raise ConfigError(
+            f"{model}: mtkit attention draws a model of one direction, and this one is told its target language by "
+            "a tag or token"
+        )
     decode = with_overrides(bundle.cfg.decode, given(beam=beam))
     result = translate_with_attention(bundle.model, bundle.src_tok, bundle.tgt_tok, src, decode)
     plot_attention(result.maps, result.src_pieces, result.tgt_pieces, output, layer, encoder)

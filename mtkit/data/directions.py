@@ -63,11 +63,13 @@ def language_leads(
     data: DataConfig, src_tok: Tokenizer, tgt_tok: Tokenizer, src_lang: str, tgt_lang: str
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The ids before each source (its language's token) and each target (the target language's) of a model told
-    its languages by tokens; none for other models. ConfigError where a tokenizer lacks a language's token."""
+    its languages by tokens; none for other models. ConfigError for a language that is not one of the model's, or
+    whose token a tokenizer lacks."""
     if not data.languages:
         return (), ()
     leads = []
-    for tok, lang in ((src_tok, src_lang), (tgt_tok, tgt_lang)):
+    for tok, lang, side in ((src_tok, src_lang, "source"), (tgt_tok, tgt_lang, "target")):
+        choose_language(data, lang or None, side)
         piece = language_token(data, lang)
         found = tok.sp.piece_to_id(piece)
         if tok.sp.id_to_piece(found) != piece:

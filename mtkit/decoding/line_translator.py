@@ -229,9 +229,9 @@ class LineTranslator(ABC):
     def check_target(self) -> None:
         """ConfigError unless the target language is known: a model of several needs ``into`` first."""
         if self.data is not None and self.target_language is None:
-            choose_target(self.data, None)
-            if self.data.languages:
-                raise ConfigError("choose the languages first (LineTranslator.into)")
+            choose_source(self.data, None, choose_target(self.data, None))
+            if self.data.languages:  # a default direction, not yet chosen: translations would carry no tokens
+                raise ConfigError("the languages are not chosen: give --src-lang and --tgt-lang")
 
     @abstractmethod
     def stream(self, chunks: Iterable[list[str]]) -> Iterator[list[Translation]]:

@@ -92,6 +92,8 @@ def check_expressible(cfg: ModelConfig) -> None:
         raise ConfigError(
             f"MarianMTModel attends to every position; this model has model.attention_window {cfg.attention_window}"
         )
+    if cfg.decoder_start != "bos":
+        raise ConfigError("this export's decoder starts from mtkit's bos; this model has model.decoder_start eos")
 
 
 def start_id(src_vocab: int, tgt_vocab: int) -> int:

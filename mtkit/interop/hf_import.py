@@ -1,5 +1,5 @@
 """Import a transformers model as an mtkit model: ``import_hf`` reads config.json's model_type and imports a
-``MarianMTModel`` (OPUS-MT and other Marian models: ``import_marian``, here) or an
+``MarianMTModel`` (OPUS-MT and other Marian models, here) or an
 ``M2M100ForConditionalGeneration`` (NLLB-200, M2M100: m2m100_import.py).
 
 The source is a folder as ``save_pretrained`` writes it, or a Hugging Face Hub repository, downloaded
@@ -182,7 +182,7 @@ def import_hf(
     tgt_lang: str | None = None,
 ) -> Path:
     """Write ``out_dir``, an mtkit checkpoint folder, from a transformers folder or Hub repository ``source``: a
-    MarianMTModel (``import_marian``) or an M2M100ForConditionalGeneration (NLLB-200, M2M100: m2m100_import.py), as
+    MarianMTModel or an M2M100ForConditionalGeneration (NLLB-200, M2M100: m2m100_import.py), as
     config.json's model_type says."""
     out_dir = Path(out_dir)
     check_output(out_dir)
@@ -200,22 +200,6 @@ def import_hf(
             f"{config}: model_type must be marian (a MarianMTModel) or {M2M100_TYPE} (an "
             f"M2M100ForConditionalGeneration: NLLB-200, M2M100), got {untrusted.shown(model_type)}"
         )
-    return _import_marian_folder(folder, origin, out_dir, src_lang, tgt_lang)
-
-
-def import_marian(
-    source: str,
-    out_dir: Path,
-    revision: str | None = None,
-    src_lang: str | None = None,
-    tgt_lang: str | None = None,
-) -> Path:
-    """Write ``out_dir``, an mtkit checkpoint folder, from a MarianMTModel folder or Hub repository ``source``,
-    recording the languages it translates (``languages``)."""
-    out_dir = Path(out_dir)
-    check_output(out_dir)
-    folder, roots, origin = locate(source, revision, TOKENIZER_FILES)
-    check_links(folder, roots, (*CONFIG_FILES, *TOKENIZER_FILES, *WEIGHT_FILES), local=Path(source).is_dir())
     return _import_marian_folder(folder, origin, out_dir, src_lang, tgt_lang)
 
 

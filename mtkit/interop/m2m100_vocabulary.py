@@ -48,6 +48,7 @@ MAX_TOKENIZER_JSON_BYTES = 64 << 20  # NLLB-200's tokenizer.json takes 17 MB
 # indents, take about 70 in NLLB-200's), and this much besides (its normalizer's table takes 320 kB)
 TOKENIZER_JSON_ENTRY_BYTES = 160
 TOKENIZER_JSON_BYTES = 1 << 20
+MAX_PIECE_CHARS = 256  # a piece of vocab.json or tokenizer.json: SentencePiece's pieces are 16 characters at most
 MAX_TOKEN_CHARS = 64  # an added token (a language code, <mask>): NLLB-200's longest has 8 characters
 MAX_MADEUP_WORDS = 1024  # fairseq's madeupwords, which round the table up: M2M100 has 8
 # M2M100Tokenizer's language lists (its FAIRSEQ_LANGUAGE_CODES), by the name tokenizer_config.json's language_codes
@@ -178,8 +179,25 @@ def _added_tokens(folder: Path, size: int, text: dict[int, str]) -> tuple[dict[i
                 f"{folder}: no tokenizer.json, nor added_tokens_decoder in tokenizer_config.json, to give the ids of "
                 "its language tokens"
             )
-        entries = [(int(key) if key.isdigit() else key, _content(value)) for key, value in decoder.items()]
+        entries = [(_decimal(key), _content(value)) for key, value in decoder.items()]
     return _checked_tokens(entries, size, text, path), path.name
+
+
+def _decimal(key: str) -> int | str:
+    """A key of added_tokens_decoder as the id it names (ASCII digits), or as it is, which the checks refuse."""
+    return int(key) if key.isascii() and key.isdecimal() and len(key) <= 12 else key
+
+
+def _text(value: Any, most: int = MAX_PIECE_CHARS) -> bool:
+    """Whether ``value`` is a string of 1 to ``most`` characters that UTF-8 can write (no lone surrogate, which
+    JSON's escapes can make and a SentencePiece model cannot hold)."""
+    if not isinstance(value, str) or not 0 < len(value) <= most:
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _checked_tokens(entries: list[tuple[Any, Any]], size: int, text: dict[int, str], path: Path) -> dict[int, str]:
@@ -193,7 +211,7 @@ def _checked_tokens(entries: list[tuple[Any, Any]], size: int, text: dict[int, s
         shown = f"added token {untrusted.shown(content)} (id {untrusted.shown(token_id)})"
         if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < size:
             raise ModelImportError(f"{path}: {shown}: ids are 0 to {size - 1:,} (config.json's vocab_size)")
-        if not isinstance(content, str) or not 0 < len(content) <= MAX_TOKEN_CHARS or content != content.strip():
+        if not _text(content, MAX_TOKEN_CHARS) or content != content.strip():
             raise ModelImportError(
                 f"{path}: {shown}: a token is a string of 1 to {MAX_TOKEN_CHARS} characters, no space around it"
             )
@@ -217,7 +235,7 @@ def _check_text_ids(model: Any, text: dict[int, str], path: Path) -> None:
     each piece the id the SentencePiece model gives it: a folder of two tokenizers' files is refused."""
     vocab = model.get("vocab") if isinstance(model, dict) else None
     if isinstance(vocab, list):  # a unigram model's [piece, score] pairs, in id order
-        vocab = {entry[0]: i for i, entry in enumerate(vocab) if isinstance(entry, list) and entry}
+        vocab = {entry[0]: i for i, entry in enumerate(vocab) if isinstance(entry, list) and entry and _text(entry[0])}
     if not isinstance(vocab, dict):
         return
     first, last = min(text), max(text)
@@ -260,6 +278,10 @@ def _m2m100(folder: Path, size: int) -> FairseqVocabulary:
         range(len(ids))
     ):
         raise ModelImportError(f"{vocab_path}: its ids must be 0 to {len(ids) - 1:,}, each once")
+    if strange := next((piece for piece in ids if not _text(piece, MAX_PIECE_CHARS)), None):
+        raise ModelImportError(
+            f"{vocab_path}: the piece {untrusted.shown(strange)} is not text of 1 to {MAX_PIECE_CHARS} characters"
+        )
     for i, piece in enumerate(FAIRSEQ_SPECIALS):
         if ids.get(piece) != i:
             raise ModelImportError(f"{vocab_path}: {piece} must be id {i}, as fairseq's dictionary has it")

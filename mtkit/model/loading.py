@@ -31,6 +31,7 @@ from mtkit.model.checkpoint import (
     check_weights,
     find_tokenizer,
     read_checkpoint,
+    read_meta,
     tokenizer_folders,
     weights_digest,
     weights_file,
@@ -129,7 +130,20 @@ def model_files(source: Path) -> list[Path]:
         return []
     weights = weights_file(resolved)
     tokenizers = [folder / name for folder in tokenizer_folders(weights.parent) for name in TOKENIZER_NAMES]
-    return [file for file in (weights, *tokenizers) if file.is_file()]
+    return [file for file in (weights, *tokenizers, *_recorded_base_file(weights)) if file.is_file()]
+
+
+def _recorded_base_file(weights: Path) -> list[Path]:
+    """The base model's weights file a LoRA run's checkpoint ``weights`` reads (none for another model), from its
+    header alone."""
+    try:
+        meta, cfg = read_meta(weights)
+    except CheckpointError:  # not mtkit's: the command names it when it loads the model
+        return []
+    init = meta.get("init")
+    if cfg.train.lora.rank and isinstance(init, dict) and isinstance(init.get("path"), str):
+        return [Path(init["path"])]
+    return []
 
 
 def with_model_files(inputs: Iterable[Path]) -> dict[Path, list[Path]]:

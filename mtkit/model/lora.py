@@ -157,12 +157,6 @@ def adapter_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if id(p) in ids]
 
 
-def base_weights(model: nn.Module) -> dict[str, Tensor]:
-    """``model``'s state dict without its adapters: the base's weights."""
-    adapters = adapter_weights(model)
-    return {name: tensor for name, tensor in model.state_dict().items() if name not in adapters}
-
-
 def load_adapter_weights(model: nn.Module, tensors: dict[str, Tensor]) -> None:
     """Copy ``tensors`` (checked against the model: mtkit.model.adapter_file) into its adapters."""
     with torch.no_grad():

@@ -45,9 +45,10 @@ def data_parallel(objective: TrainingObjective, device: torch.device) -> torch.n
 
 
 def batch_shape_count(buckets: ShapeBuckets, max_tokens: int) -> int | None:
-    """How many batch shapes training can meet, from the longest pair the data allows (data.max_tokens pieces and
-    a bos or eos) and the one-token batch of a data-parallel update; None when every batch has its own
-    (train.pad_to_multiple 1), which the compiler then covers with symbolic sizes."""
+    """How many batch shapes training can meet, from the longest pair the data allows (``max_tokens`` pieces, a
+    language's token among them where the model reads one, and a bos or eos) and the one-token batch of a
+    data-parallel update; None when every batch has its own (train.pad_to_multiple 1), which the compiler then
+    covers with symbolic sizes."""
     multiple = buckets.multiple
     if multiple == 1:
         return None

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from mtkit.config import ConfigError, RunConfig, TokenizerConfig
+from mtkit.config import ConfigError, DataConfig, RunConfig, TokenizerConfig
 from mtkit.data.tokenizer import Tokenizer
 from mtkit.files import file_sha256
 from mtkit.interop.export_folder import MANIFEST
@@ -133,8 +133,25 @@ def settle_config(cfg: RunConfig, theirs: RunConfig, records: dict[str, Any], so
                 f"languages as it was trained to; leave data.{key} out"
             )
     data = replace(cfg.data, **{key: getattr(theirs.data, key) for key in LANGUAGE_SETTINGS})
+    _check_languages(data, source)
     tokenizer = settle_tokenizer(cfg.tokenizer, theirs.tokenizer, records, source)
     return replace(cfg, model=model, tokenizer=tokenizer, data=data)
+
+
+def _check_languages(data: DataConfig, source: str) -> None:
+    """The languages a run trains on are among those ``source`` is told by tokens (data.languages), if it is."""
+    if not data.languages:
+        return
+    named = [(f"data.corpora[{i}].", c) for i, c in enumerate(data.corpora)] or [("data.", data)]
+    for prefix, section in named:
+        for key in ("src_lang", "tgt_lang"):
+            code = getattr(section, key)
+            if code not in data.languages:
+                shown_codes = ", ".join(data.languages[:8]) + (", ..." if len(data.languages) > 8 else "")
+                raise ConfigError(
+                    f"{prefix}{key} is {shown(code)}, which is not one of the {len(data.languages):,} languages "
+                    f"{source} is told by tokens ({shown_codes})"
+                )
 
 
 def settle_tokenizer(

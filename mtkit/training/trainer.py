@@ -220,7 +220,8 @@ class Trainer:
         """What a training step calls: the loss, wrapped for data parallelism under torchrun, compiled if asked."""
         self.forward = data_parallel(self.objective, self.device) if self.dist.enabled else self.objective
         if self.cfg.train.compile:
-            self.objective.compile_features(batch_shape_count(self.buckets, self.cfg.data.max_tokens))
+            longest = self.cfg.data.max_tokens + (1 if self.cfg.data.languages else 0)  # and a language's token
+            self.objective.compile_features(batch_shape_count(self.buckets, longest))
 
     # -- the loop -----------------------------------------------------------------------------
 

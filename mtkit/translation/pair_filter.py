@@ -86,10 +86,12 @@ def load_scorer(
 ) -> LineTranslator:
     """The model(s) that score targets in ``tgt_lang`` given sources in ``src_lang``: ConfigError, naming ``role``
     ("the forward model"), for a model trained on other languages. A model whose config named no languages is taken
-    at its word."""
+    at its word; one told its languages by tokens (NLLB-200, M2M100) scores between any two of them."""
     scorer = load_translator(models, device, precision, engine, threads=threads)
     if scorer.data is None:
         return scorer.into(None)
+    if scorer.data.languages:
+        return scorer.into(tgt_lang, src_lang)
     trained = directions(scorer.data)
     if (src_lang, tgt_lang) in trained:
         return scorer.into(tgt_lang)

@@ -163,7 +163,7 @@ def _write_back_translation(cfg: RunConfig, reverse: Path, synthetic: Path, prec
     bt = cfg.backtranslation
     sampling = SamplingConfig(bt.temperature, bt.top_k, bt.top_p, bt.seed) if bt.method == "sample" else None
     decode = {"beam": bt.beam} if bt.method == "beam" else {}
-    (src, _), = directions(cfg.data)  # fmt: skip
-    translator = load_translator(reverse, cfg.train.device, precision, sampling=sampling, **decode).into(src)
+    (src, tgt), = directions(cfg.data)  # fmt: skip
+    translator = load_translator(reverse, cfg.train.device, precision, sampling=sampling, **decode).into(src, tgt)
     with stop_at_once("back-translating", str(parts_folder(synthetic))):
         return translate_resumably(translator, Path(bt.monolingual), synthetic, "back-translating", made_from=made_from)

@@ -81,7 +81,7 @@ def _measure(
     from mtkit.translation.engines import load_translator
 
     device = pick_device(cfg.train.device)
-    ((_, tgt),) = directions(cfg.data)
+    ((src, tgt),) = directions(cfg.data)
     lines, references = read_lines(source), read_lines(reference)
     sizes, rows = {}, []
     for name, paths in models.items():
@@ -96,7 +96,7 @@ def _measure(
             for listed in [None, *([shortlist] if shortlist else [])]:
                 translator = load_translator(
                     list(paths), cfg.train.device, precision, shortlist=listed, **asdict(cfg.decode)
-                ).into(tgt)
+                ).into(tgt, src)
                 for beam in beams:
                     translator.translate(lines[:WARMUP_LINES], beam=beam)
                     start = time.perf_counter()

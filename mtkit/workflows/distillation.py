@@ -182,7 +182,7 @@ def _distil(
     from mtkit.model.loading import resolve
 
     d = cfg.distillation
-    ((_, tgt),) = directions(cfg.data)
+    ((src, tgt),) = directions(cfg.data)
     scored = out / f"{DISTILLED_DIR}.{tgt}.scored"
     inputs = {f"teacher {i}": record.digests.of(weights_file(resolve(m))) for i, m in enumerate(teachers)}
     inputs["source"] = record.digests.of(source)
@@ -199,7 +199,7 @@ def _distil(
             decoded = decoding(cfg.train.device)
             translator = load_translator(
                 list(teachers), cfg.train.device, decoded["precision"], nbest=d.nbest, beam=d.beam
-            ).into(tgt)
+            ).into(tgt, src)
             render = _closest(_LinesAt(reference)) if d.nbest > 1 else _best
             made_from = {"inputs": inputs, "settings": settings, "decoded": decoded}  # parts of fp32 and bf16 never mix
             with stop_at_once("distilling", str(parts_folder(scored))):

@@ -63,7 +63,7 @@ def run_recipe(
         cfg, tests, source = _prepare_corpora(cfg, out, mirror, stages)
     else:
         cfg, test, source = _prepare(cfg, out, mirror, stages)
-        tests = [TestSet(f"{cfg.data.src_lang}-{cfg.data.tgt_lang}", cfg.data.tgt_lang, *test)]
+        tests = [TestSet(f"{cfg.data.src_lang}-{cfg.data.tgt_lang}", cfg.data.tgt_lang, *test, cfg.data.src_lang)]
 
     record = StageRecord(out, Digests())
     distillation = None
@@ -124,6 +124,7 @@ class TestSet:
     tgt_lang: str
     source: Path
     reference: Path
+    src_lang: str = ""
 
 
 def _test(
@@ -237,7 +238,7 @@ def _prepare_corpora(
             folders.append(folder)
             source, reference = (folder / f"test.{lang}" for lang in (corpus.src_lang, corpus.tgt_lang))
             if source.is_file() and reference.is_file():
-                tests.append(TestSet(corpus.direction, corpus.tgt_lang, source, reference))
+                tests.append(TestSet(corpus.direction, corpus.tgt_lang, source, reference, corpus.src_lang))
     if not tests:
         raise ConfigError("no corpus of data.corpora has a test split: name catalogue corpora (corpus: NAME)")
     twice = sorted({t.direction for t in tests if [u.direction for u in tests].count(t.direction) > 1})
@@ -295,7 +296,7 @@ def _write_translation(cfg: RunConfig, model: Path, test: TestSet, hyp_path: Pat
     bundle = load_for_inference(model, device)
     translator = Translator(bundle.model, bundle.src_tok, bundle.tgt_tok, cfg.decode, device)
     translator.data = bundle.cfg.data
-    translator = translator.into(test.tgt_lang)
+    translator = translator.into(test.tgt_lang, test.src_lang or None)
     source = test.source
 
     def write(f) -> None:
