@@ -107,7 +107,7 @@ def serve_command(
     from mtkit.runtime import require
 
     setup_logging(json_lines=log_format == "json")
-    for module in ("fastapi", "uvicorn", "httptools"):
+    for module in ("fastapi", "uvicorn", "httptools", "prometheus_client"):
         require(module, "mtkit serve", "-e '.[serve]' in mtkit's clone")
     cfg = ServeConfig(
         host=host, port=port, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, continuous=continuous,

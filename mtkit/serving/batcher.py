@@ -125,6 +125,8 @@ class Batcher(Generic[Line, Result]):
         self._withdrawn: set[Future[list[Result]]] = set()  # futures of running jobs to take back
         self._searches: dict[Hashable, Search[Line, Result]] = {}  # the worker's alone
         self._running: dict[Hashable, list[_Job[Line, Result]]] = {}  # the jobs in each search
+        self._live = 0  # sentences in the searches, as the worker last counted them
+        self._on_step: Callable[[int], None] = lambda sentences: None
         self._worker = threading.Thread(target=self.run, name="mtkit-batcher", daemon=True)
 
     def start(self) -> None:
@@ -145,6 +147,14 @@ class Batcher(Generic[Line, Result]):
             log.debug("queued %d sentences (%d waiting)", len(lines), self._waiting)
             self._changed.notify()
         return job.future
+
+    def pending(self) -> int:
+        """Sentences queued or in a search, not yet given back (as of the worker's last step)."""
+        return self._waiting + self._live
+
+    def watch_steps(self, observer: Callable[[int], None]) -> None:
+        """``observer`` is told the sentences of each search step before it runs, in the worker's thread."""
+        self._on_step = observer
 
     def withdraw(self, future: Future[list[Result]]) -> None:
         """Nobody waits for ``future``'s translations any more: its job leaves the queue now, or the search it is
@@ -173,12 +183,14 @@ class Batcher(Generic[Line, Result]):
                 if job.future.set_running_or_notify_cancel():  # cancelled ones are skipped
                     self._start(job)
             self._take_back()
+            self._live = sum(map(len, self._searches.values()))
             by_oldest = sorted(self._searches, key=lambda options: self._running[options][0].queued_at)
             for options in by_oldest:
                 self._step(options, self._searches[options])
                 if not self._running.get(options):  # done, or failed and dropped
                     self._searches.pop(options, None)
                     self._running.pop(options, None)
+            self._live = sum(map(len, self._searches.values()))
 
     def _next_jobs(self) -> list[_Job[Line, Result]] | None:
         """The jobs that join a search now, taken off the queue: for each set of options, the oldest that fit
@@ -265,6 +277,7 @@ class Batcher(Generic[Line, Result]):
         """One step of ``search``: each job whose lines are all done gets its results. A failed step fails the
         search; each of its jobs is translated again on its own."""
         jobs = self._running[options]
+        self._on_step(len(search))
         try:
             done = search.step()
         except Exception as err:

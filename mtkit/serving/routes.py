@@ -1,5 +1,6 @@
 """The routes of the translate API: ``POST /v1/translate`` and ``POST /v1/score`` (a request read, checked, bounded,
-queued, awaited and rendered), ``GET /v1/models`` and ``GET /health``, each a handler ``create_app`` adds."""
+queued, awaited and rendered), ``GET /v1/models``, ``GET /metrics`` and ``GET /health``, each a handler ``create_app``
+adds."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ from starlette.requests import ClientDisconnect
 
 from mtkit.config import ServeConfig
 from mtkit.data.directions import directions
+from mtkit.data.tokenizer import Tokenizer
 from mtkit.decoding.line_translator import LineTranslator, Translator
 from mtkit.serving.batcher import Batcher, Refused
+from mtkit.serving.metrics import ServerMetrics
 from mtkit.serving.requests import (
     RETRY_AFTER_S,
     ScoreRequest,
@@ -150,14 +153,21 @@ class BatchedRoute:
 
 class TranslateRoute(BatchedRoute):
     """``POST /v1/translate``: a request read, checked, bounded, queued in the batcher's searches, awaited and
-    rendered."""
+    rendered; its texts' tokens and their best translations' counted in ``metrics``."""
 
     answer = work = "translation"
 
     def __init__(
-        self, translator: LineTranslator, cfg: ServeConfig, batcher: Batcher[Work, Answer], adapters: list[str]
+        self,
+        translator: LineTranslator,
+        cfg: ServeConfig,
+        batcher: Batcher[Work, Answer],
+        adapters: list[str],
+        metrics: ServerMetrics,
     ) -> None:
         super().__init__(translator, cfg, batcher, adapters)
+        self.metrics = metrics
+        self.tokenizers = tokenizers(translator)
         self.context |= {
             "max_beam": cfg.max_beam,
             "beam": translator.decode.beam,
@@ -177,6 +187,8 @@ class TranslateRoute(BatchedRoute):
             results = await self._answered(request, self._queued(texts, options))
         except ClientDisconnect:
             return Response(status_code=CLIENT_GONE)
+        if self.tokenizers is not None:
+            self.metrics.translated(*self.tokenizers, texts, [result[0].text if result else "" for result in results])
         return {"translations": [rendered(r, query) for r in results]}
 
 
@@ -243,6 +255,25 @@ class ModelsRoute:
             "adapters": self.adapters,
         }
         return {"mtkit_version": __version__, "models": [model], "limits": self.limits}
+
+
+def tokenizers(translator: LineTranslator) -> tuple[Tokenizer, Tokenizer] | None:
+    """The source and target tokenizers that count a translator's tokens; None for one that has none (one that
+    answers without a model, as a test's does)."""
+    src_tok, tgt_tok = getattr(translator, "src_tok", None), getattr(translator, "tgt_tok", None)
+    return (src_tok, tgt_tok) if src_tok is not None and tgt_tok is not None else None
+
+
+class MetricsRoute:
+    """``GET /metrics``: the server's metrics in Prometheus' text format."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+
+    async def metrics_text(self) -> Response:
+        """What a Prometheus scrape reads."""
+        content, media_type = self.metrics.exposition()
+        return Response(content, media_type=media_type)
 
 
 async def health() -> dict[str, str]:

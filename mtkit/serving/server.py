@@ -7,6 +7,7 @@
                          "src_lang": "en", "adapter": "legal"}
                         -> {"scores": [{"logprob": -3.2, "tokens": 4}, ...]}: one per pair, in order
     GET  /health        -> 200 once the model is loaded (the server listens only then)
+    GET  /metrics       -> the server's metrics in Prometheus' text format (``metrics``)
     GET  /v1/models     -> the model's name, languages, directions (or the languages it translates between),
                            precision, batching, decode settings, tokenizer hashes and LoRA adapters; mtkit's version
 
@@ -44,6 +45,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 from pydantic import BaseModel
+from starlette.routing import Route
 
 from mtkit.config import ServeConfig
 from mtkit.decoding.line_translator import LineTranslator
@@ -51,8 +53,9 @@ from mtkit.serving.adapters import ServedAdapter, load_adapters
 from mtkit.serving.batcher import Batcher
 from mtkit.serving.connections import bind, signals_stop, uvicorn_config
 from mtkit.serving.gate import Gatekeeper, Tally
+from mtkit.serving.metrics import ServerMetrics
 from mtkit.serving.requests import ScoreAnswer, ScoreRequest, TranslateRequest
-from mtkit.serving.routes import ModelsRoute, ScoreRoute, TranslateRoute, health
+from mtkit.serving.routes import MetricsRoute, ModelsRoute, ScoreRoute, TranslateRoute, health
 from mtkit.serving.searches import Answer, Translators, Work, batching, make_batcher
 from mtkit.translation.engines import load_translator
 from mtkit.version import __version__
@@ -82,13 +85,14 @@ def create_app(
     """The application; ``name`` is what /v1/models calls the model, ``adapters`` the LoRA adapters requests may
     name. ``batcher``: one whose ``run`` the caller runs; by default the application runs its own in a thread that
     starts with it. At shutdown the batcher finishes the work queued before it closes. ``app.state.tally`` counts
-    the requests the shutdown cut off."""
+    the requests the shutdown cut off, ``app.state.metrics`` what /metrics tells."""
     adapters = adapters or {}
     own = batcher is None
     batcher = batcher or make_batcher(translators(translator, adapters), cfg)
     app = FastAPI(title="mtkit", version=__version__, lifespan=functools.partial(batcher_running, batcher, own))
     names = list(adapters)
-    translate = TranslateRoute(translator, cfg, batcher, names)
+    metrics = ServerMetrics(name)
+    translate = TranslateRoute(translator, cfg, batcher, names, metrics)
     app.add_api_route(
         "/v1/translate", translate.translate, methods=["POST"], openapi_extra={"requestBody": body(TranslateRequest)}
     )
@@ -103,8 +107,12 @@ def create_app(
     app.add_api_route("/health", health, methods=["GET"])
     records = {adapter: served.record for adapter, served in adapters.items()}
     app.add_api_route("/v1/models", ModelsRoute(translator, cfg, name, records).models, methods=["GET"])
-    app.state.tally = Tally()
-    app.add_middleware(Gatekeeper, api_key=cfg.api_key, tally=app.state.tally)
+    app.add_api_route("/metrics", MetricsRoute(metrics).metrics_text, methods=["GET"], include_in_schema=False)
+    metrics.watch_queue(batcher.pending)
+    batcher.watch_steps(metrics.stepped)
+    app.state.tally, app.state.metrics = Tally(), metrics
+    routes = frozenset(route.path for route in app.routes if isinstance(route, Route))
+    app.add_middleware(Gatekeeper, api_key=cfg.api_key, tally=app.state.tally, metrics=metrics, routes=routes)
     return app
 
 

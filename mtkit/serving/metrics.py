@@ -1,0 +1,79 @@
+"""The server's Prometheus metrics (``GET /metrics``): requests by route, method and status, their seconds, the
+sentences and tokens translated, the batcher's queue and the sentences in each of its search steps, each labelled
+by the served model's name. A registry of the application's own, so that two servers in one process count apart.
+
+Labels take few values whatever clients send: a route is one of the application's, else "other"; a method one of
+HTTP's, else "other"; a status a number."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from mtkit.data.tokenizer import Tokenizer
+
+OTHER = "other"  # the label of a path that is no route, or a method that is none of HTTP's
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH"})
+# Seconds a request takes: from a health check's fraction of a millisecond to a timed-out translation's minute.
+REQUEST_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# Sentences in one search step: powers of two up to the largest batch the config allows and beyond.
+BATCH_SENTENCES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class ServerMetrics:
+    """The metrics of one application serving the model ``model``."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.registry = CollectorRegistry(auto_describe=True)
+        registry = self.registry
+        self.requests = Counter(
+            "mtkit_requests", "HTTP requests answered", ["model", "route", "method", "status"], registry=registry
+        )
+        self.request_seconds = Histogram(
+            "mtkit_request_seconds", "Seconds from a request's arrival to its answer", ["model", "route"],
+            buckets=REQUEST_SECONDS, registry=registry,
+        )  # fmt: skip
+        self.sentences = Counter(
+            "mtkit_sentences", "Sentences (texts, or pairs scored) of the requests answered 200", ["model", "route"],
+            registry=registry,
+        )  # fmt: skip
+        self.tokens = Counter(
+            "mtkit_tokens", "Tokens translated: the sources' and the best translations', without special tokens",
+            ["model", "side"], registry=registry,
+        )  # fmt: skip
+        self.queue = Gauge(
+            "mtkit_queue_sentences", "Sentences waiting in the batcher's queue or in its searches", ["model"],
+            registry=registry,
+        )  # fmt: skip
+        self.batch = Histogram(
+            "mtkit_batch_sentences", "Sentences in each search step (the batch's occupancy)", ["model"],
+            buckets=BATCH_SENTENCES, registry=registry,
+        )  # fmt: skip
+        Gauge("mtkit_models_loaded", "Models the server holds", ["model"], registry=registry).labels(model).set(1)
+
+    def answered(self, route: str, method: str, status: int, seconds: float, sentences: int) -> None:
+        """A request to ``route`` (a route's path, or ``OTHER``) answered with ``status`` after ``seconds``; its
+        ``sentences`` count when it succeeded."""
+        self.requests.labels(self.model, route, method if method in METHODS else OTHER, str(status)).inc()
+        self.request_seconds.labels(self.model, route).observe(seconds)
+        if status == 200 and sentences:
+            self.sentences.labels(self.model, route).inc(sentences)
+
+    def translated(self, src_tok: Tokenizer, tgt_tok: Tokenizer, sources: list[str], targets: list[str]) -> None:
+        """The tokens of ``sources`` and of their translations ``targets``, as the model's tokenizers cut them."""
+        self.tokens.labels(self.model, "source").inc(sum(map(len, src_tok.encode(sources))))
+        self.tokens.labels(self.model, "target").inc(sum(map(len, tgt_tok.encode(targets))))
+
+    def watch_queue(self, pending: Callable[[], float]) -> None:
+        """The queue gauge reads ``pending()`` at each scrape."""
+        self.queue.labels(self.model).set_function(pending)
+
+    def stepped(self, sentences: int) -> None:
+        """A search step of ``sentences`` sentences."""
+        self.batch.labels(self.model).observe(sentences)
+
+    def exposition(self) -> tuple[bytes, str]:
+        """The metrics in Prometheus' text format, and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
