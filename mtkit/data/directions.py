@@ -78,6 +78,12 @@ def language_leads(
     return leads[0], leads[1]
 
 
+def default_languages(data: DataConfig) -> tuple[str | None, str | None]:
+    """The source and target languages a model told its languages by tokens translates when none are named: its
+    config's data.src_lang and data.tgt_lang, each where it is one of its languages (None where not)."""
+    return tuple(lang if lang in data.languages else None for lang in (data.src_lang, data.tgt_lang))
+
+
 def choose_language(data: DataConfig, lang: str | None, side: str) -> str:
     """The ``side`` ("source" or "target") language of a model of ``data.languages``: ``lang``, which must be one of
     them, or the model's default (data.src_lang/tgt_lang) when that is one. ConfigError otherwise."""

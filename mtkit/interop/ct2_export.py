@@ -205,7 +205,7 @@ def export_ctranslate2(
     manifest = {
         "format": MANIFEST_FORMAT,
         "mtkit_version": __version__,
-        **provenance(checkpoint, bundle.step),
+        **provenance(checkpoint, bundle),
         "quantization": quantization or "float32",
         "tokenizer": {"src": bundle.src_tok.path.name, "tgt": bundle.tgt_tok.path.name},
         "max_positions": bundle.cfg.model.max_positions,
@@ -216,8 +216,6 @@ def export_ctranslate2(
     }
     if bundle.cfg.data.languages:  # any two of them; "directions" holds the default one
         manifest |= {"languages": list(bundle.cfg.data.languages), "language_token": bundle.cfg.data.language_token}
-    if bundle.adapter is not None:
-        manifest["adapter"] = {**bundle.adapter.record(), "base_sha256": bundle.base_sha256}
 
     def fill(directory: Path) -> None:
         spec.save(str(directory))

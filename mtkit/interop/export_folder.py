@@ -13,16 +13,21 @@ from typing import Any
 from mtkit.data.tokenizer import Tokenizer
 from mtkit.files import file_sha256
 from mtkit.model.checkpoint import CheckpointError, weights_file
+from mtkit.model.loading import InferenceBundle
 
 MANIFEST = "mtkit.json"
 MANIFEST_FORMAT = 1
 
 
-def provenance(checkpoint: Path, step: int) -> dict[str, Any]:
-    """What an export's manifest says of the checkpoint it came from: the SHA-256 of its weights file and its
-    update step, which identify it to anyone who holds it. Never its path: an export is made to be handed on,
-    and a path tells its recipients the exporter's folders and often their user name."""
-    return {"weights_sha256": file_sha256(weights_file(checkpoint)), "step": step}
+def provenance(checkpoint: Path, bundle: InferenceBundle) -> dict[str, Any]:
+    """What an export's manifest says of the checkpoint it came from (loaded as ``bundle``): the SHA-256 of its
+    weights file and its update step, which identify it to anyone who holds it, and the LoRA adapter merged into it
+    with its base's digest. Never its path: an export is made to be handed on, and a path tells its recipients the
+    exporter's folders and often their user name."""
+    record = {"weights_sha256": file_sha256(weights_file(checkpoint)), "step": bundle.step}
+    if bundle.adapter is not None:
+        record["adapter"] = {**bundle.adapter.record(), "base_sha256": bundle.base_sha256}
+    return record
 
 
 def check_replaceable(out_dir: Path) -> None:

@@ -14,11 +14,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from mtkit import untrusted
 from mtkit.config import MAX_LAYERS, MAX_POSITIONS, ModelConfig
 from mtkit.data.tokenizer import PAD_ID
 from mtkit.hub_folders import ModelImportError, config_field
 from mtkit.interop.hf_weights import WeightsFile
-from mtkit.interop.marian import layer_weights
+from mtkit.interop.marian import ACTIVATIONS, layer_weights
 from mtkit.model.loading import skeleton_device
 from mtkit.model.transformer import build_model
 
@@ -38,6 +39,19 @@ def one_for_both_stacks(config: dict[str, Any], path: Path, first: str, second: 
             f"{path}: {second} {config[second]} differs from {first} {value}; mtkit has one for both stacks"
         )
     return value
+
+
+def layer_settings(config: dict[str, Any], path: Path, default_activation: str) -> tuple[int, int, str]:
+    """The head count and FFN width of both stacks, and ``model.activation``: what every layer of the model
+    config.json describes computes with (its activation_function defaulting to ``default_activation``)."""
+    heads = one_for_both_stacks(config, path, "encoder_attention_heads", "decoder_attention_heads")
+    ffn = one_for_both_stacks(config, path, "encoder_ffn_dim", "decoder_ffn_dim")
+    activation = config_field(config, "activation_function", path, str, default_activation)
+    if activation not in ACTIVATIONS:
+        raise ModelImportError(
+            f"{path}: activation_function {untrusted.shown(activation)} is not one of {', '.join(ACTIVATIONS)}"
+        )
+    return heads, ffn, ACTIVATIONS[activation]
 
 
 def dimensions(config: dict[str, Any], path: Path, ffn: int) -> tuple[int, list[int], int]:

@@ -60,7 +60,7 @@ from mtkit.files import atomic_write_directory
 from mtkit.interop.export_folder import MANIFEST, MANIFEST_FORMAT, check_replaceable, provenance, vocabulary
 from mtkit.interop.marian import NOT_A_TOKEN, layer_weights, residual_order, to_marian
 from mtkit.model.checkpoint import CheckpointError
-from mtkit.model.loading import load_for_inference, resolve
+from mtkit.model.loading import InferenceBundle, load_for_inference, resolve
 from mtkit.model.transformer import Transformer
 from mtkit.version import __version__
 
@@ -78,6 +78,17 @@ def import_transformers() -> Any:
             "the transformers export needs transformers: pip install -e '.[hf]' in mtkit's clone"
         ) from None
     return transformers
+
+
+def transformers_manifest(checkpoint: Path, bundle: InferenceBundle) -> dict[str, Any]:
+    """The mtkit.json of a transformers export of ``checkpoint`` (loaded as ``bundle``), of either architecture."""
+    return {
+        "format": MANIFEST_FORMAT,
+        "runtime": RUNTIME,
+        "mtkit_version": __version__,
+        **provenance(checkpoint, bundle),
+        "decode": asdict(bundle.cfg.decode),
+    }
 
 
 def check_expressible(cfg: ModelConfig) -> None:
@@ -281,15 +292,7 @@ def export_transformers(model_path: Path, out_dir: Path, adapter: Path | None = 
     start = start_id(bundle.src_tok.vocab_size, bundle.tgt_tok.vocab_size)
     settings = generation_settings(bundle.cfg.decode, cfg.max_positions, start)
     marian.generation_config = transformers.GenerationConfig(**settings)
-    manifest = {
-        "format": MANIFEST_FORMAT,
-        "runtime": RUNTIME,
-        "mtkit_version": __version__,
-        **provenance(checkpoint, bundle.step),
-        "decode": asdict(bundle.cfg.decode),
-    }
-    if bundle.adapter is not None:
-        manifest["adapter"] = {**bundle.adapter.record(), "base_sha256": bundle.base_sha256}
+    manifest = transformers_manifest(checkpoint, bundle)
 
     def fill(directory: Path) -> None:
         _save_model(marian, directory)

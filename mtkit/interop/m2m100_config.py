@@ -24,9 +24,8 @@ from typing import Any
 from mtkit import untrusted
 from mtkit.config import ConfigError, ModelConfig
 from mtkit.hub_folders import ModelImportError, config_field, read_mapping
-from mtkit.interop.hf_config import MAX_VOCABULARY, check_tensors, dimensions, layer_shapes, one_for_both_stacks
+from mtkit.interop.hf_config import MAX_VOCABULARY, check_tensors, dimensions, layer_settings, layer_shapes
 from mtkit.interop.hf_weights import WeightsFile
-from mtkit.interop.marian import ACTIVATIONS
 
 MODEL_TYPE = "m2m_100"
 # fairseq's dictionary: its special ids, which config.json repeats, and the decoder's start, its eos
@@ -51,13 +50,7 @@ def read_config(path: Path) -> M2M100Settings:
     """config.json as mtkit expresses it; ModelImportError naming the first field it cannot express."""
     config = read_mapping(path)
     _check_architecture(config, path)
-    heads = one_for_both_stacks(config, path, "encoder_attention_heads", "decoder_attention_heads")
-    ffn = one_for_both_stacks(config, path, "encoder_ffn_dim", "decoder_ffn_dim")
-    activation = config_field(config, "activation_function", path, str, "relu")
-    if activation not in ACTIVATIONS:
-        raise ModelImportError(
-            f"{path}: activation_function {untrusted.shown(activation)} is not one of {', '.join(ACTIVATIONS)}"
-        )
+    heads, ffn, activation = layer_settings(config, path, "relu")
     for name, fairseq_id in FAIRSEQ_IDS.items():
         if config_field(config, name, path, int, fairseq_id) != fairseq_id:
             raise ModelImportError(
@@ -82,7 +75,7 @@ def read_config(path: Path) -> M2M100Settings:
             dropout=float(config_field(config, "dropout", path, float, 0.1)),
             attention_dropout=float(config_field(config, "attention_dropout", path, float, 0.1)),
             activation_dropout=float(config_field(config, "activation_dropout", path, float, 0.0)),
-            activation=ACTIVATIONS[activation],
+            activation=activation,
             norm="pre",
             positions="fairseq",
             decoder_start="eos",

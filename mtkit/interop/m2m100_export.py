@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import warnings
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +33,10 @@ import torch
 from torch import Tensor
 
 from mtkit.config import ConfigError, DecodeConfig, ModelConfig, RunConfig
-from mtkit.data.directions import language_leads
+from mtkit.data.directions import default_languages, language_leads
 from mtkit.files import atomic_write_directory
-from mtkit.interop.export_folder import MANIFEST, MANIFEST_FORMAT, check_replaceable, provenance
-from mtkit.interop.hf_export import RUNTIME, import_transformers, transformers_length_penalty
+from mtkit.interop.export_folder import MANIFEST, check_replaceable
+from mtkit.interop.hf_export import import_transformers, transformers_length_penalty, transformers_manifest
 from mtkit.interop.m2m100_config import FAIRSEQ_IDS, TABLE_NAMES
 from mtkit.interop.m2m100_tokenizer import fairseq_layout, save_tokenizer
 from mtkit.interop.m2m100_vocabulary import FAIRSEQ_OF_MTKIT
@@ -45,7 +44,6 @@ from mtkit.interop.marian import layer_weights
 from mtkit.model.checkpoint import read_meta
 from mtkit.model.loading import InferenceBundle, load_for_inference, resolve
 from mtkit.model.transformer import Transformer
-from mtkit.version import __version__
 
 ARCHITECTURE = "M2M100ForConditionalGeneration"
 NEVER_GENERATED = [FAIRSEQ_IDS["bos_token_id"], FAIRSEQ_IDS["pad_token_id"]]  # mtkit's bos and pad
@@ -145,10 +143,10 @@ def generation_settings(decode: DecodeConfig, max_positions: int, target_token: 
 def _default_target(bundle: InferenceBundle) -> int | None:
     """The id of the default target language's token (mtkit's and fairseq's alike, from 4), if the model has one."""
     data = bundle.cfg.data
-    if data.tgt_lang not in data.languages:
+    source, target = default_languages(data)
+    if target is None:
         return None
-    source = data.src_lang if data.src_lang in data.languages else data.tgt_lang
-    return language_leads(data, bundle.src_tok, bundle.tgt_tok, source, data.tgt_lang)[1][0]
+    return language_leads(data, bundle.src_tok, bundle.tgt_tok, source or target, target)[1][0]
 
 
 def _m2m100_model(bundle: InferenceBundle, transformers: Any) -> Any:
@@ -183,15 +181,7 @@ def export_m2m100(model_path: Path, out_dir: Path, adapter: Path | None = None) 
     except ConfigError as err:
         raise ConfigError(f"{model_path}: cannot export to transformers: {err}") from None
     hf = _m2m100_model(bundle, transformers)
-    manifest = {
-        "format": MANIFEST_FORMAT,
-        "runtime": RUNTIME,
-        "mtkit_version": __version__,
-        **provenance(checkpoint, bundle.step),
-        "decode": asdict(bundle.cfg.decode),
-    }
-    if bundle.adapter is not None:
-        manifest["adapter"] = {**bundle.adapter.record(), "base_sha256": bundle.base_sha256}
+    manifest = transformers_manifest(checkpoint, bundle)
 
     def fill(directory: Path) -> None:
         hf.save_pretrained(str(directory))

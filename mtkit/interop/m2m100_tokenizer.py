@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from mtkit import untrusted
 from mtkit.config import ConfigError, DataConfig
-from mtkit.data.directions import language_token
+from mtkit.data.directions import default_languages, language_token
 from mtkit.data.tokenizer import Tokenizer, model_proto
 from mtkit.interop.m2m100_vocabulary import FAIRSEQ_SPECIALS, LANGUAGE_CODES, SPM_FILE
 
@@ -131,7 +131,7 @@ def save_tokenizer(directory: Path, tok: Tokenizer, data: DataConfig, max_positi
     """The tokenizer files of a model of ``data.languages`` in ``directory``: NllbTokenizer's or M2M100Tokenizer's,
     as its language tokens are written; checked to load with every id the model's."""
     layout = fairseq_layout(tok, data)
-    defaults = [lang if lang in data.languages else None for lang in (data.src_lang, data.tgt_lang)]
+    defaults = default_languages(data)
     src_lang = defaults[0] or data.languages[0]
     if data.language_token == NLLB_TOKEN:
         _save_nllb(directory, layout, src_lang, defaults[1], max_positions, transformers)

@@ -15,9 +15,8 @@ from typing import Any
 from mtkit import untrusted
 from mtkit.config import ConfigError, ModelConfig
 from mtkit.hub_folders import ModelImportError, config_field, read_mapping
-from mtkit.interop.hf_config import MAX_VOCABULARY, check_tensors, dimensions, layer_shapes, one_for_both_stacks
+from mtkit.interop.hf_config import MAX_VOCABULARY, check_tensors, dimensions, layer_settings, layer_shapes
 from mtkit.interop.hf_weights import WeightsFile
-from mtkit.interop.marian import ACTIVATIONS
 
 # Settings of transformers' BART family that change the architecture; Marian models have them false (older
 # transformers wrote them out). static_position_embeddings true is Marian's sinusoids: checked on its own.
@@ -40,13 +39,7 @@ def read_config(path: Path) -> MarianConfig:
     """config.json as mtkit expresses it; ModelImportError naming the first field it cannot express."""
     config = read_mapping(path)
     _check_marian(config, path)
-    heads = one_for_both_stacks(config, path, "encoder_attention_heads", "decoder_attention_heads")
-    ffn = one_for_both_stacks(config, path, "encoder_ffn_dim", "decoder_ffn_dim")
-    activation = config_field(config, "activation_function", path, str, "gelu")
-    if activation not in ACTIVATIONS:
-        raise ModelImportError(
-            f"{path}: activation_function {untrusted.shown(activation)} is not one of {', '.join(ACTIVATIONS)}"
-        )
+    heads, ffn, activation = layer_settings(config, path, "gelu")
     if not config_field(config, "scale_embedding", path, bool, False):
         raise ModelImportError(
             f"{path}: scale_embedding false: mtkit scales embeddings by sqrt(d_model), as OPUS-MT does"
@@ -69,7 +62,7 @@ def read_config(path: Path) -> MarianConfig:
             dropout=float(config_field(config, "dropout", path, float, 0.1)),
             attention_dropout=float(config_field(config, "attention_dropout", path, float, 0.0)),
             activation_dropout=float(config_field(config, "activation_dropout", path, float, 0.0)),
-            activation=ACTIVATIONS[activation],
+            activation=activation,
             norm="post",
             positions="sinusoidal",
             tie_embeddings=shared,

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from unittest import mock
 
 import torch
 
-from mtkit.config import ModelConfig, RunConfig
+from mtkit.config import LoraConfig, ModelConfig, RunConfig
 from mtkit.data.tokenizer import PAD_ID, Tokenizer
 from mtkit.files import set_aside
 from mtkit.hub_folders import check_inside
@@ -236,3 +236,14 @@ def load_for_inference(
     if precision == "int8":
         quantize_int8(model)
     return InferenceBundle(model, toks["src"], toks["tgt"], ckpt.cfg, ckpt.meta["step"], found, base_sha256)
+
+
+def model_checkpoint(path: Path) -> Checkpoint:
+    """The checkpoint at ``path`` as a model of its own weights: a LoRA run's with its adapter merged into its base
+    (in float32) and its config that of a model without adapters; any other as it is read."""
+    ckpt = read_checkpoint(path, with_state=False)
+    if not is_adapted(ckpt):
+        return ckpt
+    merged = load_for_inference(path, torch.device("cpu"), merge=True).model.state_dict()
+    cfg = replace(ckpt.cfg, train=replace(ckpt.cfg.train, lora=LoraConfig()))
+    return replace(ckpt, weights=merged, cfg=cfg, meta={**ckpt.meta, "config": cfg.to_dict()})

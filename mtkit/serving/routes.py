@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 from mtkit.config import ServeConfig
-from mtkit.data.directions import directions
+from mtkit.data.directions import default_languages, directions
 from mtkit.data.tokenizer import Tokenizer
 from mtkit.decoding.line_translator import LineTranslator, Translator
 from mtkit.serving.batcher import Batcher, Refused
@@ -49,7 +49,7 @@ def language_pairs(translator: LineTranslator) -> list[tuple[str, str]]:
     if data is None:
         return [translator.languages or ("", "")]
     if data.languages:
-        src, tgt = default_languages(translator)
+        src, tgt = default_languages(data)
         return [(src, tgt)] if src and tgt else []
     return directions(data)
 
@@ -57,17 +57,6 @@ def language_pairs(translator: LineTranslator) -> list[tuple[str, str]]:
 def told_languages(translator: LineTranslator) -> tuple[str, ...]:
     """The languages of a model told its languages by tokens (an imported NLLB-200 or M2M100); none for others."""
     return translator.data.languages if translator.data is not None else ()
-
-
-def default_languages(translator: LineTranslator) -> tuple[str | None, str | None]:
-    """The source and target languages a model told its languages by tokens translates when a request names none
-    (its config's, where they are among its languages)."""
-    data = translator.data
-    if data is None:
-        return None, None
-    src = data.src_lang if data.src_lang in data.languages else None
-    tgt = data.tgt_lang if data.tgt_lang in data.languages else None
-    return src, tgt
 
 
 class BatchedRoute:
@@ -90,7 +79,7 @@ class BatchedRoute:
             "targets": list(dict.fromkeys(tgt for _, tgt in pairs if tgt)),
             "directions": pairs,
             "languages": frozenset(told_languages(translator)),
-            "defaults": default_languages(translator),
+            "defaults": default_languages(translator.data) if translator.data is not None else (None, None),
             "adapters": adapters,
         }
 

@@ -7,23 +7,21 @@ average is a model of its own weights."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from mtkit.config import LoraConfig, RecipeConfig
+from mtkit.config import RecipeConfig
 from mtkit.model.checkpoint import (
     WEIGHTS_FILE,
     Checkpoint,
     CheckpointError,
     check_weights,
-    read_checkpoint,
     tied_aliases,
     write_model_file,
 )
-from mtkit.model.loading import is_adapted, load_for_inference
+from mtkit.model.loading import model_checkpoint
 from mtkit.model.run_folder import CHECKPOINTS_DIR, run_checkpoints
 
 
@@ -35,13 +33,13 @@ def average_checkpoints(paths: list[Path]) -> tuple[dict[str, torch.Tensor], dic
     """
     if not paths:
         raise CheckpointError("no checkpoints to average")
-    first = _read(paths[0])
+    first = model_checkpoint(paths[0])
     aliases = tied_aliases(first.weights)
     layout = {k: t.to("meta") for k, t in first.weights.items()}  # names, shapes and dtypes, without the data
     sums = {k: t.double() if t.is_floating_point() else t for k, t in first.weights.items() if k not in aliases}
     newest = first.meta
     for path in paths[1:]:
-        ckpt = _read(path)
+        ckpt = model_checkpoint(path)
         _check_compatible(ckpt, first, layout)
         for key, total in sums.items():
             if total.is_floating_point():
@@ -54,17 +52,6 @@ def average_checkpoints(paths: list[Path]) -> tuple[dict[str, torch.Tensor], dic
     weights.update({alias: weights[key] for alias, key in aliases.items()})
     meta = {k: v for k, v in newest.items() if k != "validation"}
     return weights, {**meta, "averaged": [str(p) for p in paths]}
-
-
-def _read(path: Path) -> Checkpoint:
-    """A checkpoint to average; a LoRA run's as the model it makes, its adapter merged into its base (in float32)
-    and its config that of a model of its own weights."""
-    ckpt = read_checkpoint(path, with_state=False)
-    if not is_adapted(ckpt):
-        return ckpt
-    merged = load_for_inference(path, torch.device("cpu"), merge=True).model.state_dict()
-    cfg = replace(ckpt.cfg, train=replace(ckpt.cfg.train, lora=LoraConfig()))
-    return replace(ckpt, weights=merged, cfg=cfg, meta={**ckpt.meta, "config": cfg.to_dict()})
 
 
 def checkpoints_to_average(inputs: list[Path], last: int | None = None) -> list[Path]:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from mtkit.config import ConfigError, Engine, InferenceConfig, InferencePrecision, SamplingConfig
-from mtkit.data.directions import tags_targets
+from mtkit.data.directions import default_languages, tags_targets
 from mtkit.decoding.ensemble import Ensemble
 from mtkit.decoding.line_translator import LineTranslator, Translator, aligner_of, with_overrides
 from mtkit.decoding.shortlist import load_shortlist
@@ -128,6 +128,6 @@ def _choose_target(translator: LineTranslator, tgt_lang: str | None, src_lang: s
     unless the languages given do."""
     data = translator.data
     if data is not None and tgt_lang is None and src_lang is None:
-        if tags_targets(data) or (data.languages and not {data.src_lang, data.tgt_lang} <= set(data.languages)):
+        if tags_targets(data) or (data.languages and None in default_languages(data)):
             return translator
     return translator.into(tgt_lang, src_lang)
