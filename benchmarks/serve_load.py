@@ -12,6 +12,17 @@ server's continuous search without HTTP, as many lines always in it as the most 
     python benchmarks/serve_load.py --model runs/multi30k_en_de/average-last5.safetensors \\
         --src ../shared/data/multi30k/test_2016_flickr.en.gz
     python benchmarks/serve_load.py ... --clients 64 --seconds 30 --soak 600   # the memory soak
+
+With --models NAME=PATH ... (several), it measures one server of all of them against one process per model: first
+that the server's answers (each request naming its model) are ``mtkit translate``'s of each model on --check lines;
+then, for each setting, the most clients spread evenly over the models for --seconds: every model in one server,
+the same server with --max-loaded 2 (fewer models in memory than asked for), and one server per model, all at once.
+It reports sentences/s and p50/p95 latency per model, failures, the servers' peak resident memory together, and the
+loads and evictions /metrics counted.
+
+    python benchmarks/serve_load.py --src ../shared/data/multi30k/test_2016_flickr.en.gz --clients 64 \
+        --models avg=runs/earlier/average-last3.safetensors best=runs/earlier/best \
+        u1600=runs/earlier/checkpoints/update-00001600
 """
 
 from __future__ import annotations
@@ -66,23 +77,30 @@ def mtkit_command(*args: str) -> list[str]:
 class Server:
     """``mtkit serve`` in a child process, ready once /health answers 200."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(
+        self, args: argparse.Namespace, models: list[str] | None = None, log: Path | None = None, threads: int = 0
+    ) -> None:
+        """``models``: what `mtkit serve` is told to serve (its model by default); ``log``: its output (--log);
+        ``threads``: its torch threads (--threads by default)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        command = mtkit_command("serve", str(args.model), "--port", str(self.port), *args.serve_args)
-        self.log = open(args.log, "w", encoding="utf-8")  # noqa: SIM115 - open while the server runs
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=environment(args))
+        served = models if models is not None else [str(args.model)]
+        command = mtkit_command("serve", *served, "--port", str(self.port), *args.serve_args)
+        log = log or args.log
+        self.log = open(log, "w", encoding="utf-8")  # noqa: SIM115 - open while the server runs
+        env = environment(args) | ({"OMP_NUM_THREADS": str(threads)} if threads else {})
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise SystemExit(f"mtkit serve exited with {self.process.returncode}; see {args.log}")
+                raise SystemExit(f"mtkit serve exited with {self.process.returncode}; see {log}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
                     return
             except httpx.TransportError:
                 pass
             time.sleep(0.2)
-        raise SystemExit(f"mtkit serve was not ready after 300 s; see {args.log}")
+        raise SystemExit(f"mtkit serve was not ready after 300 s; see {log}")
 
     def stop(self) -> int:
         self.process.terminate()
@@ -127,8 +145,11 @@ class Round:
         }
 
 
-async def client(port: int, lines: list[str], offset: int, stop_at: float, result: Round) -> None:
-    """One client: POST /v1/translate, one line per request, back to back on one kept-alive connection.
+async def client(
+    port: int, lines: list[str], offset: int, stop_at: float, result: Round, model: str | None = None
+) -> None:
+    """One client: POST /v1/translate, one line per request (for ``model``, where given), back to back on one
+    kept-alive connection.
 
     HTTP/1.1 is written and read by hand over asyncio streams: the load generator shares the server's
     cores, and this costs a tenth of the CPU time per request that a thread per client with httpx does.
@@ -137,7 +158,8 @@ async def client(port: int, lines: list[str], offset: int, stop_at: float, resul
     i = offset
     try:
         while time.monotonic() < stop_at:
-            body = json.dumps({"text": lines[i % len(lines)]}).encode()
+            request = {"text": lines[i % len(lines)]} | ({"model": model} if model else {})
+            body = json.dumps(request).encode()
             head = "POST /v1/translate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             start = time.perf_counter()
             writer.write(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
@@ -259,9 +281,119 @@ def child_figure(args: argparse.Namespace, script: str, lines: list[str]) -> flo
     return float(done.stdout.strip().splitlines()[-1])
 
 
+def spread_round(
+    targets: list[tuple[str, int, str | None]], pids: list[int], lines: list[str], clients: int, seconds: float
+) -> dict[str, Round]:
+    """``clients`` clients spread evenly over ``targets`` (model name, port, the model a request names or None), in
+    one event loop for ``seconds``: a round per model; ``pids``, the servers', for their CPU time."""
+    results = {name: Round(0) for name, _, _ in targets}
+    stop_at = time.monotonic() + seconds
+
+    async def every_client() -> None:
+        jobs = []
+        for k in range(clients):
+            name, port, model = targets[k % len(targets)]
+            results[name].clients += 1
+            jobs.append(client(port, lines, k * len(lines) // clients, stop_at, results[name], model))
+        await asyncio.gather(*jobs)
+
+    server_cpu = sum(cpu_seconds(pid) for pid in pids)
+    start = time.perf_counter()
+    asyncio.run(every_client())
+    elapsed = time.perf_counter() - start
+    for result in results.values():
+        result.seconds = elapsed
+        result.server_cpu_s = (sum(cpu_seconds(pid) for pid in pids) - server_cpu) / len(results)
+    return results
+
+
+def served_answers(server: Server, model: str, lines: list[str]) -> list[str]:
+    """The server's translation of each line by ``model``, one request a line (as the load sends them)."""
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        return [
+            http.post("/v1/translate", json={"text": line, "model": model}).json()["translations"][0] for line in lines
+        ]
+
+
+def translated(args: argparse.Namespace, path: str, lines: list[str]) -> list[str]:
+    """``mtkit translate``'s output for ``lines`` with the model at ``path``."""
+    source = args.log.parent / "serve_load.check.txt"
+    source.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    command = mtkit_command("translate", path, "-i", str(source), "-o", str(source) + ".out")
+    subprocess.run(command, check=True, env=environment(args), capture_output=True)
+    return Path(str(source) + ".out").read_text(encoding="utf-8").splitlines()
+
+
+def loads_and_evictions(server: Server) -> tuple[int, int]:
+    """The model loads and evictions a server's /metrics counted."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counted = {"mtkit_model_loads_total": 0.0, "mtkit_model_evictions_total": 0.0}
+    for family in text_string_to_metric_families(httpx.get(server.url + "/metrics").text):
+        for sample in family.samples:
+            if sample.name in counted:
+                counted[sample.name] += sample.value
+    return int(counted["mtkit_model_loads_total"]), int(counted["mtkit_model_evictions_total"])
+
+
+def models_main(args: argparse.Namespace, lines: list[str]) -> None:
+    """One server of several models against one process per model (the module's docstring)."""
+    models = dict(given.split("=", 1) for given in args.models)
+    clients = max(args.clients)
+    print(f"models={models} lines={len(lines)} threads={args.threads} clients={clients} seconds={args.seconds}")
+    options = [item for name, path in models.items() for item in ("--model", f"{name}={path}")]
+    check = lines[: args.check]
+    server = Server(args, options)
+    mismatches = {name: sum(a != b for a, b in zip(served_answers(server, name, check), translated(args, path, check)))
+                  for name, path in models.items()}  # fmt: skip
+    print(f"answers_differing_from_mtkit_translate={mismatches} (of {len(check)} lines each)")
+    settings: dict[str, tuple[list[Server], list[tuple[str, int, str | None]]]] = {}
+    if "one" in args.settings:
+        settings["one server"] = ([server], [(name, server.port, name) for name in models])
+    if "bounded" in args.settings:
+        bounded = Server(args, [*options, "--max-loaded", "2"], args.log.with_suffix(".bounded.log"))
+        settings["one server, --max-loaded 2"] = ([bounded], [(name, bounded.port, name) for name in models])
+    if "apart" in args.settings:
+        threads = args.apart_threads or args.threads
+        apart = [
+            Server(args, [str(path)], args.log.with_suffix(f".{name}.log"), threads) for name, path in models.items()
+        ]
+        setting = f"a process per model, {threads} thread{'s' if threads > 1 else ''} each"
+        settings[setting] = (apart, [(name, each.port, None) for name, each in zip(models, apart)])
+    print("| setting | model | clients | sentences/s | p50 ms | p95 ms | failed |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    peaks = {}
+    for setting, (servers, targets) in settings.items():
+        rounds = spread_round(targets, [each.process.pid for each in servers], lines, clients, args.seconds)
+        for name, result in rounds.items():
+            row = result.row()
+            print(
+                f"| {setting} | {name} | {result.clients} | {row['sentences_per_s']:.1f} | {row['p50_ms']:.0f} "
+                f"| {row['p95_ms']:.0f} | {row['failed']} |"
+            )
+        total = sum(len(result.latencies) for result in rounds.values()) / next(iter(rounds.values())).seconds
+        peaks[setting] = sum(rss_mib(each.process.pid, "VmHWM") for each in servers)
+        counted = loads_and_evictions(servers[0]) if len(servers) == 1 else None
+        print(f"| {setting} | all | {clients} | {total:.1f} | | | {sum(r.failures for r in rounds.values())} |")
+        print(f"#  {setting}: peak RSS {peaks[setting]:.0f} MiB, model loads and evictions {counted}")
+    codes = [server.stop()] + [
+        each.stop() for servers, _ in settings.values() for each in servers if each is not server
+    ]
+    print(f"server_exits={codes}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--model", type=Path, help="the model to serve (or --models)")
+    parser.add_argument("--models", nargs="+", metavar="NAME=PATH", help="several models, to compare with one each")
+    parser.add_argument(
+        "--check", type=int, default=100, help="with --models: lines each model's answers are checked on"
+    )
+    parser.add_argument(
+        "--settings", nargs="+", choices=["one", "bounded", "apart"], default=["one", "bounded", "apart"],
+        help="with --models: one server of them all, the same with --max-loaded 2, a process per model",
+    )  # fmt: skip
+    parser.add_argument("--apart-threads", type=int, default=0, help="torch threads of each process per model")
     parser.add_argument("--src", type=Path, required=True, help="the test set's source side, one line per request")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--seconds", type=float, default=60.0, help="length of each round")
@@ -271,6 +403,10 @@ def main() -> None:
     parser.add_argument("serve_args", nargs="*", help="more `mtkit serve` options, after --")
     args = parser.parse_args()
     lines = [line for line in read_lines(args.src) if line.strip()]
+    if args.models:
+        return models_main(args, lines)
+    if args.model is None:
+        parser.error("give --model, or --models")
 
     print(f"model={args.model} lines={len(lines)} threads={args.threads}")
     batch = batch_reference(args, lines)

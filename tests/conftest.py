@@ -27,12 +27,14 @@ from mtkit.data.tokenizer import Tokenizer, train_spm
 # lacks what the test needs (``MACHINE_SKIPS``).
 NO_SKIPS = os.environ.get("MTKIT_TESTS_NO_SKIPS") == "1"
 # The skips a machine justifies, by file and reason, each with whether this machine lacks what the test needs: a
-# CUDA device (CI has none), a CPU for which oneDNN computes bf16 products (AVX2 alone has none).
+# CUDA device (CI has none), a CPU for which oneDNN computes bf16 products (AVX2 alone has none), Debian's Chromium
+# (which .ci/run installs where it can) for the browser that reads the API's documentation page.
 MACHINE_SKIPS = {
     ("tests/test_cuda.py", "needs a CUDA device"): lambda: not torch.cuda.is_available(),
     ("tests/test_model.py", "oneDNN computes no bf16 product on this CPU"): lambda: (
         not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     ),
+    ("tests/test_serve_docs.py", "needs Chromium (/usr/bin/chromium)"): lambda: not Path("/usr/bin/chromium").exists(),
 }
 # pyproject.toml runs the tests in one worker per core (pytest-xdist), at most this many: each worker trains its own
 # session fixtures and holds its own models.

@@ -317,7 +317,7 @@ def test_serve_loads_its_model_on_the_threads_it_is_given(tmp_path, spm_model, m
     """The model is loaded, and every search run, after --threads is applied (the searches run in the loading
     thread)."""
     from mtkit.config import ConfigError
-    from mtkit.serving import server
+    from mtkit.translation import engines
 
     run = joint_run(tmp_path, spm_model, seed=1)
     loaded = []
@@ -327,8 +327,8 @@ def test_serve_loads_its_model_on_the_threads_it_is_given(tmp_path, spm_model, m
         loaded.append((torch.get_num_threads(), server_translator.precision["precision"]))
         raise ConfigError("stopped once the model was loaded")
 
-    real_load = server.load_translator
-    monkeypatch.setattr(server, "load_translator", loading_then_stopping)
+    real_load = engines.load_translator
+    monkeypatch.setattr(engines, "load_translator", loading_then_stopping)
     result = invoke("serve", run, "--port", 0, "--threads", torch_threads, "--precision", "fp32", "--device", "cpu")
     one_line_error(result, "stopped once the model was loaded")
     assert loaded == [(torch_threads, "fp32")]

@@ -6,8 +6,6 @@ engine."""
 from __future__ import annotations
 
 import contextlib
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -15,15 +13,13 @@ import httpx
 import m2m100_fixture as fx
 import pytest
 import torch
-import uvicorn
 from helpers import joint_run
+from live_server import serving_in_this_process
 
 import mtkit
 from mtkit.config import ServeConfig
 from mtkit.interop.ct2_export import export_ctranslate2
 from mtkit.interop.hf_import import import_hf
-from mtkit.serving import connections
-from mtkit.serving import server as serve
 from mtkit.translation.engines import load_translator
 
 with pytest.MonkeyPatch.context() as env:
@@ -55,20 +51,8 @@ def imports(tmp_path_factory) -> dict[str, Path]:
 def serving(model: Path, cfg: ServeConfig, **load):
     """The application as `mtkit serve MODEL` sets it up, under uvicorn in a thread; its URL."""
     translator = load_translator(model, device="cpu", **load)
-    app = serve.create_app(translator, cfg, "model")
-    sock = connections.bind("127.0.0.1", 0)
-    server = uvicorn.Server(connections.uvicorn_config(app, cfg))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]})
-    thread.start()
-    try:
-        while not server.started:
-            assert thread.is_alive()
-            time.sleep(0.01)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join()
-        sock.close()
+    with serving_in_this_process(translator, cfg, name="model") as running:
+        yield running.url
 
 
 @pytest.fixture(scope="module")

@@ -5,24 +5,20 @@ for other adapters run beside it."""
 from __future__ import annotations
 
 import contextlib
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
-import uvicorn
 from helpers import invoke, joint_run, one_line_error
+from live_server import serving_in_this_process
 from safetensors.torch import save_file
 
 import mtkit
 from mtkit.config import LoraConfig, ServeConfig
 from mtkit.model import checkpoint, loading, lora
 from mtkit.model.adapter_file import adapter_header
-from mtkit.serving import connections
-from mtkit.serving import server as serve
 from mtkit.serving.adapters import load_adapters
 from mtkit.translation.engines import load_translator
 
@@ -63,20 +59,8 @@ def serving(base: Path, adapters: dict[str, Path], cfg: ServeConfig):
     """The application as `mtkit serve BASE --adapter NAME=PATH...` sets it up, under uvicorn in a thread; its URL."""
     translator = load_translator(base, device="cpu", precision="fp32")
     served = load_adapters(base, translator, adapters)
-    app = serve.create_app(translator, cfg, "base", adapters=served)
-    sock = connections.bind("127.0.0.1", 0)
-    server = uvicorn.Server(connections.uvicorn_config(app, cfg))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]})
-    thread.start()
-    try:
-        while not server.started:
-            assert thread.is_alive()
-            time.sleep(0.01)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join()
-        sock.close()
+    with serving_in_this_process(translator, cfg, name="base", adapters=served) as running:
+        yield running.url
 
 
 def test_concurrent_requests_for_each_adapter_get_what_translate_gives_with_it(base, adapters, corpus_files):

@@ -8,9 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from live_server import AUTH, KEY, ScriptedScorer, serving_in_this_process, stepwise_server, wait_until
 from prometheus_client.parser import text_string_to_metric_families
-from test_serve import AUTH, KEY, serving_in_this_process, stepwise_server, wait_until
-from test_serve_score import ScriptedScorer
 
 from mtkit.config import ServeConfig
 from mtkit.data.tokenizer import Tokenizer
@@ -39,8 +38,13 @@ def scrape(url: str, headers: dict | None = None) -> Samples:
 
 
 def value(samples: Samples, name: str, **labels: str) -> float:
-    """The sample's value; 0 for a labelled series not seen yet."""
+    """The sample's value (of the model "scripted" unless ``labels`` say another); 0 for a series not seen yet."""
     return samples.get((name, frozenset({"model": "scripted", **labels}.items())), 0.0)
+
+
+def samples_of(samples: Samples, name: str) -> float:
+    """The value of an unlabelled series."""
+    return samples[(name, frozenset())]
 
 
 def moved(before: Samples, after: Samples, name: str, **labels: str) -> float:
@@ -62,15 +66,18 @@ def test_counters_move_by_the_requests_answered(tokenized, spm_model):
         assert httpx.post(served.url + "/v1/translate", json={"text": 5}, **post).status_code == 422
         assert httpx.get(served.url + "/no/such%0Apath", **post).status_code == 404
         after = scrape(served.url)
-    requests = {
-        ("/v1/translate", "POST", "200"): 1, ("/v1/translate", "POST", "422"): 1, ("/v1/score", "POST", "200"): 1,
-        ("other", "GET", "404"): 1, ("/metrics", "GET", "200"): 1,  # the first scrape
+    requests = {  # a request that reached no model (unreadable, unknown path, the scrape) counts under model ""
+        ("scripted", "/v1/translate", "POST", "200"): 1, ("", "/v1/translate", "POST", "422"): 1,
+        ("scripted", "/v1/score", "POST", "200"): 1, ("", "other", "GET", "404"): 1,
+        ("", "/metrics", "GET", "200"): 1,  # the first scrape
     }  # fmt: skip
-    for (route, method, status), count in requests.items():
-        assert moved(before, after, "mtkit_requests_total", route=route, method=method, status=status) == count
+    for (model, route, method, status), count in requests.items():
+        labels = {"model": model, "route": route, "method": method, "status": status}
+        assert moved(before, after, "mtkit_requests_total", **labels) == count
     routes = {dict(labels).get("route") for _, labels in after} - {None}
     assert routes == {"/v1/translate", "/v1/score", "/metrics", "other"}  # never a raw path
-    assert moved(before, after, "mtkit_request_seconds_count", route="/v1/translate") == 2
+    assert moved(before, after, "mtkit_request_seconds_count", route="/v1/translate") == 1
+    assert moved(before, after, "mtkit_request_seconds_count", model="", route="/v1/translate") == 1
     assert moved(before, after, "mtkit_sentences_total", route="/v1/translate") == 3  # the 422's texts are none
     assert moved(before, after, "mtkit_sentences_total", route="/v1/score") == 2
     source = sum(map(len, spm_model.encode(texts)))
@@ -80,7 +87,7 @@ def test_counters_move_by_the_requests_answered(tokenized, spm_model):
     assert moved(before, after, "mtkit_tokens_total", side="target") == target
     assert moved(before, after, "mtkit_batch_sentences_count") == 2  # a whole batch of 3 texts, one of 2 pairs
     assert moved(before, after, "mtkit_batch_sentences_sum") == 5
-    assert value(after, "mtkit_models_loaded") == 1
+    assert samples_of(after, "mtkit_models_loaded") == 1
     assert value(after, "mtkit_queue_sentences") == 0
 
 

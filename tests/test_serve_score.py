@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import logging
 import re
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from test_serve import AUTH, KEY, Scripted, Server, serving_in_this_process, wait_until
+from live_server import AUTH, KEY, ScriptedScorer, Server, serving_in_this_process, wait_until
 
 import mtkit
 from mtkit.config import ServeConfig
@@ -122,7 +120,7 @@ def test_scoring_needs_the_api_key_and_is_in_the_api_docs(server):
     api = httpx.get(server.url + "/openapi.json", headers=AUTH).json()
     route = api["paths"]["/v1/score"]["post"]
     asked = route["requestBody"]["content"]["application/json"]["schema"]
-    assert set(asked["properties"]) == {"source", "target", "tokens", "tgt_lang", "src_lang", "adapter"}
+    assert set(asked["properties"]) == {"source", "target", "tokens", "tgt_lang", "src_lang", "model", "adapter"}
     assert route["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/ScoreAnswer")
     assert set(api["components"]["schemas"]["ScoredPair"]["properties"]) == {"logprob", "tokens", "token_logprobs"}
 
@@ -147,28 +145,6 @@ def test_a_model_of_several_languages_scores_into_the_language_asked(multilingua
         ]:
             response = score(served.url, body)
             assert response.status_code == 422 and problem in response.text, response.text
-
-
-class ScriptedScorer(Scripted):
-    """Scores each target -1 a character and its eos; a target "boom" breaks the batch it is in, and one "slow"
-    takes two seconds. Notes each target it scores and the thread each translation and scoring runs in."""
-
-    def __init__(self) -> None:
-        self.scored: list[str] = []
-        self.threads: set[str] = set()
-
-    def stream(self, chunks):
-        self.threads.add(threading.current_thread().name)
-        yield from super().stream(chunks)
-
-    def score_chunk(self, sources, targets, first_line, tokens):
-        self.threads.add(threading.current_thread().name)
-        if "boom" in targets:
-            raise RuntimeError("the scoring broke")
-        if "slow" in targets:
-            time.sleep(2)
-        self.scored += targets
-        return [PairScore(-1.0 - len(t), len(t) + 1, (-1.0,) * (len(t) + 1) if tokens else None) for t in targets]
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Literal
 
 import typer
@@ -10,7 +11,6 @@ from mtkit.commands.common import (
     CpuThreads,
     Device,
     EngineChoice,
-    ModelPath,
     WeightPrecision,
     examples,
     setup_logging,
@@ -30,11 +30,46 @@ LogFormat = Literal["plain", "json"]
         "MTKIT_API_KEY=secret mtkit serve runs/m30k --host 0.0.0.0 --port 8080 --max-batch-size 64",
         'curl -s localhost:8000/v1/translate -H "Content-Type: application/json" -d \'{"text": "A dog runs."}\'',
         "mtkit serve opus-en-de --adapter legal=runs/legal-lora --adapter medical=runs/medical-lora",
+        "mtkit serve --model en-de=runs/m30k --model en-fr=runs/m30k_fr --model nllb=nllb-600m --max-loaded 2",
+        "mtkit serve --models models.toml",
     ),
 )
 @user_errors
 def serve_command(
-    model: ModelPath,
+    model: Annotated[
+        str | None,
+        typer.Argument(
+            help="The model to serve: a run directory (its best/), a checkpoint, or what `mtkit import` wrote; "
+            "requests call it by its folder's name.",
+            show_default=False,
+        ),
+    ] = None,
+    models: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--model",
+            metavar="NAME=PATH",
+            help="A model to serve, which requests call NAME (or reach by its languages); repeat it for several.",
+            show_default=False,
+        ),
+    ] = None,
+    models_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--models",
+            metavar="FILE",
+            help="A TOML or YAML file of the models to serve ([[models]] name, path, adapters) and max_loaded.",
+            show_default=False,
+        ),
+    ] = None,
+    max_loaded: Annotated[
+        int | None,
+        typer.Option(
+            help="Models in memory at once; a request for another evicts the least recently used idle one. "
+            "Default: the models file's max_loaded, else no bound.",
+            show_default=False,
+        ),
+    ] = None,
     adapter: Annotated[
         list[str] | None,
         typer.Option(
@@ -95,8 +130,11 @@ def serve_command(
         ),
     ] = ServeConfig.api_key,
 ) -> None:
-    """Translate over HTTP: POST /v1/translate, POST /v1/score, GET /health, GET /v1/models; API docs at /docs.
+    """Translate over HTTP: POST /v1/translate, POST /v1/score, GET /health, GET /v1/models, GET /metrics; API docs
+    at /docs.
 
+    One model, or several (--model NAME=PATH ..., or --models FILE): a request names its model, or goes to the
+    first that translates its languages; each loads at its first request, at most --max-loaded at once.
     The sentences of concurrent requests are searched together, up to --max-batch-size at a time; a
     request joins a search already running and leaves it as soon as its sentences are done.
     Decoding follows the settings saved with the model unless a request says otherwise; a request may name one
@@ -115,14 +153,20 @@ def serve_command(
         max_texts=max_texts, max_chars=max_chars, timeout=timeout, receive_timeout=receive_timeout,
         max_connections=max_connections, log_format=log_format, api_key=api_key,
     )  # fmt: skip
-    from mtkit.serving.adapters import adapter_option
+    from mtkit.serving.model_specs import read_models_file, specs_of
     from mtkit.serving.server import serve
 
-    adapters = dict(adapter_option(given) for given in adapter or [])
-    if len(adapters) != len(adapter or []):
-        raise ConfigError("--adapter gives each NAME once")
+    if models_file is not None:
+        if model is not None or models or adapter:
+            raise ConfigError("--models FILE names every model and adapter: give no MODEL, --model or --adapter too")
+        specs, file_max_loaded = read_models_file(models_file)
+        max_loaded = file_max_loaded if max_loaded is None else max_loaded
+    else:
+        specs = specs_of(model, models or [], adapter or [])
+    if max_loaded is not None and max_loaded < 0:
+        raise ConfigError(f"--max-loaded must be >= 0 (0: no bound), got {max_loaded}")
     try:
-        status = serve(model, cfg, adapters, device=device, precision=precision, engine=engine, threads=threads)
+        status = serve(specs, cfg, max_loaded or 0, device=device, precision=precision, engine=engine, threads=threads)
     except KeyboardInterrupt:  # Ctrl-C before the server listens (while the model loads): stop quietly
         raise typer.Exit(130) from None
     raise typer.Exit(status)

@@ -34,16 +34,6 @@ class ServedAdapter:
     record: dict[str, Any]
 
 
-def adapter_option(given: str) -> tuple[str, Path]:
-    """``NAME=PATH`` (an option of `mtkit serve`) as its name and path; ConfigError for another form."""
-    name, sep, path = given.partition("=")
-    if not sep or not path or not ADAPTER_NAME.fullmatch(name):
-        raise ConfigError(
-            f"--adapter takes NAME=PATH, NAME of letters, digits, '.', '_' and '-' (at most 64), got {given!r}"
-        )
-    return name, Path(path)
-
-
 def load_adapters(model: str | Path, translator: LineTranslator, paths: dict[str, Path]) -> dict[str, ServedAdapter]:
     """Each adapter of ``paths`` (by name) over ``translator``'s model, which was loaded from ``model``: checked to
     adapt that very model (by its weights' digest) before it is read, as every adapter is."""

@@ -15,6 +15,11 @@ batch-mates: it starts once it has ``max_batch_size`` sentences or its oldest re
 
 A request nobody waits for any more (it timed out, its client went away) is withdrawn: it leaves the
 queue, or its sentences leave the search they are in at its next step.
+
+The jobs of a server of several models queue apart: each job's options name its queue (``queue_of``), which
+``max_queue`` bounds on its own, so that one model's flood never refuses another's requests; and an admission
+policy (``admit``) may hold a queue's jobs back, as a pool of models does while the model they need waits for
+room in memory.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -35,6 +40,9 @@ IDLE_WAKE_S = 1.0  # an idle batcher looks up this often, so that signals reach 
 Line = TypeVar("Line")  # what a request gives for each of its results: a text, or a pair of them
 Result = TypeVar("Result")
 Translate = Callable[[list[Line], Hashable], list[Result]]
+# Which of the queues (in the order of their oldest job) that have jobs to start may start them now, given the
+# queues whose searches are running: the rest wait.
+Admit = Callable[[list[Hashable], set[Hashable]], set[Hashable]]
 
 
 class Refused(RuntimeError):
@@ -104,7 +112,8 @@ class Batcher(Generic[Line, Result]):
     search that failed again on its own, so a request that breaks a search fails alone and its
     search-mates get their answers. Each job's future gets its own lines' results, in order, or the
     exception translating them raised. A job of more than ``max_batch_size`` sentences is searched on its
-    own, never split.
+    own, never split. ``queue_of(options)`` names the queue of a job (one for all by default), each bounded by
+    ``max_queue`` sentences; ``admit`` chooses the queues whose jobs may start (all by default).
     """
 
     def __init__(
@@ -114,19 +123,23 @@ class Batcher(Generic[Line, Result]):
         max_wait_s: float,
         max_queue: int,
         open_search: Callable[[Hashable], Search[Line, Result]] | None = None,
+        queue_of: Callable[[Hashable], Hashable] = lambda options: None,
+        admit: Admit | None = None,
     ) -> None:
         self.translate = translate
         self.open_search = open_search or (lambda options: WholeBatch(translate, options))
+        self.queue_of = queue_of
+        self.admit: Admit = admit or (lambda queues, busy: set(queues))
         self.max_batch_size, self.max_wait_s, self.max_queue = max_batch_size, max_wait_s, max_queue
         self._jobs: deque[_Job[Line, Result]] = deque()
-        self._waiting = 0  # sentences in self._jobs
+        self._waiting: Counter[Hashable] = Counter()  # sentences in self._jobs, by queue
         self._closing = False
         self._changed = threading.Condition()
         self._withdrawn: set[Future[list[Result]]] = set()  # futures of running jobs to take back
         self._searches: dict[Hashable, Search[Line, Result]] = {}  # the worker's alone
         self._running: dict[Hashable, list[_Job[Line, Result]]] = {}  # the jobs in each search
-        self._live = 0  # sentences in the searches, as the worker last counted them
-        self._on_step: Callable[[int], None] = lambda sentences: None
+        self._live: Counter[Hashable] = Counter()  # sentences in the searches, by queue, as the worker last counted
+        self._on_step: Callable[[Hashable, int], None] = lambda queue, sentences: None
         self._worker = threading.Thread(target=self.run, name="mtkit-batcher", daemon=True)
 
     def start(self) -> None:
@@ -139,21 +152,24 @@ class Batcher(Generic[Line, Result]):
         with self._changed:
             if self._closing:
                 raise Refused("the server is shutting down")
-            if self._waiting + len(lines) > self.max_queue:
-                raise Refused(f"{self._waiting:,} sentences are waiting already (at most {self.max_queue:,})")
+            queue = self.queue_of(options)
+            waiting = self._waiting[queue]
+            if waiting + len(lines) > self.max_queue:
+                raise Refused(f"{waiting:,} sentences are waiting already (at most {self.max_queue:,})")
             job: _Job[Line, Result] = _Job(lines, options)
             self._jobs.append(job)
-            self._waiting += len(lines)
-            log.debug("queued %d sentences (%d waiting)", len(lines), self._waiting)
+            self._waiting[queue] += len(lines)
+            log.debug("queued %d sentences (%d waiting)", len(lines), waiting + len(lines))
             self._changed.notify()
         return job.future
 
-    def pending(self) -> int:
-        """Sentences queued or in a search, not yet given back (as of the worker's last step)."""
-        return self._waiting + self._live
+    def pending(self, queue: Hashable = None) -> int:
+        """Sentences of ``queue`` queued or in a search, not yet given back (as of the worker's last step)."""
+        return self._waiting[queue] + self._live[queue]
 
-    def watch_steps(self, observer: Callable[[int], None]) -> None:
-        """``observer`` is told the sentences of each search step before it runs, in the worker's thread."""
+    def watch_steps(self, observer: Callable[[Hashable, int], None]) -> None:
+        """``observer`` is told the queue and the sentences of each search step before it runs, in the worker's
+        thread."""
         self._on_step = observer
 
     def withdraw(self, future: Future[list[Result]]) -> None:
@@ -183,14 +199,20 @@ class Batcher(Generic[Line, Result]):
                 if job.future.set_running_or_notify_cancel():  # cancelled ones are skipped
                     self._start(job)
             self._take_back()
-            self._live = sum(map(len, self._searches.values()))
+            self._count_live()
             by_oldest = sorted(self._searches, key=lambda options: self._running[options][0].queued_at)
             for options in by_oldest:
                 self._step(options, self._searches[options])
                 if not self._running.get(options):  # done, or failed and dropped
                     self._searches.pop(options, None)
                     self._running.pop(options, None)
-            self._live = sum(map(len, self._searches.values()))
+            self._count_live()
+
+    def _count_live(self) -> None:
+        live: Counter[Hashable] = Counter()
+        for options, search in self._searches.items():
+            live[self.queue_of(options)] += len(search)
+        self._live = live
 
     def _next_jobs(self) -> list[_Job[Line, Result]] | None:
         """The jobs that join a search now, taken off the queue: for each set of options, the oldest that fit
@@ -210,15 +232,28 @@ class Batcher(Generic[Line, Result]):
                 groups: dict[Hashable, list[_Job[Line, Result]]] = {}
                 for job in self._jobs:
                     groups.setdefault(job.options, []).append(job)
-                taken, now = [], time.monotonic()
-                for options, mates in groups.items():
-                    live = len(self._searches[options]) if options in busy else 0
-                    full = live + sum(len(job.lines) for job in mates) >= self.max_batch_size
-                    if options in busy or self._closing or full or mates[0].queued_at + self.max_wait_s <= now:
-                        taken += self._take(mates, live)
+                now = time.monotonic()
+                due = {
+                    options: mates
+                    for options, mates in groups.items()
+                    if options in busy
+                    or self._closing
+                    or mates[0].queued_at + self.max_wait_s <= now
+                    or self._live_in(options, busy) + sum(len(job.lines) for job in mates) >= self.max_batch_size
+                }
+                queues = list(dict.fromkeys(self.queue_of(options) for options in due))
+                admitted = self.admit(queues, {self.queue_of(options) for options in busy}) if queues else set()
+                taken = []
+                for options, mates in due.items():
+                    if self.queue_of(options) in admitted:
+                        taken += self._take(mates, self._live_in(options, busy))
                 if taken or busy:
                     return taken
-                self._changed.wait(self._jobs[0].queued_at + self.max_wait_s - now)  # the oldest is due first
+                self._changed.wait(max(self._jobs[0].queued_at + self.max_wait_s - now, 0.001))  # oldest due first
+
+    def _live_in(self, options: Hashable, busy: set[Hashable]) -> int:
+        """Sentences in the running search of ``options`` (none when it has none)."""
+        return len(self._searches[options]) if options in busy else 0
 
     def _take(self, mates: list[_Job[Line, Result]], live: int) -> list[_Job[Line, Result]]:
         """The oldest of ``mates`` that fit beside ``live`` sentences (at least one when there are none), off
@@ -231,14 +266,14 @@ class Batcher(Generic[Line, Result]):
             size += len(job.lines)
         for job in batch:
             self._jobs.remove(job)
-        self._waiting -= size - live
+        self._waiting[self.queue_of(mates[0].options)] -= size - live
         return batch
 
     def _drop_cancelled(self) -> None:
         """Jobs whose requests gave up waiting leave the queue, and their sentences stop counting."""
         for job in [job for job in self._jobs if job.future.cancelled()]:
             self._jobs.remove(job)
-            self._waiting -= len(job.lines)
+            self._waiting[self.queue_of(job.options)] -= len(job.lines)
 
     def _take_back(self) -> None:
         """The withdrawn jobs leave their searches; a search left with none is dropped."""
@@ -262,7 +297,12 @@ class Batcher(Generic[Line, Result]):
             job.future.set_result([])
             return
         if job.options not in self._searches:
-            self._searches[job.options] = self.open_search(job.options)
+            try:  # a model that cannot be loaded, say
+                self._searches[job.options] = self.open_search(job.options)
+            except Exception as err:
+                log.exception("a search for a request of %d sentences could not start", len(job.lines))
+                job.future.set_exception(err)
+                return
             self._running[job.options] = []
         search = self._searches[job.options]
         self._running[job.options].append(job)
@@ -277,7 +317,7 @@ class Batcher(Generic[Line, Result]):
         """One step of ``search``: each job whose lines are all done gets its results. A failed step fails the
         search; each of its jobs is translated again on its own."""
         jobs = self._running[options]
-        self._on_step(len(search))
+        self._on_step(self.queue_of(options), len(search))
         try:
             done = search.step()
         except Exception as err:

@@ -15,8 +15,13 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mtkit.serving.metrics import OTHER, ServerMetrics
+from mtkit.serving.openapi import UNKEYED_PATHS
 
 log = logging.getLogger("mtkit")
+
+# What needs no key: the health check, and the API's documentation for people (the page, its files, its OAuth2
+# redirect and the schema it reads), whose own requests carry the key the page is given.
+OPEN_PATHS = frozenset({"/health", *UNKEYED_PATHS})
 
 
 @dataclass
@@ -27,7 +32,7 @@ class Tally:
 
 
 class Gatekeeper:
-    """ASGI middleware around the application: the API key check on every path but /health, and one log line
+    """ASGI middleware around the application: the API key check on every path but ``OPEN_PATHS``, and one log line
     per request (its number, also sent as X-Request-ID, method, path, sentences, milliseconds, status; 499 for
     a client that went away), each request also counted in ``metrics`` under its route, one of ``routes`` (the
     application's paths) or ``OTHER``. An error inside the application is
@@ -36,10 +41,20 @@ class Gatekeeper:
 
     Plain ASGI rather than ``@app.middleware``, whose wrapping (a task group and a stream per request) took a
     third of the HTTP thread's time under load.
+
+    A route of ``body_keyed`` paths may take the key in its body (as LibreTranslate's clients send it): a request
+    to one without the right key in its Authorization header is let through with ``request.state.authorized``
+    False, and the route checks the body's key (``key_matches``).
     """
 
     def __init__(
-        self, app: ASGIApp, api_key: str, tally: Tally, metrics: ServerMetrics, routes: frozenset[str]
+        self,
+        app: ASGIApp,
+        api_key: str,
+        tally: Tally,
+        metrics: ServerMetrics,
+        routes: frozenset[str],
+        body_keyed: frozenset[str] = frozenset(),
     ) -> None:
         self.app = app
         self.api_key = api_key
@@ -48,13 +63,15 @@ class Gatekeeper:
         self.tally = tally
         self.metrics = metrics
         self.routes = routes
+        self.body_keyed = body_keyed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         number, start, status = next(self.numbers), time.perf_counter(), 500
         state = scope.setdefault("state", {})  # what the handler's request.state writes to
-        state["sentences"], state["number"] = 0, number
+        state["sentences"], state["number"], state["model"] = 0, number, ""
+        state["authorized"] = not self.api_key or scope["path"] in OPEN_PATHS or self._authorized(scope)
         started = False
 
         async def send_numbered(message: Message) -> None:
@@ -65,7 +82,7 @@ class Gatekeeper:
             await send(message)
 
         try:
-            if self.api_key and scope["path"] != "/health" and not self._authorized(scope):
+            if not state["authorized"] and scope["path"] not in self.body_keyed:
                 refusal = JSONResponse(
                     {"detail": "missing or wrong API key"}, 401, headers={"WWW-Authenticate": 'Bearer realm="mtkit"'}
                 )
@@ -85,7 +102,7 @@ class Gatekeeper:
         finally:
             elapsed = (time.perf_counter() - start) * 1000
             route = scope["path"] if scope["path"] in self.routes else OTHER
-            self.metrics.answered(route, scope["method"], status, elapsed / 1000, state["sentences"])
+            self.metrics.answered(state["model"], route, scope["method"], status, elapsed / 1000, state["sentences"])
             method, path = printable(scope["method"]), printable(scope["path"])
             fields = {
                 "request": number, "method": method, "path": path,
@@ -100,6 +117,11 @@ class Gatekeeper:
         """The Authorization header's bytes against the key's, in constant time."""
         given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
         return hmac.compare_digest(given, self.expected)
+
+
+def key_matches(api_key: str, given: str) -> bool:
+    """Whether ``given`` is the server's ``api_key`` (any key when the server has none), in constant time."""
+    return not api_key or hmac.compare_digest(given.encode("utf-8", "surrogatepass"), api_key.encode())
 
 
 def printable(text: str) -> str:

@@ -1,9 +1,11 @@
-"""The server's Prometheus metrics (``GET /metrics``): requests by route, method and status, their seconds, the
-sentences and tokens translated, the batcher's queue and the sentences in each of its search steps, each labelled
-by the served model's name. A registry of the application's own, so that two servers in one process count apart.
+"""The server's Prometheus metrics (``GET /metrics``): requests by model, route, method and status, their seconds,
+the sentences and tokens translated, each model's queue and the sentences in each of its search steps, the models
+in memory, their loads and evictions. A registry of the application's own, so that two servers in one process count
+apart.
 
-Labels take few values whatever clients send: a route is one of the application's, else "other"; a method one of
-HTTP's, else "other"; a status a number."""
+Labels take few values whatever clients send: a model one of the server's, else "" (a request that reached no
+model: unknown paths, refused keys, malformed bodies); a route one of the application's, else "other"; a method one
+of HTTP's, else "other"; a status a number."""
 
 from __future__ import annotations
 
@@ -22,10 +24,10 @@ BATCH_SENTENCES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 class ServerMetrics:
-    """The metrics of one application serving the model ``model``."""
+    """The metrics of one application serving the models named ``models``."""
 
-    def __init__(self, model: str) -> None:
-        self.model = model
+    def __init__(self, models: list[str]) -> None:
+        self.models = frozenset(models)
         self.registry = CollectorRegistry(auto_describe=True)
         registry = self.registry
         self.requests = Counter(
@@ -44,35 +46,61 @@ class ServerMetrics:
             ["model", "side"], registry=registry,
         )  # fmt: skip
         self.queue = Gauge(
-            "mtkit_queue_sentences", "Sentences waiting in the batcher's queue or in its searches", ["model"],
+            "mtkit_queue_sentences", "Sentences waiting in the model's queue or in its searches", ["model"],
             registry=registry,
         )  # fmt: skip
         self.batch = Histogram(
             "mtkit_batch_sentences", "Sentences in each search step (the batch's occupancy)", ["model"],
             buckets=BATCH_SENTENCES, registry=registry,
         )  # fmt: skip
-        Gauge("mtkit_models_loaded", "Models the server holds", ["model"], registry=registry).labels(model).set(1)
+        self.loaded = Gauge("mtkit_models_loaded", "Models in memory", registry=registry)
+        self.loads = Counter("mtkit_model_loads", "Times a model was loaded", ["model"], registry=registry)
+        self.load_seconds = Counter(
+            "mtkit_model_load_seconds", "Seconds spent loading the model", ["model"], registry=registry
+        )
+        self.evictions = Counter(
+            "mtkit_model_evictions", "Times the model was evicted to make room for another", ["model"],
+            registry=registry,
+        )  # fmt: skip
 
-    def answered(self, route: str, method: str, status: int, seconds: float, sentences: int) -> None:
-        """A request to ``route`` (a route's path, or ``OTHER``) answered with ``status`` after ``seconds``; its
-        ``sentences`` count when it succeeded."""
-        self.requests.labels(self.model, route, method if method in METHODS else OTHER, str(status)).inc()
-        self.request_seconds.labels(self.model, route).observe(seconds)
+    def answered(self, model: str, route: str, method: str, status: int, seconds: float, sentences: int) -> None:
+        """A request for ``model`` to ``route`` (a route's path, or ``OTHER``) answered with ``status`` after
+        ``seconds``; its ``sentences`` count when it succeeded."""
+        model = model if model in self.models else ""
+        self.requests.labels(model, route, method if method in METHODS else OTHER, str(status)).inc()
+        self.request_seconds.labels(model, route).observe(seconds)
         if status == 200 and sentences:
-            self.sentences.labels(self.model, route).inc(sentences)
+            self.sentences.labels(model, route).inc(sentences)
 
-    def translated(self, src_tok: Tokenizer, tgt_tok: Tokenizer, sources: list[str], targets: list[str]) -> None:
-        """The tokens of ``sources`` and of their translations ``targets``, as the model's tokenizers cut them."""
-        self.tokens.labels(self.model, "source").inc(sum(map(len, src_tok.encode(sources))))
-        self.tokens.labels(self.model, "target").inc(sum(map(len, tgt_tok.encode(targets))))
+    def translated(
+        self, model: str, tokenizers: tuple[Tokenizer, Tokenizer] | None, sources: list[str], targets: list[str]
+    ) -> None:
+        """The tokens of ``sources`` and of their translations ``targets`` by ``model``, as its ``tokenizers`` cut
+        them (none are counted for a model that has none)."""
+        if tokenizers is None:
+            return
+        src_tok, tgt_tok = tokenizers
+        self.tokens.labels(model, "source").inc(sum(map(len, src_tok.encode(sources))))
+        self.tokens.labels(model, "target").inc(sum(map(len, tgt_tok.encode(targets))))
 
-    def watch_queue(self, pending: Callable[[], float]) -> None:
-        """The queue gauge reads ``pending()`` at each scrape."""
-        self.queue.labels(self.model).set_function(pending)
+    def watch(self, model: str, pending: Callable[[], float]) -> None:
+        """``model``'s queue gauge reads ``pending()`` at each scrape."""
+        self.queue.labels(model).set_function(pending)
 
-    def stepped(self, sentences: int) -> None:
-        """A search step of ``sentences`` sentences."""
-        self.batch.labels(self.model).observe(sentences)
+    def watch_loaded(self, loaded: Callable[[], float]) -> None:
+        """The models-in-memory gauge reads ``loaded()`` at each scrape."""
+        self.loaded.set_function(loaded)
+
+    def stepped(self, model: str, sentences: int) -> None:
+        """A search step of ``model`` of ``sentences`` sentences."""
+        self.batch.labels(model).observe(sentences)
+
+    def model_loaded(self, model: str, seconds: float) -> None:
+        self.loads.labels(model).inc()
+        self.load_seconds.labels(model).inc(seconds)
+
+    def model_evicted(self, model: str) -> None:
+        self.evictions.labels(model).inc()
 
     def exposition(self) -> tuple[bytes, str]:
         """The metrics in Prometheus' text format, and its content type."""

@@ -19,6 +19,10 @@ SRC_LANG_HELP = (
     "/v1/models' between), which needs it unless it has a default source language; other models check it against "
     "their directions."
 )
+MODEL_HELP = (
+    "The served model, by its name (/v1/models lists them); none: the server's only model, or the first that "
+    "translates src_lang into tgt_lang."
+)
 ADAPTER_HELP = (
     "The LoRA adapter to use, by the name the server gave it (`mtkit serve --adapter NAME=PATH`; /v1/models lists "
     "them); none: the model without an adapter."
@@ -47,23 +51,25 @@ class TranslateRequest(BaseModel):
         "a model of several target languages.",
     )
     src_lang: str | None = Field(None, description=SRC_LANG_HELP)
+    model: str | None = Field(None, description=MODEL_HELP)
     adapter: str | None = Field(None, description=ADAPTER_HELP)
 
     @model_validator(mode="after")
     def _within_the_beam(self, info: ValidationInfo) -> TranslateRequest:
-        """The beam against the server's limit, nbest against the beam (the model's when not given), and
-        alignments against what the engine can give."""
-        max_beam, beam = info.context["max_beam"], self.beam or info.context["beam"]
+        """The model chosen; the beam against the server's limit, nbest against the beam (the model's when not
+        given), and alignments against what the engine can give."""
+        context = chosen_model(self, info)
+        max_beam, beam = context["max_beam"], self.beam or context["beam"]
         if self.beam is not None and self.beam > max_beam:
             raise ValueError(f"beam {self.beam} is over this server's limit of {max_beam}")
         if self.nbest > beam:
             raise ValueError(f"nbest {self.nbest} needs a beam of at least {self.nbest} (the beam is {beam})")
         if self.alignments and self.nbest > 1:
             raise ValueError("alignments go with the best translation only, not with nbest")
-        if self.alignments and not info.context["aligns"]:
-            raise ValueError("this server's engine gives no word alignments")
-        check_languages(self.tgt_lang, self.src_lang, info.context)
-        check_adapter(self.adapter, info.context["adapters"])
+        if self.alignments and not context["aligns"]:
+            raise ValueError("this model's engine gives no word alignments")
+        check_languages(self.tgt_lang, self.src_lang, context)
+        check_adapter(self.adapter, context["adapters"])
         return self
 
     def texts(self) -> list[str]:
@@ -89,21 +95,32 @@ class ScoreRequest(BaseModel):
         "several target languages.",
     )
     src_lang: str | None = Field(None, description=SRC_LANG_HELP)
+    model: str | None = Field(None, description=MODEL_HELP)
     adapter: str | None = Field(None, description=ADAPTER_HELP)
 
     @model_validator(mode="after")
     def _paired(self, info: ValidationInfo) -> ScoreRequest:
-        """One target per source, and the target language and adapter against the server's."""
+        """One target per source, the model chosen, and the languages and adapter against the model's."""
         sources, targets = texts_in(self.source), texts_in(self.target)
         if sources != targets:
             raise ValueError(f"{sources:,} sources but {targets:,} targets: give one target per source")
-        check_languages(self.tgt_lang, self.src_lang, info.context)
-        check_adapter(self.adapter, info.context["adapters"])
+        context = chosen_model(self, info)
+        check_languages(self.tgt_lang, self.src_lang, context)
+        check_adapter(self.adapter, context["adapters"])
         return self
 
     def pairs(self) -> list[tuple[str, str]]:
         """The (source, target) pairs, NUL characters replaced by spaces as in a text to translate."""
         return list(zip(segments(self.source), segments(self.target)))
+
+
+def chosen_model(query: TranslateRequest | ScoreRequest, info: ValidationInfo) -> dict[str, Any]:
+    """What checking ``query`` needs to know of the model it goes to, which the server's pool of models
+    (``info.context["pool"]``) chooses: by the model it names, else by its languages. ``query.model`` becomes
+    that model's name."""
+    pool = info.context["pool"]
+    query.model = pool.choose(query.model, query.src_lang, query.tgt_lang)
+    return {**pool.cards[query.model].context, "max_beam": info.context["max_beam"]}
 
 
 def texts_in(text: str | list[str]) -> int:

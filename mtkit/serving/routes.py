@@ -17,21 +17,20 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 from mtkit.config import ServeConfig
-from mtkit.data.directions import default_languages, directions
-from mtkit.data.tokenizer import Tokenizer
-from mtkit.decoding.line_translator import LineTranslator, Translator
 from mtkit.serving.batcher import Batcher, Refused
 from mtkit.serving.metrics import ServerMetrics
+from mtkit.serving.models import ModelCard, ModelPool
 from mtkit.serving.requests import (
     RETRY_AFTER_S,
     ScoreRequest,
     TranslateRequest,
     body_limit,
+    check_languages,
     problems,
     rendered,
     scored,
 )
-from mtkit.serving.searches import Answer, Scoring, Work, batching
+from mtkit.serving.searches import Answer, Scoring, Translating, Work
 from mtkit.version import __version__
 
 log = logging.getLogger("mtkit")
@@ -41,47 +40,45 @@ CLIENT_GONE = 499  # the status logged for a request whose client went away (ngi
 Query = TypeVar("Query", bound=BaseModel)
 
 
-def language_pairs(translator: LineTranslator) -> list[tuple[str, str]]:
-    """The (source, target) directions ``translator``'s model translates; one pair, empty where unknown, for an
-    export of no known directions; for a model told its languages by tokens, which translates between any two of
-    them (``told_languages``), its default direction where it has one."""
-    data = translator.data
-    if data is None:
-        return [translator.languages or ("", "")]
-    if data.languages:
-        src, tgt = default_languages(data)
-        return [(src, tgt)] if src and tgt else []
-    return directions(data)
-
-
-def told_languages(translator: LineTranslator) -> tuple[str, ...]:
-    """The languages of a model told its languages by tokens (an imported NLLB-200 or M2M100); none for others."""
-    return translator.data.languages if translator.data is not None else ()
-
-
 class BatchedRoute:
     """What the routes whose work the batcher does share, one method a step: a request's body read, checked,
     bounded, queued and awaited. Each step that can end the request early raises its answer: 408 or 413 while
     reading, 422 while checking, 413 while bounding, 503 while queueing, 504 or 500 while waiting; a client
-    that went away while reading or waiting is a ``ClientDisconnect``, logged as 499 with nothing sent."""
+    that went away while reading or waiting is a ``ClientDisconnect``, logged as 499 with nothing sent.
+    ``metrics`` counts the sentences and tokens translated."""
 
-    answer: str  # what the route gives, as its 504 names it
-    work: str  # what it does, as its 500 names it
+    answer: str = "translation"  # what the route gives, as its 504 names it
+    work: str = "translation"  # what it does, as its 500 names it
 
     def __init__(
-        self, translator: LineTranslator, cfg: ServeConfig, batcher: Batcher[Work, Answer], adapters: list[str]
+        self, pool: ModelPool, cfg: ServeConfig, batcher: Batcher[Work, Answer], metrics: ServerMetrics
     ) -> None:
-        self.translator = translator
+        self.pool = pool
         self.cfg = cfg
         self.batcher = batcher
-        pairs = language_pairs(translator)
-        self.context: dict[str, Any] = {  # what checking a request needs to know of the server
-            "targets": list(dict.fromkeys(tgt for _, tgt in pairs if tgt)),
-            "directions": pairs,
-            "languages": frozenset(told_languages(translator)),
-            "defaults": default_languages(translator.data) if translator.data is not None else (None, None),
-            "adapters": adapters,
-        }
+        self.metrics = metrics
+        self.context: dict[str, Any] = {"pool": pool, "max_beam": cfg.max_beam}  # what checking a request needs
+
+    async def best_translations(
+        self, request: Request, name: str, texts: list[str], tgt_lang: str | None, src_lang: str | None
+    ) -> list[str]:
+        """The best translation of each text by the served model ``name`` with its saved decode settings, for the
+        routes of other APIs: 422 for languages the model does not translate, then bounded, queued and awaited as
+        a translation request is (``ClientDisconnect`` when the client went away)."""
+        card = self.pool.cards[name]
+        try:
+            check_languages(tgt_lang, src_lang, card.context)
+        except ValueError as err:
+            raise HTTPException(422, str(err)) from None
+        request.state.model = name
+        self._bounded(texts, request, len(texts))
+        if not texts:
+            return []
+        options = Translating(name, card.decode.beam, tgt_lang=tgt_lang, src_lang=src_lang)
+        results = await self._answered(request, self._queued(texts, options))
+        best = [result[0].text if result else "" for result in results]
+        self.metrics.translated(name, card.tokenizers, texts, best)
+        return best
 
     async def _body(self, request: Request) -> bytes:
         """The request's body: 408 unless it arrives within the receive timeout, 413 if over the body limit."""
@@ -141,43 +138,27 @@ class BatchedRoute:
 
 
 class TranslateRoute(BatchedRoute):
-    """``POST /v1/translate``: a request read, checked, bounded, queued in the batcher's searches, awaited and
-    rendered; its texts' tokens and their best translations' counted in ``metrics``."""
-
-    answer = work = "translation"
-
-    def __init__(
-        self,
-        translator: LineTranslator,
-        cfg: ServeConfig,
-        batcher: Batcher[Work, Answer],
-        adapters: list[str],
-        metrics: ServerMetrics,
-    ) -> None:
-        super().__init__(translator, cfg, batcher, adapters)
-        self.metrics = metrics
-        self.tokenizers = tokenizers(translator)
-        self.context |= {
-            "max_beam": cfg.max_beam,
-            "beam": translator.decode.beam,
-            "aligns": isinstance(translator, Translator),
-        }
+    """``POST /v1/translate``: a request read, checked, bounded, queued in the batcher's searches of its model,
+    awaited and rendered; its texts' tokens and their best translations' counted in ``metrics``."""
 
     async def translate(self, request: Request) -> Any:
         """Translate one text or a list of texts: one translation per text, in order."""
         try:
             query = self._checked(await self._body(request), TranslateRequest)
+            request.state.model = name = query.model
             texts = query.texts()
             self._bounded(texts, request, len(texts))
             if not texts:
                 return {"translations": []}
-            beam = query.beam or self.translator.decode.beam
-            options = (beam, query.nbest, query.alignments, query.tgt_lang, query.src_lang, query.adapter)
+            card = self.pool.cards[name]
+            options = Translating(
+                name, query.beam or card.decode.beam, query.nbest, query.alignments, query.tgt_lang, query.src_lang,
+                query.adapter,
+            )  # fmt: skip
             results = await self._answered(request, self._queued(texts, options))
         except ClientDisconnect:
             return Response(status_code=CLIENT_GONE)
-        if self.tokenizers is not None:
-            self.metrics.translated(*self.tokenizers, texts, [result[0].text if result else "" for result in results])
+        self.metrics.translated(name, card.tokenizers, texts, [result[0].text if result else "" for result in results])
         return {"translations": [rendered(r, query) for r in results]}
 
 
@@ -197,11 +178,12 @@ class ScoreRoute(BatchedRoute):
         """Score each target as a translation of its source: one score per pair, in order."""
         try:
             query = self._checked(await self._body(request), ScoreRequest)
+            request.state.model = query.model
             pairs = query.pairs()
             self._bounded([text for pair in pairs for text in pair], request, len(pairs))
             if not pairs:
                 return {"scores": []}
-            options = Scoring(query.tgt_lang, query.tokens, query.adapter, query.src_lang)
+            options = Scoring(query.model, query.tgt_lang, query.tokens, query.adapter, query.src_lang)
             results = await self._answered(request, self._queued(pairs, options))
         except ClientDisconnect:
             return Response(status_code=CLIENT_GONE)
@@ -211,46 +193,46 @@ class ScoreRoute(BatchedRoute):
 class ModelsRoute:
     """``GET /v1/models``: what the server serves and the limits it keeps."""
 
-    def __init__(
-        self, translator: LineTranslator, cfg: ServeConfig, name: str, adapters: dict[str, dict[str, Any]]
-    ) -> None:
-        self.translator = translator
-        self.name = name
-        self.adapters = [{"name": adapter, **record} for adapter, record in adapters.items()]
-        self.pairs = language_pairs(translator)
-        self.between = list(told_languages(translator))
-        self.mode = batching(translator, cfg.continuous)
+    def __init__(self, pool: ModelPool, cfg: ServeConfig) -> None:
+        self.pool = pool
         self.limits = {"max_texts": cfg.max_texts, "max_chars": cfg.max_chars, "max_beam": cfg.max_beam}
 
     async def models(self) -> dict[str, Any]:
-        """The model served: its languages (null for a model of several target languages), the directions it
-        translates (a request's tgt_lang chooses among them), the languages a model told its languages by tokens
-        translates between (``between``: any two, a request's src_lang and tgt_lang; its default direction is its
-        languages and directions, where it has one), precision (and why), decode settings, tokenizer hashes and
-        the LoRA adapters a request may name (each one's rank, alpha, targets and file SHA-256); the request
-        limits."""
-        translator, languages = self.translator, self.translator.languages
-        if self.between:
-            languages = self.pairs[0] if self.pairs else None
-        model = {
-            "name": self.name,
-            "languages": {"source": languages[0], "target": languages[1]} if languages else None,
-            "directions": [{"source": src, "target": tgt} for src, tgt in self.pairs if src and tgt],
-            "between": self.between,
-            "precision": translator.precision,
-            "batching": self.mode,
-            "decode": asdict(translator.decode),
-            "tokenizers": {"source": translator.src_tok.sha256, "target": translator.tgt_tok.sha256},
-            "adapters": self.adapters,
+        """Each model served, in the operator's order: its name, languages (null for a model of several target
+        languages), the directions it translates (a request's tgt_lang chooses among them), the languages a model
+        told its languages by tokens translates between (``between``: any two, a request's src_lang and tgt_lang;
+        its default direction is its languages and directions, where it has one), its decode settings, its LoRA
+        adapters' names, and whether it is in memory; for one in memory, its precision (and why), how it is
+        searched, its tokenizers' hashes and its adapters' rank, alpha, targets and file SHA-256. The request
+        limits. Beside them, OpenAI's model list of their names (``object``, ``data``)."""
+        names = list(self.pool.cards)
+        return {
+            "mtkit_version": __version__,
+            "models": [self._model(card) for card in self.pool.cards.values()],
+            "limits": self.limits,
+            "object": "list",  # OpenAI's model list, which its clients read
+            "data": [{"id": name, "object": "model", "created": 0, "owned_by": "mtkit"} for name in names],
         }
-        return {"mtkit_version": __version__, "models": [model], "limits": self.limits}
 
-
-def tokenizers(translator: LineTranslator) -> tuple[Tokenizer, Tokenizer] | None:
-    """The source and target tokenizers that count a translator's tokens; None for one that has none (one that
-    answers without a model, as a test's does)."""
-    src_tok, tgt_tok = getattr(translator, "src_tok", None), getattr(translator, "tgt_tok", None)
-    return (src_tok, tgt_tok) if src_tok is not None and tgt_tok is not None else None
+    def _model(self, card: ModelCard) -> dict[str, Any]:
+        loaded = self.pool.loaded.get(card.name)
+        one_target = len({tgt for _, tgt in card.pairs}) == 1
+        languages = card.pairs[0] if one_target and all(card.pairs[0]) else None
+        translator = loaded.translator if loaded is not None else None
+        return {
+            "name": card.name,
+            "languages": {"source": languages[0], "target": languages[1]} if languages else None,
+            "directions": [{"source": src, "target": tgt} for src, tgt in card.pairs if src and tgt],
+            "between": list(card.between),
+            "decode": asdict(card.decode),
+            "loaded": loaded is not None,
+            "precision": translator.precision if translator is not None else None,
+            "batching": loaded.batching if loaded is not None else None,
+            "tokenizers": {"source": translator.src_tok.sha256, "target": translator.tgt_tok.sha256}
+            if translator is not None and card.tokenizers is not None
+            else None,
+            "adapters": loaded.adapters if loaded is not None else [{"name": name} for name in card.adapters],
+        }
 
 
 class MetricsRoute:
@@ -266,7 +248,8 @@ class MetricsRoute:
 
 
 async def health() -> dict[str, str]:
-    """200 while the server answers; it listens only once the model is loaded."""
+    """200 while the server answers: a server of one model listens once it is loaded, one of several before any
+    is."""
     return {"status": "ok"}
 
 

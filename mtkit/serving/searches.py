@@ -1,37 +1,57 @@
 """The server's searches: a translator configured with a request's options, the search that requests of the same
 options share (continuous where the translator allows it), the scoring of given translations, and the batcher that
-runs them all. A request's options name its adapter too (None: the model's own), so requests for two adapters are
-never searched or scored together."""
+runs them all. A request's options name its model and its adapter too (None: the model's own), so requests for two
+models or two adapters are never searched or scored together, and each model's requests queue apart."""
 
 from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from mtkit.config import ServeConfig
 from mtkit.decoding.continuous import LineSearch
 from mtkit.decoding.ensemble import Ensemble
 from mtkit.decoding.line_translator import LineTranslator, PairScore, Translation, Translator, aligner_of
-from mtkit.serving.batcher import Batcher, Search, WholeBatch
+from mtkit.serving.batcher import Admit, Batcher, Search, WholeBatch
 
 Pair = tuple[str, str]  # a source and a translation of it, to score
 Work = str | Pair  # what the server's batcher takes of a request: each text to translate, or each pair to score
 Answer = list[Translation] | PairScore  # what it gives back for each: the text's translations, or the pair's score
-Translators = dict[str | None, LineTranslator]  # the served model's translator (None) and each adapter's, by name
+Translators = dict[str | None, LineTranslator]  # a served model's translator (None) and each adapter's, by name
+TranslatorsOf = Callable[[str], Translators]  # a served model's translators by its name, loaded when it is not
+
+
+class Translating(NamedTuple):
+    """The options of a request to translate: the served model (by name), beam, nbest, whether word alignments are
+    wanted, the target language (None for the model's only one), the source language (None for the model's
+    default) and the adapter (None for the model's own)."""
+
+    model: str
+    beam: int
+    nbest: int = 1
+    alignments: bool = False
+    tgt_lang: str | None = None
+    src_lang: str | None = None
+    adapter: str | None = None
 
 
 @dataclass(frozen=True)
 class Scoring:
-    """The options of a request to score pairs (those of a request to translate are a tuple, ``configured``): the
-    target language (None for the model's only one), whether each target token's log-probability is wanted, the
-    adapter (None for the model's own) and the source language (None for the model's default)."""
+    """The options of a request to score pairs: the served model (by name), the target language (None for the
+    model's only one), whether each target token's log-probability is wanted, the adapter (None for the model's own)
+    and the source language (None for the model's default)."""
 
+    model: str
     tgt_lang: str | None
     tokens: bool
     adapter: str | None = None
     src_lang: str | None = None
+
+
+Options = Translating | Scoring
 
 
 def aligning(translator: LineTranslator) -> LineTranslator:
@@ -43,15 +63,14 @@ def aligning(translator: LineTranslator) -> LineTranslator:
     return chosen
 
 
-def configured(translators: Translators, options: Hashable) -> LineTranslator:
-    """The translator of a request's adapter with its options: (beam, nbest, alignments, target language or None,
-    source language or None, adapter or None)."""
-    beam, nbest, alignments, tgt_lang, src_lang, adapter = options
-    chosen = translators[adapter].using(beam=beam, nbest=nbest).choosing(tgt_lang, src_lang)
-    return aligning(chosen) if alignments else chosen
+def configured(translators: Translators, options: Translating) -> LineTranslator:
+    """The translator of a request's adapter with its options."""
+    chosen = translators[options.adapter].using(beam=options.beam, nbest=options.nbest)
+    chosen = chosen.choosing(options.tgt_lang, options.src_lang)
+    return aligning(chosen) if options.alignments else chosen
 
 
-def translate_all(translators: Translators, lines: list[str], options: Hashable) -> list[list[Translation]]:
+def translate_all(translators: Translators, lines: list[str], options: Translating) -> list[list[Translation]]:
     """The translations of each line with a request's options, all at once."""
     return list(configured(translators, options).hypotheses(lines))
 
@@ -63,23 +82,24 @@ def score_all(translators: Translators, pairs: list[Pair], options: Scoring) -> 
     return list(translator.score(sources, targets, options.tgt_lang, options.tokens, options.src_lang))
 
 
-def answer_all(translators: Translators, work: list[Work], options: Hashable) -> list[Answer]:
+def answer_all(translators_of: TranslatorsOf, work: list[Work], options: Hashable) -> list[Answer]:
     """The answer to each of a request's texts or pairs, all at once: scores where its options are ``Scoring``,
     translations otherwise."""
+    translators = translators_of(options.model)
     if isinstance(options, Scoring):
         return score_all(translators, work, options)
     return translate_all(translators, work, options)
 
 
-def open_search(translators: Translators, continuous: bool, options: Hashable) -> Search[Work, Answer]:
+def open_search(translators_of: TranslatorsOf, continuous: bool, options: Hashable) -> Search[Work, Answer]:
     """The search that the requests of the same options share: continuous where the translator allows it; pairs
     to score are scored all at once."""
     if isinstance(options, Scoring):
-        return WholeBatch(functools.partial(answer_all, translators), options)
-    chosen = configured(translators, options)
+        return WholeBatch(functools.partial(answer_all, translators_of), options)
+    chosen = configured(translators_of(options.model), options)
     if continuous and LineSearch.accepts(chosen):
         return LineSearch(chosen)
-    return WholeBatch(functools.partial(answer_all, translators), options)
+    return WholeBatch(functools.partial(answer_all, translators_of), options)
 
 
 def batching(translator: LineTranslator, continuous: bool) -> str:
@@ -95,13 +115,21 @@ def batching(translator: LineTranslator, continuous: bool) -> str:
     return "whole batches"
 
 
-def make_batcher(translators: Translators, cfg: ServeConfig) -> Batcher[Work, Answer]:
+def make_batcher(translators_of: TranslatorsOf, cfg: ServeConfig, admit: Admit | None = None) -> Batcher[Work, Answer]:
     """The batcher of the server's searches and scorings, as ``cfg`` sets it up: the one thread that uses the
-    model, and its adapters."""
+    models and their adapters, a queue for each model (``--max-queue`` sentences each), whose jobs start as
+    ``admit`` (the pool of models) lets them."""
     return Batcher(
-        functools.partial(answer_all, translators),
+        functools.partial(answer_all, translators_of),
         cfg.max_batch_size,
         cfg.max_wait_ms / 1000,
         cfg.max_queue,
-        functools.partial(open_search, translators, cfg.continuous),
+        functools.partial(open_search, translators_of, cfg.continuous),
+        queue_of=model_of,
+        admit=admit,
     )
+
+
+def model_of(options: Hashable) -> str:
+    """The served model a job's options name: its queue."""
+    return options.model
