@@ -350,3 +350,13 @@ def test_a_models_file_may_share_adapters_by_a_yaml_anchor_and_bounds_them(tmp_p
     path.write_text(yaml.safe_dump({"models": [{"name": "a", "path": ""}]}))
     with pytest.raises(ConfigError, match=r"models\[0\].path is empty"):
         read_models_file(path)
+
+
+def test_a_model_loaded_again_renews_its_card_from_what_was_loaded():
+    class Changed(Weights):
+        data, decode = None, DecodeConfig(beam=7)
+
+    pool, _ = pool_and_batcher(["a", "b"], 1, lambda spec: Loaded({None: Changed(spec.name)}, [], "continuous"))
+    assert pool.cards["a"].decode.beam != 7
+    pool.translators("a")
+    assert pool.cards["a"].decode.beam == 7 and pool.cards["a"].context["beam"] == 7

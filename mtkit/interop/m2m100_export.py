@@ -39,7 +39,7 @@ from mtkit.interop.export_folder import MANIFEST, check_replaceable
 from mtkit.interop.hf_export import import_transformers, transformers_length_penalty, transformers_manifest
 from mtkit.interop.m2m100_config import FAIRSEQ_IDS, TABLE_NAMES
 from mtkit.interop.m2m100_tokenizer import fairseq_layout, save_tokenizer
-from mtkit.interop.m2m100_vocabulary import FAIRSEQ_OF_MTKIT
+from mtkit.interop.m2m100_vocabulary import fairseq_order
 from mtkit.interop.marian import layer_weights
 from mtkit.model.checkpoint import read_meta
 from mtkit.model.loading import InferenceBundle, load_for_inference, resolve
@@ -82,8 +82,7 @@ def _shown(value: object) -> str:
 
 def fairseq_rows(table: Tensor) -> Tensor:
     """An embedding table in mtkit's id order with its rows in fairseq's: the inverse of the import's."""
-    order = torch.cat([torch.tensor(FAIRSEQ_OF_MTKIT), torch.arange(len(FAIRSEQ_OF_MTKIT), table.size(0))])
-    return table[torch.argsort(order)]
+    return table[torch.argsort(fairseq_order(table.size(0)))]
 
 
 def m2m100_weights(model: Transformer) -> dict[str, Tensor]:

@@ -63,6 +63,12 @@ LANGUAGE_CODES = {
 }
 
 
+def fairseq_order(size: int) -> Tensor:
+    """The fairseq id at each mtkit id of a table of ``size`` rows: the first four differ (``FAIRSEQ_OF_MTKIT``),
+    the others are the same."""
+    return torch.cat([torch.tensor(FAIRSEQ_OF_MTKIT), torch.arange(len(FAIRSEQ_OF_MTKIT), size)])
+
+
 @dataclass
 class FairseqVocabulary:
     """The model's ids as fairseq numbers them, what each is, and the languages its tokens name."""
@@ -78,7 +84,7 @@ class FairseqVocabulary:
     @property
     def order(self) -> Tensor:
         """The fairseq id at each mtkit id: embedding rows and logits in mtkit's order are ``table[order]``."""
-        return torch.cat([torch.tensor(FAIRSEQ_OF_MTKIT), torch.arange(len(FAIRSEQ_OF_MTKIT), self.size)])
+        return fairseq_order(self.size)
 
 
 def read_vocabulary(folder: Path, size: int) -> FairseqVocabulary:

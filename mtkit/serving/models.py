@@ -13,6 +13,7 @@ evicting another model for it).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -69,7 +70,7 @@ class Loaded:
 class ModelCard:
     """What requests for one model are checked and routed against, read without its weights: its languages, decode
     settings and adapters' names; its tokenizers once it has been loaded (kept when it is evicted: they count the
-    tokens of its answers)."""
+    tokens of its answers). Each load renews it from the model loaded."""
 
     name: str
     data: DataConfig | None  # None for an export that records no directions
@@ -121,6 +122,16 @@ class ModelCard:
             "beam": self.decode.beam,
             "aligns": self.aligns,
         }
+
+
+def card_of(card: ModelCard, translator: LineTranslator) -> ModelCard:
+    """``card`` as the model just loaded is: its languages, decode settings and tokenizers, which a run whose best
+    checkpoint changed since the card was read may have changed too."""
+    tokenizers = card.tokenizers
+    if isinstance(getattr(translator, "src_tok", None), Tokenizer):
+        tokenizers = (translator.src_tok, translator.tgt_tok)
+    data, decode = getattr(translator, "data", card.data), getattr(translator, "decode", card.decode)
+    return dataclasses.replace(card, data=data, decode=decode, tokenizers=tokenizers)
 
 
 def read_card(spec: ModelSpec, engine: str) -> ModelCard:
@@ -260,9 +271,7 @@ class ModelPool:
         self.failed.pop(name, None)
         self.loaded[name] = loaded
         translator = loaded.translator
-        card = self.cards[name]
-        if card.tokenizers is None and isinstance(getattr(translator, "src_tok", None), Tokenizer):
-            card.tokenizers = (translator.src_tok, translator.tgt_tok)
+        self.cards[name] = card_of(self.cards[name], translator)
         precision = getattr(translator, "precision", None) or {}
         log.info(
             "model %s loaded in %.1f s (%d in memory): %s (%s), %s", name, seconds, len(self.loaded),
