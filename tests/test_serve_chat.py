@@ -97,8 +97,9 @@ def test_the_model_string_chooses_the_model_and_the_target(client, expected, mod
 def test_the_api_key_is_needed(server, headers):
     """Without the Authorization header, or with a wrong key."""
     refused = openai.OpenAI(api_key="wrong", base_url=server.url + "/v1", max_retries=0)
-    with pytest.raises(openai.AuthenticationError):
+    with pytest.raises(openai.AuthenticationError) as raised:
         refused.chat.completions.create(model="tiny", messages=USER, extra_headers=headers)
+    assert raised.value.code == "invalid_api_key" and raised.value.message.endswith("missing or wrong API key")
 
 
 @pytest.mark.parametrize(

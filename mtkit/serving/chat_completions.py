@@ -348,9 +348,9 @@ def events(answered: str, name: str, text: str, usage: Usage | None) -> str:
 
 def add_chat_routes(
     app: FastAPI, pool: ModelPool, cfg: ServeConfig, batcher: Batcher[Work, Answer], metrics: ServerMetrics
-) -> None:
+) -> dict[str, dict[str, Any]]:
     """``POST /v1/chat/completions`` on ``app``, with its request body, its answer and its errors in the API's
-    documentation."""
+    documentation; what the gate answers it for a missing or wrong key (OpenAI's 401), by path."""
     errors: dict[int | str, dict[str, Any]] = {
         status: {"model": ErrorAnswer, "description": f"OpenAI's error, code {code}"}
         for status, code in ERROR_CODES.items()
@@ -370,6 +370,8 @@ def add_chat_routes(
         },
         summary="OpenAI's chat completions: the last user message translated",
     )
+    refused = ErrorDetail(message="missing or wrong API key", type="invalid_request_error", code="invalid_api_key")
+    return {"/v1/chat/completions": ErrorAnswer(error=refused).model_dump()}
 
 
 def inlined(model: type[BaseModel]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -42,6 +43,7 @@ class Gatekeeper:
     Plain ASGI rather than ``@app.middleware``, whose wrapping (a task group and a stream per request) took a
     third of the HTTP thread's time under load.
 
+    ``refusals`` gives the 401's body for the paths of APIs that answer errors in their own shape (OpenAI's).
     A route of ``body_keyed`` paths may take the key in its body (as LibreTranslate's clients send it): a request
     to one without the right key in its Authorization header is let through with ``request.state.authorized``
     False, and the route checks the body's key (``key_matches``).
@@ -55,6 +57,7 @@ class Gatekeeper:
         metrics: ServerMetrics,
         routes: frozenset[str],
         body_keyed: frozenset[str] = frozenset(),
+        refusals: dict[str, dict[str, Any]] | None = None,
     ) -> None:
         self.app = app
         self.api_key = api_key
@@ -64,6 +67,7 @@ class Gatekeeper:
         self.metrics = metrics
         self.routes = routes
         self.body_keyed = body_keyed
+        self.refusals = refusals or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -84,7 +88,9 @@ class Gatekeeper:
         try:
             if not state["authorized"] and scope["path"] not in self.body_keyed:
                 refusal = JSONResponse(
-                    {"detail": "missing or wrong API key"}, 401, headers={"WWW-Authenticate": 'Bearer realm="mtkit"'}
+                    self.refusals.get(scope["path"], {"detail": "missing or wrong API key"}),
+                    401,
+                    headers={"WWW-Authenticate": 'Bearer realm="mtkit"'},
                 )
                 await refusal(scope, receive, send_numbered)
             else:

@@ -116,7 +116,7 @@ def create_app(pool: ModelPool, cfg: ServeConfig, batcher: Batcher[Work, Answer]
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/v1/models", ModelsRoute(pool, cfg).models, methods=["GET"])
     app.add_api_route("/metrics", MetricsRoute(metrics).metrics_text, methods=["GET"], include_in_schema=False)
-    add_chat_routes(app, pool, cfg, batcher, metrics)
+    refusals = add_chat_routes(app, pool, cfg, batcher, metrics)
     body_keyed = add_libretranslate_routes(app, pool, cfg, batcher, metrics)
     add_docs_routes(app)
     document(app, keyed=bool(cfg.api_key))
@@ -128,8 +128,9 @@ def create_app(pool: ModelPool, cfg: ServeConfig, batcher: Batcher[Work, Answer]
     app.state.tally, app.state.metrics = Tally(), metrics
     routes = frozenset(route.path for route in app.routes if isinstance(route, Route))
     app.add_middleware(
-        Gatekeeper, api_key=cfg.api_key, tally=app.state.tally, metrics=metrics, routes=routes, body_keyed=body_keyed
-    )
+        Gatekeeper, api_key=cfg.api_key, tally=app.state.tally, metrics=metrics, routes=routes,
+        body_keyed=body_keyed, refusals=refusals,
+    )  # fmt: skip
     return app
 
 
