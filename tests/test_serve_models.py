@@ -4,6 +4,7 @@ and evicted least recently used under --max-loaded, each model's queue apart; th
 from __future__ import annotations
 
 import random
+import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +22,7 @@ from mtkit.config import ConfigError, DecodeConfig
 from mtkit.serving.batcher import Batcher, Refused
 from mtkit.serving.model_specs import read_models_file, specs_of
 from mtkit.serving.models import Loaded, ModelCard, ModelPool, ModelSpec
-from mtkit.serving.searches import Translating, model_of
+from mtkit.serving.searches import ModelSteps, Translating, model_of
 
 LINES = ["A dog runs.", "Two men in a boat.", "A woman sings.", "", "A cat."]
 
@@ -360,3 +361,52 @@ def test_a_model_loaded_again_renews_its_card_from_what_was_loaded():
     assert pool.cards["a"].decode.beam != 7
     pool.translators("a")
     assert pool.cards["a"].decode.beam == 7 and pool.cards["a"].context["beam"] == 7
+
+
+class Recording(Holding):
+    """``Holding``, noting the thread and the time span of each of its steps."""
+
+    spans: list = []
+
+    def step(self) -> list:
+        start = time.monotonic()
+        time.sleep(0.02)
+        done = super().step()
+        Recording.spans.append((self.model.name, threading.current_thread().name, start, time.monotonic()))
+        return done
+
+
+def test_the_steps_of_several_models_run_at_once_and_each_models_in_turn():
+    names = ["a", "b", "c"]
+    pool = ModelPool(
+        [ModelSpec(name, Path(name)) for name in names], [card(name) for name in names],
+        lambda spec: Loaded({None: Weights(spec.name)}, [], "continuous"),
+    )  # fmt: skip
+    Recording.spans = []
+    batcher = Batcher(
+        lambda lines, options: [], 8, 0.0, 1000, open_search=lambda options: Recording(pool.translators(options.model)),
+        queue_of=model_of, admit=pool.admit, step_queues=ModelSteps(),
+    )  # fmt: skip
+    alone = batcher.submit(["solo"], Translating("a", 1))
+    batcher.start()
+    try:
+        assert alone.result(timeout=10) == ["a:SOLO"]
+        solo_threads = {thread for _, thread, _, _ in Recording.spans}
+        futures = [batcher.submit([f"{name}{i}"], Translating(name, 1)) for i in range(3) for name in names]
+        assert [future.result(timeout=30) for future in futures] == [
+            [f"{name}:{name.upper()}{i}"] for i in range(3) for name in names
+        ]
+    finally:
+        batcher.close()
+    assert solo_threads == {"mtkit-batcher"}  # one model alone: stepped in the batcher's own thread
+    together = Recording.spans[len(solo_threads) :]
+    overlaps = {
+        (one[0], other[0])
+        for one in together
+        for other in together
+        if one[0] < other[0] and one[2] < other[3] and other[2] < one[3]
+    }
+    assert overlaps  # steps of different models ran at the same time
+    for name in names:
+        mine = sorted((start, end) for model, _, start, end in together if model == name)
+        assert all(end <= later for (_, end), (later, _) in zip(mine, mine[1:]))  # one model's steps in turn

@@ -2,7 +2,9 @@
 
 A search costs about as much for 32 sentences as for one on a CPU or GPU that would otherwise sit
 half idle, so the server gathers the sentences of requests that arrive together into one search.
-One worker thread runs every search, so the model is never used by two threads at once. Requests
+One worker thread runs every search (or, for several queues, hands each queue's step to ``step_queues``, which
+may run the queues' steps at once, each queue's searches in turn), so a model is never used by two threads at once.
+Requests
 whose options differ (another beam, or scoring given translations rather than searching) cannot share a
 search, so each set of options has its own; a "sentence" is whatever a job's options make of it, a text
 to translate or a pair to score.
@@ -43,6 +45,27 @@ Translate = Callable[[list[Line], Hashable], list[Result]]
 # Which of the queues (in the order of their oldest job) that have jobs to start may start them now, given the
 # queues whose searches are running: the rest wait.
 Admit = Callable[[list[Hashable], set[Hashable]], set[Hashable]]
+
+
+class StepQueues(Protocol):
+    """Runs one step of each queue's searches (a callable each) and returns once all are done: in turn, or at once
+    in threads of its own."""
+
+    def __call__(self, steps: list[Callable[[], None]]) -> None: ...
+
+    def close(self) -> None:
+        """Free what it holds: the batcher has stopped."""
+
+
+class InTurn:
+    """Each queue's step in turn, in the batcher's thread."""
+
+    def __call__(self, steps: list[Callable[[], None]]) -> None:
+        for step in steps:
+            step()
+
+    def close(self) -> None:
+        pass
 
 
 class Refused(RuntimeError):
@@ -113,7 +136,9 @@ class Batcher(Generic[Line, Result]):
     search-mates get their answers. Each job's future gets its own lines' results, in order, or the
     exception translating them raised. A job of more than ``max_batch_size`` sentences is searched on its
     own, never split. ``queue_of(options)`` names the queue of a job (one for all by default), each bounded by
-    ``max_queue`` sentences; ``admit`` chooses the queues whose jobs may start (all by default).
+    ``max_queue`` sentences; ``admit`` chooses the queues whose jobs may start (all by default); ``step_queues``
+    runs each step of the queues' searches (the searches of one queue always in turn, in one thread), in turn by
+    default.
     """
 
     def __init__(
@@ -125,11 +150,13 @@ class Batcher(Generic[Line, Result]):
         open_search: Callable[[Hashable], Search[Line, Result]] | None = None,
         queue_of: Callable[[Hashable], Hashable] = lambda options: None,
         admit: Admit | None = None,
+        step_queues: StepQueues | None = None,
     ) -> None:
         self.translate = translate
         self.open_search = open_search or (lambda options: WholeBatch(translate, options))
         self.queue_of = queue_of
         self.admit: Admit = admit or (lambda queues, busy: set(queues))
+        self.step_queues = step_queues or InTurn()
         self.max_batch_size, self.max_wait_s, self.max_queue = max_batch_size, max_wait_s, max_queue
         self._jobs: deque[_Job[Line, Result]] = deque()
         self._waiting: Counter[Hashable] = Counter()  # sentences in self._jobs, by queue
@@ -193,20 +220,46 @@ class Batcher(Generic[Line, Result]):
             self._worker.join()
 
     def run(self) -> None:
-        """Run the searches in this thread until the batcher is closed and has nothing left to do."""
-        while (taken := self._next_jobs()) is not None:
-            for job in taken:
-                if job.future.set_running_or_notify_cancel():  # cancelled ones are skipped
-                    self._start(job)
-            self._take_back()
-            self._count_live()
-            by_oldest = sorted(self._searches, key=lambda options: self._running[options][0].queued_at)
-            for options in by_oldest:
-                self._step(options, self._searches[options])
-                if not self._running.get(options):  # done, or failed and dropped
-                    self._searches.pop(options, None)
-                    self._running.pop(options, None)
-            self._count_live()
+        """Run the searches from this thread until the batcher is closed and has nothing left to do."""
+        try:
+            while (taken := self._next_jobs()) is not None:
+                for job in taken:
+                    if job.future.set_running_or_notify_cancel():  # cancelled ones are skipped
+                        self._start(job)
+                self._take_back()
+                self._count_live()
+                by_oldest = sorted(self._searches, key=lambda options: self._running[options][0].queued_at)
+                outcomes = self._step_all(by_oldest)
+                for options in by_oldest:
+                    self._settle(options, outcomes[options])
+                    if not self._running.get(options):  # done, or failed and dropped
+                        self._searches.pop(options, None)
+                        self._running.pop(options, None)
+                self._count_live()
+        finally:
+            self.step_queues.close()
+
+    def _step_all(self, by_oldest: list[Hashable]) -> dict[Hashable, list[tuple[Hashable, Result]] | Exception]:
+        """One step of every search, oldest first: the searches of each queue in turn, the queues as
+        ``step_queues`` runs them; what each step gave back, or the exception it raised."""
+        queues: dict[Hashable, list[Hashable]] = {}
+        for options in by_oldest:
+            queues.setdefault(self.queue_of(options), []).append(options)
+            self._on_step(self.queue_of(options), len(self._searches[options]))
+        outcomes: dict[Hashable, list[tuple[Hashable, Result]] | Exception] = {}
+
+        def stepping(group: list[Hashable]) -> Callable[[], None]:
+            def step() -> None:
+                for options in group:
+                    try:
+                        outcomes[options] = self._searches[options].step()
+                    except Exception as err:
+                        outcomes[options] = err
+
+            return step
+
+        self.step_queues([stepping(group) for group in queues.values()])
+        return outcomes
 
     def _count_live(self) -> None:
         live: Counter[Hashable] = Counter()
@@ -313,24 +366,21 @@ class Batcher(Generic[Line, Result]):
             len(job.lines), len(search), len(self._running[job.options]),
         )  # fmt: skip
 
-    def _step(self, options: Hashable, search: Search[Line, Result]) -> None:
-        """One step of ``search``: each job whose lines are all done gets its results. A failed step fails the
-        search; each of its jobs is translated again on its own."""
+    def _settle(self, options: Hashable, outcome: list[tuple[Hashable, Result]] | Exception) -> None:
+        """What a step of the search of ``options`` gave back: each job whose lines are all done gets its results.
+        A failed step fails the search; each of its jobs is translated again on its own."""
         jobs = self._running[options]
-        self._on_step(self.queue_of(options), len(search))
-        try:
-            done = search.step()
-        except Exception as err:
+        if isinstance(outcome, Exception):
             self._running[options] = []
             if len(jobs) == 1:
-                log.exception("a request of %d sentences failed", len(jobs[0].lines))
-                jobs[0].future.set_exception(err)
+                log.error("a request of %d sentences failed", len(jobs[0].lines), exc_info=outcome)
+                jobs[0].future.set_exception(outcome)
                 return
-            log.warning("a search of %d requests failed (%s); translating each alone", len(jobs), err)
+            log.warning("a search of %d requests failed (%s); translating each alone", len(jobs), outcome)
             for job in jobs:
                 self._translate_alone(job)
             return
-        for (job, number), result in done:
+        for (job, number), result in outcome:
             job.results[number] = result
         finished = [job for job in jobs if len(job.results) == len(job.lines)]
         for job in finished:
