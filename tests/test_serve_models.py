@@ -14,15 +14,15 @@ import httpx
 import pytest
 import yaml
 from helpers import invoke, one_line_error
-from live_server import AUTH, KEY, Countdown, Server
+from live_server import AUTH, KEY, Countdown, ScriptedScorer, Server
 from prometheus_client.parser import text_string_to_metric_families
 
 import mtkit
-from mtkit.config import ConfigError, DecodeConfig
+from mtkit.config import ConfigError, DecodeConfig, ServeConfig
 from mtkit.serving.batcher import Batcher, Refused
 from mtkit.serving.model_specs import read_models_file, specs_of
 from mtkit.serving.models import Loaded, ModelCard, ModelPool, ModelSpec
-from mtkit.serving.searches import ModelSteps, Translating, model_of
+from mtkit.serving.searches import ModelSteps, Scoring, Translating, make_batcher, model_of
 
 LINES = ["A dog runs.", "Two men in a boat.", "A woman sings.", "", "A cat."]
 
@@ -410,3 +410,22 @@ def test_the_steps_of_several_models_run_at_once_and_each_models_in_turn():
     for name in names:
         mine = sorted((start, end) for model, _, start, end in together if model == name)
         assert all(end <= later for (_, end), (later, _) in zip(mine, mine[1:]))  # one model's steps in turn
+
+
+def test_models_load_in_the_batchers_thread_even_for_scoring_steps_that_run_at_once():
+    loaded_in = []
+
+    def load(spec: ModelSpec) -> Loaded:
+        loaded_in.append(threading.current_thread().name)
+        return Loaded({None: ScriptedScorer()}, [], "whole batches")
+
+    names = ["a", "b"]
+    pool = ModelPool([ModelSpec(name, Path(name)) for name in names], [card(name) for name in names], load)
+    batcher = make_batcher(pool.translators, ServeConfig(max_wait_ms=0), pool.admit)
+    scoring = [batcher.submit([("A dog.", "Ein Hund.")], Scoring(name, None, False)) for name in names]
+    batcher.start()
+    try:
+        assert [future.result(timeout=10)[0].tokens for future in scoring] == [10, 10]
+    finally:
+        batcher.close()
+    assert loaded_in == ["mtkit-batcher", "mtkit-batcher"]

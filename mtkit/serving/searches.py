@@ -97,8 +97,10 @@ def answer_all(translators_of: TranslatorsOf, work: list[Work], options: Hashabl
 
 def open_search(translators_of: TranslatorsOf, continuous: bool, options: Hashable) -> Search[Work, Answer]:
     """The search that the requests of the same options share: continuous where the translator allows it; pairs
-    to score are scored all at once."""
+    to score are scored all at once. Its model is loaded now, in the batcher's thread, never by a step that
+    ``ModelSteps`` runs in a thread of its pool."""
     if isinstance(options, Scoring):
+        translators_of(options.model)
         return WholeBatch(functools.partial(answer_all, translators_of), options)
     chosen = configured(translators_of(options.model), options)
     if continuous and LineSearch.accepts(chosen):
