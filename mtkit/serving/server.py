@@ -148,7 +148,8 @@ def serve(specs: list[ModelSpec], cfg: ServeConfig, max_loaded: int = 0, **load:
 
     The searches, and the loading of models, run in this thread, and uvicorn answers HTTP in another: torch's
     CPU kernels run slower in a thread other than the one whose OpenMP threads did the loading
-    (docs/benchmarks.md, "Serving under load").
+    (docs/benchmarks.md, "Serving under load"). Only while several models have searches running are their steps
+    run at once, in a small pool's threads on one torch thread each (``searches.ModelSteps``).
     """
     sock = bind(cfg.host, cfg.port)
     try:
