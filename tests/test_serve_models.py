@@ -429,3 +429,12 @@ def test_models_load_in_the_batchers_thread_even_for_scoring_steps_that_run_at_o
     finally:
         batcher.close()
     assert loaded_in == ["mtkit-batcher", "mtkit-batcher"]
+
+
+def test_the_first_request_to_a_model_loaded_for_it_counts_its_tokens(two_models):
+    assert translate(two_models.url, {"text": LINES, "model": "en-de"}).status_code == 200  # multi is evicted
+    loads = metric(two_models.url, "mtkit_model_loads_total", model="multi")
+    counted = metric(two_models.url, "mtkit_tokens_total", model="multi", side="source")
+    assert translate(two_models.url, {"text": LINES, "model": "multi", "tgt_lang": "fr"}).status_code == 200
+    assert metric(two_models.url, "mtkit_model_loads_total", model="multi") == loads + 1
+    assert metric(two_models.url, "mtkit_tokens_total", model="multi", side="source") > counted

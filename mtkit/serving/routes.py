@@ -77,7 +77,7 @@ class BatchedRoute:
         options = Translating(name, card.decode.beam, tgt_lang=tgt_lang, src_lang=src_lang)
         results = await self._answered(request, self._queued(texts, options))
         best = [result[0].text if result else "" for result in results]
-        self.metrics.translated(name, card.tokenizers, texts, best)
+        self.metrics.translated(name, self.pool.cards[name].tokenizers, texts, best)
         return best
 
     async def _body(self, request: Request) -> bytes:
@@ -158,7 +158,9 @@ class TranslateRoute(BatchedRoute):
             results = await self._answered(request, self._queued(texts, options))
         except ClientDisconnect:
             return Response(status_code=CLIENT_GONE)
-        self.metrics.translated(name, card.tokenizers, texts, [result[0].text if result else "" for result in results])
+        self.metrics.translated(
+            name, self.pool.cards[name].tokenizers, texts, [result[0].text if result else "" for result in results]
+        )
         return {"translations": [rendered(r, query) for r in results]}
 
 
