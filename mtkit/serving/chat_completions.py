@@ -270,7 +270,7 @@ class ChatRoute(BatchedRoute):
             return ChatError.of(err).answer()
         except ChatError as err:
             return err.answer()
-        usage = self.usage(name, lines, translations)
+        usage = self.usage(request.state.tokens)  # a message has a line at least: best_translations counted
         text, answered = "\n".join(translations), f"chatcmpl-{uuid.uuid4().hex}"
         if query.stream:
             include_usage = query.stream_options is not None and bool(query.stream_options.include_usage)
@@ -279,14 +279,12 @@ class ChatRoute(BatchedRoute):
         completion = ChatCompletion(id=answered, created=int(time.time()), model=name, choices=[choice], usage=usage)
         return JSONResponse(completion.model_dump())
 
-    def usage(self, name: str, lines: list[str], translations: list[str]) -> Usage | None:
-        """The tokens of the lines and of their translations, as model ``name``'s tokenizers cut them; None for a
-        model of no tokenizers."""
-        tokenizers = self.pool.cards[name].tokenizers
-        if tokenizers is None:
+    @staticmethod
+    def usage(tokens: tuple[int, int] | None) -> Usage | None:
+        """The usage of the tokens the metrics counted, (lines, translations); None for a model of no tokenizers."""
+        if tokens is None:
             return None
-        prompt = sum(map(len, tokenizers[0].encode(lines)))
-        completion = sum(map(len, tokenizers[1].encode(translations)))
+        prompt, completion = tokens
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 

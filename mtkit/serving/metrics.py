@@ -74,14 +74,16 @@ class ServerMetrics:
 
     def translated(
         self, model: str, tokenizers: tuple[Tokenizer, Tokenizer] | None, sources: list[str], targets: list[str]
-    ) -> None:
-        """The tokens of ``sources`` and of their translations ``targets`` by ``model``, as its ``tokenizers`` cut
-        them (none are counted for a model that has none)."""
+    ) -> tuple[int, int] | None:
+        """Counts the tokens of ``sources`` and of their translations ``targets`` by ``model``, as its ``tokenizers``
+        cut them, and gives them back (source, target); none are counted for a model that has none."""
         if tokenizers is None:
-            return
+            return None
         src_tok, tgt_tok = tokenizers
-        self.tokens.labels(model, "source").inc(sum(map(len, src_tok.encode(sources))))
-        self.tokens.labels(model, "target").inc(sum(map(len, tgt_tok.encode(targets))))
+        counts = sum(map(len, src_tok.encode(sources))), sum(map(len, tgt_tok.encode(targets)))
+        self.tokens.labels(model, "source").inc(counts[0])
+        self.tokens.labels(model, "target").inc(counts[1])
+        return counts
 
     def watch(self, model: str, pending: Callable[[], float]) -> None:
         """``model``'s queue gauge reads ``pending()`` at each scrape."""

@@ -47,10 +47,11 @@ def model_name(model: str | Path) -> str:
     return path.parent.name if path.name in ("best", "last") and path.parent.name else path.name
 
 
-def named_path(given: str, option: str, pattern: Any = MODEL_NAME) -> tuple[str, Path]:
-    """``NAME=PATH`` (an option of `mtkit serve`) as its name and path; ConfigError for another form."""
+def named_path(given: str, option: str) -> tuple[str, Path]:
+    """``NAME=PATH`` (an option of `mtkit serve`: a model's or an adapter's) as its name and path; ConfigError for
+    another form."""
     name, sep, path = given.partition("=")
-    if not sep or not path or not pattern.fullmatch(name):
+    if not sep or not path or not MODEL_NAME.fullmatch(name):
         raise ConfigError(
             f"{option} takes NAME=PATH, NAME of letters, digits, '.', '_' and '-' (at most 64), got {given!r}"
         )
@@ -72,7 +73,7 @@ def specs_of(model: str | None, models: list[str], adapters: list[str]) -> list[
         raise ConfigError("give one MODEL, or several with --model NAME=PATH, not both")
     if model is None and not models:
         raise ConfigError("give a MODEL to serve, --model NAME=PATH for several, or --models FILE")
-    served = unique([named_path(given, "--adapter", ADAPTER_NAME) for given in adapters], "--adapter")
+    served = unique([named_path(given, "--adapter") for given in adapters], "--adapter")
     if model is not None:
         return [ModelSpec(model_name(model), Path(model), served)]
     if served:

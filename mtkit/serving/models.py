@@ -124,13 +124,18 @@ class ModelCard:
         }
 
 
+def tokenizers_of(translator: LineTranslator) -> tuple[Tokenizer, Tokenizer] | None:
+    """The source and target tokenizers of ``translator``; None for one that has none (one a test scripts)."""
+    if isinstance(getattr(translator, "src_tok", None), Tokenizer):
+        return translator.src_tok, translator.tgt_tok
+    return None
+
+
 def card_of(card: ModelCard, translator: LineTranslator) -> ModelCard:
     """``card`` as the model just loaded is: its languages, decode settings and tokenizers, which a run whose best
     checkpoint changed since the card was read may have changed too."""
-    tokenizers = card.tokenizers
-    if isinstance(getattr(translator, "src_tok", None), Tokenizer):
-        tokenizers = (translator.src_tok, translator.tgt_tok)
     data, decode = getattr(translator, "data", card.data), getattr(translator, "decode", card.decode)
+    tokenizers = tokenizers_of(translator) or card.tokenizers
     return dataclasses.replace(card, data=data, decode=decode, tokenizers=tokenizers)
 
 
@@ -294,10 +299,16 @@ def loader(continuous: bool, **load: Any) -> Callable[[ModelSpec], Loaded]:
 
     def load_model(spec: ModelSpec) -> Loaded:
         translator = load_translator(spec.path, **load)
-        adapters = load_adapters(spec.path, translator, spec.adapters)
-        return pool_of(spec.name, translator, adapters, continuous).loaded[spec.name]
+        return in_memory(translator, load_adapters(spec.path, translator, spec.adapters), continuous)
 
     return load_model
+
+
+def in_memory(translator: LineTranslator, adapters: dict[str, ServedAdapter], continuous: bool) -> Loaded:
+    """A model in memory: ``translator``, its LoRA ``adapters`` by name, and how it is searched."""
+    translators: Translators = {None: translator, **{name: served.translator for name, served in adapters.items()}}
+    records = [{"name": name, **served.record} for name, served in adapters.items()]
+    return Loaded(translators, records, batching(translator, continuous))
 
 
 def pool_of(
@@ -306,21 +317,12 @@ def pool_of(
     """A pool of one model already in memory, ``translator`` (and its LoRA ``adapters``, by name), which requests
     call ``name``: for serving a translator made in this process."""
     adapters = adapters or {}
-    tokenizers = (
-        (translator.src_tok, translator.tgt_tok)
-        if isinstance(getattr(translator, "src_tok", None), Tokenizer)
-        else None
-    )
     card = ModelCard(
-        name, translator.data, translator.decode, isinstance(translator, Translator), list(adapters), tokenizers
-    )
-    translators: Translators = {
-        None: translator,
-        **{adapter: served.translator for adapter, served in adapters.items()},
-    }
-    records = [{"name": adapter, **served.record} for adapter, served in adapters.items()]
+        name, translator.data, translator.decode, isinstance(translator, Translator), list(adapters),
+        tokenizers_of(translator),
+    )  # fmt: skip
     pool = ModelPool([], [card], load=_loaded_already)
-    pool.loaded[name] = Loaded(translators, records, batching(translator, continuous))
+    pool.loaded[name] = in_memory(translator, adapters, continuous)
     return pool
 
 

@@ -64,7 +64,9 @@ class BatchedRoute:
     ) -> list[str]:
         """The best translation of each text by the served model ``name`` with its saved decode settings, for the
         routes of other APIs: 422 for languages the model does not translate, then bounded, queued and awaited as
-        a translation request is (``ClientDisconnect`` when the client went away)."""
+        a translation request is (``ClientDisconnect`` when the client went away). The tokens counted for the
+        metrics, (source, target), are ``request.state.tokens`` (None for a model of no tokenizers), counted with
+        the card the model's load renewed (the one read before may have had none yet)."""
         card = self.pool.cards[name]
         try:
             check_languages(tgt_lang, src_lang, card.context)
@@ -77,7 +79,7 @@ class BatchedRoute:
         options = Translating(name, card.decode.beam, tgt_lang=tgt_lang, src_lang=src_lang)
         results = await self._answered(request, self._queued(texts, options))
         best = [result[0].text if result else "" for result in results]
-        self.metrics.translated(name, self.pool.cards[name].tokenizers, texts, best)
+        request.state.tokens = self.metrics.translated(name, self.pool.cards[name].tokenizers, texts, best)
         return best
 
     async def _body(self, request: Request) -> bytes:
